@@ -1,0 +1,18 @@
+# Sourced by scripts/demo and scripts/test: create or refresh .venv at the repository root.
+# Re-installs only when requirements.txt or pyproject.toml changed since the last install.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+stamp=.venv/.dstrain-installed
+want="$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setting up .venv (torch CPU/CUDA per requirements.txt, deepspeed, transformers, datasets)..."
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet -r requirements.txt
+  echo "$want" > "$stamp"
+fi
+export PATH="$root/.venv/bin:$PATH"
+export HF_HUB_OFFLINE=1

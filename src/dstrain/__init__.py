@@ -1,0 +1,1 @@
+"""dstrain: DeepSpeed training recipes for GPT-style language models."""

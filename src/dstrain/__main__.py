@@ -1,0 +1,5 @@
+import sys
+
+from dstrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,31 @@
+"""`dstrain <command>`: one sub-command per module, each owning its own flags.
+
+Each command module exposes ``add_arguments(parser)`` and ``main(args) -> int``;
+this file only dispatches, so a command's flags live next to its code.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dstrain.errors import DstrainError
+
+COMMANDS = {
+    "prepare": ("dstrain.data.prepare", "tokenize a Hugging Face dataset into packed shards"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dstrain", description="DeepSpeed training recipes for GPT-style models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        command.set_defaults(module=module)
+        importlib.import_module(module).add_arguments(command)
+    args = parser.parse_args(argv)
+    try:
+        return importlib.import_module(args.module).main(args) or 0
+    except DstrainError as e:
+        print(f"dstrain: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,224 @@
+"""The recipe: a typed, documented description of one experiment.
+
+A recipe (YAML) owns the math of a run: model, data, global batch, optimiser
+hyper-parameters, LR schedule, length and cadence. How the run is executed
+(ZeRO stage, precision, micro-batch, offload, parallelism) belongs to the
+ds_config and is resolved against the recipe in ``strategy.py``.
+
+Every field can be overridden on the command line as ``section.key=value``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from dstrain.errors import DstrainError
+from dstrain.model.gpt import GPTConfig
+
+
+@dataclass
+class DataSource:
+    path: str  # a folder written by `dstrain prepare`
+    weight: float = 1.0  # relative sampling weight when blending several sources
+
+
+@dataclass
+class DataConfig:
+    sources: list[DataSource]  # prepared folders and their blending weights
+    seq_len: int  # tokens per training sample (the model sees seq_len inputs, predicts seq_len labels)
+    tokenizer: str | None = None  # tokenizer folder; None = the first source's `tokenizer/`; must match every manifest
+    valid_fraction: float = 0.01  # fraction of documents held out for the valid split (document-level, seeded)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4  # peak learning rate, reached at the end of warmup
+    min_lr: float = 3e-5  # learning rate at the end of the decay
+    betas: tuple[float, float] = (0.9, 0.95)  # Adam betas
+    eps: float = 1e-8  # Adam epsilon
+    weight_decay: float = 0.1  # decoupled weight decay, applied to matrices only (not to norms, biases)
+    grad_clip: float = 1.0  # global gradient-norm clipping; 0 disables
+
+
+@dataclass
+class ScheduleConfig:
+    kind: Literal["cosine", "linear", "wsd"] = "cosine"  # decay after warmup; wsd = warmup-stable-decay
+    warmup_steps: int = 0  # linear warmup from 0 to optim.lr
+    decay_fraction: float = 0.2  # wsd only: the final fraction of steps that decays linearly to min_lr
+
+
+@dataclass
+class TrainConfig:
+    global_batch: int  # samples per optimizer step, whatever the world size, micro-batch or accumulation
+    steps: int | None = None  # optimizer steps; exactly one of steps / tokens
+    tokens: int | None = None  # train tokens; steps = ceil(tokens / (global_batch * seq_len))
+    log_interval: int = 10  # steps between metrics lines
+    eval_interval: int = 0  # steps between evaluations on the valid split; 0 = only at the end
+    eval_samples: int | None = None  # samples per evaluation; None = the whole valid split
+    checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2  # checkpoints kept; older ones are deleted (never the newest)
+    max_skipped_steps: int = 50  # fp16: consecutive overflow-skipped steps before the run aborts
+
+
+@dataclass
+class Recipe:
+    name: str  # names the run directory and reports
+    model: GPTConfig  # architecture; model.vocab_size None = the data's vocabulary rounded up to a multiple of 64
+    data: DataConfig
+    train: TrainConfig
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    seed: int = 1234  # model init and data order
+    run_dir: str | None = None  # None = runs/<name>
+    init_from: str | None = None  # a Hugging Face model folder of the same architecture to start from
+
+    @property
+    def total_steps(self) -> int:
+        if self.train.steps is not None:
+            return self.train.steps
+        return -(-self.train.tokens // (self.train.global_batch * self.data.seq_len))
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.run_dir or f"runs/{self.name}")
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read a recipe file, apply ``key=value`` overrides, and validate everything."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise DstrainError(f"{path}: no such recipe file; see recipes/ for examples") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise DstrainError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(raw, dict):
+        raise DstrainError(f"{path}: a recipe is a YAML mapping of sections (model, data, train, ...)")
+    for item in overrides:
+        apply_override(raw, item, path)
+    fill_model_defaults(raw, path)
+    recipe = parse(Recipe, raw, path, "")
+    validate(recipe, path)
+    return recipe
+
+
+def fill_model_defaults(raw: dict, path: Path) -> None:
+    """model.max_seq_len defaults to data.seq_len; model.vocab_size to the data's, padded to a multiple of 64."""
+    model, data = raw.get("model"), raw.get("data")
+    if not isinstance(model, dict) or not isinstance(data, dict):
+        return  # parse() reports the missing or malformed section
+    model.setdefault("max_seq_len", data.get("seq_len"))
+    if model.get("vocab_size") is None and data.get("sources"):
+        from dstrain.data.dataset import read_manifest
+
+        first = data["sources"][0]["path"]
+        vocab = read_manifest(first)["vocab_size"]
+        model["vocab_size"] = -(-vocab // 64) * 64
+
+
+def apply_override(raw: dict, item: str, path: Path) -> None:
+    """Apply one dotted ``key=value`` override; the value is parsed as YAML (so 3e-4, true, [1, 2] work)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise DstrainError(f"override {item!r}: expected dotted key=value, e.g. train.steps=100")
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise DstrainError(f"override {item!r}: {part} in {path} is not a section")
+    node[leaf] = yaml.safe_load(value)
+
+
+def parse(cls: type, data: Any, file: Path, where: str) -> Any:
+    """Build dataclass ``cls`` from plain YAML data, checking keys and types.
+
+    Hand-written rather than pydantic: the check is ~40 lines, and we want one-line
+    messages that name the file, the dotted key and the closest valid key.
+    """
+    if not isinstance(data, dict):
+        raise DstrainError(f"{file}: {where or 'recipe'} must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean {where}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
+            raise DstrainError(f"{file}: unknown key {where}{key}{hint}")
+    values = {}
+    for name, f in fields.items():
+        if name in data:
+            values[name] = coerce(hints[name], data[name], file, f"{where}{name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise DstrainError(f"{file}: missing required key {where}{name}")
+    try:
+        return cls(**values)
+    except DstrainError as e:  # checks in a config's __post_init__ name the key but not the file
+        raise DstrainError(f"{file}: {e}") from None
+
+
+def coerce(hint: Any, value: Any, file: Path, key: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return coerce(inner, value, file, key)
+    if origin is Literal:
+        if value not in args:
+            raise DstrainError(f"{file}: {key}={value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return parse(hint, value, file, key + ".")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise DstrainError(f"{file}: {key} must be a list, got {value!r}")
+        if origin is tuple and len(value) != len(args):
+            raise DstrainError(f"{file}: {key} must have {len(args)} items, got {len(value)}")
+        items = [coerce(args[0] if origin is list else args[i], v, file, f"{key}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise DstrainError(f"{file}: {key} must be {hint.__name__}, got {value!r}")
+    return value
+
+
+def validate(recipe: Recipe, file: Path) -> None:
+    """Checks that span several fields (types were checked by ``parse``)."""
+    t = recipe.train
+    if (t.steps is None) == (t.tokens is None):
+        raise DstrainError(f"{file}: set exactly one of train.steps and train.tokens")
+    for key, value in [("train.global_batch", t.global_batch), ("data.seq_len", recipe.data.seq_len)]:
+        if value <= 0:
+            raise DstrainError(f"{file}: {key} must be positive, got {value}")
+    if not recipe.data.sources:
+        raise DstrainError(f"{file}: data.sources is empty; name at least one folder written by dstrain prepare")
+    max_len = recipe.model.max_seq_len
+    if max_len is not None and recipe.data.seq_len > max_len:
+        raise DstrainError(
+            f"{file}: data.seq_len={recipe.data.seq_len} exceeds model.max_seq_len={max_len}; "
+            f"lower data.seq_len or raise model.max_seq_len"
+        )
+    if recipe.schedule.warmup_steps > recipe.total_steps:
+        raise DstrainError(f"{file}: schedule.warmup_steps={recipe.schedule.warmup_steps} exceeds the run's {recipe.total_steps} steps")
+
+
+def to_dict(recipe: Recipe) -> dict:
+    """Plain data (tuples as lists) for the resolved recipe.yaml a run leaves, and for checkpoints."""
+    return json.loads(json.dumps(dataclasses.asdict(recipe)))

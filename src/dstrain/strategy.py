@@ -1,0 +1,212 @@
+"""The strategy: a ds_config resolved against a recipe and a world size.
+
+A ds_config (DeepSpeed's own JSON schema) says how a run executes: ZeRO stage,
+precision, micro-batch, offload, optimizer implementation, parallelism. Values
+the experiment owns appear as ``"auto"`` and are filled from the recipe here, in
+one place; a ds_config that pins a different value is an error, never a silent
+override. Parallel sizes and gradient accumulation are derived here too:
+
+    data-parallel size  = world size / (tensor-parallel size x pipeline stages)
+    accumulation steps  = global batch / (micro-batch x data-parallel size)
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dstrain.config import Recipe
+from dstrain.errors import DstrainError
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    ds_config: dict  # complete, with no "auto" left: what deepspeed.initialize receives
+    source: str  # the ds_config file it came from
+    zero_stage: int
+    precision: str  # "fp32", "bf16" or "fp16"
+    micro_batch: int  # samples per rank per forward/backward
+    grad_accum: int  # micro-batches per optimizer step on each rank
+    dp_size: int  # data-parallel replicas: world / (tp x pp)
+    tp_size: int  # AutoTP degree (ds_config "tensor_parallel.autotp_size")
+    pp_stages: int  # pipeline stages (ds_config "pipeline.stages")
+    offload_optimizer: str | None  # "cpu", "nvme" or None
+    offload_param: str | None
+
+    @property
+    def name(self) -> str:
+        return Path(self.source).stem
+
+
+def load_ds_config(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DstrainError(f"{path}: no such ds_config file; see ds_configs/ for the shipped strategies") from None
+    except json.JSONDecodeError as e:
+        raise DstrainError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    if not isinstance(config, dict):
+        raise DstrainError(f"{path}: a ds_config is a JSON object")
+    return config
+
+
+def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: str | Path, world_size: int) -> Strategy:
+    """Fill every "auto" from the recipe and check the ds_config against it."""
+    config = copy.deepcopy(ds_config)
+    ds_file = str(ds_file)
+
+    def fill(section: dict, key: str, value: Any, owner: str) -> None:
+        """Set an experiment-owned value: "auto"/absent is filled, an equal pin is kept, a different pin is an error."""
+        pinned = section.get(key, AUTO)
+        if pinned != AUTO and _differs(pinned, value):
+            raise DstrainError(
+                f"{ds_file} pins {key}={json.dumps(pinned)} but {recipe_file} sets {owner}={json.dumps(value)}; "
+                f'the recipe owns it: set {key} to "auto" in {ds_file}'
+            )
+        section[key] = value
+
+    if "scheduler" in config:
+        raise DstrainError(f"{ds_file}: remove the 'scheduler' section; the LR schedule belongs to the recipe (schedule.*)")
+
+    precision = _precision(config, ds_file)
+    zero = config.setdefault("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise DstrainError(f"{ds_file}: zero_optimization.stage={stage!r}; use 0, 1, 2 or 3")
+
+    tp_size = int(config.get("tensor_parallel", {}).get("autotp_size", 1))
+    pp_stages = int(config.get("pipeline", {}).get("stages", 1))
+    model_parallel = tp_size * pp_stages
+    if world_size % model_parallel:
+        raise DstrainError(
+            f"{ds_file}: world size {world_size} is not divisible by tensor-parallel {tp_size} x pipeline {pp_stages}; "
+            f"launch a multiple of {model_parallel} ranks"
+        )
+    dp_size = world_size // model_parallel
+    if pp_stages > 1 and stage > 1:
+        raise DstrainError(
+            f"{ds_file}: pipeline parallelism works with ZeRO stage 0 or 1, not {stage}; set zero_optimization.stage to 1"
+        )
+    if pp_stages > recipe.model.n_layer:
+        raise DstrainError(
+            f"{ds_file}: pipeline.stages={pp_stages} exceeds the model's {recipe.model.n_layer} blocks in {recipe_file}"
+        )
+
+    micro = config.get("train_micro_batch_size_per_gpu")
+    if not isinstance(micro, int) or isinstance(micro, bool) or micro <= 0:
+        raise DstrainError(f"{ds_file}: set train_micro_batch_size_per_gpu to a positive integer (the strategy owns it)")
+    global_batch = recipe.train.global_batch
+    if global_batch % (micro * dp_size):
+        valid = [m for m in range(1, global_batch // dp_size + 1) if global_batch % (m * dp_size) == 0]
+        raise DstrainError(
+            f"{ds_file}: train_micro_batch_size_per_gpu={micro} x data-parallel size {dp_size} does not divide "
+            f"train.global_batch={global_batch} of {recipe_file}; valid micro-batch sizes for {world_size} ranks: "
+            f"{', '.join(map(str, valid)) or 'none (global batch smaller than the data-parallel size)'}"
+        )
+    grad_accum = global_batch // (micro * dp_size)
+    fill(config, "gradient_accumulation_steps", grad_accum, "train.global_batch")
+    # DeepSpeed checks train_batch_size = micro x accumulation x the world it counts: the data-parallel
+    # world for pipeline engines (their grid is passed as mpu), the whole world otherwise, AutoTP included.
+    counted_world = dp_size if pp_stages > 1 else world_size
+    fill(config, "train_batch_size", micro * grad_accum * counted_world, "train.global_batch")
+    fill(config, "gradient_clipping", recipe.optim.grad_clip, "optim.grad_clip")
+
+    optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    params = optimizer.setdefault("params", {})
+    o = recipe.optim
+    for key, value, owner in [
+        ("lr", o.lr, "optim.lr"),
+        ("betas", list(o.betas), "optim.betas"),
+        ("eps", o.eps, "optim.eps"),
+        ("weight_decay", o.weight_decay, "optim.weight_decay"),
+    ]:
+        fill(params, key, value, owner)
+    config.setdefault("steps_per_print", 10**9)  # the loop prints its own progress line
+    config.setdefault("seed", recipe.seed)
+    _fill_monitor_paths(config, recipe)
+
+    leftover = _find_auto(config)
+    if leftover:
+        raise DstrainError(f'{ds_file}: "auto" is not supported for {leftover}; set a value')
+    return Strategy(
+        ds_config=config,
+        source=ds_file,
+        zero_stage=stage,
+        precision=precision,
+        micro_batch=micro,
+        grad_accum=grad_accum,
+        dp_size=dp_size,
+        tp_size=tp_size,
+        pp_stages=pp_stages,
+        offload_optimizer=_offload(zero, "offload_optimizer"),
+        offload_param=_offload(zero, "offload_param"),
+    )
+
+
+def _precision(config: dict, ds_file: str) -> str:
+    fp16 = config.get("fp16", {}).get("enabled", False)
+    bf16 = config.get("bf16", {}).get("enabled", False)
+    if fp16 and bf16:
+        raise DstrainError(f"{ds_file}: enable one of fp16 and bf16, not both")
+    if fp16:
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().is_fp16_supported():
+            raise DstrainError(
+                f"{ds_file}: fp16 is not supported on this device ({get_accelerator().device_name()}); "
+                f"use a bf16 config such as ds_configs/zero1_bf16.json, or an fp32 one"
+            )
+        if config.get("zero_optimization", {}).get("stage", 0) == 0:
+            # DeepSpeed 0.19.8 defect: engine.backward() scales the loss only for ZeRO optimizers, while
+            # FP16_Optimizer.step() still unscales the gradients, so ZeRO-0 fp16 updates come out ~scale x too
+            # small and overflow is never detected (upstream PR "Fix FP16 ZeRO Stage 0 loss scaling in
+            # engine.backward()"). tests/test_fp16.py::test_deepspeed_zero0_fp16_defect fails when it is fixed.
+            raise DstrainError(
+                f"{ds_file}: fp16 with ZeRO stage 0 trains silently wrong in DeepSpeed 0.19 (unscaled loss); "
+                f"use ds_configs/zero1_fp16.json"
+            )
+        return "fp16"
+    return "bf16" if bf16 else "fp32"
+
+
+def _fill_monitor_paths(config: dict, recipe: Recipe) -> None:
+    """DeepSpeed's monitor blocks write where the run lives unless the ds_config says otherwise."""
+    for block, folder in [("tensorboard", "tensorboard"), ("csv_monitor", "csv"), ("wandb", None)]:
+        section = config.get(block)
+        if not isinstance(section, dict) or not section.get("enabled"):
+            continue
+        if folder and section.get("output_path", AUTO) == AUTO:
+            section["output_path"] = str(recipe.output_dir / folder)
+        if section.get("job_name", AUTO) == AUTO:
+            section["job_name"] = recipe.name
+        if block == "wandb" and section.get("project", AUTO) == AUTO:
+            section["project"] = "dstrain"
+
+
+def _offload(zero: dict, key: str) -> str | None:
+    device = zero.get(key, {}).get("device", "none")
+    return None if device == "none" else device
+
+
+def _differs(pinned: Any, value: Any) -> bool:
+    if isinstance(value, (int, float)) and isinstance(pinned, (int, float)):
+        return abs(pinned - value) > 1e-12 * max(1.0, abs(value))
+    if isinstance(value, list) and isinstance(pinned, list):
+        return len(pinned) != len(value) or any(_differs(p, v) for p, v in zip(pinned, value))
+    return pinned != value
+
+
+def _find_auto(node: Any, path: str = "") -> str | None:
+    if node == AUTO:
+        return path
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else []
+    for key, value in items:
+        found = _find_auto(value, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None

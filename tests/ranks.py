@@ -1,0 +1,52 @@
+"""Spawn N ranks of a gloo process group from pytest (no launcher: ~15 s cheaper per run)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, env: dict, target, args, queue) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, "ok", target(*args)))
+    except BaseException as e:  # report, then fail the process
+        queue.put((rank, "error", "".join(traceback.format_exception(e))))
+        raise
+
+
+def run_ranks(world: int, target, *args, env: dict | None = None, timeout: float = 600) -> list:
+    """Run ``target(*args)`` on ``world`` ranks; return each rank's result, or raise with the failing rank's traceback."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world, port, env or {}, target, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout)
+            results[rank] = (status, value)
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r][1] for r in range(world)]

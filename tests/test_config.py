@@ -1,0 +1,156 @@
+"""Recipes and ds_configs: typed parsing, "auto" resolution, batch arithmetic, and the refusals."""
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dstrain.config import load_recipe
+from dstrain.errors import DstrainError
+from dstrain.strategy import load_ds_config, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RECIPE = {
+    "name": "t",
+    "model": {"flavour": "llama", "vocab_size": 512, "n_layer": 2, "n_head": 2, "d_model": 32},
+    "data": {"sources": [{"path": "data/none"}], "seq_len": 16},
+    "train": {"global_batch": 8, "steps": 4},
+    "optim": {"lr": 1e-3, "grad_clip": 1.0},
+}
+
+
+def write(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if name.endswith(".yaml") else json.dumps(data))
+    return path
+
+
+def strategy_for(tmp_path, ds: dict, world: int = 2, recipe: dict = RECIPE):
+    r = write(tmp_path, "r.yaml", recipe)
+    d = write(tmp_path, "d.json", ds)
+    return resolve(load_recipe(r), r, load_ds_config(d), d, world)
+
+
+def one_line_error(fn, *fragments):
+    with pytest.raises(DstrainError) as e:
+        fn()
+    message = str(e.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_auto_fills_from_recipe_and_derives_accumulation(tmp_path):
+    s = strategy_for(tmp_path, json.loads((ROOT / "ds_configs/zero2.json").read_text()), world=2, recipe={
+        **RECIPE, "train": {"global_batch": 16, "steps": 4}})
+    c = s.ds_config
+    assert (s.micro_batch, s.dp_size, s.grad_accum) == (4, 2, 2)
+    assert c["train_batch_size"] == 16 and c["gradient_accumulation_steps"] == 2
+    assert c["gradient_clipping"] == 1.0
+    assert c["optimizer"]["params"]["lr"] == 1e-3 and c["optimizer"]["params"]["betas"] == [0.9, 0.95]
+    assert "auto" not in json.dumps(c)
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "ds_configs").glob("*.json")))
+def test_every_shipped_ds_config_resolves_or_refuses_clearly(tmp_path, config):
+    ds = json.loads((ROOT / "ds_configs" / config).read_text())
+    if ds.get("fp16", {}).get("enabled"):  # this CPU has no fp16: the refusal names a bf16 config
+        one_line_error(lambda: strategy_for(tmp_path, ds), "fp16 is not supported", "bf16")
+        return
+    recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4}, "train": {"global_batch": 32, "steps": 4}}
+    stages = ds.get("pipeline", {}).get("stages", 1) * ds.get("tensor_parallel", {}).get("autotp_size", 1)
+    s = strategy_for(tmp_path, ds, world=2 * stages, recipe=recipe)
+    assert s.micro_batch * s.grad_accum * s.dp_size == 32
+
+
+def test_overrides_are_typed(tmp_path):
+    r = write(tmp_path, "r.yaml", RECIPE)
+    recipe = load_recipe(r, ["optim.lr=2e-4", "train.steps=7", "model.doc_masking=true", "optim.betas=[0.8, 0.9]"])
+    assert recipe.optim.lr == 2e-4 and recipe.train.steps == 7 and recipe.model.doc_masking is True
+    assert recipe.optim.betas == (0.8, 0.9)
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    bad = {**RECIPE, "train": {"global_batch": 8, "steps": 4, "eval_intervall": 3}}
+    one_line_error(lambda: load_recipe(write(tmp_path, "r.yaml", bad)), "r.yaml", "train.eval_intervall", "train.eval_interval")
+
+
+def test_unknown_override_key(tmp_path):
+    r = write(tmp_path, "r.yaml", RECIPE)
+    one_line_error(lambda: load_recipe(r, ["optim.learning_rate=1"]), "optim.learning_rate")
+
+
+def test_wrong_type_names_key(tmp_path):
+    bad = {**RECIPE, "train": {"global_batch": "eight", "steps": 4}}
+    one_line_error(lambda: load_recipe(write(tmp_path, "r.yaml", bad)), "train.global_batch must be int")
+
+
+def test_model_check_names_file_and_key(tmp_path):
+    bad = {**RECIPE, "model": {**RECIPE["model"], "n_head": 3}}
+    one_line_error(lambda: load_recipe(write(tmp_path, "r.yaml", bad)), "r.yaml", "model.n_head")
+
+
+def test_seq_len_above_model_positions(tmp_path):
+    bad = {**RECIPE, "model": {**RECIPE["model"], "max_seq_len": 8}}
+    one_line_error(lambda: load_recipe(write(tmp_path, "r.yaml", bad)), "data.seq_len=16", "model.max_seq_len=8")
+
+
+def test_malformed_yaml_and_json(tmp_path):
+    r = tmp_path / "r.yaml"
+    r.write_text("model: [unclosed\n")
+    one_line_error(lambda: load_recipe(r), "r.yaml", "malformed YAML", "line")
+    d = tmp_path / "d.json"
+    d.write_text('{"train_batch_size": "auto",}')
+    one_line_error(lambda: load_ds_config(d), "d.json", "malformed JSON", "line 1")
+
+
+def test_indivisible_batch_lists_valid_micro_batches(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 1}}
+    one_line_error(lambda: strategy_for(tmp_path, ds, world=2), "train_micro_batch_size_per_gpu=3", "valid micro-batch sizes for 2 ranks: 1, 2, 4")
+
+
+def test_pinned_value_contradicting_recipe_names_both_files(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5}
+    one_line_error(lambda: strategy_for(tmp_path, ds), "d.json pins gradient_clipping=0.5", "r.yaml sets optim.grad_clip=1.0")
+    ds = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 64}
+    one_line_error(lambda: strategy_for(tmp_path, ds), "train_batch_size=64", "train.global_batch=8")
+
+
+def test_equal_pin_is_accepted(tmp_path):
+    s = strategy_for(tmp_path, {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 8, "gradient_accumulation_steps": 2})
+    assert s.grad_accum == 2
+
+
+def test_scheduler_section_refused(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 2, "scheduler": {"type": "WarmupLR"}}
+    one_line_error(lambda: strategy_for(tmp_path, ds), "scheduler", "schedule.*")
+
+
+def test_pipeline_with_zero2_refused_suggesting_zero1(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 2, "pipeline": {"stages": 2}, "zero_optimization": {"stage": 2}}
+    one_line_error(lambda: strategy_for(tmp_path, ds, world=2), "pipeline", "stage to 1")
+
+
+def test_world_not_divisible_by_model_parallel(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 2, "pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}}
+    one_line_error(lambda: strategy_for(tmp_path, ds, world=3), "world size 3", "multiple of 2")
+
+
+def test_more_stages_than_blocks_refused(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 4}, "zero_optimization": {"stage": 1}}
+    one_line_error(lambda: strategy_for(tmp_path, ds, world=4), "pipeline.stages=4", "2 blocks")
+
+
+def test_fp16_with_zero0_refused_when_device_has_fp16(tmp_path, monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)
+    ds = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True}, "zero_optimization": {"stage": 0}}
+    one_line_error(lambda: strategy_for(tmp_path, ds), "ZeRO stage 0", "zero1_fp16.json")
+
+
+def test_both_precisions_refused(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True}, "bf16": {"enabled": True}}
+    one_line_error(lambda: strategy_for(tmp_path, ds), "one of fp16 and bf16")
