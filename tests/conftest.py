@@ -4,3 +4,13 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from data_fixtures import tiny_corpus  # noqa: E402,F401  (a session fixture, shared by every test module)
+
+
+@pytest.fixture(scope="session")
+def corpus(tiny_corpus):
+    """The prepared stdlib-docs corpus the trainer tests train on (read-only)."""
+    return tiny_corpus

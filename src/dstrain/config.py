@@ -119,7 +119,7 @@ def fill_model_defaults(raw: dict, path: Path) -> None:
         return  # parse() reports the missing or malformed section
     model.setdefault("max_seq_len", data.get("seq_len"))
     if model.get("vocab_size") is None and data.get("sources"):
-        from dstrain.data.dataset import read_manifest
+        from dstrain.data.manifest import read_manifest
 
         first = data["sources"][0]["path"]
         vocab = read_manifest(first)["vocab_size"]

@@ -1,0 +1,1 @@
+"""Training: `deepspeed --module dstrain.train --recipe R --deepspeed_config C [key=value ...]`."""

@@ -1,0 +1,5 @@
+import sys
+
+from dstrain.train.run import main
+
+sys.exit(main())

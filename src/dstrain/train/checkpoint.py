@@ -1,0 +1,90 @@
+"""Checkpoints in DeepSpeed's layout, published atomically.
+
+DeepSpeed writes each tag folder in place and then its `latest` file, so a job killed
+mid-save can leave a partial folder behind. We save under `<tag>.partial`, record every
+file's size in `dstrain_checkpoint.json`, rename the folder to `<tag>` and only then
+replace `latest`: a published tag is always complete, and at resume a tag whose files no
+longer match its record (truncated, deleted) is skipped with a warning.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+PARTIAL = ".partial"
+RECORD = "dstrain_checkpoint.json"
+TAG = re.compile(r"^global_step(\d+)$")
+
+
+def tag_for(step: int) -> str:
+    return f"global_step{step}"
+
+
+def published_tags(checkpoint_dir: Path) -> list[str]:
+    """Published tags, oldest first."""
+    if not checkpoint_dir.is_dir():
+        return []
+    tags = [p.name for p in checkpoint_dir.iterdir() if p.is_dir() and TAG.match(p.name)]
+    return sorted(tags, key=lambda t: int(TAG.match(t).group(1)))
+
+
+def is_complete(tag_dir: Path) -> bool:
+    try:
+        record = json.loads((tag_dir / RECORD).read_text())
+        return all((tag_dir / name).stat().st_size == size for name, size in record["files"].items())
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def newest_complete(checkpoint_dir: Path) -> str | None:
+    """The newest tag whose files are all there; broken ones are reported and passed over."""
+    for tag in reversed(published_tags(checkpoint_dir)):
+        if is_complete(checkpoint_dir / tag):
+            return tag
+        warnings.warn(f"checkpoint {checkpoint_dir / tag} is incomplete or corrupt; skipping it", stacklevel=2)
+    return None
+
+
+def save(engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last: int) -> str:
+    """Save on every rank, publish on rank 0, then drop old tags beyond ``keep_last``."""
+    tag = tag_for(step)
+    partial = tag + PARTIAL
+    is_writer = torch.distributed.get_rank() == 0
+    if is_writer:
+        shutil.rmtree(checkpoint_dir / partial, ignore_errors=True)  # left by a save that was killed
+    torch.distributed.barrier()
+    engine.save_checkpoint(str(checkpoint_dir), tag=partial, client_state=client_state, save_latest=False)
+    torch.distributed.barrier()  # every rank's shards are on disk
+    if is_writer:
+        folder = checkpoint_dir / partial
+        files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+        _write_atomic(folder / RECORD, json.dumps({"step": step, "files": files}, indent=1))
+        shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # a re-save of the same step after a resume
+        os.replace(folder, checkpoint_dir / tag)
+        _write_atomic(checkpoint_dir / "latest", tag)
+        for old in published_tags(checkpoint_dir)[:-max(1, keep_last)]:
+            shutil.rmtree(checkpoint_dir / old, ignore_errors=True)
+    torch.distributed.barrier()
+    return tag
+
+
+def load(engine, checkpoint_dir: Path, tag: str) -> dict:
+    """Restore model, optimizer, scheduler and loss scale; return our client state."""
+    path, client_state = engine.load_checkpoint(
+        str(checkpoint_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint_dir / tag}")
+    return client_state
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

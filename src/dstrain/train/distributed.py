@@ -1,0 +1,68 @@
+"""Process-group set-up for every way a run can be launched.
+
+The `deepspeed` launcher, torchrun and `accelerate launch` export RANK / WORLD_SIZE /
+LOCAL_RANK / MASTER_ADDR / MASTER_PORT; `srun` exports SLURM_* instead; a plain
+`python -m dstrain.train` exports nothing and runs as a world of one.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+
+
+def _slurm_env() -> dict[str, str]:
+    """RANK and friends from an `srun` task (one task per device)."""
+    env = {
+        "RANK": os.environ["SLURM_PROCID"],
+        "WORLD_SIZE": os.environ["SLURM_NTASKS"],
+        "LOCAL_RANK": os.environ["SLURM_LOCALID"],
+    }
+    if "MASTER_ADDR" not in os.environ:
+        hosts = subprocess.run(
+            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True, text=True, check=True
+        )
+        env["MASTER_ADDR"] = hosts.stdout.split()[0]
+    if "MASTER_PORT" not in os.environ:
+        env["MASTER_PORT"] = str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init() -> None:
+    """Join (or create) the process group and give each local rank its share of the CPU threads."""
+    if torch.distributed.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+            os.environ.update(_slurm_env())
+        else:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    # torchrun/accelerate export LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE, srun e.g. "2(x2)".
+    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ.get("SLURM_TASKS_PER_NODE")
+    local_world = int(re.match(r"\d+", per_node or os.environ["WORLD_SIZE"]).group())
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Ranks on one node must not oversubscribe its cores (on GPUs this only affects host-side work).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), auto_mpi_discovery=False)
+
+
+def rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size()

@@ -1,0 +1,222 @@
+"""The training loop: step, eval, log, checkpoint, and stop cleanly on a signal.
+
+Everything a step consumes is a function of ``consumed_samples``: the k-th optimizer
+step reads global batch k whatever the world size, micro-batch or accumulation, so a
+resumed run and a run under another strategy see exactly the same samples.
+"""
+from __future__ import annotations
+
+import math
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dstrain.data.dataset import collate
+from dstrain.data.sampler import micro_batches
+from dstrain.errors import DstrainError
+from dstrain.metrics import MetricsLog, device_peak_tflops, peak_memory_bytes
+from dstrain.model.gpt import flops_per_token, lm_loss
+from dstrain.train import checkpoint
+
+
+class StopSignal:
+    """SIGTERM/SIGUSR1 (preemption, time limit) ask for a checkpoint and a clean exit; a second one exits at once."""
+
+    def __init__(self):
+        self.received: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.received is not None:
+            raise SystemExit(128 + signum)
+        self.received = signum
+
+
+@dataclass
+class Progress:
+    step: int = 0  # optimizer steps taken
+    consumed_samples: int = 0  # samples of the train stream consumed, = step x global batch
+    last_eval: dict = field(default_factory=dict)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+class Trainer:
+    def __init__(self, recipe, strategy, engine, train_data, valid_data, run_dir: Path, dp_rank: int, data_fingerprint):
+        self.recipe, self.strategy, self.engine = recipe, strategy, engine
+        self.train_data, self.valid_data = train_data, valid_data
+        self.run_dir, self.dp_rank = run_dir, dp_rank
+        self.data_fingerprint = data_fingerprint
+        self.device = engine.device
+        self.is_rank0 = torch.distributed.get_rank() == 0
+        self.world = torch.distributed.get_world_size()
+        self.progress = Progress()
+        self.tokens_per_step = recipe.train.global_batch * recipe.data.seq_len
+        self.flops_per_token = flops_per_token(recipe.model, recipe.data.seq_len)
+        self.peak_tflops = device_peak_tflops(strategy.precision)
+        self.log = MetricsLog(run_dir, self.is_rank0, recipe.total_steps, getattr(engine, "monitor", None))
+
+    # --- data -------------------------------------------------------------------------
+    def _to_device(self, samples: list[int], data) -> dict:
+        batch = collate([data[i] for i in samples])
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _batches(self):
+        indices = micro_batches(
+            self.progress.consumed_samples, self.recipe.train.global_batch, self.strategy.micro_batch,
+            self.dp_rank, self.strategy.dp_size,
+        )
+        for samples in indices:
+            yield self._to_device(samples, self.train_data)
+
+    def _forward_loss(self, batch: dict) -> torch.Tensor:
+        position_ids = batch["position_ids"] if self.recipe.model.doc_masking else None
+        return lm_loss(self.engine(batch["input_ids"], position_ids), batch["labels"])
+
+    # --- one optimizer step ------------------------------------------------------------
+    def train_step(self, batches) -> torch.Tensor:
+        """Forward/backward over this rank's micro-batches of one global batch; returns the mean loss."""
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.strategy.grad_accum):
+            loss = self._forward_loss(next(batches))
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach().float()
+        return total / self.strategy.grad_accum
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.engine.eval()
+        n = len(self.valid_data)
+        if self.recipe.train.eval_samples is not None:
+            n = min(n, self.recipe.train.eval_samples)
+        mine = list(range(self.dp_rank, n, self.strategy.dp_size))
+        sums = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss x tokens, tokens
+        micro = self.strategy.micro_batch
+        for start in range(0, len(mine), micro):
+            batch = self._to_device(mine[start:start + micro], self.valid_data)
+            tokens = batch["labels"].numel()
+            sums += torch.tensor([self._forward_loss(batch).item() * tokens, tokens], device=self.device, dtype=torch.float64)
+        torch.distributed.all_reduce(sums)  # model-parallel replicas add equal shares to both sums
+        self.engine.train()
+        loss = (sums[0] / sums[1]).item()
+        return {"step": self.progress.step, "split": "valid", "loss": loss, "ppl": math.exp(min(loss, 50.0))}
+
+    # --- checkpoints ------------------------------------------------------------------
+    def save(self) -> None:
+        client_state = {
+            "consumed_samples": self.progress.consumed_samples,
+            "rng": rng_state(),
+            "recipe": self.recipe_dict,
+            "data_fingerprint": self.data_fingerprint,
+            "world_size": self.world,
+            "strategy": self.strategy.name,
+        }
+        checkpoint.save(self.engine, self.run_dir / "checkpoints", self.progress.step, client_state, self.recipe.train.keep_last)
+
+    def resume(self, tag: str) -> None:
+        state = checkpoint.load(self.engine, self.run_dir / "checkpoints", tag)
+        if state.get("data_fingerprint") != self.data_fingerprint:
+            raise DstrainError(
+                f"{self.run_dir / 'checkpoints' / tag} was trained on other data; use a new run_dir or restore data.sources"
+            )
+        self.progress.step = self.engine.global_steps
+        self.progress.consumed_samples = state["consumed_samples"]
+        set_rng_state(state["rng"])
+        if self.is_rank0:
+            print(f"resumed from {tag}: step {self.progress.step}, {self.progress.consumed_samples} samples consumed", flush=True)
+
+    # --- the loop ---------------------------------------------------------------------
+    def fit(self, recipe_dict: dict) -> dict:
+        self.recipe_dict = recipe_dict
+        t = self.recipe.train
+        total = self.recipe.total_steps
+        stop = StopSignal()
+        batches = self._batches()
+        start_step = self.progress.step
+        interval_loss, interval_steps, interval_start = 0.0, 0, time.time()
+        consecutive_skips, last_skipped = 0, self.engine.skipped_steps
+        status = "completed"
+        while self.progress.step < total:
+            lr = self.engine.get_lr()[0]
+            loss = self.train_step(batches)
+            self.progress.step += 1
+            self.progress.consumed_samples += t.global_batch
+            # One all-reduce per step carries the loss and any rank's stop request.
+            flags = torch.stack([loss, torch.tensor(float(stop.received is not None), device=self.device)])
+            torch.distributed.all_reduce(flags)
+            step_loss = flags[0].item() / self.world
+            skipped = self.engine.skipped_steps - last_skipped
+            last_skipped = self.engine.skipped_steps
+            consecutive_skips = consecutive_skips + 1 if skipped else 0
+            if consecutive_skips > t.max_skipped_steps:
+                raise DstrainError(
+                    f"{consecutive_skips} consecutive fp16 overflow steps (train.max_skipped_steps={t.max_skipped_steps}); "
+                    f"lower optim.lr or use a bf16 ds_config"
+                )
+            if not math.isfinite(step_loss) and self.strategy.precision != "fp16":
+                raise DstrainError(
+                    f"loss became {step_loss} at step {self.progress.step}; stopping, the last checkpoint in "
+                    f"{self.run_dir / 'checkpoints'} is kept; lower optim.lr or raise schedule.warmup_steps"
+                )
+            interval_loss += step_loss
+            interval_steps += 1
+            if self.progress.step % t.log_interval == 0 or self.progress.step == total:
+                elapsed = time.time() - interval_start
+                record = self._train_record(interval_loss / interval_steps, lr, interval_steps, elapsed)
+                self.log.write(record)
+                self.log.print_step(record, start_step)
+                interval_loss, interval_steps, interval_start = 0.0, 0, time.time()
+            if t.eval_interval and self.progress.step % t.eval_interval == 0 and self.progress.step < total:
+                self._eval_and_log()
+            if flags[1].item() > 0:
+                status = "interrupted"
+                break
+            if t.checkpoint_interval and self.progress.step % t.checkpoint_interval == 0 and self.progress.step < total:
+                self.save()
+        if status == "completed":
+            self._eval_and_log()
+        self.save()
+        self.log.close()
+        return {"status": status, "step": self.progress.step, "final_eval": self.progress.last_eval}
+
+    def _eval_and_log(self) -> None:
+        record = self.evaluate()
+        self.progress.last_eval = record
+        self.log.write(record)
+        self.log.print_eval(record)
+
+    def _train_record(self, loss: float, lr: float, steps: int, elapsed: float) -> dict:
+        tokens_per_s = steps * self.tokens_per_step / max(elapsed, 1e-9)
+        tflops = tokens_per_s * self.flops_per_token / self.world / 1e12
+        grad_norm = self.engine.get_global_grad_norm()
+        scale = getattr(self.engine.optimizer, "loss_scale", None) if self.strategy.precision == "fp16" else None
+        return {
+            "step": self.progress.step,
+            "consumed_samples": self.progress.consumed_samples,
+            "consumed_tokens": self.progress.consumed_samples * self.recipe.data.seq_len,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "loss_scale": None if scale is None else float(scale),
+            "skipped_steps": int(self.engine.skipped_steps),
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": tflops,
+            "mfu": None if self.peak_tflops is None else tflops / self.peak_tflops,
+            "mem_peak_bytes": peak_memory_bytes(),
+            "elapsed_s": time.time() - self.log.start,
+        }
