@@ -68,3 +68,52 @@ def train_and_signal_at(argv: list[str], step: int, signum: int = signal.SIGUSR1
 
     Trainer.train_step = train_step
     return main(argv)
+
+
+def enable_fp16_on_cpu() -> None:
+    """DeepSpeed's CPU accelerator reports no fp16; the fp16 tests switch it on inside their own ranks."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True
+
+
+def train_fp16_with_overflows(argv: list[str], overflow_steps: set[int] | None) -> int:
+    """Rank target: fp16 training where the loss of the given optimizer steps (1-based; None = all) is made inf."""
+    from dstrain.train.loop import Trainer
+    from dstrain.train.run import main
+
+    enable_fp16_on_cpu()
+    original = Trainer._forward_loss
+
+    def forward_loss(self, batch):
+        loss = original(self, batch)
+        if overflow_steps is None or self.progress.step + 1 in overflow_steps:
+            loss = loss * float("inf")  # every gradient becomes inf/nan: an overflow
+        return loss
+
+    Trainer._forward_loss = forward_loss
+    return main(argv)
+
+
+def zero0_fp16_gradient_scale() -> float:
+    """Rank target (world 1): ratio of the gradient after engine.backward to the true fp16 gradient."""
+    import deepspeed
+    import torch
+
+    from dstrain.model.gpt import GPT, GPTConfig, lm_loss
+
+    enable_fp16_on_cpu()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(flavour="llama", vocab_size=128, max_seq_len=16, n_layer=1, n_head=2, d_model=32))
+    reference = GPT(model.config).half()
+    reference.load_state_dict(model.state_dict())
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "fp16": {"enabled": True, "initial_scale_power": 10}, "zero_optimization": {"stage": 0}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    tokens = torch.randint(0, 128, (2, 17))
+    engine.backward(lm_loss(engine(tokens[:, :-1]), tokens[:, 1:]))
+    lm_loss(reference(tokens[:, :-1]), tokens[:, 1:]).backward()
+    got = engine.module.lm_head.weight.grad.float()
+    want = reference.lm_head.weight.grad.float()
+    return (got.norm() / want.norm()).item()
