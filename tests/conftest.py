@@ -1,9 +1,12 @@
 import os
+import tempfile
 
 # No hub access at run time, anywhere in the suite (set before transformers/datasets are imported).
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# datasets' Arrow cache of the test corpora goes with the test session, not into ~/.cache.
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="dstrain-hf-datasets-"))
 
 import pytest  # noqa: E402
 

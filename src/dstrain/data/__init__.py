@@ -1,0 +1,15 @@
+"""dstrain's data pipeline: text -> packed Megatron shards -> fixed-length training samples.
+
+    corpus.py    the stdlib-documentation corpus (real text for demos and tests)
+    sources.py   reading --dataset: Hub ids, save_to_disk folders, files, globs; input checks
+    tokenizer.py loading / training tokenizers, their content hash, verify_tokenizer
+    encode.py    parallel, memory-bounded tokenisation
+    shards.py    Megatron MMIDIDX v1 writer and reader
+    manifest.py  manifest.json of a prepared folder
+    prepare.py   `dstrain prepare` (resumable)
+    index.py     vectorised index builders + their cache (split, epochs, blend)
+    dataset.py   build_dataset / collate: packed samples with document-aware position ids
+    sampler.py   micro_batches: data-parallel sample assignment, resumable
+
+Imports stay lazy here: worker processes import only what they use.
+"""

@@ -1,0 +1,207 @@
+"""The training loader's dataset: fixed-length samples packed from prepared shards.
+
+``build_dataset`` turns prepared folders (``dstrain prepare``) into a map-style dataset:
+``ds[i]`` is ``seq_len + 1`` consecutive tokens of the shuffled document stream
+(Megatron-style packing: documents are concatenated, EOS-separated, and consecutive
+samples share one token), plus position ids that restart at every document start.
+Everything is deterministic in the seed; sample ``i`` never depends on ``num_samples``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from bisect import bisect_right
+from pathlib import Path
+
+import numpy as np
+
+from dstrain.data import index as index_lib
+from dstrain.data.manifest import manifest_hash, read_manifest
+from dstrain.data.shards import ShardReader
+from dstrain.errors import DstrainError
+
+SPLITS = ("train", "valid")
+CACHE_DIR_NAME = "index_cache"
+
+__all__ = ["read_manifest", "build_dataset", "collate", "PackedDataset", "BlendedDataset", "PreparedTokens"]
+
+
+class PreparedTokens:
+    """Every document of one prepared folder, by global document id (shards in order)."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.manifest = read_manifest(self.folder)
+        self.shards = [ShardReader.open(self.folder / shard["prefix"]) for shard in self.manifest["shards"]]
+        for shard, record in zip(self.shards, self.manifest["shards"]):
+            if len(shard) != record["documents"]:
+                raise DstrainError(
+                    f"{shard.prefix}.idx: {len(shard)} documents but manifest.json lists {record['documents']}; "
+                    f"re-run `dstrain prepare` into a new --out"
+                )
+        counts = [len(shard) for shard in self.shards]
+        self.first_doc = [0, *np.cumsum(counts).tolist()]  # python ints: bisect beats numpy here
+        self.num_docs = self.first_doc[-1]
+        self.hash = manifest_hash(self.manifest)
+
+    def sizes(self) -> np.ndarray:
+        """Tokens (EOS included) of every document, in memory (4 bytes each)."""
+        return np.concatenate([shard.sizes for shard in self.shards]) if self.shards else np.zeros(0, np.int32)
+
+    def document(self, doc: int) -> np.ndarray:
+        shard = bisect_right(self.first_doc, doc) - 1
+        return self.shards[shard][doc - self.first_doc[shard]]
+
+
+class PackedDataset:
+    """Samples of one prepared folder's split; see the module docstring."""
+
+    def __init__(self, folder: str | os.PathLike, split: str, seq_len: int, seed: int,
+                 num_samples: int | None, valid_fraction: float, cache_dir: str | os.PathLike):
+        self._arguments = (str(folder), split, seq_len, seed, num_samples, valid_fraction, str(cache_dir))
+        self.tokens = tokens = PreparedTokens(folder)
+        cache_dir = Path(cache_dir)
+        self.seq_len = seq_len
+        split_key = {"kind": "split", "data": tokens.hash, "split": split, "seed": seed,
+                     "valid_fraction": valid_fraction}
+        docs = index_lib.cached_arrays(cache_dir, split_key, lambda: {"docs": index_lib.split_documents(
+            tokens.num_docs, split, valid_fraction, seed)})["docs"]
+        sizes = tokens.sizes()
+        self.samples_per_epoch = index_lib.samples_per_epoch(int(sizes[docs].sum(dtype=np.int64)), seq_len)
+        if self.samples_per_epoch < 1:
+            raise DstrainError(
+                f"{tokens.folder}: the {split} split holds {int(sizes[docs].sum())} tokens, not enough for one sample "
+                f"of seq_len + 1 = {seq_len + 1}; lower seq_len, change valid_fraction, or prepare more data"
+            )
+        self.num_samples = self.samples_per_epoch if num_samples is None else num_samples
+        num_epochs = max(1, math.ceil(self.num_samples / self.samples_per_epoch))
+        epochs_key = {**split_key, "kind": "epochs", "seq_len": seq_len, "num_epochs": num_epochs}
+        arrays = index_lib.cached_arrays(
+            cache_dir, epochs_key, lambda: index_lib.build_epochs(sizes, np.asarray(docs), seq_len, seed, num_epochs))
+        self.docs_per_epoch = docs.size
+        self.doc_order = arrays["doc_order"]
+        self.sample_starts = arrays["sample_starts"]
+        self.sample_order = arrays["sample_order"]
+        self._arange = np.arange(seq_len + 1, dtype=np.int64)
+
+    def __reduce__(self):
+        # DataLoader workers started by spawn reopen the memory maps instead of copying them.
+        return (PackedDataset, self._arguments)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
+        epoch, j = divmod(int(i), self.samples_per_epoch)
+        row = epoch * (self.samples_per_epoch + 1) + int(self.sample_order[epoch * self.samples_per_epoch + j])
+        (position, offset), (last_position, last_offset) = self.sample_starts[row : row + 2].tolist()
+        base = epoch * self.docs_per_epoch
+        docs = self.doc_order[base + position : base + last_position + 1].tolist()
+        need = self.seq_len + 1
+        pieces = []
+        for doc in docs:
+            document = self.tokens.document(doc)
+            pieces.append(document[offset : offset + need])
+            need -= pieces[-1].size
+            offset = 0
+        positions = self._arange[: self.seq_len]
+        if len(pieces) == 1:
+            return {"tokens": pieces[0].astype(np.int64), "position_ids": positions.copy()}
+        lengths = np.fromiter((p.size for p in pieces), dtype=np.int64, count=len(pieces))
+        piece_starts = np.cumsum(lengths) - lengths
+        positions = positions - np.repeat(piece_starts, lengths)[: self.seq_len]
+        return {"tokens": np.concatenate(pieces, dtype=np.int64, casting="safe"), "position_ids": positions}
+
+
+class BlendedDataset:
+    """Several PackedDatasets interleaved by weight (see ``index.build_blend``)."""
+
+    def __init__(self, datasets: list[PackedDataset], blend: dict[str, np.ndarray], build_arguments: tuple):
+        self.datasets = datasets
+        self.source = blend["source"]
+        self.sample = blend["sample"]
+        self._build_arguments = build_arguments
+
+    def __reduce__(self):
+        return (build_dataset, self._build_arguments)
+
+    def __len__(self) -> int:
+        return self.source.size
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        return self.datasets[int(self.source[i])][int(self.sample[i])]
+
+
+def _check_arguments(sources, split, seq_len, num_samples, valid_fraction) -> None:
+    if not sources:
+        raise DstrainError("data sources: the list is empty; name at least one prepared folder")
+    for folder, weight in sources:
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
+            raise DstrainError(f"data source {folder}: weight {weight!r} must be a positive number")
+    if split not in SPLITS:
+        raise DstrainError(f"split {split!r}: must be one of {', '.join(SPLITS)}")
+    if seq_len < 1:
+        raise DstrainError(f"seq_len {seq_len}: must be at least 1")
+    if num_samples is not None and num_samples < 0:
+        raise DstrainError(f"num_samples {num_samples}: must be zero or more (or None for one epoch)")
+    if not 0 <= valid_fraction < 1:
+        raise DstrainError(f"valid_fraction {valid_fraction}: must be in [0, 1)")
+    if split == "valid" and valid_fraction == 0:
+        raise DstrainError("split 'valid' with valid_fraction 0 is empty; set valid_fraction > 0 (e.g. 0.01)")
+
+
+def build_dataset(sources: list[tuple[str, float]], split: str, seq_len: int, seed: int,
+                  num_samples: int | None, valid_fraction: float,
+                  cache_dir: str | os.PathLike | None = None) -> PackedDataset | BlendedDataset:
+    """The ``split`` of prepared folders blended by weight; see the module docstring.
+
+    ``num_samples=None``: exactly one epoch of every source. Index arrays are cached in
+    ``FOLDER/index_cache/`` (or ``cache_dir``) and memory-mapped.
+    """
+    _check_arguments(sources, split, seq_len, num_samples, valid_fraction)
+    prepared = [PreparedTokens(folder) for folder, _ in sources]
+    tokenizers = {p.manifest["tokenizer"]["hash"] for p in prepared}
+    if len(tokenizers) > 1:
+        names = ", ".join(f"{p.folder} ({p.manifest['tokenizer']['hash']})" for p in prepared)
+        raise DstrainError(
+            f"data sources were prepared with different tokenizers: {names}; prepare them with one tokenizer"
+        )
+
+    def cache_of(p: PreparedTokens) -> Path:
+        return Path(cache_dir) if cache_dir is not None else p.folder / CACHE_DIR_NAME
+
+    def packed(p: PreparedTokens, count: int | None) -> PackedDataset:
+        return PackedDataset(p.folder, split, seq_len, seed, count, valid_fraction, cache_of(p))
+
+    if len(prepared) == 1:
+        return packed(prepared[0], num_samples)
+    weights = [float(weight) for _, weight in sources]
+    key = {"kind": "blend", "data": [p.hash for p in prepared], "weights": weights, "split": split,
+           "seq_len": seq_len, "seed": seed, "valid_fraction": valid_fraction, "num_samples": num_samples}
+    if num_samples is None:
+        datasets = [packed(p, None) for p in prepared]
+        counts = [len(d) for d in datasets]
+        blend = index_lib.cached_arrays(
+            cache_of(prepared[0]), key, lambda: index_lib.build_blend(weights, None, counts))
+    else:
+        blend = index_lib.cached_arrays(cache_of(prepared[0]), key, lambda: index_lib.build_blend(weights, num_samples))
+        counts = np.bincount(blend["source"], minlength=len(prepared)).tolist()
+        datasets = [packed(p, count) for p, count in zip(prepared, counts)]
+    arguments = (sources, split, seq_len, seed, num_samples, valid_fraction, cache_dir)
+    return BlendedDataset(datasets, blend, arguments)
+
+
+def collate(samples: list[dict[str, np.ndarray]]) -> dict:
+    """Stack samples into int64 ``input_ids``, ``labels`` (inputs shifted by one) and ``position_ids``."""
+    import torch
+
+    tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples]))
+    return {
+        "input_ids": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.from_numpy(np.stack([s["position_ids"] for s in samples])),
+    }

@@ -1,0 +1,62 @@
+"""``manifest.json``: what a prepared folder holds, written last by ``dstrain prepare``.
+
+Its presence means every shard it lists is complete. Keys::
+
+    format, format_version     "dstrain-packed-shards", 1
+    tokenizer                  {"name", "path" (relative), "hash", "trained_vocab_size"}
+    vocab_size, eos_id, dtype  len(tokenizer), the EOS id ending every document, token dtype
+    shards                     [{"prefix", "documents", "tokens"}, ...] in document order
+    documents, tokens          totals
+    shard_tokens               the --shard-tokens bound the shards were cut with
+    source                     {"dataset", "config", "split", "text_field", "fingerprint"}
+    command                    the equivalent `dstrain prepare ...` command line
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from dstrain.errors import DstrainError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "dstrain-packed-shards"
+FORMAT_VERSION = 1
+
+
+def write_json_atomic(path: str | os.PathLike, payload: dict[str, Any]) -> None:
+    """Write JSON to a temp file and rename it over ``path``: readers never see half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a prepared folder; a one-line DstrainError if there is none."""
+    path = Path(folder) / MANIFEST_NAME
+    if not path.is_file():
+        raise DstrainError(
+            f"{path}: no manifest, so {folder} holds no prepared data; "
+            f"run `dstrain prepare --out {folder} ...` first"
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DstrainError(
+            f"{path}: unreadable manifest ({e}); re-run `dstrain prepare` with the same options"
+        ) from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise DstrainError(
+            f"{path}: format {manifest.get('format')!r} v{manifest.get('format_version')!r}, "
+            f"expected {FORMAT!r} v{FORMAT_VERSION}; re-run `dstrain prepare` into a new --out"
+        )
+    return manifest
+
+
+def manifest_hash(manifest: dict[str, Any]) -> str:
+    """Hash of what the data is (not of how the command was spelled): keys the index cache."""
+    content = {k: v for k, v in manifest.items() if k != "command"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,346 @@
+"""``dstrain prepare``: tokenize a dataset into Megatron MMIDIDX shards plus ``manifest.json``.
+
+OUT/
+  tokenizer/             the tokenizer, loadable with AutoTokenizer.from_pretrained
+  prepare_inputs.json    what this folder is being made from (checked on every re-run)
+  shard_00000.bin/.idx   documents [0, n0), at most --shard-tokens tokens (EOS included)
+  shard_00001.bin/.idx   documents [n0, n0+n1), ...
+  manifest.json          written last: its presence means every shard is complete
+
+Shard k starts where shard k-1 ends and closes before the first document that would
+overflow it, so shard boundaries depend only on the inputs. A re-run with the same
+inputs keeps every complete shard and writes only the missing ones.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dstrain.data.encode import ParallelEncoder
+from dstrain.data.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, write_json_atomic
+from dstrain.data.shards import ShardReader, ShardWriter, shard_paths, token_dtype
+from dstrain.data.sources import Source, SourceSpec, describe, open_source, text_batches
+from dstrain.data.tokenizer import (
+    TOKENIZER_DIR, load_tokenizer, save_tokenizer, tokenizer_hash, train_bpe_tokenizer, verify_tokenizer,
+)
+from dstrain.errors import DstrainError
+
+INPUTS_NAME = "prepare_inputs.json"
+SHARD_NAME = "shard_{:05d}"
+DEFAULT_SHARD_TOKENS = 100_000_000
+BATCH_DOCS = 1000  # documents per tokenisation task: large enough to amortise IPC, small in memory
+
+__all__ = ["PrepareOptions", "prepare", "add_arguments", "main", "verify_tokenizer"]
+
+
+@dataclass
+class PrepareOptions:
+    """Every option of ``dstrain prepare`` (the CLI flags, by the same names)."""
+
+    dataset: str  # Hub id, save_to_disk folder, data folder, or data file(s)/glob
+    out: str  # output folder for shards, tokenizer and manifest
+    tokenizer: str | None = None  # Hugging Face tokenizer name or folder (fast tokenizers only)
+    train_tokenizer: int | None = None  # or: train a byte-level BPE of this vocabulary size on the data
+    dataset_config: str | None = None  # dataset configuration name
+    split: str = "train"  # split to tokenize
+    text_field: str = "text"  # column with each document's text
+    streaming: bool = False  # read the dataset as a stream (no full download/Arrow conversion first)
+    shard_tokens: int = DEFAULT_SHARD_TOKENS  # upper bound on tokens per shard (unless one document is longer)
+    num_proc: int | None = None  # tokenizer processes; None = every core this process may use
+    progress: bool = True  # show a progress bar on stderr
+
+    def command(self) -> str:
+        """The equivalent command line, recorded in the manifest."""
+        parts = ["dstrain", "prepare", "--dataset", self.dataset, "--out", self.out]
+        if self.tokenizer is not None:
+            parts += ["--tokenizer", self.tokenizer]
+        if self.train_tokenizer is not None:
+            parts += ["--train-tokenizer", str(self.train_tokenizer)]
+        if self.dataset_config is not None:
+            parts += ["--dataset-config", self.dataset_config]
+        parts += ["--split", self.split, "--text-field", self.text_field, "--shard-tokens", str(self.shard_tokens)]
+        return shlex.join(parts + (["--streaming"] if self.streaming else []))
+
+
+def prepare(dataset: str, out: str, *, tokenizer: str | None = None, train_tokenizer: int | None = None,
+            dataset_config: str | None = None, split: str = "train", text_field: str = "text",
+            streaming: bool = False, shard_tokens: int = DEFAULT_SHARD_TOKENS, num_proc: int | None = None,
+            progress: bool = True) -> dict:
+    """Python entry point, same options as the CLI (documented on PrepareOptions); returns the manifest."""
+    return run(PrepareOptions(
+        dataset=str(dataset), out=str(out), tokenizer=tokenizer, train_tokenizer=train_tokenizer,
+        dataset_config=dataset_config, split=split, text_field=text_field, streaming=streaming,
+        shard_tokens=shard_tokens, num_proc=num_proc, progress=progress,
+    ))
+
+
+def _existing_inputs(out: Path) -> dict | None:
+    """What an earlier run made ``out`` from; None for a new or empty folder."""
+    if not out.exists() or not any(out.iterdir()):
+        return None
+    if not out.is_dir():
+        raise DstrainError(f"--out {out} is a file; choose a folder path for --out")
+    for name in (INPUTS_NAME, MANIFEST_NAME):
+        if (out / name).is_file():
+            try:
+                return json.loads((out / name).read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise DstrainError(f"{out / name}: unreadable; choose another --out (nothing was changed)") from None
+    raise DstrainError(
+        f"--out {out} is not empty and holds no `dstrain prepare` output; choose another --out (nothing was changed)"
+    )
+
+
+def _conflict(existing: dict, inputs: dict) -> str | None:
+    """How ``existing`` inputs differ from this run's, or None if this run may continue them."""
+    old_src, new_src = existing.get("source", {}), inputs["source"]
+    if old_src.get("fingerprint") != new_src["fingerprint"]:
+        return f"a different dataset ({old_src.get('dataset')}, content fingerprint {old_src.get('fingerprint')})"
+    for key, flag in (("split", "--split"), ("config", "--dataset-config"), ("text_field", "--text-field")):
+        if old_src.get(key) != new_src[key]:
+            return f"{flag} {old_src.get(key)!r}"
+    old_tok, new_tok = existing.get("tokenizer", {}), inputs["tokenizer"]
+    if old_tok.get("trained_vocab_size") != new_tok["trained_vocab_size"]:
+        old = old_tok.get("trained_vocab_size")
+        return f"--train-tokenizer {old}" if old else f"--tokenizer {old_tok.get('name')!r}"
+    if new_tok["hash"] is not None and old_tok.get("hash") != new_tok["hash"]:
+        return f"a different tokenizer ({old_tok.get('name')!r}, hash {old_tok.get('hash')})"
+    if existing.get("shard_tokens") != inputs["shard_tokens"]:
+        return f"--shard-tokens {existing.get('shard_tokens')}"
+    return None
+
+
+def _refuse(out: Path, what: str) -> DstrainError:
+    return DstrainError(
+        f"--out {out} already holds data prepared from {what}; choose another --out (nothing was changed)"
+    )
+
+
+def _complete_shard(out: Path, index: int) -> ShardReader | None:
+    """Shard ``index`` if it was fully written and is intact, else None (it will be rewritten)."""
+    prefix = out / SHARD_NAME.format(index)
+    if not shard_paths(prefix)[1].is_file():
+        return None
+    try:
+        return ShardReader.open(prefix)
+    except DstrainError:
+        return None
+
+
+def _shard_record(index: int, documents: int, tokens: int) -> dict:
+    return {"prefix": SHARD_NAME.format(index), "documents": int(documents), "tokens": int(tokens)}
+
+
+class _Progress:
+    """tqdm bar over documents, with tokens/s (throttled on non-terminals, e.g. Slurm logs)."""
+
+    def __init__(self, total: int | None, enabled: bool):
+        from tqdm import tqdm
+
+        interactive = sys.stderr.isatty()
+        self.bar = tqdm(total=total, unit="doc", disable=not enabled, mininterval=0.5 if interactive else 30,
+                        desc="prepare", dynamic_ncols=True)
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def update(self, documents: int, tokens: int) -> None:
+        self.tokens += tokens
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+        self.bar.update(documents)
+
+
+def _write_segment(out: Path, index: int, doc: int, source: Source, encoder: ParallelEncoder,
+                   dtype: np.dtype, shard_tokens: int, progress: _Progress) -> tuple[list[dict], int, bool]:
+    """Write shards ``index, index+1, ...`` from document ``doc`` until the data ends or the
+    next shard already exists. Returns (shard records, next document, data exhausted)."""
+    written: list[dict] = []
+    writer: ShardWriter | None = None
+    try:
+        for ids, sizes in encoder.encode(text_batches(source, doc, BATCH_DOCS)):
+            ends = np.cumsum(sizes)
+            i = 0
+            while i < sizes.size:
+                if writer is None:
+                    writer = ShardWriter(out / SHARD_NAME.format(index), dtype)
+                base = int(ends[i - 1]) if i else 0
+                fit = int(np.searchsorted(ends[i:] - base, shard_tokens - writer.tokens, side="right"))
+                if fit == 0 and writer.documents == 0:
+                    fit = 1  # a document longer than a whole shard gets a shard of its own
+                if fit:
+                    writer.add(ids[base : ends[i + fit - 1]], sizes[i : i + fit])
+                    progress.update(fit, int(ends[i + fit - 1]) - base)
+                    i, doc = i + fit, doc + fit
+                if i < sizes.size:  # the next document does not fit: this shard is complete
+                    written.append(_shard_record(index, *writer.finish()))
+                    writer, index = None, index + 1
+                    following = _complete_shard(out, index)
+                    if following is not None:
+                        overlap = min(len(following), sizes.size - i)
+                        if not np.array_equal(following.sizes[:overlap], sizes[i : i + overlap]):
+                            raise DstrainError(
+                                f"{following.prefix}.idx does not continue the shard before it; "
+                                f"choose another --out (its shards do not match these inputs)"
+                            )
+                        return written, doc, False
+        if writer is not None:
+            written.append(_shard_record(index, *writer.finish()))
+            writer = None
+        return written, doc, True
+    finally:
+        if writer is not None:
+            writer.abort()
+
+
+def _write_shards(out: Path, source: Source, encoder: ParallelEncoder, dtype: np.dtype,
+                  shard_tokens: int, progress: _Progress) -> list[dict]:
+    shards: list[dict] = []
+    index = doc = 0
+    with encoder:
+        while True:
+            existing = _complete_shard(out, index)
+            if existing is not None:  # written by an earlier, interrupted run
+                tokens = int(existing.sizes.sum(dtype=np.int64))
+                shards.append(_shard_record(index, len(existing), tokens))
+                progress.update(len(existing), 0)
+                index, doc = index + 1, doc + len(existing)
+                continue
+            if source.num_docs is not None and doc >= source.num_docs:
+                return shards
+            written, doc, exhausted = _write_segment(out, index, doc, source, encoder, dtype, shard_tokens, progress)
+            shards += written
+            index += len(written)
+            if exhausted:
+                return shards
+
+
+def _manifest_is_complete(out: Path) -> dict | None:
+    path = out / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # rewritten at the end of this run
+    if all(_complete_shard(out, i) is not None for i in range(len(manifest.get("shards", [])))):
+        return manifest
+    return None
+
+
+def run(opts: PrepareOptions) -> dict:
+    if (opts.tokenizer is None) == (opts.train_tokenizer is None):
+        raise DstrainError(
+            "dstrain prepare: pass exactly one of --tokenizer NAME_OR_DIR or --train-tokenizer VOCAB_SIZE"
+        )
+    if opts.shard_tokens < 1:
+        raise DstrainError(f"--shard-tokens {opts.shard_tokens}: must be a positive number of tokens, e.g. 100000000")
+    if opts.num_proc is not None and opts.num_proc < 1:
+        raise DstrainError(f"--num-proc {opts.num_proc}: must be at least 1 (or left out: every core)")
+    num_proc = opts.num_proc or len(os.sched_getaffinity(0))
+    if not opts.progress:
+        import datasets
+
+        datasets.disable_progress_bars()
+    out = Path(opts.out)
+    spec = SourceSpec(opts.dataset, opts.dataset_config, opts.split, opts.text_field, opts.streaming)
+    source = open_source(spec)
+    tokenizer = load_tokenizer(opts.tokenizer) if opts.tokenizer is not None else None
+    inputs = {
+        "source": {**describe(spec), "fingerprint": source.fingerprint},
+        "tokenizer": {
+            "name": opts.tokenizer if tokenizer is not None else f"byte-level BPE trained on {spec.dataset}",
+            "path": TOKENIZER_DIR,
+            "hash": tokenizer_hash(tokenizer) if tokenizer is not None else None,
+            "trained_vocab_size": opts.train_tokenizer,
+        },
+        "shard_tokens": opts.shard_tokens,
+    }
+    existing = _existing_inputs(out)
+    if existing is not None and (conflict := _conflict(existing, inputs)):
+        raise _refuse(out, conflict)
+    if existing is not None and (done := _manifest_is_complete(out)) is not None:
+        return done
+
+    tokenizer_dir = out / TOKENIZER_DIR
+    if tokenizer is None:  # --train-tokenizer: reuse the one an interrupted run trained
+        earlier = existing["tokenizer"]["hash"] if existing else None
+        if earlier and tokenizer_dir.is_dir() and tokenizer_hash(load_tokenizer(str(tokenizer_dir))) == earlier:
+            tokenizer = load_tokenizer(str(tokenizer_dir))
+        else:
+            batches = text_batches(source, 0, BATCH_DOCS)
+            tokenizer = train_bpe_tokenizer(batches, opts.train_tokenizer, source.num_docs, opts.progress)
+            if earlier and tokenizer_hash(tokenizer) != earlier:
+                raise _refuse(out, f"a tokenizer trained earlier (hash {earlier}) that retraining did not reproduce")
+        inputs["tokenizer"]["hash"] = tokenizer_hash(tokenizer)
+    out.mkdir(parents=True, exist_ok=True)
+    if not tokenizer_dir.is_dir() or tokenizer_hash(load_tokenizer(str(tokenizer_dir))) != inputs["tokenizer"]["hash"]:
+        save_tokenizer(tokenizer, tokenizer_dir)
+    write_json_atomic(out / INPUTS_NAME, inputs)
+
+    dtype = token_dtype(len(tokenizer))
+    encoder = ParallelEncoder(tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id, dtype, num_proc)
+    progress = _Progress(source.num_docs or source.announced_docs, opts.progress)
+    try:
+        shards = _write_shards(out, source, encoder, dtype, opts.shard_tokens, progress)
+    finally:
+        progress.bar.close()
+    for stale in out.glob("shard_*.tmp"):
+        stale.unlink()
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        **inputs,
+        "vocab_size": len(tokenizer),
+        "eos_id": int(tokenizer.eos_token_id),
+        "dtype": dtype.name,
+        "shards": shards,
+        "documents": sum(s["documents"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "command": opts.command(),
+    }
+    write_json_atomic(out / MANIFEST_NAME, manifest)
+    return manifest
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_argument_group("source")
+    source.add_argument("--dataset", required=True,
+                        help="Hub id, save_to_disk folder, data folder, "
+                             "or json/jsonl(.gz)/parquet/csv/txt file(s) or glob")
+    source.add_argument("--dataset-config", default=None, help="dataset configuration name")
+    source.add_argument("--split", default="train", help="split to tokenize (default: train)")
+    source.add_argument("--text-field", default="text", help="column holding the text (default: text)")
+    source.add_argument("--streaming", action="store_true",
+                        help="stream the dataset instead of downloading/converting it first (corpora larger than disk)")
+    tok = parser.add_mutually_exclusive_group(required=True)
+    tok.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="Hugging Face fast tokenizer (name or folder)")
+    tok.add_argument("--train-tokenizer", metavar="VOCAB_SIZE", type=int,
+                     help="train a byte-level BPE of this vocabulary size on the data")
+    parser.add_argument("--out", required=True, help="output folder (shards, tokenizer/, manifest.json)")
+    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                        help=f"at most this many tokens per shard (default: {DEFAULT_SHARD_TOKENS:,})")
+    parser.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: all cores)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    manifest = prepare(
+        args.dataset, args.out, tokenizer=args.tokenizer, train_tokenizer=args.train_tokenizer,
+        dataset_config=args.dataset_config, split=args.split, text_field=args.text_field,
+        streaming=args.streaming, shard_tokens=args.shard_tokens, num_proc=args.num_proc,
+        progress=not args.no_progress,
+    )
+    seconds = time.perf_counter() - start
+    print(f"{args.out}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
+          f"in {len(manifest['shards'])} shard(s), {manifest['dtype']}, vocab {manifest['vocab_size']:,} "
+          f"({seconds:.1f} s)")
+    return 0

@@ -1,0 +1,249 @@
+"""Where ``dstrain prepare`` reads text from: anything ``datasets`` can load, checked up front.
+
+``--dataset`` may be a Hub id, a ``save_to_disk`` folder, a folder of data files, or
+files/globs (json, jsonl, csv, txt, parquet, arrow; optionally .gz/.bz2/.xz/.zst).
+Every bad input becomes a one-line DstrainError before anything is written.
+"""
+from __future__ import annotations
+
+import bz2
+import codecs
+import difflib
+import glob
+import gzip
+import hashlib
+import lzma
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from dstrain.errors import DstrainError
+
+# File extension -> the datasets builder that reads it.
+BUILDER_OF_EXTENSION = {
+    ".json": "json", ".jsonl": "json", ".ndjson": "json",
+    ".csv": "csv", ".txt": "text", ".text": "text",
+    ".parquet": "parquet", ".arrow": "arrow",
+}
+TEXT_BUILDERS = {"json", "csv", "text"}
+OPENER_OF_COMPRESSION = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open, ".zst": None}
+_CHUNK = 1 << 20
+
+
+@dataclass
+class SourceSpec:
+    """What the user asked to read (the --dataset family of flags)."""
+
+    dataset: str  # Hub id, save_to_disk folder, data folder, file or glob
+    config: str | None = None  # dataset configuration name (Hub datasets with several)
+    split: str = "train"  # split to read
+    text_field: str = "text"  # column holding each document's text
+    streaming: bool = False  # iterate without downloading/converting the whole dataset first
+
+
+@dataclass
+class Source:
+    """An opened, validated source: ``rows`` has only the text column."""
+
+    spec: SourceSpec
+    rows: object  # datasets.Dataset or datasets.IterableDataset
+    num_docs: int | None  # None when streaming (unknown until read)
+    fingerprint: str  # identifies the content; equal fingerprints mean the same documents
+    announced_docs: int | None = None  # when streaming: the row count the dataset's info gives, if any
+
+
+def _builder_of(path: str) -> str | None:
+    suffixes = [s.lower() for s in Path(path).suffixes]
+    if suffixes and suffixes[-1] in OPENER_OF_COMPRESSION:
+        suffixes = suffixes[:-1]
+    return BUILDER_OF_EXTENSION.get(suffixes[-1]) if suffixes else None
+
+
+def _hash_files(files: list[str], check_utf8: bool) -> str:
+    """Content hash of ``files`` (decompressed), checking UTF-8 on the way: one read of each."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in files:
+        compression = Path(name).suffix.lower()
+        # No zstd module in the stdlib: hash the compressed bytes, leave UTF-8 to datasets.
+        opener = OPENER_OF_COMPRESSION.get(compression, open) or open
+        check = check_utf8 and compression != ".zst"
+        decoder = codecs.getincrementaldecoder("utf-8")() if check else None
+        offset = lines = 0
+        with opener(name, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+                if decoder is not None:
+                    try:
+                        decoder.decode(chunk)
+                    except UnicodeDecodeError as e:
+                        line = lines + chunk.count(b"\n", 0, e.start) + 1
+                        raise DstrainError(
+                            f"{name}: byte {offset + e.start} (line {line}) is not valid UTF-8 ({e.reason}); "
+                            f"re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+                        ) from None
+                    lines += chunk.count(b"\n")
+                offset += len(chunk)
+        if decoder is not None:
+            try:
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError as e:
+                raise DstrainError(
+                    f"{name}: ends inside a UTF-8 sequence ({e.reason}); re-encode the file as UTF-8"
+                ) from None
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _data_files(spec: str) -> list[str]:
+    if any(c in spec for c in "*?["):
+        files = sorted(f for f in glob.glob(spec, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise DstrainError(f"--dataset {spec!r}: no file matches this pattern; check the path")
+        return files
+    return [spec]
+
+
+def _unreadable(spec: SourceSpec, error: BaseException, where: str = "") -> DstrainError:
+    while error.__cause__ is not None:  # datasets wraps the parser's error, which says what is wrong
+        error = error.__cause__
+    message = " ".join(str(error).split())[:300] or type(error).__name__
+    return DstrainError(f"--dataset {spec.dataset!r} (split {spec.split!r}) could not be read{where}: {message}")
+
+
+def _empty(spec: SourceSpec) -> DstrainError:
+    return DstrainError(f"--dataset {spec.dataset!r} (split {spec.split!r}) has no rows; check --dataset and --split")
+
+
+def _load(path: str, spec: SourceSpec, **kwargs):
+    import datasets
+    from datasets.exceptions import DatasetNotFoundError, DatasetsError
+    from pyarrow import ArrowException
+
+    try:
+        return datasets.load_dataset(path, spec.config, split=spec.split, streaming=spec.streaming, **kwargs)
+    except (DatasetNotFoundError, ConnectionError):
+        from huggingface_hub import constants
+
+        offline = constants.HF_HUB_OFFLINE
+        where = "found locally (offline: HF_HUB_OFFLINE=1)" if offline else "a local path or a Hub dataset"
+        raise DstrainError(
+            f"--dataset {spec.dataset!r} is not {where}; pass an existing folder or file, or a Hub id you can reach"
+        ) from None
+    except StopIteration:  # what the json builder raises on an empty file
+        raise _empty(spec) from None
+    except (DatasetsError, ValueError, OSError, ArrowException) as e:
+        raise _unreadable(spec, e) from None
+
+
+def _open_rows(spec: SourceSpec):
+    """(rows, fingerprint) for any supported --dataset."""
+    import datasets
+
+    path = Path(spec.dataset)
+    if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if spec.split not in loaded:
+                raise DstrainError(f"{path}: no split {spec.split!r} (--split); available: {', '.join(loaded)}")
+            loaded = loaded[spec.split]
+        rows = loaded.to_iterable_dataset() if spec.streaming else loaded
+        return rows, f"disk:{loaded._fingerprint}"
+    if path.is_dir():
+        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and _builder_of(str(p)))
+        if not files:
+            raise DstrainError(f"--dataset {path}: folder holds no data files ({', '.join(BUILDER_OF_EXTENSION)})")
+        check = any(_builder_of(f) in TEXT_BUILDERS for f in files)
+        return _load(str(path), spec), _hash_files(files, check_utf8=check)
+    if path.is_file() or any(c in spec.dataset for c in "*?["):
+        files = _data_files(spec.dataset)
+        builders = {_builder_of(f) for f in files}
+        if None in builders or len(builders) > 1:
+            raise DstrainError(
+                f"--dataset {spec.dataset!r}: files must share one known format "
+                f"({', '.join(BUILDER_OF_EXTENSION)}, optionally compressed); got {sorted(map(str, builders))}"
+            )
+        builder = builders.pop()
+        fingerprint = _hash_files(files, check_utf8=builder in TEXT_BUILDERS)
+        rows = _load(builder, spec, data_files={spec.split: files})
+        return rows, fingerprint
+    rows = _load(spec.dataset, spec)
+    fingerprint = getattr(rows, "_fingerprint", None)
+    return rows, f"hub:{fingerprint}" if fingerprint else f"hub:{spec.dataset}:{spec.config}:{spec.split}"
+
+
+def _check_text_field(spec: SourceSpec, columns: list[str]) -> None:
+    if spec.text_field in columns:
+        return
+    close = difflib.get_close_matches(spec.text_field, columns, n=1)
+    hint = f"did you mean --text-field {close[0]}? " if close else ""
+    raise DstrainError(
+        f"--dataset {spec.dataset!r} has no column {spec.text_field!r} (--text-field); {hint}"
+        f"available columns: {', '.join(columns) or '(none)'}"
+    )
+
+
+def open_source(spec: SourceSpec) -> Source:
+    """Load and validate the source: text column present and textual, at least one row."""
+    import datasets
+
+    rows, fingerprint = _open_rows(spec)
+    if isinstance(rows, datasets.Dataset):
+        _check_text_field(spec, rows.column_names)
+        feature = rows.features[spec.text_field]
+        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+            raise DstrainError(
+                f"--dataset {spec.dataset!r}: column {spec.text_field!r} (--text-field) holds {feature}, not text; "
+                f"pick the column with the documents' text"
+            )
+        if len(rows) == 0:
+            raise _empty(spec)
+        return Source(spec, rows.select_columns([spec.text_field]), len(rows), fingerprint)
+    first = next(_guarded(spec, iter(rows.take(1)), 0), None)
+    if first is None:
+        raise _empty(spec)
+    _check_text_field(spec, list(first))
+    splits = getattr(rows.info, "splits", None) or {}
+    announced = splits[spec.split].num_examples if spec.split in splits else None
+    return Source(spec, rows.select_columns([spec.text_field]), None, fingerprint, announced or None)
+
+
+def _guarded(spec: SourceSpec, items: Iterator, start: int) -> Iterator:
+    """``items``, with read errors met while streaming turned into one-line DstrainErrors."""
+    from datasets.exceptions import DatasetsError
+    from pyarrow import ArrowException
+
+    try:
+        yield from items
+    except (DatasetsError, ArrowException) as e:
+        raise _unreadable(spec, e, f" after document {start}") from None
+
+
+def text_batches(source: Source, start: int, batch_docs: int) -> Iterator[list[str]]:
+    """Documents ``start, start+1, ...`` as lists of ``batch_docs`` texts (None becomes "")."""
+    field = source.spec.text_field
+    if source.num_docs is not None:
+        batches = (source.rows[a : a + batch_docs][field] for a in range(start, source.num_docs, batch_docs))
+    else:
+        batches = (batch[field] for batch in source.rows.skip(start).iter(batch_size=batch_docs))
+    doc = start
+    for texts in _guarded(source.spec, batches, start):
+        if not all(type(t) is str for t in texts):
+            for i, text in enumerate(texts):
+                if text is None:
+                    texts[i] = ""
+                elif not isinstance(text, str):
+                    raise DstrainError(
+                        f"--dataset {source.spec.dataset!r}: row {doc + i} column {source.spec.text_field!r} "
+                        f"holds {type(text).__name__}, not text; pick the column with the documents' text"
+                    )
+        yield texts
+        doc += len(texts)
+
+
+def describe(spec: SourceSpec) -> dict:
+    """The manifest's record of a source (paths made absolute so they stay meaningful)."""
+    local = Path(spec.dataset).exists() or any(c in spec.dataset for c in "*?[")
+    dataset = os.path.abspath(spec.dataset) if local else spec.dataset
+    return {"dataset": dataset, "config": spec.config, "split": spec.split, "text_field": spec.text_field}
+
