@@ -50,3 +50,35 @@ def run_ranks(world: int, target, *args, env: dict | None = None, timeout: float
             if p.is_alive():
                 p.kill()
     return [results[r][1] for r in range(world)]
+
+
+def spawn_ranks(world: int, target, *args, timeout: float = 300) -> list[int | None]:
+    """Run ``target(*args)`` on ``world`` ranks that may die; return their exit codes (None: still alive at timeout)."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(r, world, port, {}, target, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return codes
+
+
+def start_ranks(world: int, argv: list[str], cwd=None, env: dict | None = None) -> list:
+    """``python -m dstrain.train`` once per rank as separate OS processes, the way a launcher starts them."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                    "LOCAL_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "dstrain.train", *argv], cwd=cwd, env=rank_env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs

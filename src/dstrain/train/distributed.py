@@ -6,10 +6,12 @@ LOCAL_RANK / MASTER_ADDR / MASTER_PORT; `srun` exports SLURM_* instead; a plain
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
 import subprocess
+from datetime import timedelta
 
 import deepspeed
 import torch
@@ -57,7 +59,19 @@ def init() -> None:
         # Ranks on one node must not oversubscribe its cores (on GPUs this only affects host-side work).
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), auto_mpi_discovery=False)
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # our own progress line says what matters
+    # A rank that dies closes its connections and the others fail at once; this bounds a rank that hangs.
+    timeout = timedelta(seconds=int(os.environ.get("DSTRAIN_COLLECTIVE_TIMEOUT_S", "1800")))
+    deepspeed.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(), auto_mpi_discovery=False, timeout=timeout
+    )
+
+
+def all_ok(ok: bool) -> bool:
+    """True on every rank only if ``ok`` is true on every rank, so all ranks stop together."""
+    flag = torch.tensor([1.0 if ok else 0.0], device=get_accelerator().current_device_name())
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def rank() -> int:

@@ -10,7 +10,9 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import yaml
@@ -88,19 +90,83 @@ def lock_run_dir(run_dir: Path):
     return handle
 
 
-def write_run_files(run_dir: Path, recipe: Recipe, strategy: Strategy) -> None:
+def resume_tag(checkpoint_dir: Path, resume: str) -> str | None:
+    from dstrain.train import checkpoint
+
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return checkpoint.newest_complete(checkpoint_dir)
+    if not checkpoint.is_complete(checkpoint_dir / resume):
+        raise DstrainError(f"--resume {resume}: no complete checkpoint {checkpoint_dir / resume}; use --resume auto")
+    return resume
+
+
+def check_disk(run_dir: Path, recipe: Recipe) -> None:
+    """Fail now, not at the first checkpoint hours from now, if run_dir cannot hold one."""
+    from dstrain.model.gpt import num_params
+
+    try:
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise DstrainError(f"run_dir {run_dir} is not writable ({e.strerror}); set run_dir=<a writable folder>") from None
+    # fp32 master weights + two Adam moments + the model's own copy: at most 16 bytes per parameter.
+    checkpoint_bytes = 16 * num_params(recipe.model)
+    free = shutil.disk_usage(run_dir).free
+    if free < checkpoint_bytes:
+        raise DstrainError(
+            f"run_dir {run_dir} has {free / 2**30:.1f} GiB free, one checkpoint needs ~{checkpoint_bytes / 2**30:.1f} GiB; "
+            f"free space or set run_dir=<a larger filesystem>"
+        )
+    if free < (recipe.train.keep_last + 1) * checkpoint_bytes:
+        warnings.warn(f"run_dir {run_dir}: {free / 2**30:.1f} GiB free holds fewer than train.keep_last+1 checkpoints")
+
+
+def claim_run_dir(run_dir: Path, recipe: Recipe, strategy: Strategy, tag: str | None):
+    """Rank 0: lock the run directory, check its disk, record the resolved inputs, and drop the metrics a
+    resumed run is about to log again (those after the checkpoint it resumes from)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DstrainError(f"run_dir {run_dir} cannot be created ({e.strerror}); set run_dir=<a writable folder>") from None
+    check_disk(run_dir, recipe)
+    lock = lock_run_dir(run_dir)
     (run_dir / "recipe.yaml").write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
     (run_dir / "ds_config.json").write_text(json.dumps(strategy.ds_config, indent=2) + "\n")
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        resumed_step = int(tag.removeprefix("global_step")) if tag else 0
+        kept = [line for line in metrics.read_text().splitlines() if _logged_step(line) <= resumed_step]
+        tmp = metrics.with_name("metrics.jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, metrics)
+    return lock
+
+
+def _logged_step(line: str) -> float:
+    """The step of a metrics line; a line cut short by a killed job counts as after any checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return float("inf")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    rank = os.environ.get("RANK", "0")
     try:
         return train(args)
     except DstrainError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank == "0":
             print(f"dstrain: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception as e:
+        # Name the rank: in a 64-rank job the first failure is the one worth reading.
+        print(f"dstrain: rank {rank} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr, flush=True)
+        raise
 
 
 def train(args: argparse.Namespace) -> int:
@@ -112,32 +178,33 @@ def train(args: argparse.Namespace) -> int:
     import torch
 
     from dstrain.data.dataset import build_dataset
-    from dstrain.train import checkpoint, distributed
+    from dstrain.train import distributed
     from dstrain.train.engine import build_engine, build_model
     from dstrain.train.loop import Trainer
 
-    distributed.init()
-    rank = distributed.rank()
-    run_dir = recipe.output_dir
-    lock = None
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock = lock_run_dir(run_dir)
-        write_run_files(run_dir, recipe, strategy)
-    torch.distributed.barrier()
-
+    # Index arrays are built under a file lock by whichever rank comes first; broken shards fail here.
     sources = [(s.path, s.weight) for s in recipe.data.sources]
     d = recipe.data
     train_data = build_dataset(sources, "train", d.seq_len, recipe.seed, recipe.total_steps * recipe.train.global_batch, d.valid_fraction)
     valid_data = build_dataset(sources, "valid", d.seq_len, recipe.seed, None, d.valid_fraction)
+
+    distributed.init()
+    rank = distributed.rank()
+    run_dir = recipe.output_dir
+    tag = resume_tag(run_dir / "checkpoints", args.resume)
+    lock = None
+    refusal = None
+    if rank == 0:
+        try:
+            lock = claim_run_dir(run_dir, recipe, strategy, tag)
+        except DstrainError as e:
+            refusal = e
+    if not distributed.all_ok(refusal is None):
+        raise refusal or DstrainError(f"rank 0 could not use {run_dir}; see its message")
+
     engine = build_engine(recipe, strategy, build_model(recipe, strategy))
     trainer = Trainer(recipe, strategy, engine, train_data, valid_data, run_dir, dp_rank=rank // strategy.tp_size,
                       data_fingerprint=fingerprint)
-    tag = None
-    if args.resume == "auto":
-        tag = checkpoint.newest_complete(run_dir / "checkpoints")
-    elif args.resume != "none":
-        tag = args.resume
     if tag:
         trainer.resume(tag)
     result = trainer.fit(to_dict(recipe))
