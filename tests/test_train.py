@@ -101,19 +101,26 @@ def test_signal_checkpoints_and_resume_continues_exactly(tmp_path, corpus, equiv
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["global_step10", "global_step4"]
 
 
-def test_deepspeed_launcher_end_to_end(tmp_path, corpus):
-    """The real `deepspeed` launcher with 2 CPU ranks runs the trainer as users do."""
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_launchers_end_to_end(tmp_path, corpus, launcher):
+    """The real `deepspeed` launcher and torchrun, 2 CPU ranks each, as users run them; DeepSpeed's own CSV
+    monitor (enabled in the ds_config) writes into the run directory."""
     recipe = small_recipe(tmp_path, corpus, train={"steps": 6, "log_interval": 2})
+    config = ds_config(tmp_path, "zero1", csv_monitor={"enabled": True})
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", str(_port()),
-         "--module", "dstrain.train", *argv(recipe, ROOT / "ds_configs" / "zero1.json", run)],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
-    )
+    bin_dir = os.path.dirname(sys.executable)
+    command = {
+        "deepspeed": [f"{bin_dir}/deepspeed", "--num_gpus", "2", "--master_port", str(_port()), "--module", "dstrain.train"],
+        "torchrun": [f"{bin_dir}/torchrun", "--nproc_per_node", "2", "--master_port", str(_port()), "-m", "dstrain.train"],
+    }[launcher]
+    proc = subprocess.run([*command, *argv(recipe, config, run)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step 6/6" in proc.stdout and f"results in {run}" in proc.stdout
+    assert proc.stdout.count("step 2/6") == 1  # rank 0 alone prints
     assert [r["step"] for r in read_metrics(run) if "split" not in r] == [2, 4, 6]
+    loss_csv = run / "csv" / "small" / "train_loss.csv"
+    assert len(loss_csv.read_text().splitlines()) == 1 + 3  # header + one row per logged step
 
 
 def test_config_error_is_one_line_before_any_work(tmp_path, corpus):

@@ -1,0 +1,328 @@
+"""A decoder-only GPT in two flavours, `gpt2` and `llama`, in one readable file.
+
+gpt2:  learned absolute positions, LayerNorm with bias, GELU (tanh), 4*d MLP, biases, tied embeddings.
+llama: RoPE (HF rotate_half convention), RMSNorm, SwiGLU MLP, no biases, optional GQA, untied embeddings.
+
+Module tree (shared by both flavours, so a pipeline engine can cut the same blocks into stages):
+
+    GPT.embed   Embedding(tok[, pos])
+    GPT.blocks  ModuleList[Block(attn_norm, self_attn(q_proj, k_proj, v_proj, o_proj), mlp_norm,
+                                 mlp([gate_proj,] up_proj, down_proj))]
+    GPT.norm    final norm
+    GPT.lm_head nn.Linear, weight tied to embed.tok.weight when tied
+
+The `self_attn.*_proj` / `mlp.*_proj` names are what DeepSpeed AutoTP's llama preset matches.
+
+Initialisation happens inside the constructor of the module that owns each parameter (`Linear`,
+`EmbeddingTable`, and torch's own norms). Under `deepspeed.zero.Init` every submodule's parameters
+are partitioned as soon as its `__init__` returns, so a parent-level `apply(init_fn)` would only see
+empty shards and silently leave the weights at their constructor values.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dstrain.errors import DstrainError
+
+FLAVOURS = ("gpt2", "llama")
+
+
+@dataclass
+class GPTConfig:
+    flavour: str = "gpt2"  # architecture family: "gpt2" or "llama" (see module docstring)
+    vocab_size: int = 50304  # rows of the token embedding / columns of the logits
+    max_seq_len: int = 1024  # longest sequence; size of gpt2's position table, HF max_position_embeddings
+    n_layer: int = 12  # number of transformer blocks
+    n_head: int = 12  # query heads; must divide d_model
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention, llama only); None = n_head
+    d_model: int = 768  # residual stream width
+    d_ff: int | None = None  # MLP hidden width; None = 4*d_model (gpt2), 8/3*d_model up to a multiple of 64 (llama)
+    tie_embeddings: bool | None = None  # share lm_head.weight with the token embedding; None = gpt2 yes, llama no
+    norm_eps: float = 1e-5  # epsilon of LayerNorm (gpt2) / RMSNorm (llama)
+    rope_theta: float = 10000.0  # RoPE base wavelength (llama only)
+    init_std: float = 0.02  # std of the normal init; o_proj/down_proj use init_std / sqrt(2 * n_layer)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (training only)
+    doc_masking: bool = False  # attend only within the current document (segments start where position_ids == 0)
+
+    def __post_init__(self) -> None:
+        def bad(key: str, problem: str, fix: str) -> DstrainError:
+            return DstrainError(f"model.{key}: {problem}; {fix}")
+
+        if self.flavour not in FLAVOURS:
+            raise bad("flavour", f"{self.flavour!r} is not a known flavour", f"use one of {', '.join(FLAVOURS)}")
+        for key in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
+                raise bad(key, f"{getattr(self, key)!r} is not a positive integer", "set a positive integer")
+        if self.d_model % self.n_head:
+            raise bad("n_head", f"{self.n_head} does not divide d_model={self.d_model}", "pick a divisor of d_model")
+        if self.n_kv_head is not None and (self.n_kv_head <= 0 or self.n_head % self.n_kv_head):
+            raise bad("n_kv_head", f"{self.n_kv_head} does not divide n_head={self.n_head}", "pick a divisor of n_head")
+        if self.flavour == "gpt2" and self.kv_heads != self.n_head:
+            raise bad("n_kv_head", "grouped-query attention needs flavour 'llama'",
+                      "remove n_kv_head or set it to n_head")
+        if self.flavour == "llama" and self.head_dim % 2:
+            raise bad("n_head", f"RoPE needs an even head size, got d_model/n_head={self.head_dim}", "change n_head")
+        if self.d_ff is not None and self.d_ff <= 0:
+            raise bad("d_ff", f"{self.d_ff} is not positive", "set a positive integer or remove it")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """n_kv_head with None resolved."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def ff_dim(self) -> int:
+        """d_ff with None resolved to the flavour's default."""
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.flavour == "gpt2":
+            return 4 * self.d_model
+        return 64 * math.ceil(8 * self.d_model / (3 * 64))
+
+    @property
+    def tied(self) -> bool:
+        """tie_embeddings with None resolved to the flavour's default."""
+        return self.flavour == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
+
+# --- leaf modules that initialise their own parameters (see the module docstring) ---
+
+
+class Linear(nn.Linear):
+    """nn.Linear drawing weight ~ normal(0, std) and zero bias; std=None leaves the weight to be tied."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, std: float | None) -> None:
+        self.std = std  # read by reset_parameters, which nn.Linear.__init__ calls
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        if self.std is not None:
+            nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class EmbeddingTable(nn.Embedding):
+    """nn.Embedding drawing weight ~ normal(0, std)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, std: float) -> None:
+        self.std = std
+        super().__init__(num_embeddings, embedding_dim)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    # torch's norms set weight=1 (and bias=0) in their own constructors; RMSNorm is one fused kernel.
+    if config.flavour == "gpt2":
+        return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+    return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+
+
+# --- positions and masks ---
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (B|1, L, head_dim), exactly as HF LlamaRotaryEmbedding computes them.
+
+    Angles are computed in fp32 on every call (cheap) rather than kept in a buffer, which a
+    `model.to(bfloat16)` would silently round.
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = position_ids[..., None].float() * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, heads, L, head_dim); cos/sin: (B|1, L, head_dim)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+def doc_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean (B, 1, L, L) mask, True = may attend: causal and within the same document."""
+    segment = torch.cumsum(position_ids == 0, dim=-1)
+    same_doc = segment[:, :, None] == segment[:, None, :]
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return (same_doc & causal).unsqueeze(1)
+
+
+# --- the transformer ---
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
+        bias = config.flavour == "gpt2"
+        d, std = config.d_model, config.init_std
+        self.q_proj = Linear(d, self.n_head * self.head_dim, bias, std)
+        self.k_proj = Linear(d, self.n_kv_head * self.head_dim, bias, std)
+        self.v_proj = Linear(d, self.n_kv_head * self.head_dim, bias, std)
+        self.o_proj = Linear(self.n_head * self.head_dim, d, bias, std / math.sqrt(2 * config.n_layer))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        batch, length, _ = x.shape
+        # Head counts come from the shapes (-1): under tensor parallelism each rank holds a slice of the heads.
+        q = self.q_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        if self.config.flavour == "llama":
+            positions = position_ids if position_ids is not None else torch.arange(length, device=x.device)[None]
+            cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        grouped = self.n_kv_head != self.n_head
+        if self.config.doc_masking and position_ids is not None:
+            # Fused SDPA kernels with an explicit mask do not all take enable_gqa, so expand k/v here.
+            if grouped:
+                k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+                v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=doc_causal_mask(position_ids))
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d, ff, std = config.d_model, config.ff_dim, config.init_std
+        self.swiglu = config.flavour == "llama"
+        bias = not self.swiglu
+        if self.swiglu:
+            self.gate_proj = Linear(d, ff, bias, std)
+        self.up_proj = Linear(d, ff, bias, std)
+        self.down_proj = Linear(ff, d, bias, std / math.sqrt(2 * config.n_layer))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(config)
+        self.self_attn = Attention(config)
+        self.mlp_norm = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.attn_norm(x), position_ids)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Embedding(nn.Module):
+    """Token embedding `tok`, plus the learned position table `pos` for gpt2."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.tok = EmbeddingTable(config.vocab_size, config.d_model, config.init_std)
+        self.pos = None
+        if config.flavour == "gpt2":
+            self.pos = EmbeddingTable(config.max_seq_len, config.d_model, config.init_std)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.tok(input_ids)
+        if self.pos is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device)
+            x = x + self.pos(position_ids)
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = Embedding(config)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = make_norm(config)
+        # A tied head skips its own init (std=None) so it can never overwrite the embedding.
+        head_std = None if config.tied else config.init_std
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False, std=head_std)
+        if config.tied:
+            self.lm_head.weight = self.embed.tok.weight
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, position_ids: (B, L) int64 -> logits (B, L, vocab_size).
+
+        position_ids restart at 0 at each document start; None means 0..L-1 (one document).
+        """
+        x = self.embed(input_ids, position_ids)
+        for block in self.blocks:
+            if self.config.activation_checkpointing and self.training:
+                x = checkpoint(block, x, position_ids, use_reentrant=False)
+            else:
+                x = block(x, position_ids)
+        return self.lm_head(self.norm(x))
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32.
+
+    labels are aligned with logits (labels[:, t] is the target of position t, already shifted);
+    label -100 is ignored.
+    """
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
+
+
+# --- arithmetic on the config (no model built) ---
+
+
+def num_params(config: GPTConfig, exclude_embeddings: bool = False) -> int:
+    """Parameter count of GPT(config), a tied matrix counted once.
+
+    exclude_embeddings drops the token (and position) tables; an untied lm_head is still counted.
+    """
+    d, ff, v = config.d_model, config.ff_dim, config.vocab_size
+    q_out, kv_out = config.n_head * config.head_dim, config.kv_heads * config.head_dim
+    attention = d * q_out + 2 * d * kv_out + q_out * d
+    if config.flavour == "gpt2":
+        attention += q_out + 2 * kv_out + d
+        mlp = d * ff + ff + ff * d + d
+        norm = 2 * d
+    else:
+        mlp = 3 * d * ff
+        norm = d
+    block = attention + mlp + 2 * norm
+    embeddings = v * d + (config.max_seq_len * d if config.flavour == "gpt2" else 0)
+    total = config.n_layer * block + norm + (0 if config.tied else v * d)
+    return total if exclude_embeddings else total + embeddings
+
+
+def flops_per_token(config: GPTConfig, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward): 6*N + 12*n_layer*d_model*seq_len.
+
+    N = non-embedding parameters plus the vocab_size*d_model output projection, counted whether or
+    not it is tied (the logits matmul runs either way); the position table and embedding lookups cost
+    no matmul FLOPs. The second term is the attention scores and weighted sum (QK^T and AV), counted
+    over the full L x L square as in Kaplan et al. / PaLM, ignoring the causal half.
+    """
+    n = num_params(config, exclude_embeddings=True) + (config.vocab_size * config.d_model if config.tied else 0)
+    return 6 * n + 12 * config.n_layer * config.d_model * seq_len

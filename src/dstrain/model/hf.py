@@ -1,0 +1,276 @@
+"""Conversion between our GPT and Hugging Face transformers (GPT2LMHeadModel / LlamaForCausalLM).
+
+    hf_config, hf_state = to_hf(config, model.state_dict())   # then HFClass(hf_config).load_state_dict(hf_state)
+    config, state = from_hf("path/to/hf_folder")               # then GPT(config).load_state_dict(state)
+
+The llama flavour maps onto LlamaForCausalLM almost name for name (both use the rotate_half RoPE
+convention). The gpt2 flavour maps onto GPT2LMHeadModel, whose Conv1D layers store weights as
+(in, out), i.e. transposed, and whose attention fuses q/k/v into one `c_attn` of width 3*d.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import transformers
+
+from dstrain.errors import DstrainError
+from dstrain.model.gpt import GPTConfig
+
+StateDict = dict[str, torch.Tensor]
+
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are GELU's tanh approximation
+# Non-parameter entries some transformers versions keep in state_dict (attention-mask and RoPE buffers).
+IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+# (our name inside blocks.{i}, HF name inside model.layers.{i}) for the llama flavour
+LLAMA_BLOCK_NAMES = [
+    ("attn_norm.weight", "input_layernorm.weight"),
+    *((f"self_attn.{p}_proj.weight",) * 2 for p in "qkvo"),
+    ("mlp_norm.weight", "post_attention_layernorm.weight"),
+    *((f"mlp.{p}_proj.weight",) * 2 for p in ("gate", "up", "down")),
+]
+
+
+def to_hf(
+    config: GPTConfig, state_dict: StateDict, bos_token_id: int | None = None, eos_token_id: int | None = None
+) -> tuple[transformers.PretrainedConfig, StateDict]:
+    """Our config and GPT.state_dict() -> (GPT2Config | LlamaConfig, state dict for the matching HF class).
+
+    state_dict has the keys of GPT.state_dict(). The HF model built from the returned config computes
+    the same function as GPT(config), also in train mode (dropout is 0). For doc_masking, HF does the
+    same when given position_ids without attention_mask or cache (its packed-sequence detection).
+    With tied embeddings lm_head.weight is the embedding tensor itself.
+    """
+    if config.flavour == "gpt2":
+        hf_config = transformers.GPT2Config(
+            vocab_size=config.vocab_size,
+            n_positions=config.max_seq_len,
+            n_embd=config.d_model,
+            n_layer=config.n_layer,
+            n_head=config.n_head,
+            n_inner=config.ff_dim,
+            activation_function="gelu_new",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            layer_norm_epsilon=config.norm_eps,
+            initializer_range=config.init_std,
+            tie_word_embeddings=config.tied,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            architectures=["GPT2LMHeadModel"],
+        )
+        return hf_config, _gpt2_to_hf(config, state_dict)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=config.ff_dim,
+        num_hidden_layers=config.n_layer,
+        num_attention_heads=config.n_head,
+        num_key_value_heads=config.kv_heads,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=config.max_seq_len,
+        initializer_range=config.init_std,
+        rms_norm_eps=config.norm_eps,
+        tie_word_embeddings=config.tied,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        architectures=["LlamaForCausalLM"],
+    )
+    return hf_config, _llama_to_hf(config, state_dict)
+
+
+def from_hf(hf_model_or_dir: transformers.PreTrainedModel | str | os.PathLike) -> tuple[GPTConfig, StateDict]:
+    """A GPT2LMHeadModel / LlamaForCausalLM (object or local save_pretrained folder) -> (GPTConfig, state dict).
+
+    The state dict has exactly the keys of GPT(config).state_dict(); tensors keep the checkpoint's dtype
+    and may share storage with the HF model. activation_checkpointing and doc_masking are training
+    choices HF does not record: they come back False, for the recipe to set.
+    """
+    if isinstance(hf_model_or_dir, transformers.PreTrainedModel):
+        model, source = hf_model_or_dir, f"{type(hf_model_or_dir).__name__} object"
+        architectures = [type(model).__name__]
+    else:
+        folder = Path(hf_model_or_dir)
+        source = str(folder / "config.json")
+        if not (folder / "config.json").is_file():
+            raise DstrainError(f"{source}: no such file; pass a folder written by save_pretrained")
+        hf_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+        architectures = hf_config.architectures or [f"<none, model_type={hf_config.model_type}>"]
+        model = None
+    supported = [a for a in architectures if a in ARCHITECTURES]
+    if not supported:
+        raise DstrainError(
+            f"{source}: architectures={architectures} cannot be converted; "
+            f"dstrain supports {', '.join(ARCHITECTURES)}"
+        )
+    if model is None:
+        model_class = getattr(transformers, supported[0])
+        model = model_class.from_pretrained(folder, local_files_only=True, dtype="auto")
+    hf_state = model.state_dict()
+    if ARCHITECTURES[supported[0]] == "gpt2":
+        config = _gpt2_config_from_hf(model.config, source)
+        return config, _gpt2_from_hf(config, hf_state, source)
+    config = _llama_config_from_hf(model.config, source)
+    return config, _llama_from_hf(config, hf_state, source)
+
+
+# --- gpt2 ---
+
+
+def _gpt2_to_hf(config: GPTConfig, sd: StateDict) -> StateDict:
+    out = {"transformer.wte.weight": sd["embed.tok.weight"], "transformer.wpe.weight": sd["embed.pos.weight"]}
+    for i in range(config.n_layer):
+        ours, hf = f"blocks.{i}.", f"transformer.h.{i}."
+        qkv = [f"{ours}self_attn.{p}_proj" for p in "qkv"]
+        for param in ("weight", "bias"):
+            out[f"{hf}ln_1.{param}"] = sd[f"{ours}attn_norm.{param}"]
+            out[f"{hf}ln_2.{param}"] = sd[f"{ours}mlp_norm.{param}"]
+        # Conv1D weights are (in, out): transpose each nn.Linear (out, in) weight.
+        out[f"{hf}attn.c_attn.weight"] = torch.cat([sd[f"{p}.weight"] for p in qkv], dim=0).t().contiguous()
+        out[f"{hf}attn.c_attn.bias"] = torch.cat([sd[f"{p}.bias"] for p in qkv], dim=0)
+        for hf_name, our_name in (("attn.c_proj", "self_attn.o_proj"), ("mlp.c_fc", "mlp.up_proj"),
+                                  ("mlp.c_proj", "mlp.down_proj")):
+            out[f"{hf}{hf_name}.weight"] = sd[f"{ours}{our_name}.weight"].t().contiguous()
+            out[f"{hf}{hf_name}.bias"] = sd[f"{ours}{our_name}.bias"]
+    out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = sd["norm.weight"], sd["norm.bias"]
+    out["lm_head.weight"] = out["transformer.wte.weight"] if config.tied else sd["lm_head.weight"]
+    return out
+
+
+def _gpt2_config_from_hf(hf: transformers.GPT2Config, source: str) -> GPTConfig:
+    _require(hf.activation_function in GPT2_ACTIVATIONS, source, "activation_function", hf.activation_function,
+             f"dstrain's gpt2 flavour uses {GPT2_ACTIVATIONS[0]}")
+    _require(hf.scale_attn_weights, source, "scale_attn_weights", hf.scale_attn_weights, "only true converts")
+    _require(not hf.scale_attn_by_inverse_layer_idx, source, "scale_attn_by_inverse_layer_idx",
+             hf.scale_attn_by_inverse_layer_idx, "only false converts")
+    _require(not hf.add_cross_attention, source, "add_cross_attention", hf.add_cross_attention,
+             "only decoder-only models convert")
+    return GPTConfig(
+        flavour="gpt2",
+        vocab_size=hf.vocab_size,
+        max_seq_len=hf.n_positions,
+        n_layer=hf.n_layer,
+        n_head=hf.n_head,
+        n_kv_head=hf.n_head,
+        d_model=hf.n_embd,
+        d_ff=hf.n_inner or 4 * hf.n_embd,
+        tie_embeddings=hf.tie_word_embeddings,
+        norm_eps=hf.layer_norm_epsilon,
+        init_std=hf.initializer_range,
+    )
+
+
+def _gpt2_from_hf(config: GPTConfig, hf_state: StateDict, source: str) -> StateDict:
+    take = _WeightTaker(hf_state, source)
+    d = config.d_model
+    out = {"embed.tok.weight": take("transformer.wte.weight"), "embed.pos.weight": take("transformer.wpe.weight")}
+    for i in range(config.n_layer):
+        ours, hf = f"blocks.{i}.", f"transformer.h.{i}."
+        for param in ("weight", "bias"):
+            out[f"{ours}attn_norm.{param}"] = take(f"{hf}ln_1.{param}")
+        qkv_weight = take(f"{hf}attn.c_attn.weight").t()
+        qkv_bias = take(f"{hf}attn.c_attn.bias")
+        for j, p in enumerate("qkv"):
+            out[f"{ours}self_attn.{p}_proj.weight"] = qkv_weight[j * d : (j + 1) * d].contiguous()
+            out[f"{ours}self_attn.{p}_proj.bias"] = qkv_bias[j * d : (j + 1) * d].contiguous()
+        out[f"{ours}self_attn.o_proj.weight"] = take(f"{hf}attn.c_proj.weight").t().contiguous()
+        out[f"{ours}self_attn.o_proj.bias"] = take(f"{hf}attn.c_proj.bias")
+        for param in ("weight", "bias"):
+            out[f"{ours}mlp_norm.{param}"] = take(f"{hf}ln_2.{param}")
+        for our_name, hf_name in (("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")):
+            out[f"{ours}{our_name}.weight"] = take(f"{hf}{hf_name}.weight").t().contiguous()
+            out[f"{ours}{our_name}.bias"] = take(f"{hf}{hf_name}.bias")
+    out["norm.weight"], out["norm.bias"] = take("transformer.ln_f.weight"), take("transformer.ln_f.bias")
+    out["lm_head.weight"] = out["embed.tok.weight"] if config.tied else take("lm_head.weight")
+    take.discard("lm_head.weight")  # a tied head may or may not be listed
+    take.check_all_used()
+    return out
+
+
+# --- llama ---
+
+
+def _llama_to_hf(config: GPTConfig, sd: StateDict) -> StateDict:
+    out = {"model.embed_tokens.weight": sd["embed.tok.weight"]}
+    for i in range(config.n_layer):
+        for ours, hf in LLAMA_BLOCK_NAMES:
+            out[f"model.layers.{i}.{hf}"] = sd[f"blocks.{i}.{ours}"]
+    out["model.norm.weight"] = sd["norm.weight"]
+    out["lm_head.weight"] = out["model.embed_tokens.weight"] if config.tied else sd["lm_head.weight"]
+    return out
+
+
+def _llama_config_from_hf(hf: transformers.LlamaConfig, source: str) -> GPTConfig:
+    rope = hf.rope_parameters or {}
+    _require(rope.get("rope_type", "default") == "default", source, "rope_parameters.rope_type",
+             rope.get("rope_type"), "only 'default' RoPE (no scaling) converts")
+    _require(hf.hidden_act == "silu", source, "hidden_act", hf.hidden_act, "dstrain's llama flavour uses silu")
+    _require(not hf.attention_bias, source, "attention_bias", hf.attention_bias, "only false converts")
+    _require(not hf.mlp_bias, source, "mlp_bias", hf.mlp_bias, "only false converts")
+    head_dim = hf.head_dim or hf.hidden_size // hf.num_attention_heads
+    _require(head_dim * hf.num_attention_heads == hf.hidden_size, source, "head_dim", head_dim,
+             "dstrain needs head_dim * num_attention_heads == hidden_size")
+    return GPTConfig(
+        flavour="llama",
+        vocab_size=hf.vocab_size,
+        max_seq_len=hf.max_position_embeddings,
+        n_layer=hf.num_hidden_layers,
+        n_head=hf.num_attention_heads,
+        n_kv_head=hf.num_key_value_heads or hf.num_attention_heads,
+        d_model=hf.hidden_size,
+        d_ff=hf.intermediate_size,
+        tie_embeddings=hf.tie_word_embeddings,
+        norm_eps=hf.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        init_std=hf.initializer_range,
+    )
+
+
+def _llama_from_hf(config: GPTConfig, hf_state: StateDict, source: str) -> StateDict:
+    take = _WeightTaker(hf_state, source)
+    out = {"embed.tok.weight": take("model.embed_tokens.weight")}
+    for i in range(config.n_layer):
+        for ours, hf in LLAMA_BLOCK_NAMES:
+            out[f"blocks.{i}.{ours}"] = take(f"model.layers.{i}.{hf}")
+    out["norm.weight"] = take("model.norm.weight")
+    out["lm_head.weight"] = out["embed.tok.weight"] if config.tied else take("lm_head.weight")
+    take.discard("lm_head.weight")  # a tied head may or may not be listed
+    take.check_all_used()
+    return out
+
+
+# --- helpers ---
+
+
+def _require(ok: bool, source: str, key: str, value: object, fix: str) -> None:
+    if not ok:
+        raise DstrainError(f"{source}: {key}={value!r} is not supported; {fix}")
+
+
+class _WeightTaker:
+    """Hands out HF tensors by name, then checks that none was left unconverted."""
+
+    def __init__(self, hf_state: StateDict, source: str) -> None:
+        self.left = {k: v for k, v in hf_state.items() if not k.endswith(IGNORED_HF_SUFFIXES)}
+        self.source = source
+
+    def __call__(self, key: str) -> torch.Tensor:
+        if key not in self.left:
+            raise DstrainError(f"{self.source}: weight {key!r} is missing; the checkpoint is incomplete")
+        return self.left.pop(key)
+
+    def discard(self, key: str) -> None:
+        self.left.pop(key, None)
+
+    def check_all_used(self) -> None:
+        if self.left:
+            names = ", ".join(sorted(self.left)[:5])
+            raise DstrainError(f"{self.source}: unexpected weights {names}; dstrain cannot convert this checkpoint")

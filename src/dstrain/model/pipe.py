@@ -1,0 +1,129 @@
+"""The GPT as a DeepSpeed `PipelineModule`: the same Embedding / Block / norm / head, cut into stages.
+
+The pipeline is a flat list of layers, each a thin wrapper around a module of `gpt.py` that passes
+what the next stage needs: a hidden-state tensor, or `(hidden, position_ids)` when doc masking is on.
+
+    layer 0          embedding   (a TiedLayerSpec "embed" when the head is tied to it)
+    layers 1..n      blocks
+    layer n+1        final norm
+    layer n+2        head        (the tied embedding's weight, or its own Linear)
+
+Initial weights equal `GPT(config)`'s for the same seed: each layer is built from the CPU RNG state
+the plain constructor had when it reached that layer (recorded by building the layers once, in order,
+one at a time), so a stage that builds only its own layers still draws exactly the plain model's
+numbers. `layer_prefixes` names where each layer's parameters live in the plain state dict; the
+converter in `dstrain.model.convert` uses it in both directions.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import nn
+
+from dstrain.model.gpt import Block, Embedding, GPTConfig, Linear, lm_loss, make_norm
+
+TIED_KEY = "embed"
+
+
+class EmbeddingPipe(Embedding):
+    def forward(self, inputs):
+        if isinstance(inputs, tuple):
+            input_ids, position_ids = inputs
+            return super().forward(input_ids, position_ids), position_ids
+        return super().forward(inputs)
+
+
+class BlockPipe(Block):
+    def forward(self, inputs):
+        if isinstance(inputs, tuple):
+            x, position_ids = inputs
+            return super().forward(x, position_ids), position_ids
+        return super().forward(inputs)
+
+
+class FinalNormPipe(nn.Module):
+    """GPT.norm; drops the position ids, which no later layer needs."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.norm = make_norm(config)
+
+    def forward(self, inputs):
+        return self.norm(inputs[0] if isinstance(inputs, tuple) else inputs)
+
+
+class HeadPipe(Linear):
+    """An untied GPT.lm_head."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config.d_model, config.vocab_size, bias=False, std=config.init_std)
+
+
+def tied_head(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
+    """GPT.lm_head when tied: logits from the token embedding's own weight."""
+    return F.linear(x, embedding.tok.weight)
+
+
+class _SeededLayerSpec(LayerSpec):
+    """A LayerSpec that builds its module from a recorded CPU RNG state (see the module docstring)."""
+
+    rng_state: torch.Tensor
+
+    def build(self, log=False):
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self.rng_state)
+            return super().build(log)
+
+
+class _SeededTiedLayerSpec(_SeededLayerSpec, TiedLayerSpec):
+    pass
+
+
+def layer_specs(config: GPTConfig, seed: int) -> list[LayerSpec]:
+    """The pipeline's layers in GPT order, each seeded to draw what GPT(config) draws for it."""
+
+    def spec(typename, tied_fn=None, tied=False):
+        if tied:
+            return _SeededTiedLayerSpec(TIED_KEY, typename, config, forward_fn=tied_fn, tied_weight_attr=["tok.weight"])
+        return _SeededLayerSpec(typename, config)
+
+    specs = [spec(EmbeddingPipe, tied=config.tied)]
+    specs += [spec(BlockPipe) for _ in range(config.n_layer)]
+    specs.append(spec(FinalNormPipe))
+    specs.append(spec(EmbeddingPipe, tied_head, tied=True) if config.tied else spec(HeadPipe))
+    # Replay GPT.__init__'s draws layer by layer; the tied head draws nothing there, like GPT's tied lm_head.
+    torch.manual_seed(seed)
+    for s in specs:
+        if isinstance(s, TiedLayerSpec) and s is not specs[0]:
+            s.rng_state = specs[0].rng_state
+            continue
+        s.rng_state = torch.get_rng_state()
+        s.typename(config)  # consume this layer's init; the module is dropped
+    return specs
+
+
+def layer_prefixes(config: GPTConfig) -> list[str | None]:
+    """Plain state-dict prefix of each pipeline layer's parameters (None: a tied layer with no state of its own)."""
+    head = None if config.tied else "lm_head."
+    return ["embed.", *(f"blocks.{i}." for i in range(config.n_layer)), "", head]
+
+
+def build_pipeline(config: GPTConfig, seed: int, stages: int, partition_method: str = "parameters",
+                   activation_checkpoint_interval: int = 0) -> PipelineModule:
+    """GPT(config) as a PipelineModule of `stages` stages, with lm_loss as its loss."""
+    if config.activation_checkpointing and not activation_checkpoint_interval:
+        activation_checkpoint_interval = 1  # the recipe asks for per-block recomputation
+    return PipelineModule(
+        layers=layer_specs(config, seed),
+        num_stages=stages,
+        loss_fn=lm_loss,
+        partition_method=partition_method,
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        # Only blocks: DeepSpeed's reentrant checkpoint would cut the embedding off from its gradient.
+        checkpointable_layers=[BlockPipe.__name__],
+    )
+
+
+__all__ = ["build_pipeline", "layer_prefixes", "layer_specs", "EmbeddingPipe", "BlockPipe", "FinalNormPipe",
+           "HeadPipe", "tied_head"]
