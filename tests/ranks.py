@@ -4,6 +4,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import traceback
 
 
@@ -23,10 +24,13 @@ def _child(rank: int, world: int, port: int, env: dict, target, args, queue) -> 
 
     torch.set_num_threads(1)
     try:
-        queue.put((rank, "ok", target(*args)))
+        result = target(*args)
     except BaseException as e:  # report, then fail the process
         queue.put((rank, "error", "".join(traceback.format_exception(e))))
         raise
+    queue.put((rank, "ok", result))
+    if isinstance(result, int) and not isinstance(result, bool):
+        sys.exit(result)  # a target returning an exit status (like dstrain.train's main) exits with it
 
 
 def run_ranks(world: int, target, *args, env: dict | None = None, timeout: float = 600) -> list:

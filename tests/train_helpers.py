@@ -53,8 +53,8 @@ def train_each(runs: list[list[str]]) -> list[int]:
     return [main(argv) for argv in runs]
 
 
-def train_and_signal_at(argv: list[str], step: int, signum: int = signal.SIGUSR1) -> int:
-    """Rank target: train, with rank 0 sending itself ``signum`` right after optimizer step ``step``."""
+def train_and_signal_at(argv: list[str], step: int, signum: int = signal.SIGUSR1, rank: int = 0, times: int = 1) -> int:
+    """Rank target: train, with ``rank`` sending itself ``signum`` (``times`` times) right after optimizer step ``step``."""
     from dstrain.train.loop import Trainer
     from dstrain.train.run import main
 
@@ -62,8 +62,9 @@ def train_and_signal_at(argv: list[str], step: int, signum: int = signal.SIGUSR1
 
     def train_step(self, batches):
         loss = original(self, batches)
-        if self.progress.step + 1 == step and int(os.environ["RANK"]) == 0:
-            os.kill(os.getpid(), signum)
+        if self.progress.step + 1 == step and int(os.environ["RANK"]) == rank:
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
         return loss
 
     Trainer.train_step = train_step
@@ -117,3 +118,38 @@ def zero0_fp16_gradient_scale() -> float:
     got = engine.module.lm_head.weight.grad.float()
     want = reference.lm_head.weight.grad.float()
     return (got.norm() / want.norm()).item()
+
+
+def train_with_fault(argv: list[str], step: int, fault: str, rank: int | None = None) -> int:
+    """Rank target: train, and at optimizer step ``step`` (on ``rank``, or every rank if None) inject ``fault``:
+    "raise" (an exception), "nan" (the loss becomes NaN), "die-in-save" (the process dies inside
+    save_checkpoint after DeepSpeed wrote its files, before dstrain publishes them)."""
+    from dstrain.train.loop import Trainer
+    from dstrain.train.run import main
+
+    here = rank is None or int(os.environ["RANK"]) == rank
+    forward_loss = Trainer._forward_loss
+
+    def faulty_loss(self, batch):
+        loss = forward_loss(self, batch)
+        if here and self.progress.step + 1 == step:
+            if fault == "raise":
+                raise ValueError(f"injected fault at step {step}")
+            if fault == "nan":
+                loss = loss * float("nan")
+        return loss
+
+    Trainer._forward_loss = faulty_loss
+    if fault == "die-in-save":
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        save = DeepSpeedEngine.save_checkpoint
+
+        def save_then_die(self, save_dir, tag=None, **kwargs):
+            result = save(self, save_dir, tag=tag, **kwargs)
+            if here and tag == f"global_step{step}.partial":
+                os._exit(9)
+            return result
+
+        DeepSpeedEngine.save_checkpoint = save_then_die
+    return main(argv)
