@@ -1,0 +1,297 @@
+"""``dstrain compare``: one recipe under several ds_configs, and one report of speed, memory and loss.
+
+    dstrain compare --recipe R --deepspeed_configs C1 C2 ... [--nproc N] [--steps S] --out DIR [key=value ...]
+    dstrain compare --collect DIR [--deepspeed_configs C1 C2 ...] [--recipe R]
+
+The first form runs each config, one after another, through the ``deepspeed`` launcher into
+``DIR/<config stem>/`` (its full output in ``launcher.log``); the second builds the report from run
+folders that already exist there, e.g. those of the Slurm array ``slurm/compare.sbatch``. The recipe
+fixes global batch, schedule and data order, so every config trains on the same samples and the
+equivalent strategies end on the same loss. A config that fails keeps its row with the reason; the
+others still run. DIR gets ``report.md``, ``results.csv``, ``loss.png``, ``throughput.png``, ``memory.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dstrain.errors import DstrainError
+from dstrain.report import GIB, Row, plot_losses, plot_memory, plot_throughput, write_csv, write_markdown
+
+LOG_NAME = "launcher.log"
+RUN_FILES = ("metrics.jsonl", "summary.json", "ds_config.json", LOG_NAME)
+OOM = re.compile(r"OutOfMemoryError|out of memory|CUBLAS_STATUS_ALLOC_FAILED", re.IGNORECASE)
+ERROR_LINE = re.compile(r"\b[\w.]*(?:Error|Exception)\b:?.*")  # "torch.OutOfMemoryError: CUDA out of memory. ..."
+THROUGHPUT_NOTE = (
+    "Throughput (tokens/s over all ranks, TFLOP/s per device, MFU) is the steady state: the median over the "
+    "logged intervals after the first, which includes start-up; with a single logged interval, that interval."
+)
+
+
+# --- running ------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher() -> str:
+    """The deepspeed launcher of this interpreter's environment (a venv's bin/ need not be on PATH)."""
+    beside = Path(sys.executable).parent / "deepspeed"
+    found = str(beside) if beside.exists() else shutil.which("deepspeed")
+    if not found:
+        raise DstrainError("the deepspeed launcher is not installed in this environment; pip install deepspeed")
+    return found
+
+
+def run_overrides(overrides: list[str], steps: int | None) -> list[str]:
+    """The user's overrides, plus --steps, plus one log line per step for a steady-state median."""
+    extra = [] if any(o.startswith("train.log_interval=") for o in overrides) else ["train.log_interval=1"]
+    if steps is not None:
+        extra += [f"train.steps={steps}", "train.tokens=null"]
+    return [*overrides, *extra]
+
+
+def launch(recipe: str, config: str, run_dir: Path, nproc: int, overrides: list[str]) -> int:
+    """One config through the deepspeed launcher; everything it prints goes to run_dir/launcher.log."""
+    command = [launcher(), "--num_gpus", str(nproc), "--master_port", str(free_port()), "--module", "dstrain.train",
+               "--recipe", recipe, "--deepspeed_config", config, f"run_dir={run_dir}", *overrides]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / LOG_NAME).open("w") as log:
+        log.write("$ " + shlex.join(command) + "\n")
+        log.flush()
+        return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
+
+
+def run_all(recipe: str, configs: list[str], out: Path, nproc: int, overrides: list[str]) -> None:
+    from rich.console import Console
+
+    console = Console(stderr=True, soft_wrap=True)
+    for i, config in enumerate(configs, 1):
+        stem, start = Path(config).stem, time.time()
+        with console.status(f"[{i}/{len(configs)}] {stem}: running on {nproc} ranks ({out / stem / LOG_NAME})"):
+            launch(recipe, config, out / stem, nproc, overrides)
+        row = read_run(out / stem)
+        done = f"{row.tokens_per_s or 0:,.0f} tokens/s, final loss {row.final_loss or float('nan'):.4f}" if row.ok else row.reason
+        mark = "[green]ok[/]" if row.ok else "[red]failed[/]"
+        seconds = time.time() - start
+        console.print(f"[{i}/{len(configs)}] {stem}: {mark} {row.status} in {seconds:.0f} s: {done}", highlight=False)
+
+
+def check_fresh(out: Path, configs: list[str]) -> None:
+    """Refuse before running anything: duplicate stems, or run folders that already hold a run."""
+    stems = [Path(c).stem for c in configs]
+    for stem in stems:
+        if stems.count(stem) > 1:
+            clash = [c for c in configs if Path(c).stem == stem]
+            raise DstrainError(f"--deepspeed_configs {' and '.join(clash)} share the run folder {out / stem}; rename one")
+        if any((out / stem / name).exists() for name in RUN_FILES):
+            raise DstrainError(f"{out / stem} already holds a run; choose another --out, remove it, "
+                               f"or rebuild the report with --collect {out}")
+
+
+# --- reading run folders --------------------------------------------------------------------------------
+
+def find_log(run_dir: Path) -> Path | None:
+    """launcher.log, else the newest *.log / *.out (a Slurm job's output) in the run folder."""
+    if (run_dir / LOG_NAME).is_file():
+        return run_dir / LOG_NAME
+    logs = [p for p in [*run_dir.glob("*.log"), *run_dir.glob("*.out")] if p.is_file()]  # not a dangling link
+    logs.sort(key=lambda p: p.stat().st_mtime)
+    return logs[-1] if logs else None
+
+
+def failure(log: str) -> tuple[str, str]:
+    """(status, reason) of a run that left no summary: the trainer's one-liner, else the last error line.
+
+    A log without any error line belongs to a run still going, or one killed without a word (Slurm's time limit).
+    """
+    lines = [line.strip() for line in log.splitlines() if line.strip() and not line.startswith("$ ")]
+    mine = [line for line in lines if "dstrain: error:" in line]
+    if mine:
+        return "invalid config", mine[-1].split("dstrain: error:", 1)[1].strip()
+    errors = [m.group(0) for line in lines if (m := ERROR_LINE.search(line))]
+    if errors:
+        return ("out of memory" if OOM.search(log) else "crashed"), errors[-1]
+    return "incomplete", lines[-1] if lines else "empty log"
+
+
+def describe(ds: dict) -> dict:
+    """The strategy columns of a ds_config (resolved or as written)."""
+    zero = ds.get("zero_optimization", {})
+    precision = "fp16" if ds.get("fp16", {}).get("enabled") else "bf16" if ds.get("bf16", {}).get("enabled") else "fp32"
+    offload = [f"{k.split('_')[1]}:{zero[k]['device']}" for k in ("offload_optimizer", "offload_param")
+               if zero.get(k, {}).get("device", "none") != "none"]
+    ints = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
+    pp = int(ds.get("pipeline", {}).get("stages", 1))
+    tp = int(ds.get("tensor_parallel", {}).get("autotp_size", 1))
+    world = None
+    if all(isinstance(v, int) and v > 0 for v in ints):
+        world = ints[0] // (ints[1] * ints[2]) * (pp if pp > 1 else 1)  # pipeline engines count the data-parallel world
+    return dict(zero_stage=zero.get("stage", 0), pp_stages=pp, tp_size=tp, precision=precision,
+                offload=", ".join(offload) or "none", micro_batch=ints[1],
+                grad_accum=ints[2] if isinstance(ints[2], int) else None, world_size=world)
+
+
+def steady(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return statistics.median(values[1:]) if len(values) > 1 else values[0]
+
+
+def read_records(path: Path) -> list[dict]:
+    """metrics.jsonl's objects; a line cut short by a killed run is skipped."""
+    records = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def read_run(run_dir: Path, ds_file: str | None = None) -> Row:
+    """One row from whatever the run left: metrics.jsonl, summary.json, ds_config.json, its log."""
+    row = Row(config=run_dir.name, status="incomplete")
+    ds_path = run_dir / "ds_config.json" if (run_dir / "ds_config.json").is_file() else ds_file
+    if ds_path and Path(ds_path).is_file():
+        try:
+            for key, value in describe(json.loads(Path(ds_path).read_text())).items():
+                setattr(row, key, value)
+        except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+            pass  # a malformed config: the run's log says why
+    records = read_records(run_dir / "metrics.jsonl")
+    # a requeued Slurm task resumes from its checkpoint and logs those steps again: keep the latest of each
+    train = sorted({r["step"]: r for r in records if "split" not in r}.values(), key=lambda r: r["step"])
+    evals = [r for r in records if "split" in r]
+    if train:
+        row.curve = [(r["step"], r["loss"]) for r in train]
+        row.final_loss, row.steps = train[-1]["loss"], train[-1]["step"]
+        row.tokens_per_s = steady([r.get("tokens_per_s") for r in train])
+        row.tflops_per_device = steady([r.get("tflops_per_device") for r in train])
+        row.mfu = steady([r.get("mfu") for r in train])
+        peaks = [r["mem_peak_bytes"] for r in train if r.get("mem_peak_bytes")]
+        row.mem_peak_gib = max(peaks) / GIB if peaks else None
+    if evals:
+        row.valid_loss = evals[-1]["loss"]
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        row.status = json.loads(summary.read_text()).get("status", "incomplete")
+    log = find_log(run_dir)
+    if row.status == "interrupted":
+        row.reason = f"stopped by a signal after step {row.steps}; its checkpoint is in {run_dir / 'checkpoints'}"
+    elif not row.ok and log is not None:
+        row.status, row.reason = failure(log.read_text(errors="replace"))
+    elif not row.ok:
+        row.status, row.reason = "missing", f"{run_dir} holds no log and no summary.json"
+    return row
+
+
+def add_estimates(rows: list[Row], out: Path, recipe_file: str | None, overrides: list[str], nproc: int | None,
+                  sources: dict[str, str]) -> None:
+    """The estimated device peak of each config, from the run's resolved files, else the inputs."""
+    from dstrain.config import load_recipe
+    from dstrain.estimate import estimate_file
+
+    for row in rows:
+        run = out / row.config
+        try:
+            if (run / "recipe.yaml").is_file() and (run / "ds_config.json").is_file() and row.world_size:
+                recipe_path, ds_path, world = run / "recipe.yaml", run / "ds_config.json", row.world_size
+                recipe = load_recipe(recipe_path)
+            elif recipe_file and row.config in sources and nproc:
+                recipe_path, ds_path, world = recipe_file, sources[row.config], nproc
+                recipe = load_recipe(recipe_file, overrides)
+            else:
+                continue
+            row.est_mem_gib = estimate_file(recipe, recipe_path, ds_path, 1, world).peak() / GIB
+        except DstrainError:
+            continue  # an invalid config: its row already says why
+
+
+def build_report(out: Path, rows: list[Row], title: str, context: list[str]) -> None:
+    ok = [r for r in rows if r.ok and r.final_loss is not None]
+    base = ok[0] if ok and rows[0].ok else None
+    for row in rows:
+        if base is not None and row.final_loss is not None:
+            row.loss_diff = row.final_loss - base.final_loss
+    plots = ["loss.png", "throughput.png", "memory.png"]
+    plot_losses(rows, out / plots[0])
+    plot_throughput(rows, out / plots[1])
+    plot_memory(rows, out / plots[2])
+    write_csv(rows, out / "results.csv")
+    baseline = f"`{base.config}`" if base else "none (the first config did not complete)"
+    notes = [
+        *context, "", THROUGHPUT_NOTE,
+        "Peak memory is rank 0's `mem_peak_bytes` (the device allocator's peak; process RSS on a CPU); the estimate is "
+        "`dstrain estimate`'s device peak (model states, activations, buffers) for the same ranks.",
+        f"Δ loss is the final training loss minus that of the first config, {baseline}; equivalent strategies "
+        "(same precision) agree to about 1e-4 relative. Full logs: `<config>/launcher.log`.",
+    ]
+    write_markdown(rows, out / "report.md", title, notes, plots)
+
+
+# --- the command ----------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", help="recipe YAML, the same for every config")
+    parser.add_argument("--deepspeed_configs", "--deepspeed-configs", nargs="+", default=[], metavar="CONFIG",
+                        help="ds_configs to compare, the first is the loss baseline (with --collect: the row order)")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks per run (default: every local device)")
+    parser.add_argument("--steps", type=int, default=None, help="train.steps for every run (default: the recipe's)")
+    parser.add_argument("--out", type=Path, help="report folder; each config runs in OUT/<config stem>/")
+    parser.add_argument("--collect", type=Path, metavar="DIR", help="report on the run folders in DIR; run nothing")
+    parser.add_argument("overrides", nargs="*", help="dotted recipe overrides for every run, e.g. optim.lr=1e-3")
+
+
+def main(args: argparse.Namespace) -> int:
+    # nargs="+" also swallows trailing key=value overrides; a ds_config path has no "=".
+    configs = [c for c in args.deepspeed_configs if "=" not in c]
+    overrides = [*args.overrides, *(c for c in args.deepspeed_configs if "=" in c)]
+    sources = {Path(c).stem: c for c in configs}
+    if args.collect:
+        out = args.collect
+        if not out.is_dir():
+            raise DstrainError(f"--collect {out}: no such folder")
+        found = sorted(p.name for p in out.iterdir()
+                       if p.is_dir() and (any((p / n).exists() for n in RUN_FILES) or find_log(p)))
+        names = [Path(c).stem for c in configs] or found
+        if not names:
+            raise DstrainError(f"--collect {out}: no run folders (with metrics.jsonl, summary.json or a log) in it")
+        rows = [read_run(out / name, sources.get(name)) for name in names]
+        nproc = args.nproc
+        context = [f"Collected from the run folders in `{out}`."]
+    else:
+        if not args.recipe or not configs or not args.out:
+            raise DstrainError("dstrain compare needs --recipe, --deepspeed_configs and --out (or --collect DIR)")
+        from deepspeed.accelerator import get_accelerator
+
+        from dstrain.config import load_recipe
+
+        overrides = run_overrides(overrides, args.steps)
+        recipe = load_recipe(args.recipe, overrides)  # a bad recipe or override stops here, before any launch
+        nproc = args.nproc or get_accelerator().device_count()
+        out = args.out
+        check_fresh(out, configs)
+        run_all(args.recipe, configs, out, nproc, overrides)
+        rows = [read_run(out / Path(c).stem, c) for c in configs]
+        context = [f"Recipe `{args.recipe}` (`{recipe.name}`: global batch {recipe.train.global_batch} × "
+                   f"{recipe.data.seq_len} tokens, {recipe.total_steps} steps) on {nproc} ranks per config, "
+                   f"one config after another. Overrides: `{' '.join(overrides)}`."]
+    add_estimates(rows, out, args.recipe, overrides, nproc, sources)
+    build_report(out, rows, f"dstrain compare: {len(rows)} configs", context)
+    completed = sum(r.ok for r in rows)
+    print(f"{out / 'report.md'}: {completed} of {len(rows)} configs completed; results.csv and plots beside it")
+    return 0 if all(r.ok for r in rows) else 1
