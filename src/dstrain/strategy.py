@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,10 @@ def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: s
         raise DstrainError(
             f"{ds_file}: pipeline.stages={pp_stages} exceeds the model's {recipe.model.n_layer} blocks in {recipe_file}"
         )
+    if pp_stages > 1:
+        _check_pipeline(config["pipeline"], ds_file)
+    if tp_size > 1:
+        _check_tensor_parallel(config["tensor_parallel"], recipe, recipe_file, ds_file, pp_stages)
 
     micro = config.get("train_micro_batch_size_per_gpu")
     if not isinstance(micro, int) or isinstance(micro, bool) or micro <= 0:
@@ -146,6 +151,51 @@ def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: s
         offload_optimizer=_offload(zero, "offload_optimizer"),
         offload_param=_offload(zero, "offload_param"),
     )
+
+
+# What AutoTP must do to each projection of a block (gpt2 has no gate_proj; nothing else is sharded).
+TP_LAYOUT = {"self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
+             "mlp.gate_proj": "column", "mlp.up_proj": "column", "self_attn.o_proj": "row", "mlp.down_proj": "row"}
+
+
+def _check_pipeline(pipeline: dict, ds_file: str) -> None:
+    method = str(pipeline.get("partition_method", "parameters"))
+    if method not in ("parameters", "uniform") and not method.startswith("type:"):
+        raise DstrainError(
+            f'{ds_file}: pipeline.partition_method={method!r}; use "parameters", "uniform" or "type:Block"'
+        )
+    interval = pipeline.get("activation_checkpoint_interval", 0)
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+        raise DstrainError(f"{ds_file}: pipeline.activation_checkpoint_interval={interval!r}; use 0 (off) or a positive integer")
+
+
+def _check_tensor_parallel(tp: dict, recipe: Recipe, recipe_file, ds_file: str, pp_stages: int) -> None:
+    size = int(tp["autotp_size"])
+    if pp_stages > 1:
+        # DeepSpeed 0.19.8: AutoTP swaps the pipeline engine's grid for its own data x tensor mesh, which ignores the
+        # stages, so the engine broadcasts weights between stages and dies (tests/test_parallel.py pins the cause).
+        raise DstrainError(
+            f"{ds_file}: tensor_parallel with pipeline.stages > 1 is not supported by DeepSpeed's pipeline engine; "
+            f"use ds_configs/tp2_zero1.json or ds_configs/pp2_zero1.json"
+        )
+    model = recipe.model
+    if model.kv_heads % size:
+        raise DstrainError(
+            f"{ds_file}: tensor_parallel.autotp_size={size} does not divide the {model.kv_heads} key/value heads of "
+            f"{recipe_file} (model.n_kv_head / model.n_head); pick an autotp_size that divides them"
+        )
+    specs = (tp.get("partition_config") or {}).get("layer_specs") or []
+    for module, kind in TP_LAYOUT.items():
+        name = f"blocks.0.{module}.weight"
+        # AutoTP takes the first spec whose pattern re.match-es the weight's name (model_types never match: our
+        # config has no HF model_type).
+        found = next((str(spec.get("partition_type", "column")).lower() for spec in specs
+                      if not spec.get("model_types") and any(re.match(p, name) for p in spec.get("patterns", []))), None)
+        if found != kind:
+            raise DstrainError(
+                f"{ds_file}: tensor_parallel.partition_config must split {module} {kind}-wise (it says {found}); "
+                f"use the layer_specs of ds_configs/tp2_zero1.json"
+            )
 
 
 def _precision(config: dict, ds_file: str) -> str:

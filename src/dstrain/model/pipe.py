@@ -103,10 +103,11 @@ def layer_specs(config: GPTConfig, seed: int) -> list[LayerSpec]:
     return specs
 
 
-def layer_prefixes(config: GPTConfig) -> list[str | None]:
-    """Plain state-dict prefix of each pipeline layer's parameters (None: a tied layer with no state of its own)."""
-    head = None if config.tied else "lm_head."
-    return ["embed.", *(f"blocks.{i}." for i in range(config.n_layer)), "", head]
+def layer_prefixes(config: GPTConfig) -> list[tuple[str, str] | None]:
+    """Per pipeline layer: (prefix of its keys in GPT.state_dict(), prefix of the same keys in the layer's own
+    state dict); None for the tied head, whose weight is the embedding's."""
+    head = None if config.tied else ("lm_head.", "")
+    return [("embed.", ""), *((f"blocks.{i}.", "") for i in range(config.n_layer)), ("norm.", "norm."), head]
 
 
 def build_pipeline(config: GPTConfig, seed: int, stages: int, partition_method: str = "parameters",

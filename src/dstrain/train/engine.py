@@ -1,4 +1,5 @@
-"""Building the DeepSpeed engine: the model (under zero.Init for ZeRO-3), parameter groups, schedule."""
+"""Building the DeepSpeed engine: the model (plain, under zero.Init for ZeRO-3, or as pipeline stages),
+parameter groups, schedule, and where this rank sits in DeepSpeed's data-parallel groups."""
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,21 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
-    """The plain GPT; under ZeRO-3 built inside zero.Init so no rank ever holds all of it."""
+    """The GPT with the same initial weights under every strategy.
+
+    Plain by default; under ZeRO-3 built inside zero.Init so no rank ever holds all of it; with
+    pipeline stages a PipelineModule whose layers each rank builds only for its own stage.
+    AutoTP shards the plain GPT inside deepspeed.initialize.
+    """
+    if strategy.pp_stages > 1:
+        from dstrain.model.pipe import build_pipeline
+
+        pipeline = strategy.ds_config.get("pipeline", {})
+        return build_pipeline(
+            recipe.model, recipe.seed, strategy.pp_stages,
+            partition_method=pipeline.get("partition_method", "parameters"),
+            activation_checkpoint_interval=pipeline.get("activation_checkpoint_interval", 0),
+        )
     torch.manual_seed(recipe.seed)  # identical initial weights on every rank and under every strategy
     init = (
         deepspeed.zero.Init(config_dict_or_path=strategy.ds_config)
@@ -35,6 +50,11 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
 
 def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
     """deepspeed.initialize with the optimizer from the ds_config and the schedule from the recipe."""
+    # DeepSpeed 0.19.8 leaves the previous engine's process grid (pipeline grid, AutoTP groups) in the module-global
+    # deepspeed.utils.groups.mpu, and an engine built without one then takes its data-parallel group from it: a
+    # second run in one process (tests, notebooks) crashes or reduces over the wrong ranks. Engines that have a
+    # grid set it again. tests/test_parallel.py::test_deepspeed_leaks_the_pipeline_grid notices a fix upstream.
+    deepspeed.utils.groups.mpu = None
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, recipe.optim.weight_decay),
@@ -42,3 +62,22 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
         lr_scheduler=lambda opt: build_scheduler(opt, recipe.total_steps, recipe.optim, recipe.schedule),
     )
     return engine
+
+
+def is_pipeline(engine) -> bool:
+    return isinstance(engine, deepspeed.PipelineEngine)
+
+
+def data_parallel_rank(engine, strategy: Strategy) -> int:
+    """This rank's index among the data-parallel replicas, as DeepSpeed laid them out.
+
+    The pipeline grid (engine.mpu for a PipelineEngine) and the AutoTP mesh (engine.mpu = deepspeed.utils.groups)
+    each own their layout; the ranks of one tensor-parallel group or one pipeline share an index.
+    """
+    if engine.mpu is None:
+        rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        rank, size = engine.mpu.get_data_parallel_rank(), engine.mpu.get_data_parallel_world_size()
+    if size != strategy.dp_size:
+        raise RuntimeError(f"DeepSpeed built {size} data-parallel replicas, strategy.resolve expected {strategy.dp_size}")
+    return rank

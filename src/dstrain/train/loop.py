@@ -3,9 +3,16 @@
 Everything a step consumes is a function of ``consumed_samples``: the k-th optimizer
 step reads global batch k whatever the world size, micro-batch or accumulation, so a
 resumed run and a run under another strategy see exactly the same samples.
+
+Pipeline engines run a whole optimizer step in `engine.train_batch(micro_batches)` and
+evaluate through `engine.eval_batch`; every other engine (ZeRO, AutoTP) is driven micro-batch
+by micro-batch. The data-parallel rank comes from DeepSpeed's own groups
+(`dstrain.train.engine.data_parallel_rank`): the ranks of one tensor-parallel group or of one
+pipeline read the same samples.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import signal
@@ -22,6 +29,7 @@ from dstrain.errors import DstrainError
 from dstrain.metrics import MetricsLog, device_peak_tflops, peak_memory_bytes
 from dstrain.model.gpt import flops_per_token, lm_loss
 from dstrain.train import checkpoint
+from dstrain.train.engine import data_parallel_rank, is_pipeline
 
 
 class StopSignal:
@@ -55,11 +63,28 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
+@contextlib.contextmanager
+def monitor_paused(engine):
+    """PipelineEngine.eval_batch(reduce_output=None) hands its monitor and its loss broadcast a list, or None off
+    the last stage, whenever the ds_config enables a monitor (DeepSpeed 0.19.8; tests/test_parallel.py::
+    test_deepspeed_pipeline_eval_monitor_defect). Our own eval record reaches the monitor through MetricsLog."""
+    enabled = engine.monitor.enabled
+    engine.monitor.enabled = False
+    try:
+        yield
+    finally:
+        engine.monitor.enabled = enabled
+
+
 class Trainer:
-    def __init__(self, recipe, strategy, engine, train_data, valid_data, run_dir: Path, dp_rank: int, data_fingerprint):
+    def __init__(self, recipe, strategy, engine, train_data, valid_data, run_dir: Path, data_fingerprint,
+                 dp_rank: int | None = None):
         self.recipe, self.strategy, self.engine = recipe, strategy, engine
         self.train_data, self.valid_data = train_data, valid_data
-        self.run_dir, self.dp_rank = run_dir, dp_rank
+        # dp_rank is accepted for old callers and ignored: only DeepSpeed's groups know the pipeline/TP layout.
+        self.run_dir, self.dp_rank = run_dir, data_parallel_rank(engine, strategy)
+        self.pipeline = is_pipeline(engine)
+        self.pipe_batch_size = strategy.micro_batch  # the micro-batch size the pipeline's p2p buffers are sized for
         self.data_fingerprint = data_fingerprint
         self.device = engine.device
         self.is_rank0 = torch.distributed.get_rank() == 0
@@ -87,9 +112,36 @@ class Trainer:
         position_ids = batch["position_ids"] if self.recipe.model.doc_masking else None
         return lm_loss(self.engine(batch["input_ids"], position_ids), batch["labels"])
 
+    def _pipe_item(self, batch: dict) -> tuple:
+        """(inputs, labels) as the first and last pipeline stages take them."""
+        inputs = (batch["input_ids"], batch["position_ids"]) if self.recipe.model.doc_masking else batch["input_ids"]
+        return inputs, batch["labels"]
+
+    def _pipe_micro_batches(self, batches, count: int):
+        # Only the first and last stages pull from it; the others' generator simply falls behind, unused.
+        for _ in range(count):
+            yield self._pipe_item(next(batches))
+
+    def _resize_pipe(self, size: int) -> None:
+        """The pipeline sizes its p2p buffers by the first micro-batch it sends; a different size needs new ones."""
+        if size != self.pipe_batch_size:
+            self.engine.reset_activation_shape()
+            self.pipe_batch_size = size
+
+    def _pipe_eval_loss(self, batch: dict) -> float | None:
+        """One micro-batch through the pipeline; its mean loss on the last stage, None on the others."""
+        self._resize_pipe(batch["labels"].shape[0])
+        with monitor_paused(self.engine):
+            losses = self.engine.eval_batch(iter([self._pipe_item(batch)]), num_micro_batches=1,
+                                            reduce_output=None, bcast_loss=False)
+        return None if losses is None else losses[0].item()
+
     # --- one optimizer step ------------------------------------------------------------
     def train_step(self, batches) -> torch.Tensor:
         """Forward/backward over this rank's micro-batches of one global batch; returns the mean loss."""
+        if self.pipeline:
+            # One optimizer step; returns the data-parallel mean loss on every stage.
+            return self.engine.train_batch(self._pipe_micro_batches(batches, self.strategy.grad_accum))
         total = torch.zeros((), device=self.device)
         for _ in range(self.strategy.grad_accum):
             loss = self._forward_loss(next(batches))
@@ -107,11 +159,20 @@ class Trainer:
         mine = list(range(self.dp_rank, n, self.strategy.dp_size))
         sums = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss x tokens, tokens
         micro = self.strategy.micro_batch
-        for start in range(0, len(mine), micro):
-            batch = self._to_device(mine[start:start + micro], self.valid_data)
-            tokens = batch["labels"].numel()
-            sums += torch.tensor([self._forward_loss(batch).item() * tokens, tokens], device=self.device, dtype=torch.float64)
-        torch.distributed.all_reduce(sums)  # model-parallel replicas add equal shares to both sums
+        chunks = [mine[start:start + micro] for start in range(0, len(mine), micro)]
+        # Every rank makes the same number of forward calls (ZeRO-3 gathers and the pipeline's eval_batch barrier
+        # are collectives); a replica with fewer samples repeats its last chunk and ignores the result.
+        calls = math.ceil(math.ceil(n / self.strategy.dp_size) / micro)
+        for i in range(calls):
+            batch = self._to_device(chunks[min(i, len(chunks) - 1)] if chunks else [0], self.valid_data)
+            loss = self._pipe_eval_loss(batch) if self.pipeline else self._forward_loss(batch).item()
+            if loss is not None and i < len(chunks):
+                tokens = batch["labels"].numel()
+                sums += torch.tensor([loss * tokens, tokens], device=self.device, dtype=torch.float64)
+        if self.pipeline:
+            self._resize_pipe(micro)
+        # Model-parallel replicas add equal shares to both sums (TP), or only the last stage adds (pipeline).
+        torch.distributed.all_reduce(sums)
         self.engine.train()
         loss = (sums[0] / sums[1]).item()
         return {"step": self.progress.step, "split": "valid", "loss": loss, "ppl": math.exp(min(loss, 50.0))}
