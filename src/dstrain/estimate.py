@@ -47,7 +47,6 @@ import collections
 import functools
 import json
 import math
-from contextlib import AbstractContextManager
 from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -317,25 +316,13 @@ def deepspeed_reference(counts: ParamCounts, est: Estimate) -> dict | None:
     return {"function": name, "device": int(gpu), "cpu_per_node": int(cpu)}
 
 
-def target_device_checks() -> AbstractContextManager:
-    """Estimates are for the cluster's GPUs, not this host: let resolve() accept fp16 on a CPU login node.
-
-    strategy.resolve checks the local accelerator; a resolve(check_device=False) would remove this patch.
-    """
-    from unittest import mock
-
-    from deepspeed.accelerator import get_accelerator
-
-    return mock.patch.object(get_accelerator(), "is_fp16_supported", return_value=True)
-
-
 def estimate_file(recipe: Recipe, recipe_file: str | Path, ds_file: str | Path, nodes: int, gpus_per_node: int,
                   device_memory_gib: float = 80.0, reserve_gib: float = 1.0) -> Estimate:
     """Resolve ``ds_file`` against the recipe for nodes x gpus_per_node ranks, then estimate."""
     if nodes < 1 or gpus_per_node < 1:
         raise DstrainError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: both must be at least 1")
-    with target_device_checks():
-        strategy = resolve(recipe, recipe_file, load_ds_config(ds_file), ds_file, nodes * gpus_per_node)
+    # The estimate is for the cluster's devices, not this host's: its fp16 support does not matter.
+    strategy = resolve(recipe, recipe_file, load_ds_config(ds_file), ds_file, nodes * gpus_per_node, check_device=False)
     return estimate(recipe, strategy, nodes, gpus_per_node, device_memory_gib, reserve_gib)
 
 

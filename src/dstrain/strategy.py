@@ -56,8 +56,10 @@ def load_ds_config(path: str | Path) -> dict:
     return config
 
 
-def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: str | Path, world_size: int) -> Strategy:
-    """Fill every "auto" from the recipe and check the ds_config against it."""
+def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: str | Path, world_size: int,
+            check_device: bool = True) -> Strategy:
+    """Fill every "auto" from the recipe and check the ds_config against it; ``check_device=False`` when
+    resolving for another machine (an estimate for a GPU cluster, made on a CPU login node)."""
     config = copy.deepcopy(ds_config)
     ds_file = str(ds_file)
 
@@ -74,7 +76,7 @@ def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: s
     if "scheduler" in config:
         raise DstrainError(f"{ds_file}: remove the 'scheduler' section; the LR schedule belongs to the recipe (schedule.*)")
 
-    precision = _precision(config, ds_file)
+    precision = _precision(config, ds_file, check_device)
     zero = config.setdefault("zero_optimization", {})
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
@@ -198,7 +200,7 @@ def _check_tensor_parallel(tp: dict, recipe: Recipe, recipe_file, ds_file: str, 
             )
 
 
-def _precision(config: dict, ds_file: str) -> str:
+def _precision(config: dict, ds_file: str, check_device: bool) -> str:
     fp16 = config.get("fp16", {}).get("enabled", False)
     bf16 = config.get("bf16", {}).get("enabled", False)
     if fp16 and bf16:
@@ -206,7 +208,7 @@ def _precision(config: dict, ds_file: str) -> str:
     if fp16:
         from deepspeed.accelerator import get_accelerator
 
-        if not get_accelerator().is_fp16_supported():
+        if check_device and not get_accelerator().is_fp16_supported():
             raise DstrainError(
                 f"{ds_file}: fp16 is not supported on this device ({get_accelerator().device_name()}); "
                 f"use a bf16 config such as ds_configs/zero1_bf16.json, or an fp32 one"
