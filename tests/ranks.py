@@ -33,7 +33,7 @@ def _child(rank: int, world: int, port: int, env: dict, target, args, queue) -> 
         sys.exit(result)  # a target returning an exit status (like dstrain.train's main) exits with it
 
 
-def run_ranks(world: int, target, *args, env: dict | None = None, timeout: float = 600) -> list:
+def run_ranks(world: int, target, *args, env: dict | None = None, timeout: float = 1200) -> list:
     """Run ``target(*args)`` on ``world`` ranks; return each rank's result, or raise with the failing rank's traceback."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -54,12 +54,16 @@ class Progress:
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Tensors, ints and tuples only, so that the checkpoint's client state loads with weights_only=True."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss),
+            "torch": torch.get_rng_state()}
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
 
 
@@ -261,6 +265,12 @@ class Trainer:
         self.log.write(record)
         self.log.print_eval(record)
 
+    def _largest_peak_memory(self) -> int:
+        """The highest peak over all ranks: the one that decides whether a config fits."""
+        peak = torch.tensor([float(peak_memory_bytes())], device=self.device, dtype=torch.float64)
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        return int(peak.item())
+
     def _train_record(self, loss: float, lr: float, steps: int, elapsed: float) -> dict:
         tokens_per_s = steps * self.tokens_per_step / max(elapsed, 1e-9)
         tflops = tokens_per_s * self.flops_per_token / self.world / 1e12
@@ -278,6 +288,6 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "tflops_per_device": tflops,
             "mfu": None if self.peak_tflops is None else tflops / self.peak_tflops,
-            "mem_peak_bytes": peak_memory_bytes(),
+            "mem_peak_bytes": self._largest_peak_memory(),
             "elapsed_s": time.time() - self.log.start,
         }

@@ -1,0 +1,210 @@
+"""slurm/train.sbatch and slurm/compare.sbatch, submitted to a real Slurm cluster (tests/slurm_cluster.py).
+
+The cluster has two emulated nodes of 2 CPUs on this machine and no GPUs, so every job asks for
+--gpus-per-node=0 --cpus-per-task=1 over the scripts' GPU defaults, as sbatch options do on a real
+cluster. Jobs are submitted from a temp folder (their runs/ lands there) with the scripts' absolute
+paths, as a user submitting from elsewhere would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture: one cluster for the whole run)
+from train_helpers import ROOT, read_metrics, small_recipe, train_losses
+
+TRAIN = str(ROOT / "slurm" / "train.sbatch")
+COMPARE = str(ROOT / "slurm" / "compare.sbatch")
+CPU_JOB = ["--gpus-per-node=0", "--cpus-per-task=1"]  # this cluster's nodes: 2 CPUs, no GPUs
+# Long enough (a few seconds of steps) for a signal sent after the first logged steps to land mid-run.
+STEPS = 100
+# 2 ranks on one node and 1 rank on each of two nodes reduce the same two numbers; allow for rounding.
+LOSS_RTOL = 2e-5
+JOB_TIMEOUT = 240
+# The jobs' JIT-built DeepSpeed ops (the CPU shm all-reduce) go into a cache of their own: the shared
+# ~/.cache/torch_extensions is rebuilt whenever processes with another `ninja` on PATH (the venv's or the
+# system's) take turns with it, and a build killed midway leaves a lock that hangs every later job.
+EXTENSIONS = Path.home() / ".cache" / "dstrain-slurm-tests" / "torch_extensions"
+
+
+@pytest.fixture(scope="module")
+def work(slurm_cluster, tmp_path_factory, corpus):
+    """The submission folder, with runs/ (Slurm cannot create the log's folder) and the small recipe."""
+    folder = tmp_path_factory.mktemp("slurm")
+    build_ops()
+    (folder / "runs").mkdir()
+    small_recipe(folder, corpus, name="small", train={"steps": STEPS, "log_interval": 1, "eval_samples": 32})
+    return folder
+
+
+def build_ops() -> None:
+    """Build (or find built) the DeepSpeed ops the jobs JIT-load, here rather than inside the first job's time
+    limit: minutes on a busy 2-core machine the first time, a few seconds after."""
+    for stale in EXTENSIONS.glob("*/lock"):  # left by a job killed while it built an op (no job runs yet)
+        stale.unlink()
+    python = Path(sys.executable)
+    env = {**os.environ, "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}",  # the venv's ninja, as in the jobs
+           "TORCH_EXTENSIONS_DIR": str(EXTENSIONS), "OMP_NUM_THREADS": "1"}
+    subprocess.run([str(python), "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+                   env=env, check=True, capture_output=True, timeout=1800)
+
+
+def zero(stage: int) -> str:
+    return str(ROOT / "ds_configs" / f"zero{stage}.json")
+
+
+def submit(cluster, work, args: list[str], env: dict | None = None, wait: bool = True) -> int:
+    """sbatch from ``work``; with ``wait``, until the job has ended, and fail with its log unless it ended well."""
+    command = ["sbatch", "--parsable", *(["--wait"] if wait else []), *CPU_JOB, *args]
+    env = {**cluster.env, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(EXTENSIONS), **(env or {})}
+    process = subprocess.Popen(command, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = process.communicate(timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        err += f"(no end after {JOB_TIMEOUT} s)"
+    found = re.match(r"\d+", out.strip())
+    if process.returncode != 0 or not found:
+        logs = "\n".join(p.read_text() for p in sorted((work / "runs").glob("slurm-*")) if found and found.group() in p.name)
+        raise AssertionError(f"{' '.join(command)} exited {process.returncode}: {out}{err}\n{logs}\n{cluster.logs_tail()}")
+    return int(found.group())
+
+
+def log_of(work, job: int) -> str:
+    return (work / "runs" / f"slurm-{job}.out").read_text()
+
+
+def run_of(work, job: int):
+    return work / "runs" / f"small-{job}"
+
+
+def assert_completed(run, steps: int, log: str) -> list[dict]:
+    summary_file = run / "summary.json"
+    assert summary_file.exists(), f"no summary.json in {run}; the job's log:\n{log}"
+    summary = json.loads(summary_file.read_text())
+    assert summary["status"] == "completed" and summary["step"] == steps, log
+    records = [r for r in read_metrics(run) if "split" not in r]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), "each step logged exactly once"
+    assert (run / "checkpoints" / "latest").read_text() == f"global_step{steps}"
+    return records
+
+
+@pytest.fixture(scope="module")
+def one_node_two_tasks(slurm_cluster, work):
+    """The reference run: 1 node x 2 tasks under srun, ZeRO-0."""
+    job = submit(slurm_cluster, work, ["--nodes=1", "--ntasks-per-node=2", TRAIN, "small.yaml", zero(0)])
+    return job, run_of(work, job)
+
+
+def test_one_node_two_tasks_trains_into_runs(work, one_node_two_tasks):
+    job, run = one_node_two_tasks
+    log = log_of(work, job)
+    assert_completed(run, STEPS, log)
+    assert f"job {job} attempt 1: 1 node(s) x 2 rank(s), launcher srun" in log
+    losses = train_losses(run)
+    assert losses[-1] < losses[0] - 0.5  # it learned
+    # The run folder holds what the run resolved (2 ranks of 4 samples make the global batch of 8) and its log.
+    assert json.loads((run / "ds_config.json").read_text())["train_batch_size"] == 8
+    assert yaml.safe_load((run / "recipe.yaml").read_text())["run_dir"] == f"runs/small-{job}"
+    link = run / f"slurm-{job}.out"
+    assert link.is_symlink() and link.resolve() == (work / "runs" / f"slurm-{job}.out").resolve()
+
+
+def test_two_nodes_one_task_each(slurm_cluster, work, one_node_two_tasks):
+    """Ranks on the emulated nodes dsnode1 and dsnode2 form one 2-rank world: the same losses as on one node."""
+    job = submit(slurm_cluster, work, ["--nodes=2", "--ntasks-per-node=1", TRAIN, "small.yaml", zero(0)])
+    log = log_of(work, job)
+    assert_completed(run_of(work, job), STEPS, log)
+    assert "2 node(s) x 1 rank(s), launcher srun, master dsnode1:" in log
+    np.testing.assert_allclose(train_losses(run_of(work, job)), train_losses(one_node_two_tasks[1]), rtol=LOSS_RTOL)
+
+
+def wait_for_steps(cluster, work, job: int, steps: int, timeout: float = JOB_TIMEOUT) -> None:
+    metrics = run_of(work, job) / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and sum('"split"' not in line for line in metrics.read_text().splitlines()) >= steps:
+            return
+        if cluster.job_state(job) in (None, "FAILED", "CANCELLED", "COMPLETED"):
+            break
+        time.sleep(0.2)
+    log_file = work / "runs" / f"slurm-{job}.out"
+    raise AssertionError(f"job {job} logged no {steps} steps (state {cluster.job_state(job)}):\n"
+                         f"{log_file.read_text() if log_file.exists() else '(no log)'}\n{cluster.logs_tail()}")
+
+
+@pytest.mark.parametrize("launcher, nodes, signal_to", [
+    # USR1 to the batch shell, as `#SBATCH --signal=B:USR1@600` sends it before the time limit: it forwards it.
+    ("srun", 1, "--batch"),
+    # USR1 straight to every process of the training step (`--signal=USR1@600` without B:, or an admin's
+    # scancel): the deepspeed launchers on both nodes must survive it, the trainer ranks stop.
+    ("deepspeed", 2, None),
+])
+def test_signal_checkpoints_requeues_and_resumes(slurm_cluster, work, one_node_two_tasks, launcher, nodes, signal_to):
+    """Signal mid-run -> the trainer checkpoints and stops ("interrupted") -> the job requeues itself -> same job id,
+    same run folder -> resumes from the checkpoint -> the losses of an uninterrupted run, step for step."""
+    per_node = 2 // nodes
+    job = submit(slurm_cluster, work, [f"--nodes={nodes}", f"--ntasks-per-node={per_node}", TRAIN, "small.yaml", zero(0)],
+                 env={"LAUNCHER": launcher}, wait=False)
+    wait_for_steps(slurm_cluster, work, job, 3)
+    slurm_cluster.run(["scancel", *([signal_to] if signal_to else []), "--signal=USR1", str(job)])
+    slurm_cluster.wait_gone([job], JOB_TIMEOUT)
+
+    log = log_of(work, job)
+    run = run_of(work, job)
+    resumed = re.search(r"resumed from global_step(\d+)", log)
+    assert resumed, f"the run finished before the signal landed, or never resumed; raise STEPS?\n{log}"
+    assert 3 <= int(resumed.group(1)) < STEPS
+    assert "status interrupted" in log and f"requeueing job {job}" in log
+    assert f"job {job} attempt 2: {nodes} node(s) x {per_node} rank(s), launcher {launcher}" in log
+    if signal_to == "--batch":
+        assert "received SIGUSR1" in log  # the batch shell forwarded it
+    else:
+        assert "received SIG" not in log  # the shell saw no signal: summary.json's status made it requeue
+    if launcher == "deepspeed":
+        assert (run / "hostfile").read_text() == "dsnode1 slots=1\ndsnode2 slots=1\n"
+    assert_completed(run, STEPS, log)
+    reference = train_losses(one_node_two_tasks[1])
+    if nodes == 1:
+        assert train_losses(run) == reference  # bit for bit: same data, same state, same order
+    else:
+        np.testing.assert_allclose(train_losses(run), reference, rtol=LOSS_RTOL)
+
+
+def test_compare_array_one_result_per_config(slurm_cluster, work):
+    """`sbatch --array=0-2 compare.sbatch RECIPE OUT C0 C1 C2`: task i trains under config i into OUT/<stem>/."""
+    stages = [0, 2, 3]
+    submit(slurm_cluster, work, ["--array=0-2", "--nodes=1", "--ntasks-per-node=2", COMPARE, "small.yaml", "cmp",
+                                 *[zero(s) for s in stages], "train.steps=6"])
+    out = work / "cmp"
+    logs = "\n".join(p.read_text() for p in sorted((work / "runs").glob("slurm-compare-*.out")))
+    assert sorted(p.name for p in out.iterdir()) == [f"zero{s}" for s in stages], logs
+    losses = {}
+    for stage in stages:
+        run = out / f"zero{stage}"
+        assert_completed(run, 6, logs)
+        assert json.loads((run / "ds_config.json").read_text())["zero_optimization"]["stage"] == stage
+        assert len(list(run.glob("slurm-*.out"))) == 1  # the array task's log, linked in
+        losses[stage] = train_losses(run)
+    for stage in stages[1:]:  # same recipe, same samples: the strategies agree (fp32)
+        np.testing.assert_allclose(losses[stage], losses[0], rtol=LOSS_RTOL)
+
+
+def test_a_bad_override_fails_the_job_at_once_with_the_reason(slurm_cluster, work):
+    """The recipe is checked in the batch shell, before any rank starts: one line in the log, no run folder."""
+    with pytest.raises(AssertionError, match=r"exited 1: (\d+)") as failed:
+        submit(slurm_cluster, work, ["--nodes=1", "--ntasks-per-node=2", TRAIN, "small.yaml", zero(0), "train.stepz=5"])
+    job = int(re.search(r"exited 1: (\d+)", str(failed.value)).group(1))
+    log = log_of(work, job)
+    assert re.search(r"train\.sbatch: error: .*train\.stepz", log), log
+    assert not run_of(work, job).exists()
