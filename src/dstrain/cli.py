@@ -13,6 +13,8 @@ from dstrain.errors import DstrainError
 
 COMMANDS = {
     "prepare": ("dstrain.data.prepare", "tokenize a Hugging Face dataset into packed shards"),
+    "compare": ("dstrain.compare", "run one recipe under several ds_configs and report speed, memory and loss"),
+    "estimate": ("dstrain.estimate", "memory per device of a recipe under a ds_config, and whether it fits"),
 }
 
 
