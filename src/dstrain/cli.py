@@ -15,11 +15,16 @@ COMMANDS = {
     "prepare": ("dstrain.data.prepare", "tokenize a Hugging Face dataset into packed shards"),
     "compare": ("dstrain.compare", "run one recipe under several ds_configs and report speed, memory and loss"),
     "estimate": ("dstrain.estimate", "memory per device of a recipe under a ds_config, and whether it fits"),
+    "export": ("dstrain.export", "write a run's checkpoint as a Hugging Face model folder"),
+    "eval": ("dstrain.evaluate", "loss and perplexity of a run or Hugging Face model on a prepared split"),
+    "generate": ("dstrain.generate", "sample text from a run or Hugging Face model"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dstrain", description="DeepSpeed training recipes for GPT-style models")
+    # The deepspeed launcher passes --local_rank before the command (`deepspeed --module dstrain eval ...`).
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)

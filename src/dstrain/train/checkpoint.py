@@ -5,6 +5,10 @@ mid-save can leave a partial folder behind. We save under `<tag>.partial`, recor
 file's size in `dstrain_checkpoint.json`, rename the folder to `<tag>` and only then
 replace `latest`: a published tag is always complete, and at resume a tag whose files no
 longer match its record (truncated, deleted) is skipped with a warning.
+
+Each checkpoint also records the topology it was saved under (ZeRO stage, world, data-parallel,
+tensor-parallel and pipeline sizes, precision) and DeepSpeed's universal-checkpoint info, so that a run
+can resume under another one (dstrain.train.topology).
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from dstrain.train import topology
 
 PARTIAL = ".partial"
 RECORD = "dstrain_checkpoint.json"
@@ -53,9 +59,21 @@ def newest_complete(checkpoint_dir: Path) -> str | None:
 
 def save(engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last: int) -> str:
     """Save on every rank, publish on rank 0, then drop old tags beyond ``keep_last``."""
+    from deepspeed.checkpoint.constants import (
+        PIPELINE_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
     tag = tag_for(step)
     partial = tag + PARTIAL
     is_writer = torch.distributed.get_rank() == 0
+    shape = topology.of_engine(engine)
+    client_state = {**client_state, "topology": shape}
+    if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None:  # AutoTP engines record their own
+        # What Megatron-DeepSpeed records for ds_to_universal. Our parameters need no TP/vocab patterns; a
+        # pipeline's tied embedding module is kept on the first and the last stage, and only the first stage's
+        # copy is whole (the last stage never updates gpt2's position table), so the converter must take that one.
+        client_state[UNIVERSAL_CHECKPOINT_INFO] = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+                                                   PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\."]}
     if is_writer:
         shutil.rmtree(checkpoint_dir / partial, ignore_errors=True)  # left by a save that was killed
     torch.distributed.barrier()
@@ -64,7 +82,7 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last:
     if is_writer:
         folder = checkpoint_dir / partial
         files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
-        _write_atomic(folder / RECORD, json.dumps({"step": step, "files": files}, indent=1))
+        _write_atomic(folder / RECORD, json.dumps({"step": step, "files": files, "topology": shape}, indent=1))
         shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # a re-save of the same step after a resume
         os.replace(folder, checkpoint_dir / tag)
         _write_atomic(checkpoint_dir / "latest", tag)
@@ -75,12 +93,16 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last:
 
 
 def load(engine, checkpoint_dir: Path, tag: str) -> dict:
-    """Restore model, optimizer, scheduler and loss scale; return our client state."""
+    """Restore model, optimizer, scheduler and loss scale; return our client state.
+
+    A tag saved under another topology loads from the conversion topology.prepare_resume made in it."""
+    load_dir, load_tag = topology.load_source(engine, checkpoint_dir / tag)
     path, client_state = engine.load_checkpoint(
-        str(checkpoint_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        str(load_dir), tag=load_tag, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint_dir / tag}")
+    topology.repair_after_load(engine, checkpoint_dir / tag)
     return client_state
 
 

@@ -202,7 +202,17 @@ def train(args: argparse.Namespace) -> int:
     if not distributed.all_ok(refusal is None):
         raise refusal or DstrainError(f"rank 0 could not use {run_dir}; see its message")
 
-    engine = build_engine(recipe, strategy, build_model(recipe, strategy))
+    if tag:  # saved under another world size or ZeRO stage? rank 0 converts it, the others wait
+        from dstrain.train import topology
+
+        topology.prepare_resume(run_dir / "checkpoints", tag, strategy, distributed.world_size(), recipe.model,
+                                recipe.optim.weight_decay)
+    model = build_model(recipe, strategy)
+    if recipe.init_from and not tag:  # continued pretraining starts from a Hugging Face model, once
+        from dstrain.export import load_init_from
+
+        load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)
+    engine = build_engine(recipe, strategy, model)
     trainer = Trainer(recipe, strategy, engine, train_data, valid_data, run_dir, dp_rank=rank // strategy.tp_size,
                       data_fingerprint=fingerprint)
     if tag:

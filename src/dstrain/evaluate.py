@@ -1,0 +1,134 @@
+"""`dstrain eval`: loss and perplexity of a run's checkpoint or a Hugging Face model over a prepared split.
+
+    dstrain eval runs/tiny                              # the run's valid split, exactly as its trainer evaluates
+    dstrain eval runs/tiny --samples 32                 # the first 32 samples only (a run's train.eval_samples)
+    dstrain eval hf/tiny --data data/pydocs --seq-len 256 --micro-batch 8
+    torchrun --nproc_per_node 8 -m dstrain eval runs/gpt2-125m      # or: deepspeed --module dstrain eval ...
+
+Samples, their split among ranks and the averaging are those of Trainer.evaluate (each rank takes every
+world-th sample; token-weighted mean of the micro-batch losses, summed in float64 across ranks), so on a
+run it prints the numbers the trainer logged. Rank 0 prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from dstrain.errors import DstrainError
+
+DEFAULT_MICRO_BATCH = 4
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a run directory or a Hugging Face model folder")
+    parser.add_argument("--data", help="a prepared folder (default for a run: its recipe's data.sources)")
+    parser.add_argument("--split", default="valid", choices=("valid", "train"), help="default: valid")
+    parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the run's data.seq_len, or the "
+                                                    "Hugging Face model's maximum length)")
+    parser.add_argument("--micro-batch", type=int, help="samples per forward (default: the run's micro-batch, else 4)")
+    parser.add_argument("--samples", type=int, help="evaluate only the first N samples, as a run with "
+                                                    "train.eval_samples=N does (default: the whole split)")
+    parser.add_argument("--seed", type=int, help="the data split's seed (default: the run's seed, else 1234)")
+    parser.add_argument("--valid-fraction", type=float, help="default: the run's data.valid_fraction, else 0.01")
+    parser.add_argument("--tag", help="checkpoint tag of a run (default: the newest complete)")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = evaluate(args)
+    if torch.distributed.get_rank() == 0:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    from dstrain.config import DataConfig, Recipe
+    from dstrain.data.dataset import build_dataset
+    from dstrain.export import load_model_source
+    from dstrain.model.gpt import GPT
+    from dstrain.train import distributed
+
+    config, state, recipe = load_model_source(args.model, args.tag)
+    if recipe is None and not args.data:
+        raise DstrainError(f"{args.model} is a Hugging Face model folder; name the prepared data with --data DIR")
+    seed = _first(args.seed, recipe and recipe.seed, _default(Recipe, "seed"))
+    valid_fraction = _first(args.valid_fraction, recipe and recipe.data.valid_fraction,
+                            _default(DataConfig, "valid_fraction"))
+    seq_len = _first(args.seq_len, recipe and recipe.data.seq_len, config.max_seq_len)
+    micro = _first(args.micro_batch, recipe and _run_micro_batch(Path(args.model)), DEFAULT_MICRO_BATCH)
+    if args.data:
+        sources = [(args.data, 1.0)]
+    else:
+        sources = [(s.path, s.weight) for s in recipe.data.sources]
+    _check_data(sources[0][0], args.model, config, recipe is None)
+    for flag, value in (("--seq-len", seq_len), ("--micro-batch", micro), ("--samples", args.samples or 1)):
+        if value <= 0:
+            raise DstrainError(f"{flag} {value}: must be positive")
+    if seq_len > config.max_seq_len and config.flavour == "gpt2":
+        raise DstrainError(f"--seq-len {seq_len} exceeds the model's {config.max_seq_len} positions; lower it")
+    data = build_dataset(sources, args.split, seq_len, seed, None, valid_fraction)
+
+    distributed.init()
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())
+    model = GPT(config)
+    model.load_state_dict(state, strict=True)
+    model.to(device).eval()
+    n = len(data) if args.samples is None else min(len(data), args.samples)
+    loss, tokens = _mean_loss(model, data, n, micro, device)
+    return {"model": str(args.model), "split": args.split, "samples": n, "tokens": tokens, "loss": loss,
+            "ppl": math.exp(min(loss, 50.0))}
+
+
+@torch.no_grad()
+def _mean_loss(model, data, n: int, micro: int, device) -> tuple[float, int]:
+    """Trainer.evaluate's averaging, with a plain model: no collectives inside the forward."""
+    from dstrain.data.dataset import collate
+    from dstrain.model.gpt import lm_loss
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    mine = list(range(rank, n, world))
+    sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss x tokens, tokens
+    for start in range(0, len(mine), micro):
+        batch = {k: v.to(device) for k, v in collate([data[i] for i in mine[start:start + micro]]).items()}
+        position_ids = batch["position_ids"] if model.config.doc_masking else None
+        tokens = batch["labels"].numel()
+        loss = lm_loss(model(batch["input_ids"], position_ids), batch["labels"]).item()
+        sums += torch.tensor([loss * tokens, tokens], device=device, dtype=torch.float64)
+    torch.distributed.all_reduce(sums)
+    if sums[1] == 0:
+        raise DstrainError(f"the split holds no samples to evaluate (n={n})")
+    return (sums[0] / sums[1]).item(), int(sums[1].item())
+
+
+def _check_data(folder: str, model: str, config, hf: bool) -> None:
+    from dstrain.data.manifest import read_manifest
+    from dstrain.data.tokenizer import verify_tokenizer
+
+    vocab = read_manifest(folder)["vocab_size"]
+    if vocab > config.vocab_size:
+        raise DstrainError(f"--data {folder} has {vocab} token ids, the model {model} only {config.vocab_size}; "
+                           f"pass data prepared with the model's tokenizer")
+    if hf and (Path(model) / "tokenizer_config.json").is_file():
+        verify_tokenizer(folder, model)
+
+
+def _run_micro_batch(run_dir: Path) -> int | None:
+    try:
+        return json.loads((run_dir / "ds_config.json").read_text())["train_micro_batch_size_per_gpu"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _first(*values):
+    return next(v for v in values if v is not None and v is not False)
+
+
+def _default(cls, name: str):
+    import dataclasses
+
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)

@@ -1,0 +1,354 @@
+"""Resuming on another topology: a checkpoint saved under one world size, ZeRO stage, precision, pipeline or
+tensor-parallel layout, loaded under another.
+
+Every checkpoint records the topology it was saved with (``topology`` in its client state and in
+``dstrain_checkpoint.json``). When a run resumes under a different one, global rank 0 converts the tag
+once into DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``) inside the tag
+folder, the other ranks wait, and the engine loads it with ``"checkpoint": {"load_universal": true}``:
+
+    checkpoints/global_step40/            the checkpoint as saved (DeepSpeed's layout)
+    checkpoints/global_step40/universal/  fp32 weight + Adam moments per parameter, under GPT's own names
+    checkpoints/global_step40/zero0/      a ZeRO-0 checkpoint built from it, only when resuming under ZeRO-0
+
+DeepSpeed 0.19.8 leaves gaps that ``_bridge_deepspeed_gaps`` and ``repair_after_load`` fill (each
+named there); ZeRO-0 checkpoints, which DeepSpeed's converter and loader do not handle at all, are
+translated by ``_universal_from_zero0`` / ``_zero0_from_universal``; pipeline parameter names are mapped by
+``_pipeline_names``. tests/test_topology.py fails when a DeepSpeed upgrade changes any behaviour worked
+around here. Refused: fp16 runs (dynamic loss scale), ZeRO-0 bf16 and ZeRO-0 pipeline runs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from dstrain.errors import DstrainError
+
+UNIVERSAL = "universal"
+ZERO0 = "zero0"
+RECORD = "dstrain_checkpoint.json"  # also checkpoint.RECORD; kept here to avoid an import cycle
+ZERO12_MODEL_FILE = "mp_rank_00_model_states.pt"  # what a ZeRO-0/1/2 engine reads
+ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # what a ZeRO-3 engine reads (rank 0's)
+
+
+# --- what a checkpoint was saved with, and what this run is ------------------------------------------
+
+
+def of_engine(engine) -> dict:
+    """The topology of a running engine, as recorded with each checkpoint."""
+    return {
+        "world_size": torch.distributed.get_world_size(),
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "dp_size": int(engine.dp_world_size),
+        "tp_size": max(1, int(engine.autotp_size() or 1)),
+        "pp_stages": int(getattr(engine, "num_stages", 1)),
+        "precision": "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
+    }
+
+
+def of_strategy(strategy, world_size: int) -> dict:
+    return {"world_size": world_size, "zero_stage": strategy.zero_stage, "dp_size": strategy.dp_size,
+            "tp_size": strategy.tp_size, "pp_stages": strategy.pp_stages, "precision": strategy.precision}
+
+
+def saved(tag_dir: Path) -> dict | None:
+    """The topology recorded with a published tag; None for a checkpoint from before it was recorded."""
+    try:
+        return json.loads((tag_dir / RECORD).read_text()).get("topology")
+    except (OSError, ValueError):
+        return None
+
+
+def needs_conversion(old: dict, new: dict) -> bool:
+    """Replicated state (ZeRO-0 fp32) loads at any world size; partitioned state needs the same data-parallel
+    size and precision (ZeRO names its bf16 partition files differently)."""
+    if any(old[k] != new[k] for k in ("zero_stage", "tp_size", "pp_stages")):
+        return True
+    return (_partitioned(old) or _partitioned(new)) and any(old[k] != new[k] for k in ("dp_size", "precision"))
+
+
+def _partitioned(t: dict) -> bool:
+    # ZeRO-0 with bf16 runs DeepSpeed's BF16_Optimizer, which partitions its fp32 state like ZeRO-1.
+    return t["zero_stage"] > 0 or t["precision"] == "bf16"
+
+
+def describe(t: dict) -> str:
+    parts = [f"ZeRO-{t['zero_stage']} {t['precision']}", f"{t['world_size']} rank{'s' if t['world_size'] > 1 else ''}"]
+    if t["tp_size"] > 1:
+        parts.append(f"tensor-parallel {t['tp_size']}")
+    if t["pp_stages"] > 1:
+        parts.append(f"{t['pp_stages']} pipeline stages")
+    return ", ".join(parts)
+
+
+# --- the resume hook (dstrain.train.run) --------------------------------------------------------------
+
+
+def prepare_resume(checkpoint_dir: Path, tag: str, strategy, world_size: int, model_config, weight_decay: float) -> bool:
+    """On every rank, before the engine is built: if ``tag`` was saved under another topology, convert it
+    (global rank 0 converts, the others wait) and set up the ds_config to load the conversion.
+    Returns True when a conversion is used."""
+    from dstrain.train import distributed
+
+    tag_dir = checkpoint_dir / tag
+    old, new = saved(tag_dir), of_strategy(strategy, world_size)
+    if old is None or not needs_conversion(old, new):
+        return False
+    error = None
+    if distributed.rank() == 0:
+        try:
+            check_convertible(tag_dir, old, new)
+            print(f"{tag} was saved under {describe(old)}; converting it for {describe(new)}", flush=True)
+            convert(tag_dir, old, new, model_config, weight_decay)
+        except DstrainError as e:
+            error = e
+    if not distributed.all_ok(error is None):
+        raise error or DstrainError(f"rank 0 could not convert {tag_dir}; see its message")
+    if new["zero_stage"] > 0:  # ZeRO-0 loads the plain checkpoint written into zero0/
+        strategy.ds_config["checkpoint"] = {**strategy.ds_config.get("checkpoint", {}), "load_universal": True}
+    return True
+
+
+def load_source(engine, tag_dir: Path) -> tuple[Path, str]:
+    """(load_dir, tag) for ``engine.load_checkpoint``: the conversion if ``prepare_resume`` made one."""
+    if engine.load_universal_checkpoint():
+        return tag_dir, UNIVERSAL
+    old = saved(tag_dir)
+    if old is not None and engine.zero_optimization_stage() == 0 and old["zero_stage"] > 0:
+        return tag_dir, ZERO0
+    return tag_dir.parent, tag_dir.name
+
+
+def check_convertible(tag_dir: Path, old: dict, new: dict) -> None:
+    """Refuse, in one line, what no converter here handles."""
+    for t in (old, new):
+        what = ("fp16 (dynamic loss scale)" if t["precision"] == "fp16" else
+                "ZeRO-0 bf16 (DeepSpeed's BF16_Optimizer)" if t["zero_stage"] == 0 and t["precision"] == "bf16" else
+                "ZeRO-0 pipeline (optimizer state kept per stage)" if t["zero_stage"] == 0 and t["pp_stages"] > 1 else
+                None)
+        if what:
+            raise DstrainError(
+                f"{tag_dir}: a {what} run cannot change topology here ({describe(old)} -> {describe(new)}); "
+                f"resume with the saved ds_config and rank count"
+            )
+
+
+# --- conversion (global rank 0 only) ------------------------------------------------------------------
+
+
+def convert(tag_dir: Path, old: dict, new: dict, model_config, weight_decay: float) -> None:
+    """Write tag_dir/universal (and tag_dir/zero0 for a ZeRO-0 target) unless already there.
+
+    Built under a temporary name and renamed, so a conversion killed half-way is simply redone."""
+    universal = tag_dir / UNIVERSAL
+    if not universal.is_dir():
+        work = tag_dir / f".{UNIVERSAL}.tmp"
+        shutil.rmtree(work, ignore_errors=True)
+        if old["zero_stage"] == 0:
+            _universal_from_zero0(tag_dir, work / UNIVERSAL, model_config, weight_decay)
+        else:
+            _ds_to_universal(tag_dir, work / UNIVERSAL)
+        _bridge_deepspeed_gaps(work / UNIVERSAL)
+        if old["pp_stages"] > 1:
+            for plain, piped in _pipeline_names(model_config).items():
+                os.replace(work / UNIVERSAL / "zero" / piped, work / UNIVERSAL / "zero" / plain)
+        os.replace(work / UNIVERSAL, universal)
+        shutil.rmtree(work)  # also holds the `latest_universal` file ds_to_universal writes beside its output
+    if new["pp_stages"] > 1:  # a pipeline engine looks its parameters up under its own names
+        for plain, piped in _pipeline_names(model_config).items():
+            if not (universal / "zero" / piped).exists():
+                os.symlink(plain, universal / "zero" / piped)
+    if new["zero_stage"] == 0 and not (tag_dir / ZERO0).is_dir():
+        work = tag_dir / f".{ZERO0}.tmp"
+        shutil.rmtree(work, ignore_errors=True)
+        _zero0_from_universal(universal, work, model_config, weight_decay)
+        os.replace(work, tag_dir / ZERO0)
+
+
+def _ds_to_universal(tag_dir: Path, out: Path) -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            ds_to_universal.main(args)
+    except Exception as e:
+        raise DstrainError(f"{tag_dir}: DeepSpeed's universal-checkpoint conversion failed: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}; resume with the saved ds_config and rank count")
+
+
+def _bridge_deepspeed_gaps(universal: Path) -> None:
+    """Make one universal folder load under ZeRO-1, 2 and 3, whichever stage it came from.
+
+    DeepSpeed 0.19.8 writes a universal checkpoint in its source stage's own dialect, and each stage's
+    loader reads only its own, so crossing between ZeRO-1/2 and ZeRO-3 fails in both directions:
+      1. the engine reads the model-state file of the *current* stage's name (mp_rank_00_... for ZeRO-1/2,
+         zero_pp_rank_0_mp_rank_00_... for ZeRO-3), and the conversion copies only the source's;
+      2. the ZeRO-3 loader reads zero/optimizer_state.pt["optimizer_state_dict"] (step, param_groups),
+         which only a ZeRO-3 source writes; the ZeRO-1/2 loader asserts a "ds_version" only they write;
+      3. the ZeRO-1/2 loader reads per-parameter {"param": tensor} dicts and a step.pt, while the ZeRO-3
+         conversion writes bare flat tensors and no step.
+    """
+    model_files = sorted(universal.glob("*model_states.pt"))
+    model_state = _load(model_files[0])
+    for name in (ZERO12_MODEL_FILE, ZERO3_MODEL_FILE):
+        if not (universal / name).exists():
+            shutil.copyfile(model_files[0], universal / name)
+    zero = universal / "zero"
+    optim = _load(zero / "optimizer_state.pt")
+    params = sorted(p for p in zero.iterdir() if p.is_dir())
+    if "optimizer_state_dict" in optim:  # from ZeRO-3
+        step = optim["optimizer_state_dict"]["state"][0]["step"]
+    else:
+        step = _load(next(p / "step.pt" for p in params if (p / "step.pt").exists()))
+    optim.pop("fp32_flat_groups", None)  # the ZeRO-3 conversion keeps rank 0's whole partition; unused
+    optim["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": optim["param_groups"]}
+    optim.setdefault("ds_version", model_state["ds_version"])
+    optim.setdefault("clip_grad", model_state["ds_config"].get("gradient_clipping", 0.0))
+    torch.save(optim, zero / "optimizer_state.pt")
+    shapes = {k: v for group in model_state.get("param_shapes") or [] for k, v in group.items()}
+    for folder in params:  # (a tied weight's second name has only fp32.pt, from the ZeRO-1/2 module state)
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            state = _load(folder / f"{key}.pt") if (folder / f"{key}.pt").exists() else None
+            if torch.is_tensor(state):
+                torch.save({"param": state.view(shapes[folder.name])}, folder / f"{key}.pt")
+        if (folder / "exp_avg.pt").exists() and not (folder / "step.pt").exists():
+            torch.save(step, folder / "step.pt")
+
+
+def repair_after_load(engine, tag_dir: Path) -> None:
+    """After a universal load: refuse a parameter-group mismatch, and under ZeRO-3 undo two slips of
+    DeepSpeed 0.19.8's ZeRO-3 universal loader (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3),
+    which the ZeRO-1/2 loader does not make:
+      1. it copies the *first* group's hyper-parameters into every group, so norms and biases would be
+         weight-decayed like matrices from then on: give each group back its own;
+      2. it hands every sub-group the *same* `step` tensor, which torch's Adam increments in place, so the
+         bias correction of all but the first sub-group would run ahead by one step per sub-group."""
+    if not engine.load_universal_checkpoint():
+        return
+    saved_groups = _load(tag_dir / UNIVERSAL / "zero" / "optimizer_state.pt")["param_groups"]
+    _check_groups(tag_dir, len(saved_groups), len(engine.optimizer.param_groups))
+    if engine.zero_optimization_stage() != 3:
+        return
+    optimizer = engine.optimizer
+    for group, saved_group in zip(optimizer.optimizer.param_groups, saved_groups):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    for flat in optimizer.fp32_partitioned_groups_flat:
+        state = optimizer.optimizer.state[flat]
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+def _check_groups(tag_dir: Path, saved: int, current: int) -> None:
+    # DeepSpeed's loaders zip the saved groups with the current ones: a mismatch would drop state silently.
+    if saved != current:
+        raise DstrainError(
+            f"{tag_dir}: its optimizer has {saved} parameter group(s), this run's has {current}, so DeepSpeed cannot "
+            f"carry the optimizer state over; resume with the saved ds_config and rank count"
+        )
+
+
+def _pipeline_names(model_config) -> dict[str, str]:
+    """Plain GPT parameter name -> the PipelineModule's name of it (dstrain.model.pipe's layer list).
+
+    The universal folder keeps the plain names, so one conversion serves plain, AutoTP and pipeline engines."""
+    from dstrain.model.gpt import GPT
+    from dstrain.model.pipe import TIED_KEY, layer_prefixes
+
+    with torch.device("meta"):
+        names = [name for name, _ in GPT(model_config).named_parameters()]  # a tied head is not listed
+    layers = [(i, p) for i, p in enumerate(layer_prefixes(model_config)) if p is not None]
+    piped = {}
+    for name in names:
+        if model_config.tied and name.startswith("embed."):  # the embedding is a tied module of the pipeline
+            piped[name] = f"tied_modules.{TIED_KEY}.{name.removeprefix('embed.')}"
+            continue
+        index, (plain, own) = next((i, p) for i, p in layers if name.startswith(p[0]))
+        piped[name] = f"{index}.{own}{name.removeprefix(plain)}"
+    return piped
+
+
+# --- ZeRO-0, which DeepSpeed's universal checkpoints do not cover -----------------------------------
+# A ZeRO-0 checkpoint is the whole model plus torch's own optimizer state_dict, whose parameters are
+# numbered in the order dstrain.train.engine.param_groups hands them to the optimizer.
+
+
+def _optimizer_order(model_config, weight_decay: float) -> list[list[str]]:
+    """Parameter names of each optimizer group, in the engine's order (built on the meta device: no memory)."""
+    from dstrain.model.gpt import GPT
+    from dstrain.train.engine import param_groups
+
+    with torch.device("meta"):
+        model = GPT(model_config)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in param_groups(model, weight_decay)]
+
+
+def _universal_from_zero0(tag_dir: Path, out: Path, model_config, weight_decay: float) -> None:
+    model_state = _load(tag_dir / ZERO12_MODEL_FILE)
+    optimizer = model_state["optimizer"]
+    order = _optimizer_order(model_config, weight_decay)
+    for group, names in zip(optimizer["param_groups"], order):
+        for index, name in zip(group["params"], names):
+            folder = out / "zero" / name
+            folder.mkdir(parents=True)
+            state = optimizer["state"][index]
+            torch.save({"param": model_state["module"][name].float()}, folder / "fp32.pt")
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.save({"param": state[key]}, folder / f"{key}.pt")
+            torch.save(state["step"], folder / "step.pt")
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []} for g in optimizer["param_groups"]]
+    torch.save({"param_groups": groups, "ds_version": model_state["ds_version"],
+                "clip_grad": model_state["ds_config"].get("gradient_clipping", 0.0)},
+               out / "zero" / "optimizer_state.pt")
+    model_state.update(module=None, optimizer=None)
+    torch.save(model_state, out / ZERO12_MODEL_FILE)
+
+
+def _zero0_from_universal(universal: Path, out: Path, model_config, weight_decay: float) -> None:
+    from dstrain.model.gpt import GPT
+
+    model_state = _load(universal / ZERO12_MODEL_FILE)
+    zero = universal / "zero"
+    saved_groups = _load(zero / "optimizer_state.pt")["param_groups"]
+    with torch.device("meta"):
+        names = list(GPT(model_config).state_dict())  # tied weights appear under both names
+    module = {name: _load(zero / name / "fp32.pt")["param"] for name in names if (zero / name).is_dir()}
+    module["lm_head.weight"] = module.get("lm_head.weight", module["embed.tok.weight"])
+    order = _optimizer_order(model_config, weight_decay)
+    _check_groups(universal.parent, len(saved_groups), len(order))
+    state, groups, index = {}, [], 0
+    for saved_group, group_names in zip(saved_groups, order):
+        groups.append({k: v for k, v in saved_group.items() if k != "params"} | {"params": []})
+        for name in group_names:
+            state[index] = {key: _load(zero / name / f"{key}.pt")["param"] for key in ("exp_avg", "exp_avg_sq")}
+            state[index]["step"] = _load(zero / name / "step.pt")
+            groups[-1]["params"].append(index)
+            index += 1
+    model_state.update(module=module, optimizer={"state": state, "param_groups": groups}, param_shapes=None)
+    out.mkdir(parents=True)
+    torch.save(model_state, out / ZERO12_MODEL_FILE)
+
+
+# --- reading DeepSpeed's files ------------------------------------------------------------------------
+
+
+def _load(path: Path):
+    """torch.load with weights_only=True, allowing the few plain types DeepSpeed and our client state pickle."""
+    import numpy as np
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    allowed = [np.ndarray, np.dtype, np.dtypes.UInt32DType, np._core.multiarray._reconstruct,
+               ZeroStageEnum, LossScaler, fragment_address]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True)
