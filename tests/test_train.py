@@ -150,3 +150,18 @@ def _port():
     from ranks import free_port
 
     return free_port()
+
+
+def test_partitioned_parameters_keep_their_weight_decay_group():
+    """zero.Init leaves each parameter 1-D (shape [0]) with its real shape in ds_shape: a 4x4 weight must still
+    decay and a norm must not, or ZeRO-3 silently trains without weight decay."""
+    import torch
+
+    from dstrain.train.engine import param_groups
+
+    module = torch.nn.Module()
+    module.weight, module.norm = torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0))
+    module.weight.ds_shape, module.norm.ds_shape = torch.Size([4, 4]), torch.Size([4])
+    decay, no_decay = param_groups(module, 0.1)
+    assert [p is module.weight for p in decay["params"]] == [True] and decay["weight_decay"] == 0.1
+    assert [p is module.norm for p in no_decay["params"]] == [True] and no_decay["weight_decay"] == 0.0

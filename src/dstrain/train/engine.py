@@ -18,7 +18,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            # zero.Init leaves partitioned parameters 1-D (shape [0]); ds_shape is their real shape.
+            (decay if len(getattr(param, "ds_shape", param.shape)) >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
