@@ -18,22 +18,6 @@ from train_helpers import ROOT, ds_config, read_metrics, small_recipe, train_eac
 LOSS_RTOL = 1e-6
 
 
-def _zero3_param_groups_broken() -> bool:
-    """dstrain.train.engine.param_groups sorts by `param.ndim`, which is 1 for a parameter zero.Init has already
-    partitioned (shape [0]): every ZeRO-3 parameter lands in the no-decay group, one group instead of two. Then no
-    optimizer state maps between ZeRO-3 and the other stages, and topology refuses those conversions."""
-    from dstrain.train.engine import param_groups
-
-    matrix = torch.nn.Parameter(torch.empty(0))
-    matrix.ds_shape = torch.Size([4, 4])  # what zero.Init leaves on a partitioned 4x4 weight
-    module = torch.nn.Module()
-    module.weight = matrix
-    return param_groups(module, 0.1)[0]["params"] == []
-
-
-ZERO3_GROUPS = pytest.mark.xfail(_zero3_param_groups_broken(), strict=True,
-                                 reason="engine.param_groups puts every ZeRO-3 parameter in one group (no decay)")
-
 # name: (ranks, flavour, saved under [on 2 ranks], resumed under)
 CASES = {
     "zero2-2to1": (1, "llama", "zero2", "zero2"),
@@ -52,7 +36,6 @@ CASES = {
     "plain-to-tensor-parallel": (2, "llama", "zero2", "tp2_zero1"),
     "zero2-2to4": (4, "llama", "zero2", "zero2-micro2"),  # 8 samples per step: 4 ranks x 2
 }
-CROSSES_ZERO3 = {name for name, (_, _, old, new) in CASES.items() if (old == "zero3") != new.startswith("zero3")}
 
 
 def argv(recipe, strategy, run_dir):
@@ -97,7 +80,7 @@ def resumed(uninterrupted, tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("case", [pytest.param(n, marks=ZERO3_GROUPS) if n in CROSSES_ZERO3 else n for n in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_resume_on_another_topology_continues_the_run(uninterrupted, resumed, case):
     world, flavour, old, new = CASES[case]
     code, run = resumed[case]
