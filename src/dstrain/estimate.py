@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import math
+import sys
 from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -372,10 +374,12 @@ def main(args: argparse.Namespace) -> int:
     except DstrainError as e:
         hint = "; to estimate without the data, pass model.vocab_size=<size>" if "manifest" in str(e) else ""
         raise DstrainError(f"{e}{hint}") from None
-    est = estimate_file(recipe, args.recipe, args.deepspeed_config, args.nodes, args.gpus_per_node,
-                        args.device_memory, args.reserve)
-    suggestion = cheapest_fitting(recipe, args.recipe, args.configs_dir or default_configs_dir(), est.precision,
-                                  args.nodes, args.gpus_per_node, args.device_memory, args.reserve)
+    # DeepSpeed announces its accelerator on stdout the first time it is asked; keep stdout for the estimate.
+    with contextlib.redirect_stdout(sys.stderr):
+        est = estimate_file(recipe, args.recipe, args.deepspeed_config, args.nodes, args.gpus_per_node,
+                            args.device_memory, args.reserve)
+        suggestion = cheapest_fitting(recipe, args.recipe, args.configs_dir or default_configs_dir(), est.precision,
+                                      args.nodes, args.gpus_per_node, args.device_memory, args.reserve)
     if args.json:
         data = est.to_json()
         data["cheapest_fitting"] = suggestion.ds_config if suggestion else None
