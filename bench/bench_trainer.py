@@ -51,7 +51,7 @@ def trainer_rate(recipe, strategy, train_data, valid_data, run_dir: Path) -> flo
 
     run_dir.mkdir(parents=True, exist_ok=True)
     engine = build_engine(recipe, strategy, build_model(recipe, strategy))
-    trainer = Trainer(recipe, strategy, engine, train_data, valid_data, run_dir, dp_rank=0, data_fingerprint="bench")
+    trainer = Trainer(recipe, strategy, engine, train_data, valid_data, run_dir, data_fingerprint="bench")
     trainer.fit(to_dict(recipe))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (steady,) = [r["tokens_per_s"] for r in records if r["step"] == MEASURED.stop and "split" not in r]

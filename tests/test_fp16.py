@@ -1,6 +1,4 @@
 """fp16 dynamic loss scaling, tested on CPU by switching DeepSpeed's fp16 support on inside the ranks."""
-import json
-
 import numpy as np
 import pytest
 

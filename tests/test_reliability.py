@@ -1,7 +1,6 @@
 """Faults on 2 CPU ranks: nothing lost, nothing hangs. Every fault is injected into a real training run."""
 import fcntl
 import json
-import os
 import random
 import signal
 import time

@@ -81,11 +81,10 @@ def monitor_paused(engine):
 
 
 class Trainer:
-    def __init__(self, recipe, strategy, engine, train_data, valid_data, run_dir: Path, data_fingerprint,
-                 dp_rank: int | None = None):
+    def __init__(self, recipe, strategy, engine, train_data, valid_data, run_dir: Path, data_fingerprint):
         self.recipe, self.strategy, self.engine = recipe, strategy, engine
         self.train_data, self.valid_data = train_data, valid_data
-        # dp_rank is accepted for old callers and ignored: only DeepSpeed's groups know the pipeline/TP layout.
+        # Only DeepSpeed's groups know the pipeline/TP layout, so the data-parallel rank comes from them.
         self.run_dir, self.dp_rank = run_dir, data_parallel_rank(engine, strategy)
         self.pipeline = is_pipeline(engine)
         self.pipe_batch_size = strategy.micro_batch  # the micro-batch size the pipeline's p2p buffers are sized for

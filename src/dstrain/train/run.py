@@ -213,7 +213,7 @@ def train(args: argparse.Namespace) -> int:
 
         load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)
     engine = build_engine(recipe, strategy, model)
-    trainer = Trainer(recipe, strategy, engine, train_data, valid_data, run_dir, dp_rank=rank // strategy.tp_size,
+    trainer = Trainer(recipe, strategy, engine, train_data, valid_data, run_dir,
                       data_fingerprint=fingerprint)
     if tag:
         trainer.resume(tag)
