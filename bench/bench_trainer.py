@@ -45,14 +45,13 @@ def load(recipe_name: str, data: str, run_dir: str):
 
 def trainer_rate(recipe, strategy, train_data, valid_data, run_dir: Path) -> float:
     """tokens/s of Trainer.fit over steps 11..20, from its own metrics line."""
-    from dstrain.config import to_dict
     from dstrain.train.engine import build_engine, build_model
     from dstrain.train.loop import Trainer
 
     run_dir.mkdir(parents=True, exist_ok=True)
     engine = build_engine(recipe, strategy, build_model(recipe, strategy))
     trainer = Trainer(recipe, strategy, engine, train_data, valid_data, run_dir, data_fingerprint="bench")
-    trainer.fit(to_dict(recipe))
+    trainer.fit()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (steady,) = [r["tokens_per_s"] for r in records if r["step"] == MEASURED.stop and "split" not in r]
     return steady

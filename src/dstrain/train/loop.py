@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dstrain.config import to_dict
 from dstrain.data.dataset import collate
 from dstrain.data.sampler import micro_batches
 from dstrain.errors import DstrainError
@@ -185,7 +186,7 @@ class Trainer:
         client_state = {
             "consumed_samples": self.progress.consumed_samples,
             "rng": rng_state(),
-            "recipe": self.recipe_dict,
+            "recipe": to_dict(self.recipe),
             "data_fingerprint": self.data_fingerprint,
             "world_size": self.world,
             "strategy": self.strategy.name,
@@ -205,8 +206,7 @@ class Trainer:
             print(f"resumed from {tag}: step {self.progress.step}, {self.progress.consumed_samples} samples consumed", flush=True)
 
     # --- the loop ---------------------------------------------------------------------
-    def fit(self, recipe_dict: dict) -> dict:
-        self.recipe_dict = recipe_dict
+    def fit(self) -> dict:
         t = self.recipe.train
         total = self.recipe.total_steps
         stop = StopSignal()

@@ -217,7 +217,7 @@ def train(args: argparse.Namespace) -> int:
                       data_fingerprint=fingerprint)
     if tag:
         trainer.resume(tag)
-    result = trainer.fit(to_dict(recipe))
+    result = trainer.fit()
     if rank == 0:
         summary = {**result, "recipe": recipe.name, "strategy": strategy.name, "run_dir": str(run_dir)}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
