@@ -10,8 +10,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setting up .venv (torch CPU/CUDA per requirements.txt, deepspeed, transformers, datasets)..."
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -r requirements.txt
+  # pip's output goes to a log, shown only if the install fails, so that test output stays readable.
+  if ! { .venv/bin/python -m pip install --quiet --upgrade pip && .venv/bin/python -m pip install --quiet -r requirements.txt; } \
+      > .venv/pip.log 2>&1; then
+    tail -50 .venv/pip.log >&2
+    echo "error: pip install -r requirements.txt failed (full log: .venv/pip.log)" >&2
+    exit 1
+  fi
   echo "$want" > "$stamp"
 fi
 export PATH="$root/.venv/bin:$PATH"

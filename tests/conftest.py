@@ -1,8 +1,6 @@
-import glob
 import os
 import sys
 import tempfile
-import time
 
 # No hub access at run time, anywhere in the suite (set before transformers/datasets are imported).
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -22,17 +20,3 @@ from data_fixtures import tiny_corpus  # noqa: E402,F401  (a session fixture, sh
 def corpus(tiny_corpus):
     """The prepared stdlib-docs corpus the trainer tests train on (read-only)."""
     return tiny_corpus
-
-
-SESSION_START = time.time()
-
-
-def pytest_sessionfinish(session, exitstatus):
-    """DeepSpeed 0.19.8's CPU shared-memory all-reduce leaves a ~69 MB /dev/shm buffer behind after every
-    single-node run; remove the ones this session made, so that a long suite does not fill /dev/shm."""
-    for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
-        try:
-            if os.stat(path).st_mtime >= SESSION_START:
-                os.unlink(path)
-        except OSError:
-            pass

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue as queue_module
 import socket
 import sys
+import time
 import traceback
 
 
@@ -42,15 +44,25 @@ def run_ranks(world: int, target, *args, env: dict | None = None, timeout: float
     for p in procs:
         p.start()
     results: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
+        while len(results) < world:
+            try:
+                rank, status, value = queue.get(timeout=1)
+            except queue_module.Empty:
+                # A rank killed by a signal never reports: fail now, not at the timeout.
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                if dead and queue.empty():
+                    raise AssertionError(f"rank {dead[0][0]} died with exit code {dead[0][1]} before reporting")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"ranks {sorted(set(range(world)) - set(results))} still running after {timeout} s")
+                continue
             results[rank] = (status, value)
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if len(results) == world else 1)  # after a failure the others may wait forever
             if p.is_alive():
                 p.kill()
     return [results[r][1] for r in range(world)]

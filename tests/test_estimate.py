@@ -104,13 +104,13 @@ def held_bytes(recipe_file: str, configs: list[str]) -> list[dict]:
     Snapshots: after each backward of step 2 (gradients accumulating, then reduced) and at the optimizer
     step of step 2 (fp32 gradient copies, optimizer states), i.e. around each phase of dstrain.estimate.
     """
-    import deepspeed
     import torch
 
     from dstrain.model.gpt import lm_loss
+    from dstrain.train import distributed
     from dstrain.train.engine import build_engine, build_model
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    distributed.init()
     recipe = load_recipe(recipe_file)
     results = []
     for name in configs:

@@ -102,9 +102,10 @@ def zero0_fp16_gradient_scale() -> float:
     import torch
 
     from dstrain.model.gpt import GPT, GPTConfig, lm_loss
+    from dstrain.train import distributed
 
     enable_fp16_on_cpu()
-    deepspeed.init_distributed(dist_backend="gloo")
+    distributed.init()
     torch.manual_seed(0)
     model = GPT(GPTConfig(flavour="llama", vocab_size=128, max_seq_len=16, n_layer=1, n_head=2, d_model=32))
     reference = GPT(model.config).half()

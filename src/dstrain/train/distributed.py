@@ -41,6 +41,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def skip_deepspeed_shm_allreduce() -> None:
+    """Keep DeepSpeed from building and mapping its CPU shared-memory all-reduce (DeepSpeed 0.19.x).
+
+    Its only user is ``inference_all_reduce``, which training never calls and which falls back to the
+    process group without it. With it, every CPU run leaves a ~69 MB /dev/shm/deepspeed_allreduce_buffer_*
+    per rank behind (csrc/cpu/comm/shm.cpp never unlinks it; sglang PR #38638 saw the same fill /dev/shm),
+    and once /dev/shm is full every later start segfaults in ``shm_initialize``, whose failed ``write()``
+    leaves an unchecked mmap result that it then writes to. A CI machine died this way.
+    tests/test_distributed.py::test_deepspeed_shm_allreduce_still_leaks notices a fix upstream.
+    """
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")  # None off CPU
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False  # what deepspeed.comm.torch.build_shm_op checks
+
+
 def init() -> None:
     """Join (or create) the process group and give each local rank its share of the CPU threads."""
     if torch.distributed.is_initialized():
@@ -60,6 +75,7 @@ def init() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.utils.logger.setLevel(logging.WARNING)  # our own progress line says what matters
+    skip_deepspeed_shm_allreduce()
     # A rank that dies closes its connections and the others fail at once; this bounds a rank that hangs.
     timeout = timedelta(seconds=int(os.environ.get("DSTRAIN_COLLECTIVE_TIMEOUT_S", "1800")))
     deepspeed.init_distributed(
