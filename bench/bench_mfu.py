@@ -43,8 +43,11 @@ def run(recipe: str, nproc: int | None, steps: int, out: Path) -> dict:
     command = [sys.executable, "-m", "dstrain", "compare", "--recipe", str(ROOT / "recipes" / f"{recipe}.yaml"),
                "--deepspeed_configs", str(ROOT / "ds_configs" / config), "--steps", str(steps), "--out", str(out),
                *(["--nproc", str(nproc)] if nproc else []), f"data.sources=[{{path: {DATA}}}]",
-               "train.eval_interval=1000000", "train.checkpoint_interval=1000000", "train.eval_samples=64", *shorten]
+               "train.eval_interval=1000000", "train.checkpoint_interval=1000000", "train.eval_samples=64", "schedule.warmup_steps=1", *shorten]
     subprocess.run(command, check=False)  # a failed config still has its row and reason
+    if not (out / "results.csv").exists():  # refused before running: compare printed why
+        return {"config": Path(config).stem, "world_size": "", "tokens_per_s": "", "tflops_per_device": "", "mfu": "",
+                "status": "not run", "reason": "(see the error above)"}
     with (out / "results.csv").open(newline="") as f:
         return next(csv.DictReader(f))
 
@@ -63,7 +66,7 @@ def main() -> int:
         mfu = f"{float(row['mfu']):.0%}" if row["mfu"] else "n/a"
         target = f"{PLAN[recipe][2]}%" if PLAN[recipe][2] else "-"
         rate = f"{float(row['tokens_per_s']):,.0f}" if row["tokens_per_s"] else "-"
-        tflops = f"{float(row['tflops_per_device']):.1f}" if row["tflops_per_device"] else "-"
+        tflops = f"{float(row['tflops_per_device']):.3g}" if row["tflops_per_device"] else "-"
         print(f"{recipe:<10} {row['config']:<16} {row['world_size']:>5} {rate:>10} {tflops:>11} {mfu:>6} {target:>6}  "
               f"{row['status']} {row['reason']}".rstrip())
     print(f"\nreports: {args.out}/<recipe>/report.md" + ("" if any(r["mfu"] for _, r in rows) else
