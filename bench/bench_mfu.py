@@ -43,7 +43,8 @@ def run(recipe: str, nproc: int | None, steps: int, out: Path) -> dict:
     command = [sys.executable, "-m", "dstrain", "compare", "--recipe", str(ROOT / "recipes" / f"{recipe}.yaml"),
                "--deepspeed_configs", str(ROOT / "ds_configs" / config), "--steps", str(steps), "--out", str(out),
                *(["--nproc", str(nproc)] if nproc else []), f"data.sources=[{{path: {DATA}}}]",
-               "train.eval_interval=1000000", "train.checkpoint_interval=1000000", "train.eval_samples=64", "schedule.warmup_steps=1", *shorten]
+               "train.eval_interval=1000000", "train.checkpoint_interval=1000000", "train.eval_samples=64",
+               "schedule.warmup_steps=1", *shorten]
     subprocess.run(command, check=False)  # a failed config still has its row and reason
     if not (out / "results.csv").exists():  # refused before running: compare printed why
         return {"config": Path(config).stem, "world_size": "", "tokens_per_s": "", "tflops_per_device": "", "mfu": "",
