@@ -143,21 +143,23 @@ def wait_for_steps(cluster, work, job: int, steps: int, timeout: float = JOB_TIM
                          f"{log_file.read_text() if log_file.exists() else '(no log)'}\n{cluster.logs_tail()}")
 
 
-@pytest.mark.parametrize("launcher, nodes, signal_to", [
+@pytest.mark.parametrize("launcher, nodes, scancel", [
     # USR1 to the batch shell, as `#SBATCH --signal=B:USR1@600` sends it before the time limit: it forwards it.
-    ("srun", 1, "--batch"),
+    pytest.param("srun", 1, ["--batch", "--signal=USR1"], id="USR1-to-batch-shell"),
     # USR1 straight to every process of the training step (`--signal=USR1@600` without B:, or an admin's
     # scancel): the deepspeed launchers on both nodes must survive it, the trainer ranks stop.
-    ("deepspeed", 2, None),
+    pytest.param("deepspeed", 2, ["--signal=USR1"], id="USR1-to-all-deepspeed-2-nodes"),
+    # SIGTERM straight to the trainer ranks (`scancel --signal=TERM`): the same checkpoint and requeue.
+    pytest.param("srun", 1, ["--signal=TERM"], id="TERM-to-steps"),
 ])
-def test_signal_checkpoints_requeues_and_resumes(slurm_cluster, work, one_node_two_tasks, launcher, nodes, signal_to):
+def test_signal_checkpoints_requeues_and_resumes(slurm_cluster, work, one_node_two_tasks, launcher, nodes, scancel):
     """Signal mid-run -> the trainer checkpoints and stops ("interrupted") -> the job requeues itself -> same job id,
     same run folder -> resumes from the checkpoint -> the losses of an uninterrupted run, step for step."""
     per_node = 2 // nodes
     job = submit(slurm_cluster, work, [f"--nodes={nodes}", f"--ntasks-per-node={per_node}", TRAIN, "small.yaml", zero(0)],
                  env={"LAUNCHER": launcher}, wait=False)
     wait_for_steps(slurm_cluster, work, job, 3)
-    slurm_cluster.run(["scancel", *([signal_to] if signal_to else []), "--signal=USR1", str(job)])
+    slurm_cluster.run(["scancel", *scancel, str(job)])
     slurm_cluster.wait_gone([job], JOB_TIMEOUT)
 
     log = log_of(work, job)
@@ -167,7 +169,7 @@ def test_signal_checkpoints_requeues_and_resumes(slurm_cluster, work, one_node_t
     assert 3 <= int(resumed.group(1)) < STEPS
     assert "status interrupted" in log and f"requeueing job {job}" in log
     assert f"job {job} attempt 2: {nodes} node(s) x {per_node} rank(s), launcher {launcher}" in log
-    if signal_to == "--batch":
+    if scancel[0] == "--batch":
         assert "received SIGUSR1" in log  # the batch shell forwarded it
     else:
         assert "received SIG" not in log  # the shell saw no signal: summary.json's status made it requeue
