@@ -165,3 +165,28 @@ def test_partitioned_parameters_keep_their_weight_decay_group():
     decay, no_decay = param_groups(module, 0.1)
     assert [p is module.weight for p in decay["params"]] == [True] and decay["weight_decay"] == 0.1
     assert [p is module.norm for p in no_decay["params"]] == [True] and no_decay["weight_decay"] == 0.0
+
+
+def test_torch_still_honours_a_build_lock_of_any_age(tmp_path):
+    """torch's JIT build lock has no owner or expiry, so a killed build blocks every later one (why
+    engine.warn_stale_build_locks exists). When this fails, torch breaks stale locks itself."""
+    from torch.utils.file_baton import FileBaton
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    os.utime(lock, (0, 0))  # 1970
+    assert not FileBaton(str(lock)).try_acquire()
+
+
+def test_a_lock_left_by_a_killed_op_build_is_named(tmp_path, monkeypatch):
+    from dstrain.train.engine import STALE_BUILD_LOCK_S, warn_stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for op, age in [("cpu_adam", STALE_BUILD_LOCK_S + 60), ("fused_adam", 60)]:  # the second one is still building
+        (tmp_path / op).mkdir()
+        (tmp_path / op / "lock").touch()
+        mtime = (tmp_path / op / "lock").stat().st_mtime - age
+        os.utime(tmp_path / op / "lock", (mtime, mtime))
+    with pytest.warns(UserWarning, match=r"cpu_adam/lock is 31 minutes old: a killed build") as caught:
+        assert warn_stale_build_locks() == [tmp_path / "cpu_adam" / "lock"]
+    assert len(caught) == 1

@@ -3,6 +3,10 @@ parameter groups, schedule, and where this rank sits in DeepSpeed's data-paralle
 from __future__ import annotations
 
 import contextlib
+import os
+import time
+import warnings
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -49,8 +53,35 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
         return GPT(recipe.model)
 
 
+STALE_BUILD_LOCK_S = 1800  # DeepSpeed's CPU ops compile in minutes; a lock this old has no builder left
+
+
+def warn_stale_build_locks() -> list[Path]:
+    """Name the JIT build locks that a killed build left behind, before DeepSpeed waits on one.
+
+    torch.utils.cpp_extension marks a build in progress with a bare ``<op>/lock`` file (FileBaton) that
+    has no owner and never expires: after a run is killed while DeepSpeedCPUAdam or FusedAdam compiles,
+    every later start that needs that op waits forever at 0% CPU, printing nothing.
+    """
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        locks = Path(root).glob("*/lock")
+    else:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        locks = Path(get_default_build_root()).glob("*/*/lock")  # <python>_<accelerator>/<op>/lock
+    stale = [lock for lock in locks if time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S]
+    for lock in stale:
+        warnings.warn(f"{lock} is {(time.time() - lock.stat().st_mtime) / 60:.0f} minutes old: a killed build of a "
+                      f"DeepSpeed op left it, and a run that needs that op will wait on it forever; if nothing is "
+                      f"compiling, remove it", stacklevel=2)
+    return stale
+
+
 def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
     """deepspeed.initialize with the optimizer from the ds_config and the schedule from the recipe."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # one warning per node, whose cache it is
+        warn_stale_build_locks()
     # DeepSpeed 0.19.8 leaves the previous engine's process grid (pipeline grid, AutoTP groups) in the module-global
     # deepspeed.utils.groups.mpu, and an engine built without one then takes its data-parallel group from it: a
     # second run in one process (tests, notebooks) crashes or reduces over the wrong ranks. Engines that have a
