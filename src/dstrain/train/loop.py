@@ -34,26 +34,17 @@ from dstrain.train.engine import data_parallel_rank, is_pipeline
 
 
 class StopSignal:
-    """SIGTERM/SIGUSR1 (preemption, time limit) ask for a checkpoint and a clean exit; a second one exits at once.
-
-    A repeat within REPEAT_WINDOW_S of the first is the same request delivered twice, as `scancel` and
-    preemption deliver SIGTERM to each task of an srun step (once from srun, once from slurmd).
-    """
-
-    REPEAT_WINDOW_S = 2.0
+    """SIGTERM/SIGUSR1 (preemption, time limit) ask for a checkpoint and a clean exit; a second one exits at once."""
 
     def __init__(self):
         self.received: int | None = None
-        self.received_at = 0.0
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        now = time.monotonic()
-        if self.received is None:
-            self.received, self.received_at = signum, now
-        elif now - self.received_at > self.REPEAT_WINDOW_S:
+        if self.received is not None:
             raise SystemExit(128 + signum)
+        self.received = signum
 
 
 @dataclass
