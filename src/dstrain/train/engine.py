@@ -70,11 +70,16 @@ def warn_stale_build_locks() -> list[Path]:
         from torch.utils.cpp_extension import get_default_build_root
 
         locks = Path(get_default_build_root()).glob("*/*/lock")  # <python>_<accelerator>/<op>/lock
-    stale = [lock for lock in locks if time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S]
-    for lock in stale:
-        warnings.warn(f"{lock} is {(time.time() - lock.stat().st_mtime) / 60:.0f} minutes old: a killed build of a "
-                      f"DeepSpeed op left it, and a run that needs that op will wait on it forever; if nothing is "
-                      f"compiling, remove it", stacklevel=2)
+    stale = []
+    for lock in locks:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:  # a build on another rank or job finished meanwhile
+            continue
+        if age > STALE_BUILD_LOCK_S:
+            stale.append(lock)
+            warnings.warn(f"{lock} is {age / 60:.0f} minutes old: a killed build of a DeepSpeed op left it, and a run "
+                          f"that needs that op will wait on it forever; if nothing is compiling, remove it", stacklevel=2)
     return stale
 
 
