@@ -69,7 +69,7 @@ def trainer_rate(recipe, strategy, train_data, valid_data, run_dir: Path) -> tup
     rates = [r["tokens_per_s"] for r in records if r["step"] in range(MEASURED.start + 1, MEASURED.stop + 1)
              and "split" not in r]
     tokens = recipe.train.global_batch * recipe.data.seq_len
-    outside = [(tokens / rate - step) / (tokens / rate) for rate, step in zip(rates, inner[MEASURED])]
+    outside = [1 - step * rate / tokens for rate, step in zip(rates, inner[MEASURED])]  # 1 - train_step / whole step
     return statistics.median(rates), statistics.median(outside)
 
 
