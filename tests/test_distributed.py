@@ -30,6 +30,7 @@ def deepspeed_init_then_all_reduce(ours: bool) -> tuple[str, float]:
     return os.environ["MASTER_PORT"], total.item()
 
 
+@pytest.mark.deepspeed_defect("DeepSpeed's CPU shm all-reduce never unlinks its /dev/shm buffer (train/distributed.py::skip_deepspeed_shm_allreduce)")
 def test_deepspeed_shm_allreduce_still_leaks():
     """DeepSpeed 0.19.x leaves one ~69 MB buffer per rank in /dev/shm after every CPU run.
 
