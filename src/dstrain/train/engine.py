@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -83,10 +84,25 @@ def warn_stale_build_locks() -> list[Path]:
     return stale
 
 
+def make_arch_list_readable_by_deepspeed() -> None:
+    """Drop arch-specific suffixes ("9.0a", "10.0f") from TORCH_CUDA_ARCH_LIST for DeepSpeed's JIT op builds.
+
+    DeepSpeed 0.19.8's op builder (ops/op_builder/builder.py, compute_capability_args) sorts the entries as
+    integers and raises ValueError on a suffix that torch and CUDA images use (seen on an H100 image that sets
+    "9.0a"), so FusedAdam, the default optimizer of every GPU config, fails to build. Its ops need no
+    arch-specific instructions. tests/test_gpu_check.py::test_deepspeed_cannot_read_arch_suffixes notices a fix.
+    """
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    readable = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", archs)
+    if readable != archs:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = readable
+
+
 def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
     """deepspeed.initialize with the optimizer from the ds_config and the schedule from the recipe."""
     if os.environ.get("LOCAL_RANK", "0") == "0":  # one warning per node, whose cache it is
         warn_stale_build_locks()
+    make_arch_list_readable_by_deepspeed()
     # DeepSpeed 0.19.8 leaves the previous engine's process grid (pipeline grid, AutoTP groups) in the module-global
     # deepspeed.utils.groups.mpu, and an engine built without one then takes its data-parallel group from it: a
     # second run in one process (tests, notebooks) crashes or reduces over the wrong ranks. Engines that have a
