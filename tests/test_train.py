@@ -94,7 +94,7 @@ def test_lr_follows_the_recipe_schedule(equivalence_runs):
     lrs = [r["lr"] for r in read_metrics(equivalence_runs["zero1"]) if "split" not in r]
     expected = [lr_at(s, 10, recipe.optim, recipe.schedule) for s in range(10)]
     np.testing.assert_allclose(lrs, expected, rtol=1e-12)
-    assert lrs[0] == pytest.approx(1.5e-3) and lrs[1] == pytest.approx(3e-3)
+    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(1.5e-3) and lrs[2] == pytest.approx(3e-3)  # lr·s/W from s = 0
 
 
 def test_signal_checkpoints_and_resume_continues_exactly(tmp_path, corpus, equivalence_runs):

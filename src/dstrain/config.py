@@ -51,7 +51,7 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     kind: Literal["cosine", "linear", "wsd"] = "cosine"  # decay after warmup; wsd = warmup-stable-decay
-    warmup_steps: int = 0  # linear warmup from 0 to optim.lr
+    warmup_steps: int = 0  # linear warmup: update s (from 0) uses optim.lr * s / warmup_steps
     decay_fraction: float = 0.2  # wsd only: the final fraction of steps that decays linearly to min_lr
 
 
