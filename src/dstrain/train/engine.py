@@ -14,6 +14,7 @@ import torch
 from dstrain.config import Recipe
 from dstrain.model.gpt import GPT
 from dstrain.strategy import Strategy
+from dstrain.train import grad_norm
 from dstrain.train.schedule import build_scheduler
 
 
@@ -98,6 +99,7 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
         config=strategy.ds_config,
         lr_scheduler=lambda opt: build_scheduler(opt, recipe.total_steps, recipe.optim, recipe.schedule),
     )
+    grad_norm.install(engine)  # ZeRO-0 fp32: DeepSpeed keeps no norm (and pipelines clip by the wrong one)
     return engine
 
 
