@@ -196,7 +196,7 @@ def test_model_parallel_runs_give_the_data_parallel_losses(runs, run, reference)
     expected, losses = train_losses(runs[reference]), train_losses(runs[run])
     assert len(losses) == len(expected) == 10
     np.testing.assert_allclose(losses, expected, rtol=LOSS_RTOL)
-    assert expected[-1] < expected[0] - 0.4  # and the model learns
+    assert expected[-1] < expected[0] - 0.3  # and the model learns (warmup from lr 0: one update fewer learns)
     evals = [[r["loss"] for r in read_metrics(runs[name]) if r.get("split") == "valid"] for name in (run, reference)]
     np.testing.assert_allclose(evals[0], evals[1], rtol=LOSS_RTOL)  # 30 eval samples: a short last micro-batch
 
