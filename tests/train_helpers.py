@@ -75,7 +75,8 @@ def enable_fp16_on_cpu() -> None:
     """DeepSpeed's CPU accelerator reports no fp16; the fp16 tests switch it on inside their own ranks."""
     from deepspeed.accelerator import get_accelerator
 
-    get_accelerator().is_fp16_supported = lambda: True
+    if not get_accelerator().is_fp16_supported():
+        get_accelerator().is_fp16_supported = lambda: True
 
 
 def train_fp16_with_overflows(argv: list[str], overflow_steps: set[int] | None) -> int:
@@ -104,16 +105,19 @@ def zero0_fp16_gradient_scale() -> float:
     from dstrain.model.gpt import GPT, GPTConfig, lm_loss
     from dstrain.train import distributed
 
+    from deepspeed.accelerator import get_accelerator
+
     enable_fp16_on_cpu()
     distributed.init()
     torch.manual_seed(0)
+    device = get_accelerator().current_device_name()
     model = GPT(GPTConfig(flavour="llama", vocab_size=128, max_seq_len=16, n_layer=1, n_head=2, d_model=32))
-    reference = GPT(model.config).half()
+    reference = GPT(model.config).half().to(device)
     reference.load_state_dict(model.state_dict())
     config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
               "fp16": {"enabled": True, "initial_scale_power": 10}, "zero_optimization": {"stage": 0}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    tokens = torch.randint(0, 128, (2, 17))
+    tokens = torch.randint(0, 128, (2, 17)).to(device)
     engine.backward(lm_loss(engine(tokens[:, :-1]), tokens[:, 1:]))
     lm_loss(reference(tokens[:, :-1]), tokens[:, 1:]).backward()
     got = engine.module.lm_head.weight.grad.float()

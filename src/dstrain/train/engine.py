@@ -99,6 +99,10 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
         config=strategy.ds_config,
         lr_scheduler=lambda opt: build_scheduler(opt, recipe.total_steps, recipe.optim, recipe.schedule),
     )
+    if "compile" in strategy.ds_config:
+        # DeepSpeed 0.19.8 reads the "compile" section but leaves engine.compile() to the caller: here the
+        # section's presence is the switch, so torch.compile is one ds_config swap like every other strategy.
+        engine.compile()
     grad_norm.install(engine)  # ZeRO-0 fp32: DeepSpeed keeps no norm (and pipelines clip by the wrong one)
     return engine
 
