@@ -62,7 +62,7 @@ class TrainConfig:
     tokens: int | None = None  # train tokens; steps = ceil(tokens / (global_batch * seq_len))
     log_interval: int = 10  # steps between metrics lines
     eval_interval: int = 0  # steps between evaluations on the valid split; 0 = only at the end
-    eval_samples: int | None = None  # samples per evaluation; None = the whole valid split
+    eval_samples: int | None = None  # samples of each source per evaluation; None = each whole valid split
     checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end
     keep_last: int = 2  # checkpoints kept; older ones are deleted (never the newest)
     max_skipped_steps: int = 50  # fp16: consecutive overflow-skipped steps before the run aborts
