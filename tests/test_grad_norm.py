@@ -66,13 +66,14 @@ def probe_pipeline_grid() -> dict:
     return {"deepspeed": float(deepspeeds), "ours": float(ours)}
 
 
+def run_probes() -> dict:
+    """Rank target: both probes in one process group."""
+    return {"engines": probe_engines(), "grid": probe_pipeline_grid()}
+
+
 @pytest.fixture(scope="module")
 def probes():
     return run_ranks(2, run_probes)
-
-
-def run_probes() -> dict:
-    return {"engines": probe_engines(), "grid": probe_pipeline_grid()}
 
 
 @pytest.mark.deepspeed_defect("ZeRO-0 fp32 keeps no grad norm (train/grad_norm.py::install computes it)")
