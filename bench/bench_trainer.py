@@ -117,7 +117,7 @@ def main() -> None:
     args = parser.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from dstrain.data.dataset import build_dataset
+    from dstrain.data.dataset import build_dataset, build_valid_sets
     from dstrain.model.gpt import flops_per_token
     from dstrain.train import distributed
 
@@ -128,7 +128,7 @@ def main() -> None:
             sources = [(s.path, s.weight) for s in recipe.data.sources]
             train = build_dataset(sources, "train", recipe.data.seq_len, recipe.seed, STEPS * recipe.train.global_batch,
                                   recipe.data.valid_fraction)
-            valid = build_dataset(sources, "valid", recipe.data.seq_len, recipe.seed, None, recipe.data.valid_fraction)
+            valid = build_valid_sets(sources, recipe.data.seq_len, recipe.seed, recipe.data.valid_fraction)
             # minimal, trainer, minimal, trainer, ..., minimal: each trainer block is compared with the mean of
             # the two minimal blocks around it, so that drift in background load cancels.
             theirs = [minimal_rate(recipe, strategy, train)]

@@ -153,7 +153,9 @@ def runs(tmp_path_factory, corpus):
     pp4 = ds_config(tmp, "pp2_zero1", pipeline={"stages": 4})
     gpt2_pipe = ds_config(tmp, "pp2_zero1", pipeline={"stages": 2, "partition_method": "type:Block",
                                                       "activation_checkpoint_interval": 1})
-    names = ["pp2", "tp2", "zero1", "gpt2_zero1", "gpt2_pp2", "gpt2_tp2", "pp2_resumed", "tp2_resumed",
+    gpt2_pipe_zero0 = ds_config(tmp, "pp2_zero1", pipeline={"stages": 2, "partition_method": "type:Block"},
+                                zero_optimization={"stage": 0})
+    names = ["pp2", "tp2", "zero1", "gpt2_zero1", "gpt2_pp2", "gpt2_tp2", "gpt2_pp2_zero0", "pp2_resumed", "tp2_resumed",
              "deep_zero1", "zero1_bf16", "pp2_zero1_bf16", "tp2_zero1_bf16"]
     d = {name: tmp / name for name in names}
     calls = [
@@ -165,6 +167,7 @@ def runs(tmp_path_factory, corpus):
         ("train", [argv(gpt2, CONFIGS["zero1"], d["gpt2_zero1"])]),
         ("train", [argv(gpt2, gpt2_pipe, d["gpt2_pp2"])]),
         ("train", [argv(gpt2, CONFIGS["tp2_zero1"], d["gpt2_tp2"])]),
+        ("train", [argv(gpt2, gpt2_pipe_zero0, d["gpt2_pp2_zero0"])]),
         ("train", [argv(deep, CONFIGS["zero1"], d["deep_zero1"])]),
         ("train_and_signal", [argv(recipe, CONFIGS["pp2_zero1"], d["pp2_resumed"], "train.checkpoint_interval=3"), 4]),
         ("train", [argv(recipe, CONFIGS["pp2_zero1"], d["pp2_resumed"])]),
@@ -176,7 +179,7 @@ def runs(tmp_path_factory, corpus):
         ("tensor_parallel_logits", [d["gpt2_tp2"], CONFIGS["tp2_zero1"]]),
     ]
     results = run_ranks(2, run_all, calls)
-    assert [[code for (name, _), code in zip(calls, rank) if name.startswith("train")] for rank in results] == [[0] * 14] * 2
+    assert [[code for (name, _), code in zip(calls, rank) if name.startswith("train")] for rank in results] == [[0] * 15] * 2
     d["results"] = {f"{name}:{args[0].name if args else ''}": [rank[i] for rank in results]
                     for i, (name, args) in enumerate(calls) if not name.startswith("train")}
     d.update({name: tmp / name for name in ["pp2_x_dp2", "tp2_x_dp2", "deep_pp4"]})
@@ -196,7 +199,7 @@ def test_model_parallel_runs_give_the_data_parallel_losses(runs, run, reference)
     expected, losses = train_losses(runs[reference]), train_losses(runs[run])
     assert len(losses) == len(expected) == 10
     np.testing.assert_allclose(losses, expected, rtol=LOSS_RTOL)
-    assert expected[-1] < expected[0] - 0.4  # and the model learns
+    assert expected[-1] < expected[0] - 0.3  # and the model learns (warmup from lr 0: one update fewer learns)
     evals = [[r["loss"] for r in read_metrics(runs[name]) if r.get("split") == "valid"] for name in (run, reference)]
     np.testing.assert_allclose(evals[0], evals[1], rtol=LOSS_RTOL)  # 30 eval samples: a short last micro-batch
 
@@ -213,7 +216,19 @@ def test_pipeline_starts_from_the_plain_models_weights(runs):
     assert abs(pipe["loss"] - plain["loss"]) < 1e-6 and abs(pipe["grad_norm"] - plain["grad_norm"]) < 1e-6
 
 
-@pytest.mark.parametrize("run", ["gpt2_pp2", "gpt2_tp2"])
+@pytest.mark.parametrize("run, reference", [("pp2", "zero1"), ("tp2", "zero1"), ("pp2_x_dp2", "zero1"),
+                                            ("tp2_x_dp2", "zero1"), ("deep_pp4", "deep_zero1"),
+                                            ("gpt2_pp2", "gpt2_zero1"), ("gpt2_tp2", "gpt2_zero1"),
+                                            ("gpt2_pp2_zero0", "gpt2_zero1")])
+def test_grad_norm_is_the_global_norm_under_every_layout(runs, run, reference):
+    """One norm over the whole model: stages summed, TP replicas and the tied head counted once. Under pipeline
+    ZeRO-0 dstrain computes (and clips by) it: DeepSpeed would use the first stage's norm (tests/test_grad_norm.py)."""
+    expected, norms = ([r["grad_norm"] for r in read_metrics(runs[name]) if "split" not in r] for name in (reference, run))
+    assert norms[0] == pytest.approx(expected[0], rel=1e-6)  # the same weights: only the reduction order differs
+    np.testing.assert_allclose(norms, expected, rtol=LOSS_RTOL)
+
+
+@pytest.mark.parametrize("run", ["gpt2_pp2", "gpt2_tp2", "gpt2_pp2_zero0"])
 def test_gpt2_flavour(runs, run):
     """gpt2: the head tied to the embedding across stages (TiedLayerSpec), blocks recomputed in backward
     (activation_checkpoint_interval 1, partition_method type:Block); biases split with their TP columns."""

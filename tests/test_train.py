@@ -43,7 +43,20 @@ def test_strategies_give_the_same_losses(equivalence_runs, strategy):
     losses = train_losses(equivalence_runs[strategy])
     assert len(losses) == len(reference) == 10
     np.testing.assert_allclose(losses, reference, rtol=LOSS_RTOL)
-    assert reference[-1] < reference[0] - 0.5  # and the model learns
+    # and the model learns: 0.42 measured (the first update has lr 0 since warmup starts from 0; 0.5 before)
+    assert reference[-1] < reference[0] - 0.3
+
+
+def test_grad_norm_is_the_same_under_every_strategy(equivalence_runs):
+    """The pre-clip global norm: computed by dstrain under ZeRO-0 (DeepSpeed keeps none), by DeepSpeed's ZeRO
+    optimizers elsewhere. Step 1 has the same weights everywhere: only the reduction order differs (measured
+    <3e-7); later steps carry the losses' Adam-amplified rounding (LOSS_RTOL)."""
+    norms = {name: [r["grad_norm"] for r in read_metrics(run) if "split" not in r] for name, run in equivalence_runs.items()}
+    reference = norms.pop("zero0")
+    assert len(reference) == 10 and all(n is not None and n > 0 for n in reference)
+    for name, got in norms.items():
+        assert got[0] == pytest.approx(reference[0], rel=1e-6), name
+        np.testing.assert_allclose(got, reference, rtol=LOSS_RTOL, err_msg=name)
 
 
 def test_zero3_starts_from_the_same_weights(equivalence_runs):
@@ -94,7 +107,7 @@ def test_lr_follows_the_recipe_schedule(equivalence_runs):
     lrs = [r["lr"] for r in read_metrics(equivalence_runs["zero1"]) if "split" not in r]
     expected = [lr_at(s, 10, recipe.optim, recipe.schedule) for s in range(10)]
     np.testing.assert_allclose(lrs, expected, rtol=1e-12)
-    assert lrs[0] == pytest.approx(1.5e-3) and lrs[1] == pytest.approx(3e-3)
+    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(1.5e-3) and lrs[2] == pytest.approx(3e-3)  # lr·s/W from s = 0
 
 
 def test_signal_checkpoints_and_resume_continues_exactly(tmp_path, corpus, equivalence_runs):

@@ -175,7 +175,7 @@ def read_run(run_dir: Path, ds_file: str | None = None) -> Row:
     records = read_records(run_dir / "metrics.jsonl")
     # a requeued Slurm task resumes from its checkpoint and logs those steps again: keep the latest of each
     train = sorted({r["step"]: r for r in records if "split" not in r}.values(), key=lambda r: r["step"])
-    evals = [r for r in records if "split" in r]
+    evals = [r for r in records if r.get("split") == "valid"]  # the weighted total, not a source's valid/<name>
     if train:
         row.curve = [(r["step"], r["loss"]) for r in train]
         row.final_loss, row.steps = train[-1]["loss"], train[-1]["step"]

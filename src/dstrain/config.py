@@ -51,7 +51,7 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     kind: Literal["cosine", "linear", "wsd"] = "cosine"  # decay after warmup; wsd = warmup-stable-decay
-    warmup_steps: int = 0  # linear warmup from 0 to optim.lr
+    warmup_steps: int = 0  # linear warmup: update s (from 0) uses optim.lr * s / warmup_steps
     decay_fraction: float = 0.2  # wsd only: the final fraction of steps that decays linearly to min_lr
 
 
@@ -62,7 +62,7 @@ class TrainConfig:
     tokens: int | None = None  # train tokens; steps = ceil(tokens / (global_batch * seq_len))
     log_interval: int = 10  # steps between metrics lines
     eval_interval: int = 0  # steps between evaluations on the valid split; 0 = only at the end
-    eval_samples: int | None = None  # samples per evaluation; None = the whole valid split
+    eval_samples: int | None = None  # samples of each source per evaluation; None = each whole valid split
     checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end
     keep_last: int = 2  # checkpoints kept; older ones are deleted (never the newest)
     max_skipped_steps: int = 50  # fp16: consecutive overflow-skipped steps before the run aborts

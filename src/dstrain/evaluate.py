@@ -7,7 +7,9 @@
 
 Samples, their split among ranks and the averaging are those of Trainer.evaluate (each rank takes every
 world-th sample; token-weighted mean of the micro-batch losses, summed in float64 across ranks), so on a
-run it prints the numbers the trainer logged. Rank 0 prints one JSON object.
+run it prints the numbers the trainer logged. With several data sources each is evaluated on its own
+(``--samples`` per source) under ``sources``, and ``loss`` is their data.sources-weighted mean, as the
+trainer's ``valid`` record. Rank 0 prints one JSON object.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the run's data.seq_len, or the "
                                                     "Hugging Face model's maximum length)")
     parser.add_argument("--micro-batch", type=int, help="samples per forward (default: the run's micro-batch, else 4)")
-    parser.add_argument("--samples", type=int, help="evaluate only the first N samples, as a run with "
-                                                    "train.eval_samples=N does (default: the whole split)")
+    parser.add_argument("--samples", type=int, help="evaluate only the first N samples of each source, as a "
+                                                    "run with train.eval_samples=N does (default: the whole split)")
     parser.add_argument("--seed", type=int, help="the data split's seed (default: the run's seed, else 1234)")
     parser.add_argument("--valid-fraction", type=float, help="default: the run's data.valid_fraction, else 0.01")
     parser.add_argument("--tag", help="checkpoint tag of a run (default: the newest complete)")
@@ -46,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
 
 def evaluate(args: argparse.Namespace) -> dict:
     from dstrain.config import DataConfig, Recipe
-    from dstrain.data.dataset import build_dataset
+    from dstrain.data.dataset import build_valid_sets
     from dstrain.export import load_model_source
     from dstrain.model.gpt import GPT
     from dstrain.train import distributed
@@ -69,7 +71,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             raise DstrainError(f"{flag} {value}: must be positive")
     if seq_len > config.max_seq_len and config.flavour == "gpt2":
         raise DstrainError(f"--seq-len {seq_len} exceeds the model's {config.max_seq_len} positions; lower it")
-    data = build_dataset(sources, args.split, seq_len, seed, None, valid_fraction)
+    sets = build_valid_sets(sources, seq_len, seed, valid_fraction, split=args.split)
 
     distributed.init()
     from deepspeed.accelerator import get_accelerator
@@ -78,10 +80,15 @@ def evaluate(args: argparse.Namespace) -> dict:
     model = GPT(config)
     model.load_state_dict(state, strict=True)
     model.to(device).eval()
-    n = len(data) if args.samples is None else min(len(data), args.samples)
-    loss, tokens = _mean_loss(model, data, n, micro, device)
-    return {"model": str(args.model), "split": args.split, "samples": n, "tokens": tokens, "loss": loss,
-            "ppl": math.exp(min(loss, 50.0))}
+    results = {}
+    for name, weight, data in sets:
+        n = len(data) if args.samples is None else min(len(data), args.samples)
+        loss, tokens = _mean_loss(model, data, n, micro, device)
+        results[name] = {"weight": weight, "samples": n, "tokens": tokens, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
+    loss = sum(r["weight"] * r["loss"] for r in results.values()) / sum(r["weight"] for r in results.values())
+    result = {"model": str(args.model), "split": args.split, "samples": sum(r["samples"] for r in results.values()),
+              "tokens": sum(r["tokens"] for r in results.values()), "loss": loss, "ppl": math.exp(min(loss, 50.0))}
+    return {**result, "sources": results} if len(results) > 1 else result
 
 
 @torch.no_grad()

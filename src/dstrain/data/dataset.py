@@ -23,7 +23,7 @@ from dstrain.errors import DstrainError
 SPLITS = ("train", "valid")
 CACHE_DIR_NAME = "index_cache"
 
-__all__ = ["read_manifest", "build_dataset", "collate", "PackedDataset", "BlendedDataset", "PreparedTokens"]
+__all__ = ["read_manifest", "build_dataset", "build_valid_sets", "source_names", "collate", "PackedDataset", "BlendedDataset", "PreparedTokens"]
 
 
 class PreparedTokens:
@@ -193,6 +193,20 @@ def build_dataset(sources: list[tuple[str, float]], split: str, seq_len: int, se
         datasets = [packed(p, count) for p, count in zip(prepared, counts)]
     arguments = (sources, split, seq_len, seed, num_samples, valid_fraction, cache_dir)
     return BlendedDataset(datasets, blend, arguments)
+
+
+def source_names(folders: list[str]) -> list[str]:
+    """What logs call each source: its folder's name, or the folder as given where two names coincide."""
+    names = [Path(folder).name for folder in folders]
+    return names if len(set(names)) == len(names) else [str(folder) for folder in folders]
+
+
+def build_valid_sets(sources: list[tuple[str, float]], seq_len: int, seed: int, valid_fraction: float,
+                     split: str = "valid") -> list[tuple[str, float, PackedDataset]]:
+    """(name, weight, dataset) of each source's whole ``split``: evaluated one by one, whatever the blend."""
+    names = source_names([folder for folder, _ in sources])
+    return [(name, float(weight), build_dataset([(folder, 1.0)], split, seq_len, seed, None, valid_fraction))
+            for name, (folder, weight) in zip(names, sources)]
 
 
 def collate(samples: list[dict[str, np.ndarray]]) -> dict:

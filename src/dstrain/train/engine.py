@@ -15,6 +15,7 @@ import torch
 from dstrain.config import Recipe
 from dstrain.model.gpt import GPT
 from dstrain.strategy import Strategy
+from dstrain.train import grad_norm
 from dstrain.train.schedule import build_scheduler
 
 
@@ -118,6 +119,7 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
         # DeepSpeed 0.19.8 reads the "compile" section but leaves engine.compile() to the caller: here the
         # section's presence is the switch, so torch.compile is one ds_config swap like every other strategy.
         engine.compile()
+    grad_norm.install(engine)  # ZeRO-0 fp32: DeepSpeed keeps no norm (and pipelines clip by the wrong one)
     return engine
 
 

@@ -27,7 +27,7 @@ from dstrain.config import to_dict
 from dstrain.data.dataset import collate
 from dstrain.data.sampler import micro_batches
 from dstrain.errors import DstrainError
-from dstrain.metrics import MetricsLog, device_peak_tflops, peak_memory_bytes
+from dstrain.metrics import IntervalClock, MetricsLog, device_peak, peak_memory_bytes
 from dstrain.model.gpt import flops_per_token, lm_loss
 from dstrain.train import checkpoint
 from dstrain.train.engine import data_parallel_rank, is_pipeline
@@ -82,9 +82,10 @@ def monitor_paused(engine):
 
 
 class Trainer:
-    def __init__(self, recipe, strategy, engine, train_data, valid_data, run_dir: Path, data_fingerprint):
+    def __init__(self, recipe, strategy, engine, train_data, valid_sets, run_dir: Path, data_fingerprint):
+        """``valid_sets``: (name, weight, dataset) per data source (``dstrain.data.dataset.build_valid_sets``)."""
         self.recipe, self.strategy, self.engine = recipe, strategy, engine
-        self.train_data, self.valid_data = train_data, valid_data
+        self.train_data, self.valid_sets = train_data, valid_sets
         # Only DeepSpeed's groups know the pipeline/TP layout, so the data-parallel rank comes from them.
         self.run_dir, self.dp_rank = run_dir, data_parallel_rank(engine, strategy)
         self.pipeline = is_pipeline(engine)
@@ -96,7 +97,8 @@ class Trainer:
         self.progress = Progress()
         self.tokens_per_step = recipe.train.global_batch * recipe.data.seq_len
         self.flops_per_token = flops_per_token(recipe.model, recipe.data.seq_len)
-        self.peak_tflops = device_peak_tflops(strategy.precision)
+        self.peak_tflops, self.peak_line = device_peak(strategy.precision)
+        self.clock = IntervalClock()
         self.log = MetricsLog(run_dir, self.is_rank0, recipe.total_steps, getattr(engine, "monitor", None))
 
     # --- data -------------------------------------------------------------------------
@@ -155,9 +157,25 @@ class Trainer:
         return total / self.strategy.grad_accum
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
+    def evaluate(self) -> list[dict]:
+        """One record per source when there are several (split ``valid/<source>``), then the ``valid`` record:
+        the sources' losses averaged by their data.sources weights. ``train.eval_samples`` applies per source."""
         self.engine.eval()
-        n = len(self.valid_data)
+        losses = [(name, weight, *self._mean_loss(data)) for name, weight, data in self.valid_sets]
+        if self.pipeline:
+            self._resize_pipe(self.strategy.micro_batch)
+        self.engine.train()
+        records = [self._eval_record(f"valid/{name}", loss, n) for name, _, loss, n in losses] if len(losses) > 1 else []
+        total = sum(weight * loss for _, weight, loss, _ in losses) / sum(weight for _, weight, _, _ in losses)
+        return [*records, self._eval_record("valid", total, sum(n for *_, n in losses))]
+
+    def _eval_record(self, split: str, loss: float, samples: int) -> dict:
+        return {"step": self.progress.step, "split": split, "loss": loss, "ppl": math.exp(min(loss, 50.0)),
+                "samples": samples}
+
+    def _mean_loss(self, data) -> tuple[float, int]:
+        """Token-weighted mean loss over the first ``train.eval_samples`` samples of ``data``, and their count."""
+        n = len(data)
         if self.recipe.train.eval_samples is not None:
             n = min(n, self.recipe.train.eval_samples)
         mine = list(range(self.dp_rank, n, self.strategy.dp_size))
@@ -168,18 +186,14 @@ class Trainer:
         # are collectives); a replica with fewer samples repeats its last chunk and ignores the result.
         calls = math.ceil(math.ceil(n / self.strategy.dp_size) / micro)
         for i in range(calls):
-            batch = self._to_device(chunks[min(i, len(chunks) - 1)] if chunks else [0], self.valid_data)
+            batch = self._to_device(chunks[min(i, len(chunks) - 1)] if chunks else [0], data)
             loss = self._pipe_eval_loss(batch) if self.pipeline else self._forward_loss(batch).item()
             if loss is not None and i < len(chunks):
                 tokens = batch["labels"].numel()
                 sums += torch.tensor([loss * tokens, tokens], device=self.device, dtype=torch.float64)
-        if self.pipeline:
-            self._resize_pipe(micro)
         # Model-parallel replicas add equal shares to both sums (TP), or only the last stage adds (pipeline).
         torch.distributed.all_reduce(sums)
-        self.engine.train()
-        loss = (sums[0] / sums[1]).item()
-        return {"step": self.progress.step, "split": "valid", "loss": loss, "ppl": math.exp(min(loss, 50.0))}
+        return (sums[0] / sums[1]).item(), n
 
     # --- checkpoints ------------------------------------------------------------------
     def save(self) -> None:
@@ -212,7 +226,10 @@ class Trainer:
         stop = StopSignal()
         batches = self._batches()
         start_step = self.progress.step
-        interval_loss, interval_steps, interval_start = 0.0, 0, time.time()
+        interval_loss, interval_steps = 0.0, 0
+        if self.is_rank0:
+            print(self.peak_line, flush=True)
+        self.clock = IntervalClock()
         consecutive_skips, last_skipped = 0, self.engine.skipped_steps
         status = "completed"
         while self.progress.step < total:
@@ -240,18 +257,18 @@ class Trainer:
             interval_loss += step_loss
             interval_steps += 1
             if self.progress.step % t.log_interval == 0 or self.progress.step == total:
-                elapsed = time.time() - interval_start
-                record = self._train_record(interval_loss / interval_steps, lr, interval_steps, elapsed)
+                record = self._train_record(interval_loss / interval_steps, lr, interval_steps, self.clock.lap())
                 self.log.write(record)
                 self.log.print_step(record, start_step)
-                interval_loss, interval_steps, interval_start = 0.0, 0, time.time()
+                interval_loss, interval_steps = 0.0, 0
             if t.eval_interval and self.progress.step % t.eval_interval == 0 and self.progress.step < total:
                 self._eval_and_log()
             if flags[1].item() > 0:
                 status = "interrupted"
                 break
             if t.checkpoint_interval and self.progress.step % t.checkpoint_interval == 0 and self.progress.step < total:
-                self.save()
+                with self.clock.paused("checkpoint"):
+                    self.save()
         if status == "completed":
             self._eval_and_log()
         self.save()
@@ -259,10 +276,14 @@ class Trainer:
         return {"status": status, "step": self.progress.step, "final_eval": self.progress.last_eval}
 
     def _eval_and_log(self) -> None:
-        record = self.evaluate()
-        self.progress.last_eval = record
-        self.log.write(record)
-        self.log.print_eval(record)
+        start = time.perf_counter()
+        with self.clock.paused("eval"):
+            records = self.evaluate()
+        records[-1]["duration_s"] = time.perf_counter() - start
+        self.progress.last_eval = records[-1]
+        for record in records:
+            self.log.write(record)
+            self.log.print_eval(record)
 
     def _largest_peak_memory(self) -> int:
         """The highest peak over all ranks: the one that decides whether a config fits."""
@@ -270,8 +291,9 @@ class Trainer:
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
         return int(peak.item())
 
-    def _train_record(self, loss: float, lr: float, steps: int, elapsed: float) -> dict:
-        tokens_per_s = steps * self.tokens_per_step / max(elapsed, 1e-9)
+    def _train_record(self, loss: float, lr: float, steps: int, seconds: dict) -> dict:
+        """``seconds``: the interval's ``IntervalClock.lap()``; throughput counts its training time only."""
+        tokens_per_s = steps * self.tokens_per_step / max(seconds["train_s"], 1e-9)
         tflops = tokens_per_s * self.flops_per_token / self.world / 1e12
         grad_norm = self.engine.get_global_grad_norm()
         scale = getattr(self.engine.optimizer, "loss_scale", None) if self.strategy.precision == "fp16" else None
@@ -289,4 +311,5 @@ class Trainer:
             "mfu": None if self.peak_tflops is None else tflops / self.peak_tflops,
             "mem_peak_bytes": self._largest_peak_memory(),
             "elapsed_s": time.time() - self.log.start,
+            **seconds,
         }

@@ -177,7 +177,7 @@ def train(args: argparse.Namespace) -> int:
 
     import torch
 
-    from dstrain.data.dataset import build_dataset
+    from dstrain.data.dataset import build_dataset, build_valid_sets
     from dstrain.train import distributed
     from dstrain.train.engine import build_engine, build_model
     from dstrain.train.loop import Trainer
@@ -186,7 +186,7 @@ def train(args: argparse.Namespace) -> int:
     sources = [(s.path, s.weight) for s in recipe.data.sources]
     d = recipe.data
     train_data = build_dataset(sources, "train", d.seq_len, recipe.seed, recipe.total_steps * recipe.train.global_batch, d.valid_fraction)
-    valid_data = build_dataset(sources, "valid", d.seq_len, recipe.seed, None, d.valid_fraction)
+    valid_sets = build_valid_sets(sources, d.seq_len, recipe.seed, d.valid_fraction)
 
     distributed.init()
     rank = distributed.rank()
@@ -213,7 +213,7 @@ def train(args: argparse.Namespace) -> int:
 
         load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)
     engine = build_engine(recipe, strategy, model)
-    trainer = Trainer(recipe, strategy, engine, train_data, valid_data, run_dir,
+    trainer = Trainer(recipe, strategy, engine, train_data, valid_sets, run_dir,
                       data_fingerprint=fingerprint)
     if tag:
         trainer.resume(tag)

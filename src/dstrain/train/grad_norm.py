@@ -1,0 +1,65 @@
+"""The pre-clip global gradient norm where DeepSpeed keeps none: ZeRO stage 0 in fp32.
+
+DeepSpeed 0.19.8's ``DeepSpeedEngine._take_model_step`` clips a ZeRO-0 fp32 model through
+``clip_fp32_gradients`` -> ``runtime.utils.clip_grad_norm_`` and drops the norm it computes, so
+``engine.get_global_grad_norm()`` stays None on every step (tests/test_grad_norm.py::
+test_deepspeed_keeps_no_grad_norm_without_zero). Under pipeline stages that same path clips by the wrong
+norm: ``clip_grad_norm_`` counts a gradient only on model-parallel rank 0 (the first stage) unless the
+parameter is tensor-parallel, then sums over the stages, so every stage is clipped by the first stage's
+norm alone (test_deepspeed_pipeline_zero0_clips_by_the_first_stage_only).
+
+``install`` is the one workaround for both: for the engines that take that path it computes the norm as
+the ZeRO optimizers do (``stage_1_and_2.get_grad_norm_direct``: every gradient once — tied copies on
+later pipeline stages and tensor-parallel replicas skipped —, summed over the model-parallel group),
+clips by it with DeepSpeed's coefficient ``min(1, clip / (norm + 1e-6))``, and keeps it where
+``get_global_grad_norm`` reads it.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+from deepspeed.runtime.utils import is_model_parallel_parameter
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
+
+
+def takes_the_clip_fp32_path(engine) -> bool:
+    """The engines whose step DeepSpeed clips with ``clip_fp32_gradients`` and keeps no norm for."""
+    return not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()
+                or getattr(engine, "torch_autocast_z0_gradscaler", None))
+
+
+def global_grad_norm(engine) -> torch.Tensor:
+    """L2 norm of the whole model's gradient (already averaged over data-parallel ranks), on every rank."""
+    mpu = engine.mpu
+    counts_replicated = mpu is None or bwc_tensor_model_parallel_rank(mpu) == 0
+    squares = torch.zeros((), dtype=torch.float32, device=engine.device)
+    for param in engine.module.parameters():
+        if param.grad is None or getattr(param, "ds_pipe_replicated", False):
+            continue
+        if counts_replicated or is_model_parallel_parameter(param):
+            squares += torch.linalg.vector_norm(param.grad.detach().float()).to(squares.device) ** 2
+    if mpu is not None:
+        torch.distributed.all_reduce(squares, group=mpu.get_model_parallel_group())
+    return squares.sqrt()
+
+
+def install(engine) -> None:
+    """Make ``engine`` compute, clip by and keep the global norm where DeepSpeed does not (see the module)."""
+    if not takes_the_clip_fp32_path(engine):
+        return
+    take_model_step = engine._take_model_step
+
+    def take_model_step_with_norm(lr_kwargs=None):
+        norm = global_grad_norm(engine)
+        clip = engine.gradient_clipping()
+        if clip > 0:
+            coefficient = torch.clamp(clip / (norm + 1e-6), max=1.0)
+            for param in engine.module.parameters():
+                if param.grad is not None:
+                    param.grad.detach().mul_(coefficient.to(param.grad.device))
+        engine._global_grad_norm = norm
+        take_model_step(lr_kwargs)
+
+    engine._take_model_step = take_model_step_with_norm
+    engine.clip_fp32_gradients = types.MethodType(lambda self: None, engine)  # clipped above, by the global norm

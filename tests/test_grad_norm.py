@@ -1,0 +1,104 @@
+"""grad_norm where DeepSpeed keeps none (ZeRO-0 fp32), and the DeepSpeed defects that train/grad_norm.py works
+around (issue 12 item 9). The same norm under ZeRO 0-3, pipeline and TP: tests/test_train.py and
+tests/test_parallel.py compare the logged grad_norm of their runs."""
+import pytest
+import torch
+
+from ranks import run_ranks
+
+RTOL = 1e-6  # one fp32 sum of squares against another order of the same sum
+
+
+def probe_engines() -> dict:
+    """Rank target (2 ranks, data parallel): DeepSpeed's ZeRO-0 fp32 engine as it is and with our install, against
+    torch's clip_grad_norm_ and SGD on a replica fed both ranks' samples."""
+    import deepspeed
+
+    from dstrain.model.gpt import GPT, GPTConfig, lm_loss
+    from dstrain.train import distributed, grad_norm
+
+    distributed.init()
+    config = GPTConfig(flavour="llama", vocab_size=64, max_seq_len=8, n_layer=1, n_head=2, d_model=16)
+    tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
+    rank = torch.distributed.get_rank()
+    ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1e-3,
+          "zero_optimization": {"stage": 0}}
+    norms = {}
+    for name in ("deepspeed", "installed"):
+        torch.manual_seed(0)
+        model = GPT(config)
+        # SGD with lr 1: the update is the clipped gradient itself (Adam would hide the clipping's scale)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=ds)
+        if name == "installed":
+            grad_norm.install(engine)
+        mine = tokens[2 * rank:2 * rank + 2]
+        engine.backward(lm_loss(engine(mine[:, :-1]), mine[:, 1:]))
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        norms[name] = None if norm is None else float(norm)
+        norms[f"{name}_weight"] = engine.module.lm_head.weight.detach().tolist()
+    torch.manual_seed(0)
+    reference = GPT(config)
+    lm_loss(reference(tokens[:, :-1]), tokens[:, 1:]).backward()
+    norms["torch"] = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3))
+    torch.optim.SGD(reference.parameters(), lr=1.0).step()
+    norms["torch_weight"] = reference.lm_head.weight.detach().tolist()
+    return norms
+
+
+def probe_pipeline_grid() -> dict:
+    """Rank target (2 ranks = 2 pipeline stages): one parameter per stage with gradient norm 3 and 4; the norm
+    DeepSpeed's ZeRO-0 clipping uses and ours."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    from dstrain.train import distributed
+    from dstrain.train.grad_norm import global_grad_norm
+
+    distributed.init()
+    grid = PipelineParallelGrid(topology=PipeDataParallelTopology(num_pp=2, num_dp=1))
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.grad = torch.tensor([0.0, 3.0]) if grid.get_stage_id() == 0 else torch.tensor([4.0, 0.0])
+    ours = global_grad_norm(SimpleNamespace(mpu=grid, module=torch.nn.ParameterList([param]), device="cpu"))
+    deepspeeds = clip_grad_norm_([param], max_norm=1e9, mpu=grid)
+    return {"deepspeed": float(deepspeeds), "ours": float(ours)}
+
+
+def run_probes() -> dict:
+    """Rank target: both probes in one process group."""
+    return {"engines": probe_engines(), "grid": probe_pipeline_grid()}
+
+
+@pytest.fixture(scope="module")
+def probes():
+    return run_ranks(2, run_probes)
+
+
+@pytest.mark.deepspeed_defect("ZeRO-0 fp32 keeps no grad norm (train/grad_norm.py::install computes it)")
+def test_deepspeed_keeps_no_grad_norm_without_zero(probes):
+    assert [rank["engines"]["deepspeed"] for rank in probes] == [None, None]
+
+
+@pytest.mark.deepspeed_defect("pipeline ZeRO-0 clips by the first stage's norm (train/grad_norm.py::install)")
+def test_deepspeed_pipeline_zero0_clips_by_the_first_stage_only(probes):
+    assert [rank["grid"]["deepspeed"] for rank in probes] == pytest.approx([3.0, 3.0], rel=1e-6)
+
+
+def test_our_norm_is_the_global_pre_clip_norm(probes):
+    for rank in probes:
+        engines = rank["engines"]
+        assert engines["installed"] == pytest.approx(engines["torch"], rel=RTOL)
+        assert engines["torch"] > 1e-2  # far above the clip: the clipped update differs from an unclipped one
+        assert rank["grid"]["ours"] == pytest.approx(5.0, rel=1e-6)
+
+
+def test_our_clipping_gives_torchs_update(probes):
+    """Clipped by our norm, the ZeRO-0 step lands where torch's clip_grad_norm_ + SGD does (as DeepSpeed's own
+    clipping does without pipeline stages)."""
+    for rank in probes:
+        engines = rank["engines"]
+        want = torch.tensor(engines["torch_weight"])
+        for name in ("installed_weight", "deepspeed_weight"):
+            torch.testing.assert_close(torch.tensor(engines[name]), want, rtol=0, atol=1e-7)
