@@ -14,7 +14,7 @@ import torch
 from dstrain.config import Recipe
 from dstrain.model.gpt import GPT
 from dstrain.strategy import Strategy
-from dstrain.train.schedule import build_scheduler
+from dstrain.train.schedule import build_scheduler, lr_at
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -38,10 +38,12 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
         from dstrain.model.pipe import build_pipeline
 
         pipeline = strategy.ds_config.get("pipeline", {})
+        # The ds_config's activation_checkpointing section alone means every block, as for the plain model.
+        interval = pipeline.get("activation_checkpoint_interval", 0) or int(strategy.activation_checkpointing)
         return build_pipeline(
             recipe.model, recipe.seed, strategy.pp_stages,
             partition_method=pipeline.get("partition_method", "parameters"),
-            activation_checkpoint_interval=pipeline.get("activation_checkpoint_interval", 0),
+            activation_checkpoint_interval=interval,
         )
     torch.manual_seed(recipe.seed)  # identical initial weights on every rank and under every strategy
     init = (
@@ -50,7 +52,10 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
         else contextlib.nullcontext()
     )
     with init:
-        return GPT(recipe.model)
+        model = GPT(recipe.model)
+    if strategy.activation_checkpointing:
+        model.checkpoint_fn = deepspeed.checkpointing.checkpoint  # configured per engine in build_engine
+    return model
 
 
 STALE_BUILD_LOCK_S = 1800  # DeepSpeed's CPU ops compile in minutes; a lock this old has no builder left
@@ -98,7 +103,51 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
         config=strategy.ds_config,
         lr_scheduler=lambda opt: build_scheduler(opt, recipe.total_steps, recipe.optim, recipe.schedule),
     )
+    if strategy.activation_checkpointing:
+        configure_activation_checkpointing(engine, strategy)
     return engine
+
+
+def configure_activation_checkpointing(engine, strategy: Strategy) -> None:
+    """deepspeed.checkpointing reads its options (partition_activations, cpu_checkpointing, ...) from module
+    globals, set here from the ds_config's section. Partitioning splits the saved inputs over the model-parallel
+    group, so without one (plain data parallelism: engine.mpu is None) there is nothing to partition over."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    checkpointing.mpu = None  # configure() keeps a previous engine's grid when given none (DeepSpeed 0.19.8)
+    if engine.mpu is None:
+        deepspeed.checkpointing.configure(None, deepspeed_config=strategy.ds_config, partition_activations=False,
+                                          contiguous_checkpointing=False, checkpoint_in_cpu=False)
+    else:
+        deepspeed.checkpointing.configure(engine.mpu, deepspeed_config=strategy.ds_config)
+
+
+def apply_recipe_to_optimizer(engine, recipe: Recipe) -> None:
+    """After a checkpoint load, make the current recipe the truth: DeepSpeed 0.19.8 restores each parameter
+    group's lr, weight_decay, betas and eps, the ZeRO / bf16 wrappers' clip_grad and the scheduler's base_lrs
+    from the checkpoint, so a changed optim.* or schedule.* would be silently ignored. The moments, the step
+    count and the scheduler's position stay the checkpoint's; the lr of the next step is the schedule's at it."""
+    optim = recipe.optim
+    wrapper = engine.optimizer
+    groups = wrapper.param_groups  # the wrappers forward to the torch optimizer's groups
+    backup = getattr(wrapper, "backup_optimizer", None)  # ZeRO-3 partial offload's GPU-side AdamW
+    for group_list in [groups] + ([backup.param_groups] if backup is not None else []):
+        for index, group in enumerate(group_list):  # engine.param_groups: matrices (decayed) first, then the rest
+            group.update(weight_decay=optim.weight_decay if index == 0 else 0.0, betas=tuple(optim.betas), eps=optim.eps)
+    while wrapper is not None:
+        if hasattr(wrapper, "clip_grad"):
+            wrapper.clip_grad = optim.grad_clip
+        wrapper = getattr(wrapper, "optimizer", None)
+    engine._config.gradient_clipping = optim.grad_clip  # what ZeRO-0 fp32 clips with (engine.gradient_clipping())
+    scheduler = engine.lr_scheduler
+    total = recipe.total_steps
+    # The lambdas are closures (not in the state dict) and base_lrs came back from the checkpoint: both anew.
+    scheduler.lr_lambdas = [lambda step: lr_at(step, total, optim, recipe.schedule) / optim.lr for _ in groups]
+    scheduler.base_lrs = [optim.lr for _ in groups]
+    for group in groups:
+        group["initial_lr"] = optim.lr
+        group["lr"] = lr_at(scheduler.last_epoch, total, optim, recipe.schedule)
+    scheduler._last_lr = [group["lr"] for group in groups]
 
 
 def is_pipeline(engine) -> bool:

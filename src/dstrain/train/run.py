@@ -21,8 +21,11 @@ from dstrain.config import Recipe, load_recipe, to_dict
 from dstrain.errors import DstrainError
 from dstrain.strategy import Strategy, load_ds_config, resolve
 
-# Sections whose change makes a checkpoint meaningless for this run; the rest (length, cadence) may change.
-IDENTITY_KEYS = ("model", "data", "seed")
+# What makes a checkpoint meaningless for another run: the model, what it reads, and the seed. The rest of the
+# recipe (optimizer, schedule, length, cadence) may change on resume, and the current recipe's values apply.
+IDENTITY_KEYS = ("model", "seq_len", "valid_fraction", "data", "seed")
+# A fresh start moves these aside into run_dir/previous/<UTC time>/ (everything else a run leaves too).
+KEPT_IN_PLACE = (".lock", ".write-test", "previous")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,18 +43,36 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
 
 
-def check_run_dir(recipe: Recipe, recipe_file: str, resume: str) -> None:
-    """Refuse to mix a different experiment into an existing run directory."""
-    saved = recipe.output_dir / "recipe.yaml"
-    if resume == "none" or not saved.exists():
+def identity(recipe: Recipe, data_fingerprint: str) -> dict:
+    """What a checkpoint records of its experiment (in dstrain_checkpoint.json), for check_run_dir to compare."""
+    model = to_dict(recipe)["model"]
+    model.pop("activation_checkpointing", None)  # a memory strategy (the ds_config's), recorded before 0.2
+    return {"model": model, "seq_len": recipe.data.seq_len, "valid_fraction": recipe.data.valid_fraction,
+            "data": data_fingerprint, "seed": recipe.seed}
+
+
+def check_run_dir(recipe: Recipe, recipe_file: str, tag_dir: Path | None, data_fingerprint: str) -> None:
+    """Refuse to continue a checkpoint of another experiment: its own record, not run_dir's recipe.yaml, says
+    what it is (a checkpoint from before identities were recorded is compared with recipe.yaml)."""
+    from dstrain.train import checkpoint
+
+    if tag_dir is None:
         return
-    old = yaml.safe_load(saved.read_text())
-    new = to_dict(recipe)
-    changed = [k for k in IDENTITY_KEYS if old.get(k) != new.get(k)]
+    saved = (checkpoint.read_record(tag_dir) or {}).get("identity")
+    new = identity(recipe, data_fingerprint)
+    if saved is None:
+        old_file = tag_dir.parent.parent / "recipe.yaml"
+        old = yaml.safe_load(old_file.read_text()) if old_file.exists() else None
+        if old is None:
+            return
+        old["model"].pop("activation_checkpointing", None)
+        saved = {"model": old["model"], "seq_len": old["data"]["seq_len"], "valid_fraction": old["data"].get(
+            "valid_fraction"), "data": data_fingerprint, "seed": old["seed"]}  # the data is checked at load
+    changed = [k for k in IDENTITY_KEYS if saved.get(k) != new[k]]
     if changed:
         raise DstrainError(
-            f"{recipe.output_dir} holds a run of a different recipe ({', '.join(changed)} differ from {recipe_file}); "
-            f"set run_dir=<new folder>, or --resume none to start over in it"
+            f"{tag_dir} is a checkpoint of another experiment ({', '.join(changed)} differ from {recipe_file}); "
+            f"set run_dir=<new folder>, or --resume none to start over there (the previous run is moved aside)"
         )
 
 
@@ -102,6 +123,25 @@ def resume_tag(checkpoint_dir: Path, resume: str) -> str | None:
     return resume
 
 
+def move_previous_run(run_dir: Path) -> Path | None:
+    """A fresh start in a run_dir that holds a run: move that run's files into previous/<UTC time>/, delete nothing."""
+    import datetime
+
+    leftovers = [p for p in run_dir.iterdir() if p.name not in KEPT_IN_PLACE]
+    if not leftovers:
+        return None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dest = run_dir / "previous" / stamp
+    suffix = 1
+    while dest.exists():
+        dest, suffix = run_dir / "previous" / f"{stamp}-{suffix}", suffix + 1
+    dest.mkdir(parents=True)
+    for path in leftovers:
+        os.replace(path, dest / path.name)
+    print(f"{run_dir} held a previous run; moved it to {dest}/ (nothing deleted)", flush=True)
+    return dest
+
+
 def check_disk(run_dir: Path, recipe: Recipe) -> None:
     """Fail now, not at the first checkpoint hours from now, if run_dir cannot hold one."""
     from dstrain.model.gpt import num_params
@@ -125,14 +165,16 @@ def check_disk(run_dir: Path, recipe: Recipe) -> None:
 
 
 def claim_run_dir(run_dir: Path, recipe: Recipe, strategy: Strategy, tag: str | None):
-    """Rank 0: lock the run directory, check its disk, record the resolved inputs, and drop the metrics a
-    resumed run is about to log again (those after the checkpoint it resumes from)."""
+    """Rank 0: lock the run directory, check its disk, move a previous run aside when starting fresh, record the
+    resolved inputs, and drop the metrics a resumed run is about to log again (those after its checkpoint)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DstrainError(f"run_dir {run_dir} cannot be created ({e.strerror}); set run_dir=<a writable folder>") from None
     check_disk(run_dir, recipe)
     lock = lock_run_dir(run_dir)
+    if tag is None:
+        move_previous_run(run_dir)
     (run_dir / "recipe.yaml").write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
     (run_dir / "ds_config.json").write_text(json.dumps(strategy.ds_config, indent=2) + "\n")
     metrics = run_dir / "metrics.jsonl"
@@ -172,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
 def train(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     strategy = resolve(recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, world_size_from_env())
-    check_run_dir(recipe, args.recipe, args.resume)
     fingerprint = check_data(recipe, args.recipe)
+    run_dir = recipe.output_dir
+    tag = resume_tag(run_dir / "checkpoints", args.resume)
+    check_run_dir(recipe, args.recipe, run_dir / "checkpoints" / tag if tag else None, fingerprint)
 
     import torch
 
@@ -190,8 +234,6 @@ def train(args: argparse.Namespace) -> int:
 
     distributed.init()
     rank = distributed.rank()
-    run_dir = recipe.output_dir
-    tag = resume_tag(run_dir / "checkpoints", args.resume)
     lock = None
     refusal = None
     if rank == 0:
@@ -214,7 +256,7 @@ def train(args: argparse.Namespace) -> int:
         load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)
     engine = build_engine(recipe, strategy, model)
     trainer = Trainer(recipe, strategy, engine, train_data, valid_data, run_dir,
-                      data_fingerprint=fingerprint)
+                      data_fingerprint=fingerprint, identity=identity(recipe, fingerprint))
     if tag:
         trainer.resume(tag)
     result = trainer.fit()
