@@ -179,10 +179,10 @@ def saved_tensor_bytes(config: GPTConfig, batch: int, seq: int, dtype, checkpoin
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
-    def checkpointed_block(block, x, position_ids):
+    def checkpointed_block(block, x, *position_ids):
         # DeepSpeed's CheckpointFunction keeps its inputs on ctx (deepspeed_saved_tensors), out of the hooks' sight.
         saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        return deepspeed.checkpointing.checkpoint(block, x, position_ids)
+        return deepspeed.checkpointing.checkpoint(block, x, *position_ids)
 
     if checkpointed:
         model.checkpoint_fn = checkpointed_block

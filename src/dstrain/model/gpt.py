@@ -266,7 +266,7 @@ class GPT(nn.Module):
         self.lm_head = Linear(config.d_model, config.vocab_size, bias=False, std=head_std)
         if config.tied:
             self.lm_head.weight = self.embed.tok.weight
-        # fn(block, x, position_ids) -> x, run in training instead of block(x, position_ids): how the trainer applies
+        # fn(block, x[, position_ids]) -> x, run in training instead of block(x, position_ids): how the trainer applies
         # activation checkpointing (a memory strategy, set in the ds_config) from outside.
         self.checkpoint_fn = None
 
@@ -282,7 +282,9 @@ class GPT(nn.Module):
 
     def run_block(self, block: Block, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         if self.checkpoint_fn is not None and self.training:
-            return self.checkpoint_fn(block, x, position_ids)
+            # No None argument: DeepSpeed 0.19.8's partition_activations mangles non-tensor arguments in the backward
+            # (checkpointing.get_partitioned_activations_for_backward pairs each with a None size).
+            return self.checkpoint_fn(block, x) if position_ids is None else self.checkpoint_fn(block, x, position_ids)
         return block(x, position_ids)
 
 

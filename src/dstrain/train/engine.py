@@ -110,16 +110,23 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
 
 def configure_activation_checkpointing(engine, strategy: Strategy) -> None:
     """deepspeed.checkpointing reads its options (partition_activations, cpu_checkpointing, ...) from module
-    globals, set here from the ds_config's section. Partitioning splits the saved inputs over the model-parallel
-    group, so without one (plain data parallelism: engine.mpu is None) there is nothing to partition over."""
+    globals, set here from the ds_config's section. Partitioning splits each saved block input over the
+    tensor-parallel group, which holds it replicated; without one there is nothing to partition over (a pipeline's
+    grid is no such group, and DeepSpeed 0.19.8's configure() fails on it: it has no get_tensor_model_parallel_group)."""
     from deepspeed.runtime.activation_checkpointing import checkpointing
 
     checkpointing.mpu = None  # configure() keeps a previous engine's grid when given none (DeepSpeed 0.19.8)
-    if engine.mpu is None:
-        deepspeed.checkpointing.configure(None, deepspeed_config=strategy.ds_config, partition_activations=False,
-                                          contiguous_checkpointing=False, checkpoint_in_cpu=False)
-    else:
-        deepspeed.checkpointing.configure(engine.mpu, deepspeed_config=strategy.ds_config)
+    section = strategy.ds_config["activation_checkpointing"]
+    tensor_parallel = strategy.tp_size > 1
+    # Options by hand: configure(deepspeed_config=...) re-checks the batch arithmetic against the world size, which
+    # fails when model parallelism makes the data-parallel size smaller.
+    deepspeed.checkpointing.configure(
+        engine.mpu if tensor_parallel else None,
+        partition_activations=tensor_parallel and section.get("partition_activations", False),
+        contiguous_checkpointing=tensor_parallel and section.get("contiguous_memory_optimization", False),
+        checkpoint_in_cpu=tensor_parallel and section.get("cpu_checkpointing", False),
+        num_checkpoints=section.get("number_checkpoints"),
+        synchronize=section.get("synchronize_checkpoint_boundary", False), profile=section.get("profile", False))
 
 
 def apply_recipe_to_optimizer(engine, recipe: Recipe) -> None:
