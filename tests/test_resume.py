@@ -85,7 +85,7 @@ def test_a_checkpoint_of_another_experiment_is_refused_by_its_own_record(tmp_pat
     capfd.readouterr()
     assert main(argv(recipe, "zero1", run, "seed=1234", "train.steps=4")) == 2
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "global_step2 is a checkpoint of another experiment (seed differ" in err[0], err
+    assert len(err) == 1 and "global_step2 holds a run of a different recipe (seed differ" in err[0], err
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
 
 

@@ -45,33 +45,35 @@ def world_size_from_env() -> int:
 
 def identity(recipe: Recipe, data_fingerprint: str) -> dict:
     """What a checkpoint records of its experiment (in dstrain_checkpoint.json), for check_run_dir to compare."""
-    model = to_dict(recipe)["model"]
-    model.pop("activation_checkpointing", None)  # a memory strategy (the ds_config's), recorded before 0.2
-    return {"model": model, "seq_len": recipe.data.seq_len, "valid_fraction": recipe.data.valid_fraction,
-            "data": data_fingerprint, "seed": recipe.seed}
+    return _identity(to_dict(recipe), data_fingerprint)
 
 
-def check_run_dir(recipe: Recipe, recipe_file: str, tag_dir: Path | None, data_fingerprint: str) -> None:
+def _identity(recipe: dict, data) -> dict:
+    model = {k: v for k, v in recipe["model"].items() if k != "activation_checkpointing"}  # the ds_config's now
+    return {"model": model, "seq_len": recipe["data"]["seq_len"], "valid_fraction": recipe["data"].get("valid_fraction"),
+            "data": data, "seed": recipe["seed"]}
+
+
+def check_run_dir(recipe: Recipe, recipe_file: str, run_dir: Path, tag: str | None, resume: str,
+                  data_fingerprint: str) -> None:
     """Refuse to continue a checkpoint of another experiment: its own record, not run_dir's recipe.yaml, says
-    what it is (a checkpoint from before identities were recorded is compared with recipe.yaml)."""
+    what it is. Without a checkpoint that records it (none yet, or one from before), run_dir's recipe.yaml does,
+    unless --resume none starts over (and moves that run aside)."""
     from dstrain.train import checkpoint
 
-    if tag_dir is None:
-        return
-    saved = (checkpoint.read_record(tag_dir) or {}).get("identity")
+    where = run_dir / "checkpoints" / tag if tag else run_dir / "recipe.yaml"
+    saved = (checkpoint.read_record(where) or {}).get("identity") if tag else None
     new = identity(recipe, data_fingerprint)
     if saved is None:
-        old_file = tag_dir.parent.parent / "recipe.yaml"
-        old = yaml.safe_load(old_file.read_text()) if old_file.exists() else None
-        if old is None:
+        if resume == "none" or not (run_dir / "recipe.yaml").exists():
             return
-        old["model"].pop("activation_checkpointing", None)
-        saved = {"model": old["model"], "seq_len": old["data"]["seq_len"], "valid_fraction": old["data"].get(
-            "valid_fraction"), "data": data_fingerprint, "seed": old["seed"]}  # the data is checked at load
+        where = run_dir / "recipe.yaml"
+        old = yaml.safe_load(where.read_text())
+        saved, new = _identity(old, old["data"]["sources"]), _identity(to_dict(recipe), to_dict(recipe)["data"]["sources"])
     changed = [k for k in IDENTITY_KEYS if saved.get(k) != new[k]]
     if changed:
         raise DstrainError(
-            f"{tag_dir} is a checkpoint of another experiment ({', '.join(changed)} differ from {recipe_file}); "
+            f"{where} holds a run of a different recipe ({', '.join(changed)} differ from {recipe_file}); "
             f"set run_dir=<new folder>, or --resume none to start over there (the previous run is moved aside)"
         )
 
@@ -217,7 +219,7 @@ def train(args: argparse.Namespace) -> int:
     fingerprint = check_data(recipe, args.recipe)
     run_dir = recipe.output_dir
     tag = resume_tag(run_dir / "checkpoints", args.resume)
-    check_run_dir(recipe, args.recipe, run_dir / "checkpoints" / tag if tag else None, fingerprint)
+    check_run_dir(recipe, args.recipe, run_dir, tag, args.resume, fingerprint)
 
     import torch
 
