@@ -229,3 +229,21 @@ def test_activation_checkpointing_may_change_on_resume(resumed):
     for code, calls in ranks:
         assert code == 0 and calls == 2 * 2  # 2 blocks x 2 steps (evaluation runs no checkpointing)
     assert train_losses(run) == train_losses(base["zero1"])
+
+
+def test_estimate_and_the_model_take_activation_checkpointing_from_the_ds_config(tmp_path, corpus):
+    """The ds_config's section turns it on for the estimate and the model; a recipe.yaml from before (false) loads."""
+    from dstrain.config import load_recipe
+    from dstrain.estimate import estimate
+    from dstrain.strategy import load_ds_config, resolve
+    from dstrain.train.engine import build_model
+
+    recipe_file = small_recipe(tmp_path, corpus, model={"activation_checkpointing": False})
+    recipe = load_recipe(recipe_file)
+    saved = {}
+    for name, section in [("off", None), ("on", {"partition_activations": False})]:
+        config = ds_config(tmp_path, "zero1", **({"activation_checkpointing": section} if section else {}))
+        strategy = resolve(recipe, recipe_file, load_ds_config(config), config, 2)
+        saved[name] = next(p.backward for p in estimate(recipe, strategy, 1, 2).parts if p.name == "saved for backward")
+        assert (build_model(recipe, strategy).checkpoint_fn is not None) == (name == "on")
+    assert saved["on"] < 0.8 * saved["off"]
