@@ -24,8 +24,9 @@ from dstrain.strategy import Strategy, load_ds_config, resolve
 # What makes a checkpoint meaningless for another run: the model, what it reads, and the seed. The rest of the
 # recipe (optimizer, schedule, length, cadence) may change on resume, and the current recipe's values apply.
 IDENTITY_KEYS = ("model", "seq_len", "valid_fraction", "data", "seed")
-# A fresh start moves these aside into run_dir/previous/<UTC time>/ (everything else a run leaves too).
-KEPT_IN_PLACE = (".lock", ".write-test", "previous")
+# What a run leaves in its run_dir, moved into run_dir/previous/<UTC time>/ by a fresh start; DeepSpeed's monitors
+# write into tensorboard/ and csv/. The logs of the launch itself (compare's launcher.log, the Slurm job's link) stay.
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "recipe.yaml", "ds_config.json", "logs", "tensorboard", "csv")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -129,7 +130,7 @@ def move_previous_run(run_dir: Path) -> Path | None:
     """A fresh start in a run_dir that holds a run: move that run's files into previous/<UTC time>/, delete nothing."""
     import datetime
 
-    leftovers = [p for p in run_dir.iterdir() if p.name not in KEPT_IN_PLACE]
+    leftovers = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
     if not leftovers:
         return None
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
