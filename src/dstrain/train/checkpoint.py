@@ -80,7 +80,7 @@ def newest_complete(checkpoint_dir: Path) -> str | None:
     return None
 
 
-def save(engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last: int, identity: dict) -> str:
+def save(engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last: int, identity: dict | None = None) -> str:
     """Save on every rank, publish on rank 0, then drop the oldest saves beyond ``keep_last``, never this one.
 
     ``identity`` (what makes the checkpoint meaningless for another experiment) goes into the record, where a
