@@ -116,7 +116,7 @@ def configure_activation_checkpointing(engine, strategy: Strategy) -> None:
     from deepspeed.runtime.activation_checkpointing import checkpointing
 
     checkpointing.mpu = None  # configure() keeps a previous engine's grid when given none (DeepSpeed 0.19.8)
-    section = strategy.ds_config["activation_checkpointing"]
+    section = strategy.ds_config.get("activation_checkpointing", {})  # none: a pipeline interval alone
     tensor_parallel = strategy.tp_size > 1
     # Options by hand: configure(deepspeed_config=...) re-checks the batch arithmetic against the world size, which
     # fails when model parallelism makes the data-parallel size smaller.
