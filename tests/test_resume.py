@@ -71,24 +71,6 @@ def test_resume_none_moves_the_previous_run_aside_and_a_relaunch_continues_the_n
     assert train_losses(run)[0] != train_losses(previous)[0]  # B's own weights (seed 99), not A's
 
 
-def test_a_checkpoint_of_another_experiment_is_refused_by_its_own_record(tmp_path, corpus, capfd):
-    """run_dir's recipe.yaml says seed 1234 (it was swapped), the checkpoint says 99: the checkpoint decides,
-    in one line, before anything is written."""
-    from dstrain.train.run import main
-
-    recipe = small_recipe(tmp_path, corpus)
-    run = tmp_path / "run"
-    assert run_ranks(2, train_each, [argv(recipe, "zero1", run, "seed=99", "train.steps=2")]) == [[0], [0]]
-    recipe_yaml = yaml.safe_load((run / "recipe.yaml").read_text())
-    (run / "recipe.yaml").write_text(yaml.safe_dump({**recipe_yaml, "seed": 1234}))
-    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
-    capfd.readouterr()
-    assert main(argv(recipe, "zero1", run, "seed=1234", "train.steps=4")) == 2
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "global_step2 holds a run of a different recipe (seed differ" in err[0], err
-    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
-
-
 def test_keep_last_and_resume_follow_the_save_order(tmp_path):
     """A tag of a longer branch (step 8, saved first) never outranks the checkpoint saved after it (step 6)."""
     from dstrain.train.checkpoint import newest_complete, published_tags
@@ -177,6 +159,23 @@ def resumed(tmp_path_factory, corpus):
     results = run_ranks(2, run_calls, calls)
     names = [*STRATEGIES, "extended", "checkpointing"]
     return recipe, base, {n: (dirs[n], results[0][i], results[1][i]) for i, n in enumerate(names)}
+
+
+def test_a_checkpoint_of_another_experiment_is_refused_by_its_own_record(resumed, tmp_path, capfd):
+    """run_dir's recipe.yaml says seed 1234 (it was swapped), the checkpoint says 7: the checkpoint decides, in one
+    line, before anything is written."""
+    from dstrain.train.run import main
+
+    recipe, base, _ = resumed
+    run = shutil.copytree(base["zero1"], tmp_path / "run")
+    recipe_yaml = yaml.safe_load((run / "recipe.yaml").read_text())
+    (run / "recipe.yaml").write_text(yaml.safe_dump({**recipe_yaml, "seed": 1234}))
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    capfd.readouterr()
+    assert main(argv(recipe, "zero1", run, "seed=1234", "train.steps=8")) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "global_step4 holds a run of a different recipe (seed differ" in err[0], err
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
