@@ -14,7 +14,7 @@ import torch
 from dstrain.config import Recipe
 from dstrain.model.gpt import GPT
 from dstrain.strategy import Strategy
-from dstrain.train.schedule import build_scheduler, lr_at
+from dstrain.train.schedule import build_scheduler
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -147,13 +147,13 @@ def apply_recipe_to_optimizer(engine, recipe: Recipe) -> None:
         wrapper = getattr(wrapper, "optimizer", None)
     engine._config.gradient_clipping = optim.grad_clip  # what ZeRO-0 fp32 clips with (engine.gradient_clipping())
     scheduler = engine.lr_scheduler
-    total = recipe.total_steps
-    # The lambdas are closures (not in the state dict) and base_lrs came back from the checkpoint: both anew.
-    scheduler.lr_lambdas = [lambda step: lr_at(step, total, optim, recipe.schedule) / optim.lr for _ in groups]
+    # Its lambdas are build_engine's, from the current recipe (closures, which no checkpoint holds); base_lrs and
+    # each group's lr came back from the checkpoint. The lr of the next step is then what an uninterrupted run of
+    # the current recipe computes for it, to the bit.
     scheduler.base_lrs = [optim.lr for _ in groups]
-    for group in groups:
-        group["initial_lr"] = optim.lr
-        group["lr"] = lr_at(scheduler.last_epoch, total, optim, recipe.schedule)
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in groups]
 
 
