@@ -63,6 +63,7 @@ def test_resume_none_moves_the_previous_run_aside_and_a_relaunch_continues_the_n
     assert yaml.safe_load((previous / "recipe.yaml").read_text())["seed"] == 1234
     assert [r["step"] for r in read_metrics(previous) if "split" not in r] == [1, 2, 3, 4]
     assert "resumed from global_step2: step 2" in out and "global_step4: step 4" not in out
+    assert "the recipe changed since the checkpoint, the current one applies: train.steps 2 → 4\n" in out
     assert tags(run / "checkpoints") == ["global_step4"]  # B's step 4 (keep_last=1 pruned B's step 2)
     assert record(run / "checkpoints" / "global_step4")["identity"]["seed"] == 99
     assert [r["step"] for r in read_metrics(run) if "split" not in r] == [1, 2, 3, 4]
