@@ -67,7 +67,7 @@ def trainer_rate(recipe, strategy, train_data, valid_data, run_dir: Path) -> tup
     trainer.fit()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rates = [r["tokens_per_s"] for r in records if r["step"] in range(MEASURED.start + 1, MEASURED.stop + 1)
-             and "split" not in r]
+             and "split" not in r and "event" not in r]
     tokens = recipe.train.global_batch * recipe.data.seq_len
     outside = [1 - step * rate / tokens for rate, step in zip(rates, inner[MEASURED])]  # 1 - train_step / whole step
     return statistics.median(rates), statistics.median(outside)

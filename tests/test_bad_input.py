@@ -77,6 +77,10 @@ CASES = {
     "seq_len above the model's positions": (
         lambda t, c: (edit_recipe(small_recipe(t, c), "model", max_seq_len=16), ROOT / "ds_configs/zero1.json", []),
         ["data.seq_len=32 exceeds model.max_seq_len=16"]),
+    "activation checkpointing in the recipe (a ds_config setting)": (
+        lambda t, c: (edit_recipe(small_recipe(t, c), "model", activation_checkpointing=True),
+                      ROOT / "ds_configs/zero1.json", []),
+        ["model.activation_checkpointing moved to the ds_config", '"activation_checkpointing": {']),
     "run_dir holding a different model": (
         lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [_existing_run(t, c, d_model=32)]),
         ["holds a run of a different recipe (model", "set run_dir="]),

@@ -43,6 +43,15 @@ def train_losses(run_dir: Path) -> list[float]:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """Train and eval records; event records (a resume) are left to read_events."""
+    return [r for r in _records(run_dir) if "event" not in r]
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    return [r for r in _records(run_dir) if "event" in r]
+
+
+def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -152,13 +152,16 @@ def steady(values: list[float | None]) -> float | None:
 
 
 def read_records(path: Path) -> list[dict]:
-    """metrics.jsonl's objects; a line cut short by a killed run is skipped."""
+    """metrics.jsonl's train and eval records; a line cut short by a killed run, and event records (a resume), are
+    skipped."""
     records = []
     for line in path.read_text().splitlines() if path.is_file() else []:
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict) and "event" not in record:
+            records.append(record)
     return records
 
 

@@ -106,10 +106,22 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         raise DstrainError(f"{path}: a recipe is a YAML mapping of sections (model, data, train, ...)")
     for item in overrides:
         apply_override(raw, item, path)
+    refuse_moved_keys(raw, path)
     fill_model_defaults(raw, path)
     recipe = parse(Recipe, raw, path, "")
     validate(recipe, path)
     return recipe
+
+
+def refuse_moved_keys(raw: dict, path: Path) -> None:
+    """model.activation_checkpointing is a memory strategy and lives in the ds_config now. A false one, which
+    every run folder's recipe.yaml from before holds, means what leaving it out means and is dropped."""
+    model = raw.get("model")
+    if isinstance(model, dict) and model.pop("activation_checkpointing", False):
+        raise DstrainError(
+            f'{path}: model.activation_checkpointing moved to the ds_config; remove it here and add '
+            f'"activation_checkpointing": {{"partition_activations": false}} to your ds_config'
+        )
 
 
 def fill_model_defaults(raw: dict, path: Path) -> None:

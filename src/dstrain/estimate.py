@@ -286,7 +286,7 @@ def activation_bytes(recipe: Recipe, strategy: Strategy) -> tuple[int, int]:
     per_token = 2 * norm + a * (2 * h + inner / t) + 4 * heads / t  # + the linears' inputs, attention log-sum-exp
     block = tokens * per_token + (2 * seq * m.head_dim * a if m.flavour == "llama" else 0)  # RoPE cos, sin
     layers = math.ceil(m.n_layer / strategy.pp_stages)
-    if m.activation_checkpointing:
+    if strategy.activation_checkpointing:
         stage = layers * tokens * a * h + block  # block inputs, plus one block recomputed in the backward
     else:
         stage = layers * block

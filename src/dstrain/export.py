@@ -23,7 +23,7 @@ import torch
 from dstrain.errors import DstrainError
 
 # Training choices that Hugging Face does not record; everything else must match for init_from.
-NOT_ARCHITECTURE = ("activation_checkpointing", "doc_masking", "init_std")
+NOT_ARCHITECTURE = ("doc_masking", "init_std")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

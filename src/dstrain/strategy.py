@@ -42,6 +42,13 @@ class Strategy:
     def name(self) -> str:
         return Path(self.source).stem
 
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Blocks recompute their activations in the backward: the ds_config's activation_checkpointing section,
+        or a pipeline's activation_checkpoint_interval."""
+        interval = self.ds_config.get("pipeline", {}).get("activation_checkpoint_interval", 0)
+        return "activation_checkpointing" in self.ds_config or (self.pp_stages > 1 and interval > 0)
+
 
 def load_ds_config(path: str | Path) -> dict:
     path = Path(path)

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from dstrain.errors import DstrainError
 
@@ -47,7 +46,6 @@ class GPTConfig:
     norm_eps: float = 1e-5  # epsilon of LayerNorm (gpt2) / RMSNorm (llama)
     rope_theta: float = 10000.0  # RoPE base wavelength (llama only)
     init_std: float = 0.02  # std of the normal init; o_proj/down_proj use init_std / sqrt(2 * n_layer)
-    activation_checkpointing: bool = False  # recompute each block's activations in backward (training only)
     doc_masking: bool = False  # attend only within the current document (segments start where position_ids == 0)
 
     def __post_init__(self) -> None:
@@ -280,6 +278,9 @@ class GPT(nn.Module):
         self.lm_head = Linear(config.d_model, config.vocab_size, bias=False, std=head_std)
         if config.tied:
             self.lm_head.weight = self.embed.tok.weight
+        # fn(block, x[, position_ids]) -> x, run in training instead of block(x, position_ids): how the trainer applies
+        # activation checkpointing (a memory strategy, set in the ds_config) from outside.
+        self.checkpoint_fn = None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, position_ids: (B, L) int64 -> logits (B, L, vocab_size).
@@ -288,11 +289,15 @@ class GPT(nn.Module):
         """
         x = self.embed(input_ids, position_ids)
         for block in self.blocks:
-            if self.config.activation_checkpointing and self.training:
-                x = checkpoint(block, x, position_ids, use_reentrant=False)
-            else:
-                x = block(x, position_ids)
+            x = self.run_block(block, x, position_ids)
         return self.lm_head(self.norm(x))
+
+    def run_block(self, block: Block, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        if self.checkpoint_fn is not None and self.training:
+            # No None argument: DeepSpeed 0.19.8's partition_activations mangles non-tensor arguments in the backward
+            # (checkpointing.get_partitioned_activations_for_backward pairs each with a None size).
+            return self.checkpoint_fn(block, x) if position_ids is None else self.checkpoint_fn(block, x, position_ids)
+        return block(x, position_ids)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -91,8 +91,8 @@ def from_hf(hf_model_or_dir: transformers.PreTrainedModel | str | os.PathLike) -
     """A GPT2LMHeadModel / LlamaForCausalLM (object or local save_pretrained folder) -> (GPTConfig, state dict).
 
     The state dict has exactly the keys of GPT(config).state_dict(); tensors keep the checkpoint's dtype
-    and may share storage with the HF model. activation_checkpointing and doc_masking are training
-    choices HF does not record: they come back False, for the recipe to set.
+    and may share storage with the HF model. doc_masking is a training
+    choice HF does not record: it comes back False, for the recipe to set.
     """
     if isinstance(hf_model_or_dir, transformers.PreTrainedModel):
         model, source = hf_model_or_dir, f"{type(hf_model_or_dir).__name__} object"

@@ -113,8 +113,6 @@ def layer_prefixes(config: GPTConfig) -> list[tuple[str, str] | None]:
 def build_pipeline(config: GPTConfig, seed: int, stages: int, partition_method: str = "parameters",
                    activation_checkpoint_interval: int = 0) -> PipelineModule:
     """GPT(config) as a PipelineModule of `stages` stages, with lm_loss as its loss."""
-    if config.activation_checkpointing and not activation_checkpoint_interval:
-        activation_checkpoint_interval = 1  # the recipe asks for per-block recomputation
     return PipelineModule(
         layers=layer_specs(config, seed),
         num_stages=stages,

@@ -6,6 +6,10 @@ file's size in `dstrain_checkpoint.json`, rename the folder to `<tag>` and only 
 replace `latest`: a published tag is always complete, and at resume a tag whose files no
 longer match its record (truncated, deleted) is skipped with a warning.
 
+The record also numbers the saves of a run folder (``save_seq``): keep-last prunes and a resume
+without a usable ``latest`` picks in that order, so a tag left by a longer branch never outranks the
+checkpoint just written.
+
 Each checkpoint also records the topology it was saved under (ZeRO stage, world, data-parallel,
 tensor-parallel and pipeline sizes, precision) and DeepSpeed's universal-checkpoint info, so that a run
 can resume under another one (dstrain.train.topology).
@@ -33,11 +37,23 @@ def tag_for(step: int) -> str:
 
 
 def published_tags(checkpoint_dir: Path) -> list[str]:
-    """Published tags, oldest first."""
+    """Published tags, oldest save first (tags without a save number, from before it was recorded, by step)."""
     if not checkpoint_dir.is_dir():
         return []
     tags = [p.name for p in checkpoint_dir.iterdir() if p.is_dir() and TAG.match(p.name)]
-    return sorted(tags, key=lambda t: int(TAG.match(t).group(1)))
+    return sorted(tags, key=lambda t: (save_seq(checkpoint_dir / t), int(TAG.match(t).group(1))))
+
+
+def read_record(tag_dir: Path) -> dict | None:
+    try:
+        return json.loads((tag_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save_seq(tag_dir: Path) -> int:
+    record = read_record(tag_dir)
+    return int(record.get("save_seq", -1)) if isinstance(record, dict) else -1
 
 
 def is_complete(tag_dir: Path) -> bool:
@@ -49,7 +65,14 @@ def is_complete(tag_dir: Path) -> bool:
 
 
 def newest_complete(checkpoint_dir: Path) -> str | None:
-    """The newest tag whose files are all there; broken ones are reported and passed over."""
+    """The tag ``latest`` names when it is complete, else the most recently saved complete one; broken ones are
+    reported and passed over."""
+    try:
+        latest = (checkpoint_dir / "latest").read_text().strip()
+    except OSError:
+        latest = None
+    if latest and TAG.match(latest) and is_complete(checkpoint_dir / latest):
+        return latest
     for tag in reversed(published_tags(checkpoint_dir)):
         if is_complete(checkpoint_dir / tag):
             return tag
@@ -57,8 +80,11 @@ def newest_complete(checkpoint_dir: Path) -> str | None:
     return None
 
 
-def save(engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last: int) -> str:
-    """Save on every rank, publish on rank 0, then drop old tags beyond ``keep_last``."""
+def save(engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last: int, identity: dict | None = None) -> str:
+    """Save on every rank, publish on rank 0, then drop the oldest saves beyond ``keep_last``, never this one.
+
+    ``identity`` (what makes the checkpoint meaningless for another experiment) goes into the record, where a
+    resume compares it with its recipe before writing anything."""
     from deepspeed.checkpoint.constants import (
         PIPELINE_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
         UNIVERSAL_CHECKPOINT_VERSION_VALUE)
@@ -82,11 +108,14 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last:
     if is_writer:
         folder = checkpoint_dir / partial
         files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
-        _write_atomic(folder / RECORD, json.dumps({"step": step, "files": files, "topology": shape}, indent=1))
+        seq = 1 + max((save_seq(checkpoint_dir / t) for t in published_tags(checkpoint_dir)), default=0)
+        record = {"step": step, "save_seq": seq, "files": files, "topology": shape, "identity": identity}
+        _write_atomic(folder / RECORD, json.dumps(record, indent=1))
         shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # a re-save of the same step after a resume
         os.replace(folder, checkpoint_dir / tag)
         _write_atomic(checkpoint_dir / "latest", tag)
-        for old in published_tags(checkpoint_dir)[:-max(1, keep_last)]:
+        older = [t for t in published_tags(checkpoint_dir) if t != tag]
+        for old in older[:max(0, len(older) - (max(1, keep_last) - 1))]:
             shutil.rmtree(checkpoint_dir / old, ignore_errors=True)
     torch.distributed.barrier()
     return tag

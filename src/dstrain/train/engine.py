@@ -40,10 +40,12 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
         from dstrain.model.pipe import build_pipeline
 
         pipeline = strategy.ds_config.get("pipeline", {})
+        # The ds_config's activation_checkpointing section alone means every block, as for the plain model.
+        interval = pipeline.get("activation_checkpoint_interval", 0) or int(strategy.activation_checkpointing)
         return build_pipeline(
             recipe.model, recipe.seed, strategy.pp_stages,
             partition_method=pipeline.get("partition_method", "parameters"),
-            activation_checkpoint_interval=pipeline.get("activation_checkpoint_interval", 0),
+            activation_checkpoint_interval=interval,
         )
     torch.manual_seed(recipe.seed)  # identical initial weights on every rank and under every strategy
     init = (
@@ -52,7 +54,10 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
         else contextlib.nullcontext()
     )
     with init:
-        return GPT(recipe.model)
+        model = GPT(recipe.model)
+    if strategy.activation_checkpointing:
+        model.checkpoint_fn = deepspeed.checkpointing.checkpoint  # configured per engine in build_engine
+    return model
 
 
 STALE_BUILD_LOCK_S = 1800  # DeepSpeed's CPU ops compile in minutes; a lock this old has no builder left
@@ -115,12 +120,63 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
         config=strategy.ds_config,
         lr_scheduler=lambda opt: build_scheduler(opt, recipe.total_steps, recipe.optim, recipe.schedule),
     )
+    if strategy.activation_checkpointing:
+        configure_activation_checkpointing(engine, strategy)
     if "compile" in strategy.ds_config:
         # DeepSpeed 0.19.8 reads the "compile" section but leaves engine.compile() to the caller: here the
         # section's presence is the switch, so torch.compile is one ds_config swap like every other strategy.
         engine.compile()
     grad_norm.install(engine)  # ZeRO-0 fp32: DeepSpeed keeps no norm (and pipelines clip by the wrong one)
     return engine
+
+
+def configure_activation_checkpointing(engine, strategy: Strategy) -> None:
+    """deepspeed.checkpointing reads its options (partition_activations, cpu_checkpointing, ...) from module
+    globals, set here from the ds_config's section. Partitioning splits each saved block input over the
+    tensor-parallel group, which holds it replicated; without one there is nothing to partition over (a pipeline's
+    grid is no such group, and DeepSpeed 0.19.8's configure() fails on it: it has no get_tensor_model_parallel_group)."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    checkpointing.mpu = None  # configure() keeps a previous engine's grid when given none (DeepSpeed 0.19.8)
+    section = strategy.ds_config.get("activation_checkpointing", {})  # none: a pipeline interval alone
+    tensor_parallel = strategy.tp_size > 1
+    # Options by hand: configure(deepspeed_config=...) re-checks the batch arithmetic against the world size, which
+    # fails when model parallelism makes the data-parallel size smaller.
+    deepspeed.checkpointing.configure(
+        engine.mpu if tensor_parallel else None,
+        partition_activations=tensor_parallel and section.get("partition_activations", False),
+        contiguous_checkpointing=tensor_parallel and section.get("contiguous_memory_optimization", False),
+        checkpoint_in_cpu=tensor_parallel and section.get("cpu_checkpointing", False),
+        num_checkpoints=section.get("number_checkpoints"),
+        synchronize=section.get("synchronize_checkpoint_boundary", False), profile=section.get("profile", False))
+
+
+def apply_recipe_to_optimizer(engine, recipe: Recipe) -> None:
+    """After a checkpoint load, make the current recipe the truth: DeepSpeed 0.19.8 restores each parameter
+    group's lr, weight_decay, betas and eps, the ZeRO / bf16 wrappers' clip_grad and the scheduler's base_lrs
+    from the checkpoint, so a changed optim.* or schedule.* would be silently ignored. The moments, the step
+    count and the scheduler's position stay the checkpoint's; the lr of the next step is the schedule's at it."""
+    optim = recipe.optim
+    wrapper = engine.optimizer
+    groups = wrapper.param_groups  # the wrappers forward to the torch optimizer's groups
+    backup = getattr(wrapper, "backup_optimizer", None)  # ZeRO-3 partial offload's GPU-side AdamW
+    for group_list in [groups] + ([backup.param_groups] if backup is not None else []):
+        for index, group in enumerate(group_list):  # engine.param_groups: matrices (decayed) first, then the rest
+            group.update(weight_decay=optim.weight_decay if index == 0 else 0.0, betas=tuple(optim.betas), eps=optim.eps)
+    while wrapper is not None:
+        if hasattr(wrapper, "clip_grad"):
+            wrapper.clip_grad = optim.grad_clip
+        wrapper = getattr(wrapper, "optimizer", None)
+    engine._config.gradient_clipping = optim.grad_clip  # what ZeRO-0 fp32 clips with (engine.gradient_clipping())
+    scheduler = engine.lr_scheduler
+    # Its lambdas are build_engine's, from the current recipe (closures, which no checkpoint holds); base_lrs and
+    # each group's lr came back from the checkpoint. The lr of the next step is then what an uninterrupted run of
+    # the current recipe computes for it, to the bit.
+    scheduler.base_lrs = [optim.lr for _ in groups]
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in groups]
 
 
 def is_pipeline(engine) -> bool:

@@ -30,7 +30,7 @@ from dstrain.errors import DstrainError
 from dstrain.metrics import IntervalClock, MetricsLog, device_peak, peak_memory_bytes
 from dstrain.model.gpt import flops_per_token, lm_loss
 from dstrain.train import checkpoint
-from dstrain.train.engine import data_parallel_rank, is_pipeline
+from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
 
 
 class StopSignal:
@@ -81,8 +81,21 @@ def monitor_paused(engine):
         engine.monitor.enabled = enabled
 
 
+def recipe_changes(old: dict, new: dict, prefix: str = "") -> dict:
+    """{dotted key: [saved, current]} for every recipe value that differs from the checkpoint's."""
+    changed = {}
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed.update(recipe_changes(a, b, f"{prefix}{key}."))
+        elif a != b and f"{prefix}{key}" not in ("run_dir", "model.activation_checkpointing"):
+            changed[f"{prefix}{key}"] = [a, b]
+    return changed
+
+
 class Trainer:
-    def __init__(self, recipe, strategy, engine, train_data, valid_sets, run_dir: Path, data_fingerprint):
+    def __init__(self, recipe, strategy, engine, train_data, valid_sets, run_dir: Path, data_fingerprint,
+                 identity=None):
         """``valid_sets``: (name, weight, dataset) per data source (``dstrain.data.dataset.build_valid_sets``)."""
         self.recipe, self.strategy, self.engine = recipe, strategy, engine
         self.train_data, self.valid_sets = train_data, valid_sets
@@ -90,7 +103,7 @@ class Trainer:
         self.run_dir, self.dp_rank = run_dir, data_parallel_rank(engine, strategy)
         self.pipeline = is_pipeline(engine)
         self.pipe_batch_size = strategy.micro_batch  # the micro-batch size the pipeline's p2p buffers are sized for
-        self.data_fingerprint = data_fingerprint
+        self.data_fingerprint, self.identity = data_fingerprint, identity or {}
         self.device = engine.device
         self.is_rank0 = torch.distributed.get_rank() == 0
         self.world = torch.distributed.get_world_size()
@@ -205,7 +218,8 @@ class Trainer:
             "world_size": self.world,
             "strategy": self.strategy.name,
         }
-        checkpoint.save(self.engine, self.run_dir / "checkpoints", self.progress.step, client_state, self.recipe.train.keep_last)
+        checkpoint.save(self.engine, self.run_dir / "checkpoints", self.progress.step, client_state,
+                        self.recipe.train.keep_last, self.identity)
 
     def resume(self, tag: str) -> None:
         state = checkpoint.load(self.engine, self.run_dir / "checkpoints", tag)
@@ -216,8 +230,14 @@ class Trainer:
         self.progress.step = self.engine.global_steps
         self.progress.consumed_samples = state["consumed_samples"]
         set_rng_state(state["rng"])
+        apply_recipe_to_optimizer(self.engine, self.recipe)
+        changed = recipe_changes(state.get("recipe") or {}, to_dict(self.recipe))
         if self.is_rank0:
             print(f"resumed from {tag}: step {self.progress.step}, {self.progress.consumed_samples} samples consumed", flush=True)
+            if changed:
+                print("the recipe changed since the checkpoint, the current one applies: "
+                      + ", ".join(f"{k} {old} → {new}" for k, (old, new) in changed.items()), flush=True)
+        self.log.write({"step": self.progress.step, "event": "resume", "tag": tag, "changed": changed})
 
     # --- the loop ---------------------------------------------------------------------
     def fit(self) -> dict:

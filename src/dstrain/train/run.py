@@ -21,8 +21,12 @@ from dstrain.config import Recipe, load_recipe, to_dict
 from dstrain.errors import DstrainError
 from dstrain.strategy import Strategy, load_ds_config, resolve
 
-# Sections whose change makes a checkpoint meaningless for this run; the rest (length, cadence) may change.
-IDENTITY_KEYS = ("model", "data", "seed")
+# What makes a checkpoint meaningless for another run: the model, what it reads, and the seed. The rest of the
+# recipe (optimizer, schedule, length, cadence) may change on resume, and the current recipe's values apply.
+IDENTITY_KEYS = ("model", "seq_len", "valid_fraction", "data", "seed")
+# What a run leaves in its run_dir, moved into run_dir/previous/<UTC time>/ by a fresh start; DeepSpeed's monitors
+# write into tensorboard/ and csv/. The logs of the launch itself (compare's launcher.log, the Slurm job's link) stay.
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "recipe.yaml", "ds_config.json", "logs", "tensorboard", "csv")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,18 +44,38 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
 
 
-def check_run_dir(recipe: Recipe, recipe_file: str, resume: str) -> None:
-    """Refuse to mix a different experiment into an existing run directory."""
-    saved = recipe.output_dir / "recipe.yaml"
-    if resume == "none" or not saved.exists():
-        return
-    old = yaml.safe_load(saved.read_text())
-    new = to_dict(recipe)
-    changed = [k for k in IDENTITY_KEYS if old.get(k) != new.get(k)]
+def identity(recipe: Recipe, data_fingerprint: str) -> dict:
+    """What a checkpoint records of its experiment (in dstrain_checkpoint.json), for check_run_dir to compare."""
+    return _identity(to_dict(recipe), data_fingerprint)
+
+
+def _identity(recipe: dict, data) -> dict:
+    model = {k: v for k, v in recipe["model"].items() if k != "activation_checkpointing"}  # the ds_config's now
+    return {"model": model, "seq_len": recipe["data"]["seq_len"], "valid_fraction": recipe["data"].get("valid_fraction"),
+            "data": data, "seed": recipe["seed"]}
+
+
+def check_run_dir(recipe: Recipe, recipe_file: str, run_dir: Path, tag: str | None, resume: str,
+                  data_fingerprint: str) -> None:
+    """Refuse to continue a checkpoint of another experiment: its own record, not run_dir's recipe.yaml, says
+    what it is. Without a checkpoint that records it (none yet, or one from before), run_dir's recipe.yaml does,
+    unless --resume none starts over (and moves that run aside)."""
+    from dstrain.train import checkpoint
+
+    where = run_dir / "checkpoints" / tag if tag else run_dir / "recipe.yaml"
+    saved = (checkpoint.read_record(where) or {}).get("identity") if tag else None
+    new = identity(recipe, data_fingerprint)
+    if saved is None:
+        if resume == "none" or not (run_dir / "recipe.yaml").exists():
+            return
+        where = run_dir / "recipe.yaml"
+        old = yaml.safe_load(where.read_text())
+        saved, new = _identity(old, old["data"]["sources"]), _identity(to_dict(recipe), to_dict(recipe)["data"]["sources"])
+    changed = [k for k in IDENTITY_KEYS if saved.get(k) != new[k]]
     if changed:
         raise DstrainError(
-            f"{recipe.output_dir} holds a run of a different recipe ({', '.join(changed)} differ from {recipe_file}); "
-            f"set run_dir=<new folder>, or --resume none to start over in it"
+            f"{where} holds a run of a different recipe ({', '.join(changed)} differ from {recipe_file}); "
+            f"set run_dir=<new folder>, or --resume none to start over there (the previous run is moved aside)"
         )
 
 
@@ -102,6 +126,25 @@ def resume_tag(checkpoint_dir: Path, resume: str) -> str | None:
     return resume
 
 
+def move_previous_run(run_dir: Path) -> Path | None:
+    """A fresh start in a run_dir that holds a run: move that run's files into previous/<UTC time>/, delete nothing."""
+    import datetime
+
+    leftovers = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    if not leftovers:
+        return None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dest = run_dir / "previous" / stamp
+    suffix = 1
+    while dest.exists():
+        dest, suffix = run_dir / "previous" / f"{stamp}-{suffix}", suffix + 1
+    dest.mkdir(parents=True)
+    for path in leftovers:
+        os.replace(path, dest / path.name)
+    print(f"{run_dir} held a previous run; moved it to {dest}/ (nothing deleted)", flush=True)
+    return dest
+
+
 def check_disk(run_dir: Path, recipe: Recipe) -> None:
     """Fail now, not at the first checkpoint hours from now, if run_dir cannot hold one."""
     from dstrain.model.gpt import num_params
@@ -125,14 +168,16 @@ def check_disk(run_dir: Path, recipe: Recipe) -> None:
 
 
 def claim_run_dir(run_dir: Path, recipe: Recipe, strategy: Strategy, tag: str | None):
-    """Rank 0: lock the run directory, check its disk, record the resolved inputs, and drop the metrics a
-    resumed run is about to log again (those after the checkpoint it resumes from)."""
+    """Rank 0: lock the run directory, check its disk, move a previous run aside when starting fresh, record the
+    resolved inputs, and drop the metrics a resumed run is about to log again (those after its checkpoint)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DstrainError(f"run_dir {run_dir} cannot be created ({e.strerror}); set run_dir=<a writable folder>") from None
     check_disk(run_dir, recipe)
     lock = lock_run_dir(run_dir)
+    if tag is None:
+        move_previous_run(run_dir)
     (run_dir / "recipe.yaml").write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
     (run_dir / "ds_config.json").write_text(json.dumps(strategy.ds_config, indent=2) + "\n")
     metrics = run_dir / "metrics.jsonl"
@@ -172,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
 def train(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     strategy = resolve(recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, world_size_from_env())
-    check_run_dir(recipe, args.recipe, args.resume)
     fingerprint = check_data(recipe, args.recipe)
+    run_dir = recipe.output_dir
+    tag = resume_tag(run_dir / "checkpoints", args.resume)
+    check_run_dir(recipe, args.recipe, run_dir, tag, args.resume, fingerprint)
 
     import torch
 
@@ -190,8 +237,6 @@ def train(args: argparse.Namespace) -> int:
 
     distributed.init()
     rank = distributed.rank()
-    run_dir = recipe.output_dir
-    tag = resume_tag(run_dir / "checkpoints", args.resume)
     lock = None
     refusal = None
     if rank == 0:
@@ -214,7 +259,7 @@ def train(args: argparse.Namespace) -> int:
         load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)
     engine = build_engine(recipe, strategy, model)
     trainer = Trainer(recipe, strategy, engine, train_data, valid_sets, run_dir,
-                      data_fingerprint=fingerprint)
+                      data_fingerprint=fingerprint, identity=identity(recipe, fingerprint))
     if tag:
         trainer.resume(tag)
     result = trainer.fit()
