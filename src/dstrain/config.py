@@ -123,10 +123,13 @@ def fill_model_defaults(raw: dict, path: Path) -> None:
     if not isinstance(model, dict) or not isinstance(data, dict):
         return  # parse() reports the missing or malformed section
     model.setdefault("max_seq_len", data.get("seq_len"))
-    if model.get("vocab_size") is None and data.get("sources"):
+    sources = data.get("sources")
+    if model.get("vocab_size") is None and isinstance(sources, list) and sources:
         from dstrain.data.manifest import read_manifest
 
-        first = data["sources"][0]["path"]
+        if not isinstance(sources[0], dict) or not isinstance(sources[0].get("path"), str):
+            return  # parse() reports the malformed source
+        first = sources[0]["path"]
         vocab = read_manifest(first)["vocab_size"]
         model["vocab_size"] = -(-vocab // 64) * 64
 
@@ -152,7 +155,8 @@ def parse(cls: type, data: Any, file: Path, where: str) -> Any:
     messages that name the file, the dotted key and the closest valid key.
     """
     if not isinstance(data, dict):
-        raise DstrainError(f"{file}: {where or 'recipe'} must be a mapping, got {type(data).__name__}")
+        fix = f"; write it as `- path: {data}`" if cls is DataSource and isinstance(data, str) else ""
+        raise DstrainError(f"{file}: {where.rstrip('.') or 'recipe'} must be a mapping, got {type(data).__name__} {data!r}{fix}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls, include_extras=True)
     for key in data:

@@ -63,7 +63,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         sources = [(args.data, 1.0)]
     else:
         sources = [(s.path, s.weight) for s in recipe.data.sources]
-    _check_data(sources[0][0], args.model, config, recipe is None)
+    _check_data(sources[0][0], args.model, config, recipe)
     for flag, value in (("--seq-len", seq_len), ("--micro-batch", micro), ("--samples", args.samples or 1)):
         if value <= 0:
             raise DstrainError(f"{flag} {value}: must be positive")
@@ -105,16 +105,27 @@ def _mean_loss(model, data, n: int, micro: int, device) -> tuple[float, int]:
     return (sums[0] / sums[1]).item(), int(sums[1].item())
 
 
-def _check_data(folder: str, model: str, config, hf: bool) -> None:
+def _check_data(folder: str, model: str, config, recipe) -> None:
+    """The data was prepared with the model's tokenizer: a Hugging Face folder's own, or the one of the run's data."""
     from dstrain.data.manifest import read_manifest
     from dstrain.data.tokenizer import verify_tokenizer
 
-    vocab = read_manifest(folder)["vocab_size"]
+    manifest = read_manifest(folder)
+    vocab = manifest["vocab_size"]
     if vocab > config.vocab_size:
         raise DstrainError(f"--data {folder} has {vocab} token ids, the model {model} only {config.vocab_size}; "
                            f"pass data prepared with the model's tokenizer")
-    if hf and (Path(model) / "tokenizer_config.json").is_file():
-        verify_tokenizer(folder, model)
+    if recipe is None:
+        if (Path(model) / "tokenizer_config.json").is_file():
+            verify_tokenizer(folder, model)
+        return
+    trained = recipe.data.sources[0].path
+    if Path(trained, "manifest.json").is_file():  # equal sizes are no proof: compare the tokenizers' hashes
+        if read_manifest(trained)["tokenizer"]["hash"] != manifest["tokenizer"]["hash"]:
+            raise DstrainError(f"--data {folder} was prepared with another tokenizer than the run {model} was trained "
+                               f"on ({trained}); prepare it with --tokenizer {Path(trained) / 'tokenizer'}")
+    elif recipe.data.tokenizer:
+        verify_tokenizer(folder, recipe.data.tokenizer)
 
 
 def _run_micro_batch(run_dir: Path) -> int | None:

@@ -18,21 +18,22 @@ from pathlib import Path
 import yaml
 
 from dstrain.config import Recipe, load_recipe, to_dict
-from dstrain.errors import DstrainError
+from dstrain.errors import DstrainError, OneLineArgumentParser
 from dstrain.strategy import Strategy, load_ds_config, resolve
+from dstrain.train import preflight
 
 # Sections whose change makes a checkpoint meaningless for this run; the rest (length, cadence) may change.
 IDENTITY_KEYS = ("model", "data", "seed")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="dstrain.train", description="Train a recipe under a ds_config.")
+    parser = OneLineArgumentParser(prog="dstrain.train", description="Train a recipe under a ds_config.")
     parser.add_argument("--recipe", required=True, help="recipe YAML (the experiment)")
     parser.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="ds_config JSON (the strategy)")
     parser.add_argument("--resume", default="auto", help="auto: newest complete checkpoint in run_dir; none: start fresh; or a tag")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     parser.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. train.steps=100 optim.lr=1e-3")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # options may follow the overrides
 
 
 def world_size_from_env() -> int:
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     strategy = resolve(recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, world_size_from_env())
+    preflight.check(recipe, args.recipe)
     check_run_dir(recipe, args.recipe, args.resume)
     fingerprint = check_data(recipe, args.recipe)
 
