@@ -51,6 +51,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     from dstrain.model.gpt import GPT
     from dstrain.train import distributed
 
+    if args.data and (Path(args.model) / "recipe.yaml").is_file():  # before the checkpoint is read
+        from dstrain.config import load_recipe
+
+        _check_run_tokenizer(args.data, args.model, load_recipe(Path(args.model) / "recipe.yaml"))
     config, state, recipe = load_model_source(args.model, args.tag)
     if recipe is None and not args.data:
         raise DstrainError(f"{args.model} is a Hugging Face model folder; name the prepared data with --data DIR")
@@ -106,25 +110,28 @@ def _mean_loss(model, data, n: int, micro: int, device) -> tuple[float, int]:
 
 
 def _check_data(folder: str, model: str, config, recipe) -> None:
-    """The data was prepared with the model's tokenizer: a Hugging Face folder's own, or the one of the run's data."""
     from dstrain.data.manifest import read_manifest
     from dstrain.data.tokenizer import verify_tokenizer
 
-    manifest = read_manifest(folder)
-    vocab = manifest["vocab_size"]
+    vocab = read_manifest(folder)["vocab_size"]
     if vocab > config.vocab_size:
         raise DstrainError(f"--data {folder} has {vocab} token ids, the model {model} only {config.vocab_size}; "
                            f"pass data prepared with the model's tokenizer")
-    if recipe is None:
-        if (Path(model) / "tokenizer_config.json").is_file():
-            verify_tokenizer(folder, model)
-        return
+    if recipe is None and (Path(model) / "tokenizer_config.json").is_file():
+        verify_tokenizer(folder, model)
+
+
+def _check_run_tokenizer(folder: str, run: str, recipe) -> None:
+    """--data was prepared with the tokenizer of the run's data: equal vocabulary sizes are no proof, hashes are."""
+    from dstrain.data.manifest import read_manifest
+    from dstrain.data.tokenizer import verify_tokenizer
+
     trained = recipe.data.sources[0].path
-    if Path(trained, "manifest.json").is_file():  # equal sizes are no proof: compare the tokenizers' hashes
-        if read_manifest(trained)["tokenizer"]["hash"] != manifest["tokenizer"]["hash"]:
-            raise DstrainError(f"--data {folder} was prepared with another tokenizer than the run {model} was trained "
+    if Path(trained, "manifest.json").is_file():
+        if read_manifest(trained)["tokenizer"]["hash"] != read_manifest(folder)["tokenizer"]["hash"]:
+            raise DstrainError(f"--data {folder} was prepared with another tokenizer than the run {run} was trained "
                                f"on ({trained}); prepare it with --tokenizer {Path(trained) / 'tokenizer'}")
-    elif recipe.data.tokenizer:
+    elif recipe.data.tokenizer:  # the run's data is gone: its recipe may still name the tokenizer
         verify_tokenizer(folder, recipe.data.tokenizer)
 
 
