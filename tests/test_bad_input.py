@@ -286,9 +286,103 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, corpus, capsys, monkey
     assert snapshot(tmp_path) == before  # nothing written, nothing touched
 
 
-def test_the_cli_reports_bad_input_the_same_way(tmp_path, corpus):
+@pytest.mark.parametrize("command", ["train with options after the overrides", "prepare into a file"])
+def test_the_cli_reports_bad_input_the_same_way(command, tmp_path, corpus):
+    """As a user runs it: a process of its own, so the exit status is the interpreter's, not a return value."""
     recipe = edit_recipe(small_recipe(tmp_path, corpus), "optim", learning_rate=1e-3)
-    proc = subprocess.run([sys.executable, "-m", "dstrain.train", "--recipe", str(recipe), "--deepspeed_config",
-                           str(ROOT / "ds_configs/zero1.json")], capture_output=True, text=True, timeout=120,
+    argv = {
+        "train with options after the overrides": [
+            "dstrain.train", "--recipe", str(recipe), "train.steps=2", "--deepspeed_config",
+            str(ROOT / "ds_configs/zero1.json"), f"run_dir={tmp_path / 'run'}", "--resume", "none"],
+        "prepare into a file": ["dstrain", "prepare", "--dataset", "x.jsonl", "--train-tokenizer", "512", "--out",
+                                str(recipe)],
+    }[command]
+    before = snapshot(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "WORLD_SIZE": "2"})
-    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "optim.learning_rate" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert_one_line(proc.stderr, "dstrain: error: ", ["optim.learning_rate" if "train" in command else "small.yaml is a file"])
+    assert snapshot(tmp_path) == before
+
+
+@pytest.fixture(scope="module")
+def same_size_corpus(tmp_path_factory):
+    """Other documents, a tokenizer trained on them with the tiny corpus's vocabulary size: same ids, other tokens."""
+    from data_fixtures import TINY_VOCAB, prepared_corpus
+
+    return prepared_corpus(tmp_path_factory.mktemp("same_size"), n_docs=60, vocab_size=TINY_VOCAB, skip_docs=300)
+
+
+def _run_folder(tmp_path, corpus) -> Path:
+    """A run folder's recipe.yaml (its checkpoint is never read: the refusal comes first)."""
+    from dstrain.config import load_recipe, to_dict
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text(yaml.safe_dump(to_dict(load_recipe(small_recipe(tmp_path, corpus)))))
+    return run
+
+
+def _compare(t, c, *args):
+    return ["compare", "--recipe", str(small_recipe(t, c)), "--out", str(t / "report"), *args]
+
+
+# `dstrain <command>` cases: name -> (argv(tmp_path, corpus, other corpus), fragments)
+CLI_CASES = {
+    "prepare --out naming a file": (
+        lambda t, c, o: ["prepare", "--dataset", "x.jsonl", "--train-tokenizer", "512", "--out", str(_write(t / "f", "x"))],
+        ["--out", "/f is a file"]),
+    "prepare --out under a file": (
+        lambda t, c, o: ["prepare", "--dataset", "x.jsonl", "--train-tokenizer", "512", "--out", f"{_write(t / 'f', 'x')}/d"],
+        ["is under", "/f, a file"]),
+    "eval of a run on data of another tokenizer of the same size": (
+        lambda t, c, o: ["eval", str(_run_folder(t, c)), "--data", str(o)],
+        ["was prepared with another tokenizer than the run", "--tokenizer"]),
+    "compare --nproc 0": (
+        lambda t, c, o: _compare(t, c, "--nproc", "0", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json")),
+        ["--nproc 0", "positive"]),
+    "compare --steps -3": (
+        lambda t, c, o: _compare(t, c, "--nproc", "2", "--steps", "-3", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json")),
+        ["--steps -3", "positive"]),
+    "compare with a missing ds_config after a good one": (
+        lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json"),
+                                 str(t / "zero9.json")),
+        ["zero9.json: no such ds_config file"]),
+    "compare with ZeRO stage 7 after a good one": (
+        lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json"),
+                                 str(ds_config(t, "zero1", zero_optimization={"stage": 7}))),
+        ["zero_optimization.stage=7"]),
+    "compare with a misspelled key in one config": (
+        lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json"),
+                                 str(ds_config(t, "zero2", zero_optimization={"stage": 2, "contiguous_gradient": True}))),
+        ['"zero_optimization.contiguous_gradient"', '"zero_optimization.contiguous_gradients"']),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_commands_refuse_bad_input_before_any_work(case, tmp_path, corpus, same_size_corpus, capsys):
+    from dstrain.cli import main
+
+    build, fragments = CLI_CASES[case]
+    argv = build(tmp_path, corpus, same_size_corpus)
+    before = snapshot(tmp_path)
+    assert main(argv) == 2
+    assert_one_line(capsys.readouterr().err, "dstrain: error: ", fragments)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["dstrain.train", "--recipe", "r.yaml", "--deepspeed_config", "d.json", "--resme", "none"],
+     ["dstrain.train: error: unrecognized arguments: --resme", "--help"]),
+    (["dstrain.train", "--deepspeed_config", "d.json", "train.steps=2"], ["the following arguments are required: --recipe"]),
+    (["dstrain", "compare", "--nproc", "two"], ["argument --nproc: invalid int value: 'two'"]),
+    (["dstrain", "evaluate", "runs/x"], ["dstrain: error: argument command: invalid choice: 'evaluate'"]),
+])
+def test_argument_errors_are_one_line(argv, fragments, capsys):
+    from dstrain.cli import main as cli_main
+    from dstrain.train.run import main as train_main
+
+    with pytest.raises(SystemExit) as exit_:
+        (train_main if argv[0] == "dstrain.train" else cli_main)(argv[1:])
+    assert exit_.value.code == 2
+    assert_one_line(capsys.readouterr().err, argv[0], fragments)
