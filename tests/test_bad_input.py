@@ -352,6 +352,10 @@ CLI_CASES = {
         lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json"),
                                  str(ds_config(t, "zero1", zero_optimization={"stage": 7}))),
         ["zero_optimization.stage=7"]),
+    "compare with a micro-batch that does not divide the global batch": (
+        lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero0.json"),
+                                 str(ds_config(t, "zero1", train_micro_batch_size_per_gpu=3))),
+        ["train_micro_batch_size_per_gpu=3", "valid micro-batch sizes for 2 ranks: 1, 2, 4"]),
     "compare with a misspelled key in one config": (
         lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json"),
                                  str(ds_config(t, "zero2", zero_optimization={"stage": 2, "contiguous_gradient": True}))),
