@@ -232,7 +232,7 @@ CASES = {
         ["holds files that no run wrote (thesis.tex)"]),
     "init_from a missing folder": (
         lambda t, c: (small_recipe(t, c, init_from=str(t / "no-model")), ROOT / "ds_configs/zero1.json", []),
-        ["init_from", "no-model: no such folder"]),
+        ["init_from", "no-model/config.json: no such file"]),
     "init_from a folder that is not a model": (
         lambda t, c: (small_recipe(t, c, init_from=str(_folder_with(t / "empty", "README"))), ROOT / "ds_configs/zero1.json", []),
         ["init_from", "config.json: no such file"]),

@@ -137,8 +137,6 @@ def config_from_hf(folder: str | os.PathLike) -> GPTConfig:
 def _read_config(folder: Path):
     """(transformers config, its first architecture dstrain supports) of a save_pretrained folder."""
     source = folder / "config.json"
-    if not folder.is_dir():
-        raise DstrainError(f"{folder}: no such folder; pass a Hugging Face model folder written by save_pretrained")
     if not source.is_file():
         raise DstrainError(f"{source}: no such file; pass a folder written by save_pretrained")
     try:

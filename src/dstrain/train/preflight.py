@@ -9,9 +9,11 @@ from pathlib import Path
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 
-# What a run leaves in its folder (run.claim_run_dir, the loop, checkpoints, DeepSpeed's monitors).
-RUN_FILES = {".lock", ".write-test", "recipe.yaml", "ds_config.json", "metrics.jsonl", "metrics.jsonl.tmp",
-             "summary.json", "checkpoints", "tensorboard", "csv", "wandb"}
+# What a run leaves in its folder (run.claim_run_dir, the loop, checkpoints, DeepSpeed's monitors), and what
+# launchers put there first: slurm/train.sbatch its hostfile and a link to the job's log, compare launcher.log.
+RUN_FILES = {"recipe.yaml", "ds_config.json", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "checkpoints",
+             "tensorboard", "csv", "wandb", "hostfile"}
+LOG_SUFFIXES = (".log", ".out", ".err")
 
 
 def check(recipe: Recipe, recipe_file: str) -> None:
@@ -35,7 +37,8 @@ def check_run_dir_path(run_dir: Path) -> None:
         raise DstrainError(f"run_dir {run_dir} is a folder prepared by dstrain prepare (it holds {MANIFEST_NAME}); {fix}")
     if (run_dir / "recipe.yaml").exists():
         return  # an earlier run's folder: run.check_run_dir compares the recipes
-    foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FILES)
+    foreign = sorted(p.name for p in run_dir.iterdir()
+                     if p.name not in RUN_FILES and not p.name.startswith(".") and not p.name.endswith(LOG_SUFFIXES))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise DstrainError(f"run_dir {run_dir} holds files that no run wrote ({shown}); {fix}")
