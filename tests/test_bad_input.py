@@ -223,7 +223,7 @@ CASES = {
         ["notes.txt is a file", "set run_dir="]),
     "run_dir under a file": (
         lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [f"run_dir={_write(t / 'notes.txt', 'x')}/run"]),
-        ["is under", "notes.txt, a file"]),
+        ["cannot be created", "notes.txt is a file"]),
     "run_dir that is prepared data": (
         lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [f"run_dir={copy_prepared(c, t / 'data')}"]),
         ["is a folder prepared by dstrain prepare", "set run_dir="]),

@@ -29,7 +29,7 @@ def check_run_dir_path(run_dir: Path) -> None:
     fix = "set run_dir=<a new or empty folder>"
     for parent in [run_dir, *run_dir.parents]:
         if parent.exists() and not parent.is_dir():
-            what = "is a file" if parent == run_dir else f"is under {parent}, a file"
+            what = "is a file" if parent == run_dir else f"cannot be created: {parent} is a file"
             raise DstrainError(f"run_dir {run_dir} {what}; {fix}")
     if not run_dir.is_dir():
         return
@@ -37,8 +37,11 @@ def check_run_dir_path(run_dir: Path) -> None:
         raise DstrainError(f"run_dir {run_dir} is a folder prepared by dstrain prepare (it holds {MANIFEST_NAME}); {fix}")
     if (run_dir / "recipe.yaml").exists():
         return  # an earlier run's folder: run.check_run_dir compares the recipes
-    foreign = sorted(p.name for p in run_dir.iterdir()
-                     if p.name not in RUN_FILES and not p.name.startswith(".") and not p.name.endswith(LOG_SUFFIXES))
+    try:
+        names = [p.name for p in run_dir.iterdir()]
+    except OSError:
+        return  # unreadable: run.check_disk reports it
+    foreign = sorted(n for n in names if n not in RUN_FILES and not n.startswith(".") and not n.endswith(LOG_SUFFIXES))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise DstrainError(f"run_dir {run_dir} holds files that no run wrote ({shown}); {fix}")
