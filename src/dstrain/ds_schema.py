@@ -91,8 +91,9 @@ def validate_ds_config(config: dict, ds_file: str) -> None:
     from pydantic import ValidationError
 
     trial = copy.deepcopy(config)
-    # Batch arithmetic was checked against the real world size by strategy.resolve; here the world is one.
-    trial["train_batch_size"] = trial["train_micro_batch_size_per_gpu"] * trial["gradient_accumulation_steps"]
+    # strategy.resolve checked the batch arithmetic for the launch's world size; DeepSpeed would check it for the
+    # world it sees here (one, or a process group of another test or command), so it derives the product instead.
+    del trial["train_batch_size"]
     asked, whole = [], set()
     logger = logging.getLogger("DeepSpeed")
     level = logger.level
