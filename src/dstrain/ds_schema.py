@@ -2,8 +2,9 @@
 
 DeepSpeed parses its config only inside ``deepspeed.initialize``, after the process group started and the
 run folder was claimed, and it ignores keys it does not know. Here the same parser (``DeepSpeedConfig``
-and its pydantic sections) reads the config on a world of one, through a dict that records every key
-DeepSpeed asks for: a key nobody asked for is a misspelling (DeepSpeed's code is the list of valid keys).
+and its pydantic sections) reads the config through a dict that records every key DeepSpeed asks for: a
+key nobody asked for is a misspelling (DeepSpeed's code is the list of valid keys). Sections handed to a
+pydantic model are checked by the model itself (``extra="forbid"``).
 """
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ from typing import Any
 
 from dstrain.errors import DstrainError
 
-# Keys dstrain itself reads or writes besides those DeepSpeed reads: DeepSpeed ignores a ds_config "seed";
-# strategy.resolve records the recipe's seed there (a pinned one must equal it).
-DSTRAIN_KEYS = {"pipeline.partition_method", "seed"}
-# Sections DeepSpeed copies whole into an optimizer or pipeline constructor: their keys are checked there.
+# Keys dstrain writes besides those DeepSpeed reads: DeepSpeed ignores a ds_config "seed"; strategy.resolve
+# records the recipe's seed there (a pinned one must equal it).
+DSTRAIN_KEYS = {"seed"}
+# Handed whole to the optimizer's constructor (runtime/engine.py _configure_basic_optimizer), which checks them.
 OPEN_SECTIONS = ("optimizer.params",)
-# DeepSpeed's pipeline engine reads these from "pipeline" (runtime/config.py get_pipeline_config copies the
-# whole section, so the recorder cannot see which it uses).
+# "pipeline": DeepSpeed's keys (runtime/config.py get_pipeline_config copies the whole section, so the
+# recorder cannot see which it uses) and partition_method, which dstrain's engine.py reads.
 PIPELINE_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
                  "grad_partitioned", "partition_method"}
 
@@ -136,11 +137,12 @@ def _check_optimizer(config: dict, ds_file: str) -> None:
 
     name = str(config.get("optimizer", {}).get("type", "AdamW"))
     # The engine's rule (runtime/engine.py _configure_basic_optimizer): DeepSpeed's own, else torch.optim.<name>.
-    if name.lower() in DEEPSPEED_OPTIMIZERS or getattr(torch.optim, name, None) is not None:
+    torch_optimizers = [n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)]
+    if name.lower() in DEEPSPEED_OPTIMIZERS or name in torch_optimizers:
         return
-    names = sorted({*DEEPSPEED_OPTIMIZERS, "AdamW", "Adam", "SGD"})
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.4)
-    hint = f'did you mean "{close[0]}"?' if close else f"use one of {', '.join(names)}"
+    names = {n.lower(): n for n in [*DEEPSPEED_OPTIMIZERS, *torch_optimizers]}
+    close = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.6)
+    hint = f'did you mean "{names[close[0]]}"?' if close else f"use one of {', '.join(DEEPSPEED_OPTIMIZERS)} or a torch.optim class"
     raise DstrainError(f'{ds_file}: optimizer.type "{name}" is neither a DeepSpeed nor a torch.optim optimizer; {hint}')
 
 
