@@ -106,6 +106,7 @@ def test_deepspeed_sections_dstrain_does_not_read_are_accepted(tmp_path):
     ({"optimizer": {"type": "Adamw8bit", "params": {}}}, ['optimizer.type "Adamw8bit"']),
     ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": -1.5}}, ['"zero_optimization.stage3_max_live_parameters"']),
     ({"seed": 5}, ["pins seed=5", "sets seed=1234"]),
+    ({"nebula": {"enabled": True}}, ["DeepSpeed rejects this ds_config", "Nebula checkpointing has been removed"]),
 ])
 def test_ds_config_errors_name_the_file_and_key(tmp_path, change, fragments):
     ds = {**json.loads((ROOT / "ds_configs/zero1.json").read_text()), **change}
