@@ -189,6 +189,12 @@ CASES = {
     "ds_config that is a list": (
         lambda t, c: (small_recipe(t, c), _write(t / "d.json", "[1, 2]"), []),
         ["d.json: a ds_config is a JSON object"]),
+    "ds_config that is a folder": (
+        lambda t, c: (small_recipe(t, c), ROOT / "ds_configs", []),
+        ["ds_configs: cannot read the ds_config (Is a directory)"]),
+    "recipe that is a folder": (
+        lambda t, c: (ROOT / "recipes", ROOT / "ds_configs/zero1.json", []),
+        ["recipes: cannot read the recipe (Is a directory)"]),
     "missing ds_config": (
         lambda t, c: (small_recipe(t, c), t / "nowhere.json", []),
         ["nowhere.json: no such ds_config file"]),

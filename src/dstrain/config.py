@@ -103,6 +103,8 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise DstrainError(f"{path}: no such recipe file; see recipes/ for examples") from None
+    except OSError as e:
+        raise DstrainError(f"{path}: cannot read the recipe ({e.strerror}); pass a YAML file, e.g. recipes/tiny.yaml") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -50,6 +50,8 @@ def load_ds_config(path: str | Path) -> dict:
         config = json.loads(path.read_text())
     except FileNotFoundError:
         raise DstrainError(f"{path}: no such ds_config file; see ds_configs/ for the shipped strategies") from None
+    except OSError as e:
+        raise DstrainError(f"{path}: cannot read the ds_config ({e.strerror}); pass a JSON file, e.g. ds_configs/zero1.json") from None
     except json.JSONDecodeError as e:
         raise DstrainError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     if not isinstance(config, dict):
