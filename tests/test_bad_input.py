@@ -242,6 +242,9 @@ CASES = {
     "init_from a folder that is not a model": (
         lambda t, c: (small_recipe(t, c, init_from=str(_folder_with(t / "empty", "README"))), ROOT / "ds_configs/zero1.json", []),
         ["init_from", "config.json: no such file"]),
+    "init_from a dstrain run": (
+        lambda t, c: (small_recipe(t, c, init_from=_existing_run(t, c)), ROOT / "ds_configs/zero1.json", []),
+        ["is a dstrain run, not a Hugging Face folder", "dstrain export"]),
     "init_from a model without weights": (
         lambda t, c: (small_recipe(t, c, init_from=str(_hf_config(t, weights=False))), ROOT / "ds_configs/zero1.json", []),
         ["init_from", "no weights"]),

@@ -51,6 +51,9 @@ def check_init_from(recipe: Recipe, recipe_file: str) -> None:
     """init_from is a Hugging Face model folder of the recipe's architecture (read from config.json only)."""
     from dstrain.model.hf import architecture_diff, config_from_hf
 
+    if (Path(recipe.init_from) / "recipe.yaml").is_file():
+        raise DstrainError(f"{recipe_file}: init_from {recipe.init_from} is a dstrain run, not a Hugging Face folder; "
+                           f"export it first (dstrain export {recipe.init_from} --out <folder>), or train in it to resume")
     try:
         config = config_from_hf(recipe.init_from)
     except DstrainError as e:
