@@ -1,5 +1,7 @@
 """The catalogue of bad input to `dstrain.train`: one case per input, each a single line on stderr naming
 what is wrong and how to fix it, exit status 2, before any work, with nothing the user had changed."""
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -29,7 +31,70 @@ def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-10])
 
 
-# name -> (build(tmp_path, corpus) -> (recipe, ds_config, extra args), fragments the one line must contain)
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _other_tokenizer(tmp_path) -> Path:
+    from data_fixtures import prepared_corpus
+
+    return prepared_corpus(tmp_path / "other", n_docs=50, vocab_size=300) / "tokenizer"
+
+
+def _existing_run(tmp_path, corpus, **model) -> str:
+    """A run directory whose recipe.yaml records another model shape, as an earlier run leaves it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    recipe = yaml.safe_load(small_recipe(tmp_path, corpus, name="earlier").read_text())
+    recipe["model"].update(model)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return str(run)
+
+
+def _override(item: str):
+    """A case: the small recipe with one override ({corpus} stands for the prepared corpus)."""
+    return lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [item.replace("{corpus}", str(c))])
+
+
+def _folder_with(folder: Path, *names: str, config: dict | None = None) -> Path:
+    folder.mkdir(parents=True)
+    for name in names:
+        (folder / name).write_text("x")
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _hf_config(tmp_path, weights: bool) -> Path:
+    """A Llama folder like the small recipe's model but half as wide; weights=True adds a (placeholder) weights file."""
+    from transformers import LlamaConfig
+
+    folder = tmp_path / "hf"
+    LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=32, architectures=["LlamaForCausalLM"]).save_pretrained(folder)
+    if weights:
+        (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+def _finished_run(tmp_path, corpus) -> Path:
+    """A run folder as a finished 10-step run of the small recipe leaves it (without its checkpoint)."""
+    from dstrain.config import load_recipe, to_dict
+
+    run = tmp_path / "finished"
+    (run / "checkpoints").mkdir(parents=True)
+    recipe = load_recipe(small_recipe(tmp_path, corpus, name="finished"))
+    (run / "recipe.yaml").write_text(yaml.safe_dump(to_dict(recipe)))
+    (run / "ds_config.json").write_text((ROOT / "ds_configs/zero2.json").read_text())
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 5.0}) + "\n" for i in range(1, 11)))
+    (run / "summary.json").write_text(json.dumps({"status": "completed", "step": 10}))
+    (run / "checkpoints" / "latest").write_text("global_step10")
+    return run
+
+
+# name -> (build(tmp_path, corpus) -> (recipe, ds_config, extra argv), fragments the one line must contain);
+# the run goes to tmp_path/run unless the extra argv names a run_dir.
 CASES = {
     "malformed YAML": (
         lambda t, c: (_write(t / "r.yaml", "name: x\nmodel: {flavour: llama,\n"), ROOT / "ds_configs/zero1.json", []),
@@ -82,34 +147,141 @@ CASES = {
                       ROOT / "ds_configs/zero1.json", []),
         ["model.activation_checkpointing moved to the ds_config", '"activation_checkpointing": {']),
     "run_dir holding a different model": (
-        lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [_existing_run(t, c, d_model=32)]),
+        lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [f"run_dir={_existing_run(t, c, d_model=32)}"]),
         ["holds a run of a different recipe (model", "set run_dir="]),
+    # A ds_config that DeepSpeed would reject inside deepspeed.initialize, or silently ignore.
+    "misspelled ZeRO sub-key": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero2", zero_optimization={"stage": 2, "overlap_com": True}), []),
+        ['unknown key "zero_optimization.overlap_com"', 'did you mean "zero_optimization.overlap_comm"']),
+    "misspelled top-level key": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", zero_optimisation={"stage": 2}), []),
+        ['unknown key "zero_optimisation"', 'did you mean "zero_optimization"']),
+    "misspelled nested offload key": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero2", zero_optimization={
+            "stage": 2, "offload_optimizer": {"devce": "cpu"}}), []),
+        ['"zero_optimization.offload_optimizer.devce"', '"zero_optimization.offload_optimizer.device"']),
+    "misspelled bf16 key": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", bf16={"enabeld": True}), []),
+        ['unknown key "bf16.enabeld"', '"bf16.enabled"']),
+    "misspelled activation_checkpointing key": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", activation_checkpointing={"partition_activation": True}), []),
+        ['"activation_checkpointing.partition_activation"', '"activation_checkpointing.partition_activations"']),
+    "misspelled data_types key": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", data_types={"grad_acum_dtype": "fp32"}), []),
+        ['"data_types.grad_acum_dtype"', '"data_types.grad_accum_dtype"']),
+    "misspelled monitor key": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", tensorboard={"enabled": True, "output_pat": "tb"}), []),
+        ['"tensorboard.output_pat"', '"tensorboard.output_path"']),
+    "misspelled pipeline key": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "pp2_zero1", pipeline={"stages": 2, "partition_methd": "uniform"}), []),
+        ['"pipeline.partition_methd"', '"pipeline.partition_method"']),
+    "ZeRO stage as a word": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", zero_optimization={"stage": "two"}), []),
+        ["zero_optimization.stage"]),
+    "ZeRO stage 7": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", zero_optimization={"stage": 7}), []),
+        ["zero_optimization.stage=7", "use 0, 1, 2 or 3"]),
+    "ZeRO bucket size of the wrong type": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", zero_optimization={"stage": 1, "reduce_bucket_size": "big"}), []),
+        ['"zero_optimization.reduce_bucket_size"', "'big'"]),
+    "unknown optimizer type": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", optimizer={"type": "AdamWW", "params": {}}), []),
+        ['optimizer.type "AdamWW"', 'did you mean "AdamW"']),
+    "ds_config seed that is not the recipe's": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", seed=99), []),
+        ["pins seed=99", "sets seed=7"]),
+    "ds_config that is a list": (
+        lambda t, c: (small_recipe(t, c), _write(t / "d.json", "[1, 2]"), []),
+        ["d.json: a ds_config is a JSON object"]),
+    "ds_config that is a folder": (
+        lambda t, c: (small_recipe(t, c), ROOT / "ds_configs", []),
+        ["ds_configs: cannot read the ds_config (Is a directory)"]),
+    "recipe that is a folder": (
+        lambda t, c: (ROOT / "recipes", ROOT / "ds_configs/zero1.json", []),
+        ["recipes: cannot read the recipe (Is a directory)"]),
+    "missing ds_config": (
+        lambda t, c: (small_recipe(t, c), t / "nowhere.json", []),
+        ["nowhere.json: no such ds_config file"]),
+    "finished run extended under a ds_config DeepSpeed rejects": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero2", zero_optimization={"stage": 2, "overlap_com": True}),
+                      [f"run_dir={_finished_run(t, c)}", "train.steps=20"]),
+        ['"zero_optimization.overlap_com"']),
+    # Numeric ranges (dstrain.ranges), declared with each field.
+    "log_interval 0": (_override("train.log_interval=0"), ["train.log_interval=0 is out of range", ">= 1"]),
+    "eval_samples 0": (_override("train.eval_samples=0"), ["train.eval_samples=0 is out of range", ">= 1"]),
+    "negative learning rate": (_override("optim.lr=-0.001"), ["optim.lr=-0.001 is out of range", "> 0"]),
+    "valid_fraction 1": (_override("data.valid_fraction=1.0"), ["data.valid_fraction=1.0", "> 0 and < 1"]),
+    "beta of 1": (_override("optim.betas=[0.9, 1.0]"), ["optim.betas[1]=1.0", "< 1"]),
+    "keep_last 0": (_override("train.keep_last=0"), ["train.keep_last=0", ">= 1"]),
+    "negative steps": (_override("train.steps=-5"), ["train.steps=-5", ">= 0"]),
+    "negative seed": (_override("seed=-1"), ["seed=-1", ">= 0"]),
+    "zero source weight": (_override(f"data.sources=[{{path: {'{corpus}'}, weight: 0}}]"), ["data.sources[0].weight=0.0", "> 0"]),
+    "decay_fraction above 1": (_override("schedule.decay_fraction=2"), ["schedule.decay_fraction=2.0", "<= 1"]),
+    "zero model layers": (_override("model.n_layer=0"), ["model.n_layer=0", ">= 1"]),
+    "zero norm epsilon": (_override("model.norm_eps=0"), ["model.norm_eps=0.0", "> 0"]),
+    # Natural slips.
+    "sources as plain strings": (_override("data.sources=[{corpus}]"), ["data.sources[0] must be a mapping", "- path: "]),
+    "sources as one string": (_override("data.sources={corpus}"), ["data.sources must be a list"]),
+    "override without a value": (_override("train.steps"), ["override 'train.steps'", "key=value"]),
+    "override into a value": (_override("name.first=x"), ["override 'name.first=x'", "name in", "not a section"]),
+    "options after the overrides, still checked": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", zero_optimisation={}), ["train.steps=2", "--resume", "none"]),
+        ['unknown key "zero_optimisation"']),
+    # Work before validation: the run folder and init_from are checked before the process group starts.
+    "run_dir that is a file": (
+        lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [f"run_dir={_write(t / 'notes.txt', 'x')}"]),
+        ["notes.txt is a file", "set run_dir="]),
+    "run_dir under a file": (
+        lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [f"run_dir={_write(t / 'notes.txt', 'x')}/run"]),
+        ["cannot be created", "notes.txt is a file"]),
+    "run_dir that is prepared data": (
+        lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [f"run_dir={copy_prepared(c, t / 'data')}"]),
+        ["is a folder prepared by dstrain prepare", "set run_dir="]),
+    "run_dir holding someone's files": (
+        lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [f"run_dir={_folder_with(t / 'mine', 'thesis.tex')}"]),
+        ["holds files that no run wrote (thesis.tex)"]),
+    "init_from a missing folder": (
+        lambda t, c: (small_recipe(t, c, init_from=str(t / "no-model")), ROOT / "ds_configs/zero1.json", []),
+        ["init_from", "no-model/config.json: no such file"]),
+    "init_from a folder that is not a model": (
+        lambda t, c: (small_recipe(t, c, init_from=str(_folder_with(t / "empty", "README"))), ROOT / "ds_configs/zero1.json", []),
+        ["init_from", "config.json: no such file"]),
+    "init_from a dstrain run": (
+        lambda t, c: (small_recipe(t, c, init_from=_existing_run(t, c)), ROOT / "ds_configs/zero1.json", []),
+        ["is a dstrain run, not a Hugging Face folder", "dstrain export"]),
+    "init_from a model without weights": (
+        lambda t, c: (small_recipe(t, c, init_from=str(_hf_config(t, weights=False))), ROOT / "ds_configs/zero1.json", []),
+        ["init_from", "no weights"]),
+    "init_from another architecture": (
+        lambda t, c: (small_recipe(t, c, init_from=str(_hf_config(t, weights=True))), ROOT / "ds_configs/zero1.json", []),
+        ["init_from", "has another architecture", "model.d_model=64 vs 32"]),
+    "init_from an unsupported architecture": (
+        lambda t, c: (small_recipe(t, c, init_from=str(_folder_with(t / "bert", "model.safetensors", config={
+            "model_type": "bert", "architectures": ["BertForMaskedLM"]}))), ROOT / "ds_configs/zero1.json", []),
+        ["init_from", "BertForMaskedLM", "cannot be converted"]),
 }
 
 
-def _write(path: Path, text: str) -> Path:
-    path.write_text(text)
-    return path
-
-
-def _other_tokenizer(tmp_path) -> Path:
-    from data_fixtures import prepared_corpus
-
-    return prepared_corpus(tmp_path / "other", n_docs=50, vocab_size=300) / "tokenizer"
-
-
-def _existing_run(tmp_path, corpus, **model) -> str:
-    """A run directory whose recipe.yaml records another model shape, as an earlier run leaves it."""
-    run = tmp_path / "run"
-    run.mkdir()
-    recipe = yaml.safe_load(small_recipe(tmp_path, corpus, name="earlier").read_text())
-    recipe["model"].update(model)
-    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    return str(run)
-
-
 def snapshot(folder: Path) -> dict:
-    return {str(p): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+    """Every path under folder with its mtime, and each file's content hash: nothing created, changed or removed."""
+    return {str(p): (p.stat().st_mtime_ns, p.is_dir() or hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in folder.rglob("*")}
+
+
+def assert_one_line(err: str, prefix: str, fragments) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), lines
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(autouse=True)
+def no_fp16(monkeypatch):
+    """Every case is about this CPU's answer; a GPU node with fp16 must give the same one."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: False)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -119,19 +291,115 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, corpus, capsys, monkey
     monkeypatch.setenv("WORLD_SIZE", "2")  # as under a 2-rank launcher; nothing reaches the process group
     build, fragments = CASES[case]
     recipe, config, extra = build(tmp_path, corpus)
-    run_dir = extra[0] if extra else str(tmp_path / "run")
+    if not any(str(a).startswith("run_dir=") for a in extra):
+        extra = [*extra, f"run_dir={tmp_path / 'run'}"]
     before = snapshot(tmp_path)
-    assert main(["--recipe", str(recipe), "--deepspeed_config", str(config), f"run_dir={run_dir}"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("dstrain: error: "), err
-    for fragment in fragments:
-        assert fragment in err[0], err[0]
+    assert main(["--recipe", str(recipe), "--deepspeed_config", str(config), *extra]) == 2
+    assert_one_line(capsys.readouterr().err, "dstrain: error: ", fragments)
     assert snapshot(tmp_path) == before  # nothing written, nothing touched
 
 
-def test_the_cli_reports_bad_input_the_same_way(tmp_path, corpus):
+@pytest.mark.parametrize("command", ["train with options after the overrides", "prepare into a file"])
+def test_the_cli_reports_bad_input_the_same_way(command, tmp_path, corpus):
+    """As a user runs it: a process of its own, so the exit status is the interpreter's, not a return value."""
     recipe = edit_recipe(small_recipe(tmp_path, corpus), "optim", learning_rate=1e-3)
-    proc = subprocess.run([sys.executable, "-m", "dstrain.train", "--recipe", str(recipe), "--deepspeed_config",
-                           str(ROOT / "ds_configs/zero1.json")], capture_output=True, text=True, timeout=120,
+    argv = {
+        "train with options after the overrides": [
+            "dstrain.train", "--recipe", str(recipe), "train.steps=2", "--deepspeed_config",
+            str(ROOT / "ds_configs/zero1.json"), f"run_dir={tmp_path / 'run'}", "--resume", "none"],
+        "prepare into a file": ["dstrain", "prepare", "--dataset", "x.jsonl", "--train-tokenizer", "512", "--out",
+                                str(recipe)],
+    }[command]
+    before = snapshot(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "WORLD_SIZE": "2"})
-    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "optim.learning_rate" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert_one_line(proc.stderr, "dstrain: error: ", ["optim.learning_rate" if "train" in command else "small.yaml is a file"])
+    assert snapshot(tmp_path) == before
+
+
+@pytest.fixture(scope="module")
+def same_size_corpus(tmp_path_factory):
+    """Other documents, a tokenizer trained on them with the tiny corpus's vocabulary size: same ids, other tokens."""
+    from data_fixtures import TINY_VOCAB, prepared_corpus
+
+    return prepared_corpus(tmp_path_factory.mktemp("same_size"), n_docs=60, vocab_size=TINY_VOCAB, skip_docs=300)
+
+
+def _run_folder(tmp_path, corpus) -> Path:
+    """A run folder's recipe.yaml (its checkpoint is never read: the refusal comes first)."""
+    from dstrain.config import load_recipe, to_dict
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text(yaml.safe_dump(to_dict(load_recipe(small_recipe(tmp_path, corpus)))))
+    return run
+
+
+def _compare(t, c, *args):
+    return ["compare", "--recipe", str(small_recipe(t, c)), "--out", str(t / "report"), *args]
+
+
+# `dstrain <command>` cases: name -> (argv(tmp_path, corpus, other corpus), fragments)
+CLI_CASES = {
+    "prepare --out naming a file": (
+        lambda t, c, o: ["prepare", "--dataset", "x.jsonl", "--train-tokenizer", "512", "--out", str(_write(t / "f", "x"))],
+        ["--out", "/f is a file"]),
+    "prepare --out under a file": (
+        lambda t, c, o: ["prepare", "--dataset", "x.jsonl", "--train-tokenizer", "512", "--out", f"{_write(t / 'f', 'x')}/d"],
+        ["is under", "/f, a file"]),
+    "eval of a run on data of another tokenizer of the same size": (
+        lambda t, c, o: ["eval", str(_run_folder(t, c)), "--data", str(o)],
+        ["was prepared with another tokenizer than the run", "--tokenizer"]),
+    "compare --nproc 0": (
+        lambda t, c, o: _compare(t, c, "--nproc", "0", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json")),
+        ["--nproc 0", "positive"]),
+    "compare --steps -3": (
+        lambda t, c, o: _compare(t, c, "--nproc", "2", "--steps", "-3", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json")),
+        ["--steps -3", "positive"]),
+    "compare with a missing ds_config after a good one": (
+        lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json"),
+                                 str(t / "zero9.json")),
+        ["zero9.json: no such ds_config file"]),
+    "compare with ZeRO stage 7 after a good one": (
+        lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json"),
+                                 str(ds_config(t, "zero1", zero_optimization={"stage": 7}))),
+        ["zero_optimization.stage=7"]),
+    "compare with a micro-batch that does not divide the global batch": (
+        lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero0.json"),
+                                 str(ds_config(t, "zero1", train_micro_batch_size_per_gpu=3))),
+        ["train_micro_batch_size_per_gpu=3", "valid micro-batch sizes for 2 ranks: 1, 2, 4"]),
+    "compare with a misspelled key in one config": (
+        lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json"),
+                                 str(ds_config(t, "zero2", zero_optimization={"stage": 2, "contiguous_gradient": True}))),
+        ['"zero_optimization.contiguous_gradient"', '"zero_optimization.contiguous_gradients"']),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_commands_refuse_bad_input_before_any_work(case, tmp_path, corpus, same_size_corpus, capsys):
+    from dstrain.cli import main
+
+    build, fragments = CLI_CASES[case]
+    argv = build(tmp_path, corpus, same_size_corpus)
+    before = snapshot(tmp_path)
+    assert main(argv) == 2
+    assert_one_line(capsys.readouterr().err, "dstrain: error: ", fragments)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["dstrain.train", "--recipe", "r.yaml", "--deepspeed_config", "d.json", "--resme", "none"],
+     ["dstrain.train: error: unrecognized arguments: --resme", "--help"]),
+    (["dstrain.train", "--deepspeed_config", "d.json", "train.steps=2"], ["the following arguments are required: --recipe"]),
+    (["dstrain", "compare", "--nproc", "two"], ["argument --nproc: invalid int value: 'two'"]),
+    (["dstrain", "evaluate", "runs/x"], ["dstrain: error: argument command: invalid choice: 'evaluate'"]),
+])
+def test_argument_errors_are_one_line(argv, fragments, capsys):
+    from dstrain.cli import main as cli_main
+    from dstrain.train.run import main as train_main
+
+    with pytest.raises(SystemExit) as exit_:
+        (train_main if argv[0] == "dstrain.train" else cli_main)(argv[1:])
+    assert exit_.value.code == 2
+    assert_one_line(capsys.readouterr().err, argv[0], fragments)

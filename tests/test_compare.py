@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from train_helpers import ROOT, ds_config, read_metrics, small_recipe
+from train_helpers import ROOT, read_metrics, small_recipe
 
 from dstrain.cli import main
 from dstrain.compare import read_run
@@ -17,18 +17,18 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory, corpus):
-    """zero0, zero2 and a micro-batch that does not divide the global batch, 4 steps each on 2 ranks (~1 minute)."""
+    """zero0 and zero2, 4 steps each on 2 ranks (~1 minute). A config the recipe refuses (a micro-batch that does not
+    divide the global batch) stops the comparison before any launch: tests/test_bad_input.py."""
     tmp = tmp_path_factory.mktemp("compare")
     recipe = small_recipe(tmp, corpus)
-    broken = ds_config(tmp, "zero1", train_micro_batch_size_per_gpu=3)
-    configs = [str(ROOT / "ds_configs" / "zero0.json"), str(ROOT / "ds_configs" / "zero2.json"), str(broken)]
+    configs = [str(ROOT / "ds_configs" / "zero0.json"), str(ROOT / "ds_configs" / "zero2.json")]
     out = tmp / "report"
     argv = ["compare", "--recipe", str(recipe), "--deepspeed_configs", *configs, "optim.lr=2e-3",
             "--nproc", "2", "--steps", str(STEPS), "--out", str(out)]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_NUM_THREADS", "1")  # the launched ranks share 2 cores
         code = main(argv)
-    return {"out": out, "code": code, "argv": argv, "configs": configs, "broken": broken.stem}
+    return {"out": out, "code": code, "argv": argv, "configs": configs}
 
 
 def read_csv(path):
@@ -38,10 +38,10 @@ def read_csv(path):
 
 def test_report_has_a_row_per_config_with_sane_numbers(compared):
     out = compared["out"]
-    assert compared["code"] == 1  # one config failed
+    assert compared["code"] == 0
     rows = read_csv(out / "results.csv")
-    assert [r["config"] for r in rows] == ["zero0", "zero2", compared["broken"]]
-    zero0, zero2, broken = rows
+    assert [r["config"] for r in rows] == ["zero0", "zero2"]
+    zero0, zero2 = rows
     for row, stage in [(zero0, "0"), (zero2, "2")]:
         assert row["status"] == "completed" and row["reason"] == ""
         strategy = (row["zero_stage"], row["precision"], row["offload"], row["micro_batch"], row["grad_accum"])
@@ -54,9 +54,6 @@ def test_report_has_a_row_per_config_with_sane_numbers(compared):
     assert float(zero2["final_loss"]) == pytest.approx(float(zero0["final_loss"]), rel=LOSS_RTOL)
     assert float(zero2["loss_diff"]) == pytest.approx(float(zero2["final_loss"]) - float(zero0["final_loss"]), abs=1e-12)
     assert float(zero0["loss_diff"]) == 0.0
-    assert broken["status"] == "invalid config" and broken["tokens_per_s"] == "" and broken["micro_batch"] == "3"
-    assert "train_micro_batch_size_per_gpu=3" in broken["reason"]
-    assert "valid micro-batch sizes for 2 ranks: 1, 2, 4" in broken["reason"]
 
 
 def test_throughput_is_the_median_after_the_first_interval(compared):
@@ -73,8 +70,7 @@ def test_markdown_plots_and_logs(compared):
     out = compared["out"]
     report = (out / "report.md").read_text()
     table = [line for line in report.splitlines() if line.startswith("| `")]
-    assert len(table) == 3 and "| completed |" in table[0] and "| invalid config |" in table[2]
-    assert "valid micro-batch sizes" in table[2]
+    assert len(table) == 2 and "| completed |" in table[0] and "| completed |" in table[1]
     for name in ["loss.png", "throughput.png", "memory.png"]:
         assert f"![{name[:-4]}]({name})" in report
         data = (out / name).read_bytes()
@@ -82,10 +78,9 @@ def test_markdown_plots_and_logs(compared):
     from matplotlib.image import imread
 
     assert imread(out / "loss.png").shape[:2] == (540, 960)
-    for stem in ["zero0", "zero2", compared["broken"]]:
+    for stem in ["zero0", "zero2"]:
         log = (out / stem / "launcher.log").read_text()
         assert log.startswith("$ ") and "--master_port" in log and f"run_dir={out / stem}" in log
-    assert "dstrain: error:" in (out / compared["broken"] / "launcher.log").read_text()
     assert f"step {STEPS}/{STEPS}" in (out / "zero0" / "launcher.log").read_text()
 
 
@@ -93,9 +88,9 @@ def test_collect_rebuilds_the_same_report_without_running(compared, capsys):
     out = compared["out"]
     before = read_csv(out / "results.csv")
     stems = [os.path.splitext(os.path.basename(c))[0] for c in compared["configs"]]
-    assert main(["compare", "--collect", str(out), "--deepspeed_configs", *compared["configs"]]) == 1
+    assert main(["compare", "--collect", str(out), "--deepspeed_configs", *compared["configs"]]) == 0
     assert read_csv(out / "results.csv") == before
-    assert main(["compare", "--collect", str(out)]) == 1  # without an order: the run folders, by name
+    assert main(["compare", "--collect", str(out)]) == 0  # without an order: the run folders, by name
     assert sorted(r["config"] for r in read_csv(out / "results.csv")) == sorted(stems)
     # running into the same folder again is refused before anything is launched
     assert main(compared["argv"]) == 2

@@ -53,16 +53,64 @@ def test_auto_fills_from_recipe_and_derives_accumulation(tmp_path):
     assert "auto" not in json.dumps(c)
 
 
-@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "ds_configs").glob("*.json")))
-def test_every_shipped_ds_config_resolves_or_refuses_clearly(tmp_path, config):
+def fake_fp16(monkeypatch, supported: bool) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: supported)
+
+
+SHIPPED = sorted(p.name for p in (ROOT / "ds_configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+def test_every_shipped_ds_config_resolves_or_refuses_clearly(tmp_path, config, monkeypatch):
+    fake_fp16(monkeypatch, False)  # a device without fp16, whatever this machine has
     ds = json.loads((ROOT / "ds_configs" / config).read_text())
-    if ds.get("fp16", {}).get("enabled"):  # this CPU has no fp16: the refusal names a bf16 config
+    if ds.get("fp16", {}).get("enabled"):  # the refusal names a bf16 config
         one_line_error(lambda: strategy_for(tmp_path, ds), "fp16 is not supported", "bf16")
         return
     recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4}, "train": {"global_batch": 32, "steps": 4}}
     stages = ds.get("pipeline", {}).get("stages", 1) * ds.get("tensor_parallel", {}).get("autotp_size", 1)
     s = strategy_for(tmp_path, ds, world=2 * stages, recipe=recipe)
     assert s.micro_batch * s.grad_accum * s.dp_size == 32
+
+
+def test_every_shipped_ds_config_passes_deepspeeds_own_parser(tmp_path, monkeypatch):
+    """resolve() ends in ds_schema.validate_ds_config: DeepSpeedConfig accepts each and reads every key of each."""
+    from dstrain.ds_schema import validate_ds_config
+
+    fake_fp16(monkeypatch, True)
+    recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4}, "train": {"global_batch": 32, "steps": 4}}
+    for config in SHIPPED:
+        ds = json.loads((ROOT / "ds_configs" / config).read_text())
+        stages = ds.get("pipeline", {}).get("stages", 1) * ds.get("tensor_parallel", {}).get("autotp_size", 1)
+        validate_ds_config(strategy_for(tmp_path, ds, world=2 * stages, recipe=recipe).ds_config, config)
+
+
+def test_deepspeed_sections_dstrain_does_not_read_are_accepted(tmp_path):
+    ds = json.loads((ROOT / "ds_configs/zero2.json").read_text())
+    ds.update(activation_checkpointing={"partition_activations": True, "cpu_checkpointing": False,
+                                        "contiguous_memory_optimization": False, "number_checkpoints": None,
+                                        "synchronize_checkpoint_boundary": False, "profile": False},
+              data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32", wall_clock_breakdown=True,
+              tensorboard={"enabled": True, "output_path": "auto", "job_name": "auto"}, seed="auto",
+              aio={"block_size": 1048576, "intra_op_parallelism": 1})
+    s = strategy_for(tmp_path, ds)
+    assert s.ds_config["seed"] == 1234 and s.ds_config["communication_data_type"] == "fp32"
+
+
+@pytest.mark.parametrize("change, fragments", [
+    ({"zero_optimization": {"stage": 2, "overlap_com": True}}, ['"zero_optimization.overlap_com"', '"zero_optimization.overlap_comm"']),
+    ({"zero_optimisation": {"stage": 1}}, ['unknown key "zero_optimisation"', '"zero_optimization"']),
+    ({"aio": {"thread_count": 1}}, ['"aio.thread_count"', "remove it"]),
+    ({"optimizer": {"type": "Adamw8bit", "params": {}}}, ['optimizer.type "Adamw8bit"']),
+    ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": -1.5}}, ['"zero_optimization.stage3_max_live_parameters"']),
+    ({"seed": 5}, ["pins seed=5", "sets seed=1234"]),
+    ({"nebula": {"enabled": True}}, ["DeepSpeed rejects this ds_config", "Nebula checkpointing has been removed"]),
+])
+def test_ds_config_errors_name_the_file_and_key(tmp_path, change, fragments):
+    ds = {**json.loads((ROOT / "ds_configs/zero1.json").read_text()), **change}
+    one_line_error(lambda: strategy_for(tmp_path, ds), "d.json", *fragments)
 
 
 def test_overrides_are_typed(tmp_path):
@@ -154,3 +202,25 @@ def test_fp16_with_zero0_refused_when_device_has_fp16(tmp_path, monkeypatch):
 def test_both_precisions_refused(tmp_path):
     ds = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True}, "bf16": {"enabled": True}}
     one_line_error(lambda: strategy_for(tmp_path, ds), "one of fp16 and bf16")
+
+
+def test_every_numeric_recipe_field_declares_its_range():
+    """A new int or float field without a Range would let 0 or a negative through to the first step."""
+    import typing
+
+    from dstrain.config import DataConfig, DataSource, OptimConfig, Recipe, ScheduleConfig, TrainConfig
+    from dstrain.model.gpt import GPTConfig
+    from dstrain.ranges import Range
+
+    def numeric_without_range(hint) -> bool:
+        if typing.get_origin(hint) is typing.Annotated:
+            return not any(isinstance(m, Range) for m in hint.__metadata__)
+        if hint in (int, float):
+            return True
+        return any(numeric_without_range(a) for a in typing.get_args(hint) if a is not type(None))
+
+    missing = [f"{cls.__name__}.{name}" for cls in (Recipe, DataSource, DataConfig, OptimConfig, ScheduleConfig,
+                                                    TrainConfig, GPTConfig)
+               for name, hint in typing.get_type_hints(cls, include_extras=True).items()
+               if numeric_without_range(hint)]
+    assert not missing, missing

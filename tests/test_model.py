@@ -1,7 +1,6 @@
 """Behaviour of dstrain.model.gpt: shapes, masking, parameter accounting, initialisation, checkpointing."""
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import socket

@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from dstrain.errors import DstrainError
+from dstrain.errors import DstrainError, OneLineArgumentParser
 
 COMMANDS = {
     "prepare": ("dstrain.data.prepare", "tokenize a Hugging Face dataset into packed shards"),
@@ -22,7 +22,7 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dstrain", description="DeepSpeed training recipes for GPT-style models")
+    parser = OneLineArgumentParser(prog="dstrain", description="DeepSpeed training recipes for GPT-style models")
     # The deepspeed launcher passes --local_rank before the command (`deepspeed --module dstrain eval ...`).
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)

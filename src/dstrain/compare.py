@@ -101,6 +101,21 @@ def check_fresh(out: Path, configs: list[str]) -> None:
                                f"or rebuild the report with --collect {out}")
 
 
+def check_counts(nproc: int | None, steps: int | None) -> None:
+    if nproc is not None and nproc < 1:
+        raise DstrainError(f"--nproc {nproc}: the ranks per run must be a positive integer; leave it out for every local device")
+    if steps is not None and steps < 1:
+        raise DstrainError(f"--steps {steps}: the steps per run must be a positive integer; leave it out for the recipe's")
+
+
+def check_configs(recipe, recipe_file: str, configs: list[str], nproc: int) -> None:
+    """Resolve every config against the recipe for nproc ranks now, so that none is launched only to be refused."""
+    from dstrain.strategy import load_ds_config, resolve
+
+    for config in configs:
+        resolve(recipe, recipe_file, load_ds_config(config), config, nproc)
+
+
 # --- reading run folders --------------------------------------------------------------------------------
 
 def find_log(run_dir: Path) -> Path | None:
@@ -283,11 +298,13 @@ def main(args: argparse.Namespace) -> int:
 
         from dstrain.config import load_recipe
 
+        check_counts(args.nproc, args.steps)
         overrides = run_overrides(overrides, args.steps)
         recipe = load_recipe(args.recipe, overrides)  # a bad recipe or override stops here, before any launch
         nproc = args.nproc or get_accelerator().device_count()
         out = args.out
         check_fresh(out, configs)
+        check_configs(recipe, args.recipe, configs, nproc)
         run_all(args.recipe, configs, out, nproc, overrides)
         rows = [read_run(out / Path(c).stem, c) for c in configs]
         context = [f"Recipe `{args.recipe}` (`{recipe.name}`: global batch {recipe.train.global_batch} × "

@@ -16,56 +16,61 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
 from dstrain.errors import DstrainError
 from dstrain.model.gpt import GPTConfig
+from dstrain.ranges import Range, check
+
+Positive = Annotated[int, Range(ge=1)]
+NonNegative = Annotated[int, Range(ge=0)]
+Beta = Annotated[float, Range(ge=0, lt=1)]
 
 
 @dataclass
 class DataSource:
     path: str  # a folder written by `dstrain prepare`
-    weight: float = 1.0  # relative sampling weight when blending several sources
+    weight: Annotated[float, Range(gt=0)] = 1.0  # relative sampling weight when blending several sources
 
 
 @dataclass
 class DataConfig:
     sources: list[DataSource]  # prepared folders and their blending weights
-    seq_len: int  # tokens per training sample (the model sees seq_len inputs, predicts seq_len labels)
+    seq_len: Positive  # tokens per training sample (the model sees seq_len inputs, predicts seq_len labels)
     tokenizer: str | None = None  # tokenizer folder; None = the first source's `tokenizer/`; must match every manifest
-    valid_fraction: float = 0.01  # fraction of documents held out for the valid split (document-level, seeded)
+    valid_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.01  # fraction of documents held out for the valid split (document-level, seeded)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4  # peak learning rate, reached at the end of warmup
-    min_lr: float = 3e-5  # learning rate at the end of the decay
-    betas: tuple[float, float] = (0.9, 0.95)  # Adam betas
-    eps: float = 1e-8  # Adam epsilon
-    weight_decay: float = 0.1  # decoupled weight decay, applied to matrices only (not to norms, biases)
-    grad_clip: float = 1.0  # global gradient-norm clipping; 0 disables
+    lr: Annotated[float, Range(gt=0)] = 3e-4  # peak learning rate, reached at the end of warmup
+    min_lr: Annotated[float, Range(ge=0)] = 3e-5  # learning rate at the end of the decay
+    betas: tuple[Beta, Beta] = (0.9, 0.95)  # Adam betas
+    eps: Annotated[float, Range(gt=0)] = 1e-8  # Adam epsilon
+    weight_decay: Annotated[float, Range(ge=0)] = 0.1  # decoupled weight decay, applied to matrices only (not to norms, biases)
+    grad_clip: Annotated[float, Range(ge=0)] = 1.0  # global gradient-norm clipping; 0 disables
 
 
 @dataclass
 class ScheduleConfig:
     kind: Literal["cosine", "linear", "wsd"] = "cosine"  # decay after warmup; wsd = warmup-stable-decay
-    warmup_steps: int = 0  # linear warmup: update s (from 0) uses optim.lr * s / warmup_steps
-    decay_fraction: float = 0.2  # wsd only: the final fraction of steps that decays linearly to min_lr
+    warmup_steps: NonNegative = 0  # linear warmup: update s (from 0) uses optim.lr * s / warmup_steps
+    decay_fraction: Annotated[float, Range(ge=0, le=1)] = 0.2  # wsd only: the final fraction of steps that decays linearly to min_lr
 
 
 @dataclass
 class TrainConfig:
-    global_batch: int  # samples per optimizer step, whatever the world size, micro-batch or accumulation
-    steps: int | None = None  # optimizer steps; exactly one of steps / tokens
-    tokens: int | None = None  # train tokens; steps = ceil(tokens / (global_batch * seq_len))
-    log_interval: int = 10  # steps between metrics lines
-    eval_interval: int = 0  # steps between evaluations on the valid split; 0 = only at the end
-    eval_samples: int | None = None  # samples of each source per evaluation; None = each whole valid split
-    checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end
-    keep_last: int = 2  # checkpoints kept; older ones are deleted (never the newest)
-    max_skipped_steps: int = 50  # fp16: consecutive overflow-skipped steps before the run aborts
+    global_batch: Positive  # samples per optimizer step, whatever the world size, micro-batch or accumulation
+    steps: NonNegative | None = None  # optimizer steps; exactly one of steps / tokens
+    tokens: NonNegative | None = None  # train tokens; steps = ceil(tokens / (global_batch * seq_len))
+    log_interval: Positive = 10  # steps between metrics lines
+    eval_interval: NonNegative = 0  # steps between evaluations on the valid split; 0 = only at the end
+    eval_samples: Positive | None = None  # samples of each source per evaluation; None = each whole valid split
+    checkpoint_interval: NonNegative = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: Positive = 2  # checkpoints kept; older ones are deleted (never the newest)
+    max_skipped_steps: Positive = 50  # fp16: consecutive overflow-skipped steps before the run aborts
 
 
 @dataclass
@@ -76,7 +81,7 @@ class Recipe:
     train: TrainConfig
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    seed: int = 1234  # model init and data order
+    seed: NonNegative = 1234  # model init and data order
     run_dir: str | None = None  # None = runs/<name>
     init_from: str | None = None  # a Hugging Face model folder of the same architecture to start from
 
@@ -98,6 +103,8 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise DstrainError(f"{path}: no such recipe file; see recipes/ for examples") from None
+    except OSError as e:
+        raise DstrainError(f"{path}: cannot read the recipe ({e.strerror}); pass a YAML file, e.g. recipes/tiny.yaml") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -130,10 +137,13 @@ def fill_model_defaults(raw: dict, path: Path) -> None:
     if not isinstance(model, dict) or not isinstance(data, dict):
         return  # parse() reports the missing or malformed section
     model.setdefault("max_seq_len", data.get("seq_len"))
-    if model.get("vocab_size") is None and data.get("sources"):
+    sources = data.get("sources")
+    if model.get("vocab_size") is None and isinstance(sources, list) and sources:
         from dstrain.data.manifest import read_manifest
 
-        first = data["sources"][0]["path"]
+        if not isinstance(sources[0], dict) or not isinstance(sources[0].get("path"), str):
+            return  # parse() reports the malformed source
+        first = sources[0]["path"]
         vocab = read_manifest(first)["vocab_size"]
         model["vocab_size"] = -(-vocab // 64) * 64
 
@@ -159,9 +169,10 @@ def parse(cls: type, data: Any, file: Path, where: str) -> Any:
     messages that name the file, the dotted key and the closest valid key.
     """
     if not isinstance(data, dict):
-        raise DstrainError(f"{file}: {where or 'recipe'} must be a mapping, got {type(data).__name__}")
+        fix = f"; write it as `- path: {data}`" if cls is DataSource and isinstance(data, str) else ""
+        raise DstrainError(f"{file}: {where.rstrip('.') or 'recipe'} must be a mapping, got {type(data).__name__} {data!r}{fix}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
@@ -181,6 +192,12 @@ def parse(cls: type, data: Any, file: Path, where: str) -> Any:
 
 def coerce(hint: Any, value: Any, file: Path, key: str) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:  # a declared Range (dstrain.ranges)
+        value = coerce(args[0], value, file, key)
+        problem = check(value, hint.__metadata__, key)
+        if problem:
+            raise DstrainError(f"{file}: {problem}")
+        return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None

@@ -1,4 +1,7 @@
-"""The one exception type users see as a one-line message (see cli.main)."""
+"""The one exception type users see as a one-line message (see cli.main), and an argument parser whose
+errors are one line too."""
+import argparse
+import sys
 
 
 class DstrainError(Exception):
@@ -7,3 +10,11 @@ class DstrainError(Exception):
     The CLI prints it as ``dstrain: error: <message>`` and exits with status 2;
     no traceback, nothing the user had is touched.
     """
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse's errors as one line naming the option and ``--help`` (argparse prints the usage first)."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -53,6 +53,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     from dstrain.model.gpt import GPT
     from dstrain.train import distributed
 
+    if args.data and (Path(args.model) / "recipe.yaml").is_file():  # before the checkpoint is read
+        from dstrain.config import load_recipe
+
+        _check_run_tokenizer(args.data, args.model, load_recipe(Path(args.model) / "recipe.yaml"))
     config, state, recipe = load_model_source(args.model, args.tag)
     if recipe is None and not args.data:
         raise DstrainError(f"{args.model} is a Hugging Face model folder; name the prepared data with --data DIR")
@@ -65,7 +69,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         sources = [(args.data, 1.0)]
     else:
         sources = [(s.path, s.weight) for s in recipe.data.sources]
-    _check_data(sources[0][0], args.model, config, recipe is None)
+    _check_data(sources[0][0], args.model, config, recipe)
     for flag, value in (("--seq-len", seq_len), ("--micro-batch", micro), ("--samples", args.samples or 1)):
         if value <= 0:
             raise DstrainError(f"{flag} {value}: must be positive")
@@ -112,7 +116,7 @@ def _mean_loss(model, data, n: int, micro: int, device) -> tuple[float, int]:
     return (sums[0] / sums[1]).item(), int(sums[1].item())
 
 
-def _check_data(folder: str, model: str, config, hf: bool) -> None:
+def _check_data(folder: str, model: str, config, recipe) -> None:
     from dstrain.data.manifest import read_manifest
     from dstrain.data.tokenizer import verify_tokenizer
 
@@ -120,8 +124,22 @@ def _check_data(folder: str, model: str, config, hf: bool) -> None:
     if vocab > config.vocab_size:
         raise DstrainError(f"--data {folder} has {vocab} token ids, the model {model} only {config.vocab_size}; "
                            f"pass data prepared with the model's tokenizer")
-    if hf and (Path(model) / "tokenizer_config.json").is_file():
+    if recipe is None and (Path(model) / "tokenizer_config.json").is_file():
         verify_tokenizer(folder, model)
+
+
+def _check_run_tokenizer(folder: str, run: str, recipe) -> None:
+    """--data was prepared with the tokenizer of the run's data: equal vocabulary sizes are no proof, hashes are."""
+    from dstrain.data.manifest import read_manifest
+    from dstrain.data.tokenizer import verify_tokenizer
+
+    trained = recipe.data.sources[0].path
+    if Path(trained, "manifest.json").is_file():
+        if read_manifest(trained)["tokenizer"]["hash"] != read_manifest(folder)["tokenizer"]["hash"]:
+            raise DstrainError(f"--data {folder} was prepared with another tokenizer than the run {run} was trained "
+                               f"on ({trained}); prepare it with --tokenizer {Path(trained) / 'tokenizer'}")
+    elif recipe.data.tokenizer:  # the run's data is gone: its recipe may still name the tokenizer
+        verify_tokenizer(folder, recipe.data.tokenizer)
 
 
 def _run_micro_batch(run_dir: Path) -> int | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import io
 import os
 import shutil
@@ -21,10 +20,6 @@ from pathlib import Path
 import torch
 
 from dstrain.errors import DstrainError
-
-# Training choices that Hugging Face does not record; everything else must match for init_from.
-NOT_ARCHITECTURE = ("doc_masking", "init_std")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run directory (holds recipe.yaml and checkpoints/)")
@@ -126,10 +121,10 @@ def load_init_from(model: torch.nn.Module, recipe, recipe_file: str | os.PathLik
     Under ZeRO-3 the model was built inside deepspeed.zero.Init, so each parameter is gathered, filled on
     rank 0 and re-partitioned from there (one parameter at a time: no rank ever holds the whole model)."""
     from dstrain.model.gpt import GPT
-    from dstrain.model.hf import from_hf
+    from dstrain.model.hf import architecture_diff, from_hf
 
     config, state = from_hf(recipe.init_from)
-    differ = [f"model.{k}={ours!r} vs {theirs!r}" for k, ours, theirs in _architecture_diff(recipe.model, config)]
+    differ = [f"model.{k}={ours!r} vs {theirs!r}" for k, ours, theirs in architecture_diff(recipe.model, config)]
     if differ:
         raise DstrainError(f"{recipe_file}: init_from {recipe.init_from} has another architecture ({'; '.join(differ)}); "
                            f"set those model fields to the Hugging Face values")
@@ -149,16 +144,6 @@ def load_init_from(model: torch.nn.Module, recipe, recipe_file: str | os.PathLik
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if rank == 0:
                     param.copy_(state[name])
-
-
-def _architecture_diff(ours, theirs) -> list[tuple[str, object, object]]:
-    """(field, ours, theirs) for every architecture field that differs, with None defaults resolved."""
-    resolved = {"n_kv_head": "kv_heads", "d_ff": "ff_dim", "tie_embeddings": "tied"}
-    fields = [f.name for f in dataclasses.fields(ours) if f.name not in NOT_ARCHITECTURE]
-    if ours.flavour != "llama" or theirs.flavour != "llama":
-        fields.remove("rope_theta")  # gpt2 has no RoPE
-    values = [(k, getattr(ours, resolved.get(k, k)), getattr(theirs, resolved.get(k, k))) for k in fields]
-    return [(k, a, b) for k, a, b in values if a != b]
 
 
 # --- a model to evaluate or sample from: a run's checkpoint or a Hugging Face folder ---------------

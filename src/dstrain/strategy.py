@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dstrain.config import Recipe
+from dstrain.ds_schema import validate_ds_config
 from dstrain.errors import DstrainError
 
 AUTO = "auto"
@@ -56,6 +57,8 @@ def load_ds_config(path: str | Path) -> dict:
         config = json.loads(path.read_text())
     except FileNotFoundError:
         raise DstrainError(f"{path}: no such ds_config file; see ds_configs/ for the shipped strategies") from None
+    except OSError as e:
+        raise DstrainError(f"{path}: cannot read the ds_config ({e.strerror}); pass a JSON file, e.g. ds_configs/zero1.json") from None
     except json.JSONDecodeError as e:
         raise DstrainError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     if not isinstance(config, dict):
@@ -141,12 +144,13 @@ def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: s
     ]:
         fill(params, key, value, owner)
     config.setdefault("steps_per_print", 10**9)  # the loop prints its own progress line
-    config.setdefault("seed", recipe.seed)
+    fill(config, "seed", recipe.seed, "seed")  # a record only: DeepSpeed does not read it
     _fill_monitor_paths(config, recipe)
 
     leftover = _find_auto(config)
     if leftover:
         raise DstrainError(f'{ds_file}: "auto" is not supported for {leftover}; set a value')
+    validate_ds_config(config, ds_file)  # DeepSpeed's own parser, now rather than inside deepspeed.initialize
     return Strategy(
         ds_config=config,
         source=ds_file,

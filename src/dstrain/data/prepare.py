@@ -235,6 +235,13 @@ def _manifest_is_complete(out: Path) -> dict | None:
     return None
 
 
+def _check_out(out: Path) -> None:
+    blocker = next((p for p in [out, *out.parents] if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        where = "is a file" if blocker == out else f"is under {blocker}, a file"
+        raise DstrainError(f"--out {out} {where}; name a new or existing folder")
+
+
 def run(opts: PrepareOptions) -> dict:
     if (opts.tokenizer is None) == (opts.train_tokenizer is None):
         raise DstrainError(
@@ -245,6 +252,7 @@ def run(opts: PrepareOptions) -> dict:
     if opts.num_proc is not None and opts.num_proc < 1:
         raise DstrainError(f"--num-proc {opts.num_proc}: must be at least 1 (or left out: every core)")
     num_proc = opts.num_proc or len(os.sched_getaffinity(0))
+    _check_out(Path(opts.out))
     if not opts.progress:
         import datasets
 

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dstrain.errors import DstrainError
+from dstrain.ranges import Range
 
 FLAVOURS = ("gpt2", "llama")
 
@@ -35,17 +37,17 @@ FLAVOURS = ("gpt2", "llama")
 @dataclass
 class GPTConfig:
     flavour: str = "gpt2"  # architecture family: "gpt2" or "llama" (see module docstring)
-    vocab_size: int = 50304  # rows of the token embedding / columns of the logits
-    max_seq_len: int = 1024  # longest sequence; size of gpt2's position table, HF max_position_embeddings
-    n_layer: int = 12  # number of transformer blocks
-    n_head: int = 12  # query heads; must divide d_model
-    n_kv_head: int | None = None  # key/value heads (grouped-query attention, llama only); None = n_head
-    d_model: int = 768  # residual stream width
-    d_ff: int | None = None  # MLP hidden width; None = 4*d_model (gpt2), 8/3*d_model up to a multiple of 64 (llama)
+    vocab_size: Annotated[int, Range(ge=1)] = 50304  # rows of the token embedding / columns of the logits
+    max_seq_len: Annotated[int, Range(ge=1)] = 1024  # longest sequence; size of gpt2's position table, HF max_position_embeddings
+    n_layer: Annotated[int, Range(ge=1)] = 12  # number of transformer blocks
+    n_head: Annotated[int, Range(ge=1)] = 12  # query heads; must divide d_model
+    n_kv_head: Annotated[int, Range(ge=1)] | None = None  # key/value heads (grouped-query attention, llama only); None = n_head
+    d_model: Annotated[int, Range(ge=1)] = 768  # residual stream width
+    d_ff: Annotated[int, Range(ge=1)] | None = None  # MLP hidden width; None = 4*d_model (gpt2), 8/3*d_model up to a multiple of 64 (llama)
     tie_embeddings: bool | None = None  # share lm_head.weight with the token embedding; None = gpt2 yes, llama no
-    norm_eps: float = 1e-5  # epsilon of LayerNorm (gpt2) / RMSNorm (llama)
-    rope_theta: float = 10000.0  # RoPE base wavelength (llama only)
-    init_std: float = 0.02  # std of the normal init; o_proj/down_proj use init_std / sqrt(2 * n_layer)
+    norm_eps: Annotated[float, Range(gt=0)] = 1e-5  # epsilon of LayerNorm (gpt2) / RMSNorm (llama)
+    rope_theta: Annotated[float, Range(gt=0)] = 10000.0  # RoPE base wavelength (llama only)
+    init_std: Annotated[float, Range(gt=0)] = 0.02  # std of the normal init; o_proj/down_proj use init_std / sqrt(2 * n_layer)
     doc_masking: bool = False  # attend only within the current document (segments start where position_ids == 0)
 
     def __post_init__(self) -> None:

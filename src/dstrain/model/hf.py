@@ -9,6 +9,7 @@ convention). The gpt2 flavour maps onto GPT2LMHeadModel, whose Conv1D layers sto
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -100,10 +101,7 @@ def from_hf(hf_model_or_dir: transformers.PreTrainedModel | str | os.PathLike) -
     else:
         folder = Path(hf_model_or_dir)
         source = str(folder / "config.json")
-        if not (folder / "config.json").is_file():
-            raise DstrainError(f"{source}: no such file; pass a folder written by save_pretrained")
-        hf_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-        architectures = hf_config.architectures or [f"<none, model_type={hf_config.model_type}>"]
+        architectures = [_read_config(folder)[1]]
         model = None
     supported = [a for a in architectures if a in ARCHITECTURES]
     if not supported:
@@ -120,6 +118,51 @@ def from_hf(hf_model_or_dir: transformers.PreTrainedModel | str | os.PathLike) -
         return config, _gpt2_from_hf(config, hf_state, source)
     config = _llama_config_from_hf(model.config, source)
     return config, _llama_from_hf(config, hf_state, source)
+
+
+def config_from_hf(folder: str | os.PathLike) -> GPTConfig:
+    """The GPTConfig of a save_pretrained folder, from its config.json alone: a cheap check that a folder
+    is a model dstrain can load (it holds weights, of a supported architecture), before any work."""
+    folder = Path(folder)
+    hf_config, architecture = _read_config(folder)
+    weights = [p for pattern in ("*.safetensors", "pytorch_model*.bin") for p in folder.glob(pattern)]
+    if not weights:
+        raise DstrainError(f"{folder}: no weights (*.safetensors or pytorch_model.bin); pass a folder written by "
+                           f"save_pretrained or dstrain export")
+    if ARCHITECTURES[architecture] == "gpt2":
+        return _gpt2_config_from_hf(hf_config, str(folder / "config.json"))
+    return _llama_config_from_hf(hf_config, str(folder / "config.json"))
+
+
+def _read_config(folder: Path):
+    """(transformers config, its first architecture dstrain supports) of a save_pretrained folder."""
+    source = folder / "config.json"
+    if not source.is_file():
+        raise DstrainError(f"{source}: no such file; pass a folder written by save_pretrained")
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise DstrainError(f"{source}: not a Hugging Face model config ({str(e).splitlines()[0]})") from None
+    architectures = hf_config.architectures or [f"<none, model_type={hf_config.model_type}>"]
+    supported = [a for a in architectures if a in ARCHITECTURES]
+    if not supported:
+        raise DstrainError(f"{source}: architectures={architectures} cannot be converted; "
+                           f"dstrain supports {', '.join(ARCHITECTURES)}")
+    return hf_config, supported[0]
+
+
+# Training choices, not architecture: a model may start from weights trained with other values.
+NOT_ARCHITECTURE = ("doc_masking", "init_std")
+
+
+def architecture_diff(ours: GPTConfig, theirs: GPTConfig) -> list[tuple[str, object, object]]:
+    """(field, ours, theirs) for every architecture field that differs, with None defaults resolved."""
+    resolved = {"n_kv_head": "kv_heads", "d_ff": "ff_dim", "tie_embeddings": "tied"}
+    fields = [f.name for f in dataclasses.fields(ours) if f.name not in NOT_ARCHITECTURE]
+    if ours.flavour != "llama" or theirs.flavour != "llama":
+        fields.remove("rope_theta")  # gpt2 has no RoPE
+    values = [(k, getattr(ours, resolved.get(k, k)), getattr(theirs, resolved.get(k, k))) for k in fields]
+    return [(k, a, b) for k, a, b in values if a != b]
 
 
 # --- gpt2 ---

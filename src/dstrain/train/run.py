@@ -18,8 +18,9 @@ from pathlib import Path
 import yaml
 
 from dstrain.config import Recipe, load_recipe, to_dict
-from dstrain.errors import DstrainError
+from dstrain.errors import DstrainError, OneLineArgumentParser
 from dstrain.strategy import Strategy, load_ds_config, resolve
+from dstrain.train import preflight
 
 # What makes a checkpoint meaningless for another run: the model, what it reads, and the seed. The rest of the
 # recipe (optimizer, schedule, length, cadence) may change on resume, and the current recipe's values apply.
@@ -30,13 +31,13 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "recipe.yaml", "ds_
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="dstrain.train", description="Train a recipe under a ds_config.")
+    parser = OneLineArgumentParser(prog="dstrain.train", description="Train a recipe under a ds_config.")
     parser.add_argument("--recipe", required=True, help="recipe YAML (the experiment)")
     parser.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="ds_config JSON (the strategy)")
     parser.add_argument("--resume", default="auto", help="auto: newest complete checkpoint in run_dir; none: start fresh; or a tag")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     parser.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. train.steps=100 optim.lr=1e-3")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # options may follow the overrides
 
 
 def world_size_from_env() -> int:
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     strategy = resolve(recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, world_size_from_env())
+    preflight.check(recipe, args.recipe)
     fingerprint = check_data(recipe, args.recipe)
     run_dir = recipe.output_dir
     tag = resume_tag(run_dir / "checkpoints", args.resume)

@@ -1,0 +1,33 @@
+"""Numeric ranges declared with the field they constrain: ``log_interval: Annotated[int, Range(ge=1)] = 10``.
+
+``config.parse`` checks every annotated value as it reads a recipe, so a value outside its range is one
+line naming the file and the key, before any work (a 0 that would divide, a negative learning rate).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Range:
+    ge: float | None = None  # value >= ge
+    gt: float | None = None  # value > gt
+    le: float | None = None  # value <= le
+    lt: float | None = None  # value < lt
+
+    def contains(self, value: float) -> bool:
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def __str__(self) -> str:
+        bounds = [f"{op} {bound:g}" for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+                  if bound is not None]
+        return " and ".join(bounds)
+
+
+def check(value, ranges, key: str) -> str | None:
+    """The problem with ``value`` under the ``Range`` entries of ``ranges`` (Annotated metadata), or None."""
+    for r in ranges:
+        if isinstance(r, Range) and not r.contains(value):
+            return f"{key}={value!r} is out of range; it must be {r}"
+    return None

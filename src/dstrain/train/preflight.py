@@ -1,0 +1,64 @@
+"""Checks of the run folder and of ``init_from`` that need no process group, made before one starts.
+
+Everything here only reads: a refused run leaves the user's files as they were.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dstrain.config import Recipe
+from dstrain.errors import DstrainError
+
+# What a run leaves in its folder (run.claim_run_dir, the loop, checkpoints, DeepSpeed's monitors), and what
+# launchers put there first: slurm/train.sbatch its hostfile and a link to the job's log, compare launcher.log.
+RUN_FILES = {"recipe.yaml", "ds_config.json", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "checkpoints",
+             "tensorboard", "csv", "wandb", "hostfile", "logs", "previous"}
+LOG_SUFFIXES = (".log", ".out", ".err")
+
+
+def check(recipe: Recipe, recipe_file: str) -> None:
+    check_run_dir_path(recipe.output_dir)
+    if recipe.init_from:
+        check_init_from(recipe, recipe_file)
+
+
+def check_run_dir_path(run_dir: Path) -> None:
+    """run_dir is a folder of its own: not a file, not under one, not prepared data, not someone's other files."""
+    from dstrain.data.manifest import MANIFEST_NAME
+
+    fix = "set run_dir=<a new or empty folder>"
+    for parent in [run_dir, *run_dir.parents]:
+        if parent.exists() and not parent.is_dir():
+            what = "is a file" if parent == run_dir else f"cannot be created: {parent} is a file"
+            raise DstrainError(f"run_dir {run_dir} {what}; {fix}")
+    if not run_dir.is_dir():
+        return
+    if (run_dir / MANIFEST_NAME).exists():
+        raise DstrainError(f"run_dir {run_dir} is a folder prepared by dstrain prepare (it holds {MANIFEST_NAME}); {fix}")
+    if (run_dir / "recipe.yaml").exists():
+        return  # an earlier run's folder: run.check_run_dir compares the recipes
+    try:
+        names = [p.name for p in run_dir.iterdir()]
+    except OSError:
+        return  # unreadable: run.check_disk reports it
+    foreign = sorted(n for n in names if n not in RUN_FILES and not n.startswith(".") and not n.endswith(LOG_SUFFIXES))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise DstrainError(f"run_dir {run_dir} holds files that no run wrote ({shown}); {fix}")
+
+
+def check_init_from(recipe: Recipe, recipe_file: str) -> None:
+    """init_from is a Hugging Face model folder of the recipe's architecture (read from config.json only)."""
+    from dstrain.model.hf import architecture_diff, config_from_hf
+
+    if (Path(recipe.init_from) / "recipe.yaml").is_file():
+        raise DstrainError(f"{recipe_file}: init_from {recipe.init_from} is a dstrain run, not a Hugging Face folder; "
+                           f"export it first (dstrain export {recipe.init_from} --out <folder>), or train in it to resume")
+    try:
+        config = config_from_hf(recipe.init_from)
+    except DstrainError as e:
+        raise DstrainError(f"{recipe_file}: init_from: {e}") from None
+    differ = [f"model.{k}={ours!r} vs {theirs!r}" for k, ours, theirs in architecture_diff(recipe.model, config)]
+    if differ:
+        raise DstrainError(f"{recipe_file}: init_from {recipe.init_from} has another architecture ({'; '.join(differ)}); "
+                           f"set those model fields to the Hugging Face values")
