@@ -65,12 +65,17 @@ def start(launcher: str, args: list[str], log: Path) -> list[subprocess.Popen]:
                                  start_new_session=True)]
     port = str(free_port())
     procs = []
-    for rank in range(2):
-        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_SIZE": "2",
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        group = procs[0].pid if procs else 0  # a process group of their own, as a shell's job
-        procs.append(subprocess.Popen([sys.executable, "-m", "dstrain.train", *args], env=rank_env, stdout=out,
-                                      stderr=subprocess.STDOUT, process_group=group))
+    try:
+        for rank in range(2):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            group = procs[0].pid if procs else 0  # a process group of their own, as a shell's job
+            procs.append(subprocess.Popen([sys.executable, "-m", "dstrain.train", *args], env=rank_env, stdout=out,
+                                          stderr=subprocess.STDOUT, process_group=group))
+    except BaseException:
+        for p in procs:  # rank 0 alone would wait for its peer forever
+            p.kill()
+        raise
     return procs
 
 
