@@ -112,7 +112,7 @@ def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(recipe, reference, 
         assert newest_complete(checkpoints) == "global_step4"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])  # Ctrl-C: tests/test_launchers.py
 def test_a_signal_on_any_rank_checkpoints_and_exits_0(recipe, tmp_path, signum):
     run = tmp_path / "run"
     assert spawn_ranks(2, train_and_signal_at, argv(recipe, run), 3, signum, 1) == [0, 0]
