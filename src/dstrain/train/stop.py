@@ -17,9 +17,10 @@ import signal
 import threading
 import time
 
-# Copies of one request arrive within milliseconds (the launchers forward at once; measured ~0.01-0.2 s on
-# a loaded 2-core machine); a person pressing Ctrl-C again because the first "did nothing" waits longer.
-# Not much longer: a deliberate second request must not be swallowed, so keep this short.
+# Copies of one request arrive within milliseconds: launch.py's SIGTERM came 2 ms after the Ctrl-C's SIGINT
+# (3 of 3 tries on a busy 2-core machine; launch.py walks the process tree with psutil first, which a loaded
+# node slows). 2 s leaves a wide margin for that, yet stays below the few seconds after which a person whose
+# first Ctrl-C "did nothing" presses again, and that deliberate second request must still exit at once.
 REPEAT_WINDOW_S = 2.0
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 WATCH_INTERVAL_S = 0.5
