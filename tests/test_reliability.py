@@ -112,7 +112,7 @@ def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(recipe, reference, 
         assert newest_complete(checkpoints) == "global_step4"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])  # Ctrl-C: tests/test_launchers.py
 def test_a_signal_on_any_rank_checkpoints_and_exits_0(recipe, tmp_path, signum):
     run = tmp_path / "run"
     assert spawn_ranks(2, train_and_signal_at, argv(recipe, run), 3, signum, 1) == [0, 0]
@@ -121,9 +121,19 @@ def test_a_signal_on_any_rank_checkpoints_and_exits_0(recipe, tmp_path, signum):
     assert (run / "checkpoints" / "latest").read_text() == "global_step3"
 
 
-def test_a_second_signal_exits_at_once(recipe, tmp_path):
+def test_a_signal_delivered_twice_at_once_is_one_request(recipe, tmp_path):
+    """A signal to the process group reaches each rank directly and again through its launcher."""
     run = tmp_path / "run"
-    codes = spawn_ranks(2, train_and_signal_at, argv(recipe, run), 3, signal.SIGTERM, 0, 2, timeout=120)
+    assert spawn_ranks(2, train_and_signal_at, argv(recipe, run), 3, signal.SIGTERM, 0, 2, timeout=120) == [0, 0]
+    assert (run / "checkpoints" / "latest").read_text() == "global_step3"
+
+
+def test_a_second_signal_exits_at_once(recipe, tmp_path):
+    from dstrain.train.stop import REPEAT_WINDOW_S
+
+    run = tmp_path / "run"
+    codes = spawn_ranks(2, train_and_signal_at, argv(recipe, run), 3, signal.SIGTERM, 0, 2,
+                        REPEAT_WINDOW_S + 0.5, timeout=120)
     assert codes[0] == 128 + signal.SIGTERM and codes[1] != 0
     assert not (run / "checkpoints" / "global_step3").exists()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import yaml
@@ -62,8 +63,10 @@ def train_each(runs: list[list[str]]) -> list[int]:
     return [main(argv) for argv in runs]
 
 
-def train_and_signal_at(argv: list[str], step: int, signum: int = signal.SIGUSR1, rank: int = 0, times: int = 1) -> int:
-    """Rank target: train, with ``rank`` sending itself ``signum`` (``times`` times) right after optimizer step ``step``."""
+def train_and_signal_at(argv: list[str], step: int, signum: int = signal.SIGUSR1, rank: int = 0, times: int = 1,
+                        gap_s: float = 0.0) -> int:
+    """Rank target: train, with ``rank`` sending itself ``signum`` (``times`` times, ``gap_s`` apart) right after
+    optimizer step ``step``."""
     from dstrain.train.loop import Trainer
     from dstrain.train.run import main
 
@@ -72,7 +75,8 @@ def train_and_signal_at(argv: list[str], step: int, signum: int = signal.SIGUSR1
     def train_step(self, batches):
         loss = original(self, batches)
         if self.progress.step + 1 == step and int(os.environ["RANK"]) == rank:
-            for _ in range(times):
+            for i in range(times):
+                time.sleep(gap_s if i else 0.0)
                 os.kill(os.getpid(), signum)
         return loss
 

@@ -6,6 +6,7 @@ LOCAL_RANK / MASTER_ADDR / MASTER_PORT; `srun` exports SLURM_* instead; a plain
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -81,6 +82,16 @@ def init() -> None:
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(), auto_mpi_discovery=False, timeout=timeout
     )
+    atexit.register(shutdown)
+
+
+def shutdown() -> None:
+    """Tear the process group down before the interpreter exits, on every path out of every command that
+    started one (success, refusal, error, a second signal's SystemExit). Left to interpreter exit, gloo's
+    threads race with it: "terminate called without an active exception" and exit -6 after the work is done,
+    in place of the real exit status that Slurm's requeue logic, CI and scripts read."""
+    if torch.distributed.is_initialized():
+        deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's cached groups
 
 
 def all_ok(ok: bool) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,20 +30,7 @@ from dstrain.metrics import IntervalClock, MetricsLog, device_peak, peak_memory_
 from dstrain.model.gpt import flops_per_token, lm_loss
 from dstrain.train import checkpoint
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
-
-
-class StopSignal:
-    """SIGTERM/SIGUSR1 (preemption, time limit) ask for a checkpoint and a clean exit; a second one exits at once."""
-
-    def __init__(self):
-        self.received: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.received is not None:
-            raise SystemExit(128 + signum)
-        self.received = signum
+from dstrain.train.stop import StopSignal
 
 
 @dataclass
