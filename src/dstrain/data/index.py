@@ -28,7 +28,6 @@ import numpy as np
 from dstrain.errors import DstrainError
 
 INDEX_VERSION = 1
-index_builds = 0  # how many index entries this process built (tests check the cache with it)
 
 
 def _mix64(x: np.ndarray, seed: int) -> np.ndarray:
@@ -118,7 +117,6 @@ def cached_arrays(cache_dir: Path, key: dict, build: Callable[[], dict[str, np.n
     """
     from filelock import FileLock
 
-    global index_builds
     payload = json.dumps({"index_version": INDEX_VERSION, **key}, sort_keys=True)
     entry = cache_dir / hashlib.sha256(payload.encode()).hexdigest()[:20]
     if not entry.is_dir():
@@ -139,7 +137,6 @@ def cached_arrays(cache_dir: Path, key: dict, build: Callable[[], dict[str, np.n
                         np.save(tmp / f"{name}.npy", array)
                     (tmp / "key.json").write_text(payload + "\n")
                     os.replace(tmp, entry)
-                    index_builds += 1
                 except OSError:
                     if not entry.is_dir():
                         raise
