@@ -20,3 +20,13 @@ from data_fixtures import tiny_corpus  # noqa: E402,F401  (a session fixture, sh
 def corpus(tiny_corpus):
     """The prepared stdlib-docs corpus the trainer tests train on (read-only)."""
     return tiny_corpus
+
+
+KINDS = ("distributed", "launcher", "slurm", "gpu")
+
+
+def pytest_collection_modifyitems(items):
+    """A test that is none of the slower kinds is a unit test: `scripts/test -m unit` is the fast subset."""
+    for item in items:
+        if not any(item.get_closest_marker(kind) for kind in KINDS):
+            item.add_marker(pytest.mark.unit)

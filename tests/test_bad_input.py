@@ -299,6 +299,7 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, corpus, capsys, monkey
     assert snapshot(tmp_path) == before  # nothing written, nothing touched
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize("command", ["train with options after the overrides", "prepare into a file"])
 def test_the_cli_reports_bad_input_the_same_way(command, tmp_path, corpus):
     """As a user runs it: a process of its own, so the exit status is the interpreter's, not a return value."""

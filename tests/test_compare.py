@@ -11,6 +11,8 @@ from train_helpers import ROOT, read_metrics, small_recipe
 from dstrain.cli import main
 from dstrain.compare import read_run
 
+pytestmark = pytest.mark.launcher
+
 LOSS_RTOL = 1e-4  # fp32 strategies reduce in different orders: ~1e-7 after 4 steps (see test_train.py)
 STEPS = 4
 

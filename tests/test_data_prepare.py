@@ -142,6 +142,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.launcher
 def test_cli_with_two_processes_matches_in_process_prepare(tmp_path, tiny_corpus):
     out = tmp_path / "out"
     result = run_cli("--dataset", source_of(tiny_corpus), "--train-tokenizer", str(TINY_VOCAB), "--out", str(out),
@@ -152,6 +153,7 @@ def test_cli_with_two_processes_matches_in_process_prepare(tmp_path, tiny_corpus
     verify_tokenizer(out, tiny_corpus / "tokenizer")
 
 
+@pytest.mark.launcher
 def test_cli_unknown_tokenizer_exits_2_with_one_line(tmp_path, tiny_corpus):
     out = tmp_path / "out"
     result = run_cli("--dataset", source_of(tiny_corpus), "--tokenizer", "no-such-org/no-such-tokenizer",

@@ -7,7 +7,7 @@ import pytest
 from ranks import run_ranks
 
 SHM = Path("/dev/shm")
-pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="POSIX shared memory lives in /dev/shm on Linux only")
+pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not SHM.is_dir(), reason="POSIX shared memory lives in /dev/shm on Linux only")]
 
 
 def shm_buffers(port: str) -> list[Path]:

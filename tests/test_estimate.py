@@ -141,6 +141,7 @@ def held_bytes(recipe_file: str, configs: list[str]) -> list[dict]:
     return results
 
 
+@pytest.mark.distributed
 def test_model_states_match_what_two_ranks_hold(tmp_path):
     recipe_file = str(write_recipe(tmp_path))
     measured = run_ranks(2, held_bytes, recipe_file, REALITY_CONFIGS, env={"OMP_NUM_THREADS": "1"})

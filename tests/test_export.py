@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 from ranks import run_ranks
 from train_helpers import ROOT, read_metrics, small_recipe, train_each
 
+pytestmark = pytest.mark.distributed
+
 LOGITS_ATOL = 1e-4  # HF vs our GPT, fp32: measured ~2e-6 (different kernels, same weights)
 # Our eval vs the trainer's on the same samples, measured: 0 to 2e-8 relative (a last-bit difference in one
 # micro-batch's float32 loss, where the engine's forward rounds differently: gathered ZeRO-3 weights, AutoTP's
@@ -110,6 +112,7 @@ def test_eval_covers_the_whole_split_on_any_number_of_ranks(runs, evals, corpus)
     assert whole_on_1["loss"] == pytest.approx(whole_on_2["loss"], rel=EVAL_RTOL)
 
 
+@pytest.mark.launcher
 def test_eval_under_the_deepspeed_launcher(runs, tmp_path):
     """`deepspeed --module dstrain eval`: the launcher's --local_rank comes before the command; rank 0 prints."""
     import subprocess

@@ -5,6 +5,8 @@ import pytest
 from ranks import run_ranks
 from train_helpers import ds_config, read_metrics, small_recipe, train_fp16_with_overflows, zero0_fp16_gradient_scale
 
+pytestmark = pytest.mark.distributed
+
 WINDOW = 3  # loss_scale_window: clean steps before the scale doubles
 SCALER = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": WINDOW,
           "hysteresis": 1, "min_loss_scale": 1}

@@ -5,7 +5,7 @@ import torch
 from ranks import run_ranks
 from train_helpers import zero0_fp16_gradient_scale
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; bench/gpu_check.py runs it")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; bench/gpu_check.py runs it")]
 
 
 @pytest.mark.deepspeed_defect("engine.backward does not scale the loss for the ZeRO-0 fp16 optimizer (strategy._precision refuses it)")

@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.launcher
 def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
     out = tmp_path / "check"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), str(out), "--dry-run",

@@ -6,6 +6,8 @@ import torch
 
 from ranks import run_ranks
 
+pytestmark = pytest.mark.distributed
+
 RTOL = 1e-6  # one fp32 sum of squares against another order of the same sum
 
 

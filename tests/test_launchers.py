@@ -22,6 +22,8 @@ import pytest
 from ranks import free_port, run_ranks
 from train_helpers import ROOT, read_metrics, small_recipe, train_each, train_losses
 
+pytestmark = pytest.mark.launcher
+
 CONFIG = ROOT / "ds_configs" / "zero1.json"
 # Long enough (~3 s of steps here) that a stop sent after the first steps lands mid-run, however slow the machine.
 STEPS = 80

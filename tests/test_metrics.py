@@ -156,6 +156,7 @@ def two_sources(tmp_path_factory, corpus):
     return {"whole": whole, "few": few, "eval_whole": evals[0], "eval_few": evals[1], "names": [corpus.name, small.name]}
 
 
+@pytest.mark.distributed
 def test_throughput_counts_training_time_only(two_sources):
     """Each record's time is split into train_s, eval_s and checkpoint_s; tokens/s divides by train_s."""
     records = [r for r in read_metrics(two_sources["whole"]) if "split" not in r]
@@ -174,6 +175,7 @@ def test_throughput_counts_training_time_only(two_sources):
     assert all(r["duration_s"] > PAUSE_S for r in evals)
 
 
+@pytest.mark.distributed
 def test_each_source_is_evaluated_on_its_own(two_sources):
     """valid/<source> per source, over its whole valid split; valid is their weight-averaged loss."""
     big, small = two_sources["names"]
@@ -192,6 +194,7 @@ def test_each_source_is_evaluated_on_its_own(two_sources):
     assert [r["step"] for r in records if r.get("split") == f"valid/{small}"] == [2, 4, 6]
 
 
+@pytest.mark.distributed
 def test_eval_samples_applies_per_source(two_sources):
     big, small = two_sources["names"]
     final = {r["split"]: r for r in read_metrics(two_sources["few"]) if r["step"] == 6 and "split" in r}

@@ -215,6 +215,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.distributed
 def test_init_under_zero3_equals_plain_init(tmp_path):
     """Every parameter is initialised inside its owning constructor, so ZeRO-3 partitioning keeps it."""
     # A subprocess keeps the gloo process group out of the other tests.

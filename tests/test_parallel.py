@@ -11,6 +11,8 @@ import yaml
 from ranks import run_ranks
 from train_helpers import ROOT, ds_config, read_metrics, small_recipe, train_losses
 
+pytestmark = pytest.mark.distributed
+
 # The same bound as tests/test_train.py: model parallelism reorders the same fp32 sums (a split matmul and
 # an all-reduce, p2p hand-offs), which Adam amplifies to ~5e-5 relative by step 10 (measured: pipeline runs
 # agree bit for bit, TP to 1e-7). A lost gradient, a skipped sample or a wrong init moves losses by 1e-2.

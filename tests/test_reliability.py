@@ -10,6 +10,8 @@ import pytest
 from ranks import spawn_ranks, start_ranks
 from train_helpers import ROOT, read_metrics, small_recipe, train_and_signal_at, train_losses, train_with_fault
 
+pytestmark = pytest.mark.distributed
+
 CONFIG = ROOT / "ds_configs" / "zero1.json"
 
 

@@ -14,6 +14,8 @@ import yaml
 from ranks import run_ranks
 from train_helpers import ROOT, ds_config, read_events, read_metrics, small_recipe, train_each, train_losses
 
+pytestmark = pytest.mark.distributed
+
 STRATEGIES = ["zero0", "zero1", "zero2", "zero3", "pp2_zero1", "tp2_zero1"]
 # Every optimizer value changed at once, and a schedule whose step 2 of 4 lies inside the decay (warmup 1).
 CHANGED = ["optim.lr=1e-4", "optim.min_lr=1e-5", "optim.weight_decay=0.05", "optim.grad_clip=0.25",

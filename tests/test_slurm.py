@@ -22,6 +22,8 @@ import yaml
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture: one cluster for the whole run)
 from train_helpers import ROOT, read_metrics, small_recipe, train_losses
 
+pytestmark = pytest.mark.slurm
+
 TRAIN = str(ROOT / "slurm" / "train.sbatch")
 COMPARE = str(ROOT / "slurm" / "compare.sbatch")
 CPU_JOB = ["--gpus-per-node=0", "--cpus-per-task=1"]  # this cluster's nodes: 2 CPUs, no GPUs

@@ -12,6 +12,8 @@ import torch
 from ranks import run_ranks
 from train_helpers import ROOT, ds_config, read_metrics, small_recipe, train_each, train_losses
 
+pytestmark = pytest.mark.distributed
+
 # fp32 on CPU, measured: every case below gives steps 5..10 bit for bit equal to the uninterrupted run's. The
 # tolerance only leaves room for reduction order on other hardware; restarting Adam's moments instead of carrying
 # them over moves step 6 by ~1e-3, a wrong bias-correction step (see topology.repair_after_load) by ~5e-5.

@@ -11,6 +11,8 @@ import yaml
 from ranks import run_ranks
 from train_helpers import ROOT, ds_config, read_metrics, small_recipe, train_and_signal_at, train_each, train_losses
 
+pytestmark = pytest.mark.distributed
+
 # fp32 on CPU: the strategies reduce and clip the same gradients in different orders (bucketed
 # all-reduce, reduce-scatter, pre-division), so step 1 agrees to ~3e-7 and Adam amplifies that
 # rounding to ~5e-5 by step 10. A real defect (a lost init, an unscaled loss, a skipped sample)
@@ -126,6 +128,7 @@ def test_signal_checkpoints_and_resume_continues_exactly(tmp_path, corpus, equiv
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["global_step10", "global_step4"]
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
 def test_launchers_end_to_end(tmp_path, corpus, launcher):
     """The real `deepspeed` launcher and torchrun, 2 CPU ranks each, as users run them; DeepSpeed's own CSV
@@ -148,6 +151,7 @@ def test_launchers_end_to_end(tmp_path, corpus, launcher):
     assert len(loss_csv.read_text().splitlines()) == 1 + 3  # header + one row per logged step
 
 
+@pytest.mark.launcher
 def test_config_error_is_one_line_before_any_work(tmp_path, corpus):
     recipe = small_recipe(tmp_path, corpus)
     bad = ds_config(tmp_path, "zero1", train_micro_batch_size_per_gpu=3)
