@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from ranks import run_ranks
-from train_helpers import ds_config, read_metrics, small_recipe, train_fp16_with_overflows, zero0_fp16_gradient_scale
+from train_helpers import ds_config, read_metrics, small_recipe, train_argv, train_fp16_with_overflows, zero0_fp16_gradient_scale
 
 pytestmark = pytest.mark.distributed
 
@@ -11,10 +11,6 @@ WINDOW = 3  # loss_scale_window: clean steps before the scale doubles
 SCALER = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": WINDOW,
           "hysteresis": 1, "min_loss_scale": 1}
 OVERFLOW_AT = {4, 9}  # optimizer steps whose loss is made inf
-
-
-def argv(recipe, config, run_dir, *overrides):
-    return ["--recipe", str(recipe), "--deepspeed_config", str(config), f"run_dir={run_dir}", *overrides]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +21,7 @@ def fp16_runs(tmp_path_factory, corpus):
     for stage in (1, 2):
         runs[stage] = tmp / f"zero{stage}"
         config = ds_config(tmp, f"zero{stage}_fp16", fp16=SCALER)
-        assert run_ranks(2, train_fp16_with_overflows, argv(recipe, config, runs[stage]), OVERFLOW_AT) == [0, 0]
+        assert run_ranks(2, train_fp16_with_overflows, train_argv(recipe, config, runs[stage]), OVERFLOW_AT) == [0, 0]
     return runs
 
 
@@ -63,7 +59,7 @@ def test_zero1_and_zero2_agree_in_fp16(fp16_runs):
 def test_consecutive_overflows_abort_with_a_clear_message(tmp_path, corpus, capfd):
     recipe = small_recipe(tmp_path, corpus)
     config = ds_config(tmp_path, "zero1_fp16", fp16=SCALER)
-    codes = run_ranks(2, train_fp16_with_overflows, argv(recipe, config, tmp_path / "run", "train.max_skipped_steps=3"), None)
+    codes = run_ranks(2, train_fp16_with_overflows, train_argv(recipe, config, tmp_path / "run", "train.max_skipped_steps=3"), None)
     assert codes == [2, 2]
     err = capfd.readouterr().err
     assert "4 consecutive fp16 overflow steps (train.max_skipped_steps=3)" in err

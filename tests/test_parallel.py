@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from ranks import run_ranks
-from train_helpers import ROOT, ds_config, read_metrics, small_recipe, train_losses
+from train_helpers import ROOT, ds_config, read_metrics, small_recipe, train_argv, train_losses
 
 pytestmark = pytest.mark.distributed
 
@@ -23,10 +23,6 @@ LOGITS_ATOL = 1e-5  # one forward of a consolidated TP model: row-parallel parti
 CONFIGS = {name: ROOT / "ds_configs" / f"{name}.json" for name in
            ["zero1", "pp2_zero1", "tp2_zero1", "zero1_bf16", "pp2_zero1_bf16", "tp2_zero1_bf16"]}
 POSITIONS = [*range(12), *range(20)]  # two documents in one sample: doc masking passes (hidden, position_ids)
-
-
-def argv(recipe, config, run_dir, *overrides):
-    return ["--recipe", str(recipe), "--deepspeed_config", str(config), f"run_dir={run_dir}", *overrides]
 
 
 # --- rank targets (module level, so spawned ranks can import them) -----------------------------------
@@ -161,21 +157,21 @@ def runs(tmp_path_factory, corpus):
              "deep_zero1", "zero1_bf16", "pp2_zero1_bf16", "tp2_zero1_bf16"]
     d = {name: tmp / name for name in names}
     calls = [
-        ("train", [argv(recipe, CONFIGS["pp2_zero1"], d["pp2"])]),
+        ("train", [train_argv(recipe, CONFIGS["pp2_zero1"], d["pp2"])]),
         ("pipeline_grid_left_behind", []),
         ("pipeline_eval_with_monitor", [tmp / "monitor"]),
-        ("train", [argv(recipe, CONFIGS["tp2_zero1"], d["tp2"])]),
-        ("train", [argv(recipe, CONFIGS["zero1"], d["zero1"])]),  # after both: build_engine clears their grids
-        ("train", [argv(gpt2, CONFIGS["zero1"], d["gpt2_zero1"])]),
-        ("train", [argv(gpt2, gpt2_pipe, d["gpt2_pp2"])]),
-        ("train", [argv(gpt2, CONFIGS["tp2_zero1"], d["gpt2_tp2"])]),
-        ("train", [argv(gpt2, gpt2_pipe_zero0, d["gpt2_pp2_zero0"])]),
-        ("train", [argv(deep, CONFIGS["zero1"], d["deep_zero1"])]),
-        ("train_and_signal", [argv(recipe, CONFIGS["pp2_zero1"], d["pp2_resumed"], "train.checkpoint_interval=3"), 4]),
-        ("train", [argv(recipe, CONFIGS["pp2_zero1"], d["pp2_resumed"])]),
-        ("train_and_signal", [argv(recipe, CONFIGS["tp2_zero1"], d["tp2_resumed"], "train.checkpoint_interval=3"), 4]),
-        ("train", [argv(recipe, CONFIGS["tp2_zero1"], d["tp2_resumed"])]),
-        *(("train", [argv(recipe, CONFIGS[name], d[name])]) for name in names[-3:]),  # bf16
+        ("train", [train_argv(recipe, CONFIGS["tp2_zero1"], d["tp2"])]),
+        ("train", [train_argv(recipe, CONFIGS["zero1"], d["zero1"])]),  # after both: build_engine clears their grids
+        ("train", [train_argv(gpt2, CONFIGS["zero1"], d["gpt2_zero1"])]),
+        ("train", [train_argv(gpt2, gpt2_pipe, d["gpt2_pp2"])]),
+        ("train", [train_argv(gpt2, CONFIGS["tp2_zero1"], d["gpt2_tp2"])]),
+        ("train", [train_argv(gpt2, gpt2_pipe_zero0, d["gpt2_pp2_zero0"])]),
+        ("train", [train_argv(deep, CONFIGS["zero1"], d["deep_zero1"])]),
+        ("train_and_signal", [train_argv(recipe, CONFIGS["pp2_zero1"], d["pp2_resumed"], "train.checkpoint_interval=3"), 4]),
+        ("train", [train_argv(recipe, CONFIGS["pp2_zero1"], d["pp2_resumed"])]),
+        ("train_and_signal", [train_argv(recipe, CONFIGS["tp2_zero1"], d["tp2_resumed"], "train.checkpoint_interval=3"), 4]),
+        ("train", [train_argv(recipe, CONFIGS["tp2_zero1"], d["tp2_resumed"])]),
+        *(("train", [train_argv(recipe, CONFIGS[name], d[name])]) for name in names[-3:]),  # bf16
         ("pipeline_round_trip_logits", [d["pp2"], CONFIGS["pp2_zero1"]]),
         ("tensor_parallel_logits", [d["tp2"], CONFIGS["tp2_zero1"]]),
         ("tensor_parallel_logits", [d["gpt2_tp2"], CONFIGS["tp2_zero1"]]),
@@ -185,9 +181,9 @@ def runs(tmp_path_factory, corpus):
     d["results"] = {f"{name}:{args[0].name if args else ''}": [rank[i] for rank in results]
                     for i, (name, args) in enumerate(calls) if not name.startswith("train")}
     d.update({name: tmp / name for name in ["pp2_x_dp2", "tp2_x_dp2", "deep_pp4"]})
-    four = [("train", [argv(recipe, CONFIGS["pp2_zero1"], d["pp2_x_dp2"])]),
-            ("train", [argv(recipe, CONFIGS["tp2_zero1"], d["tp2_x_dp2"])]),
-            ("train", [argv(deep, pp4, d["deep_pp4"])])]  # two middle stages, which never touch the data
+    four = [("train", [train_argv(recipe, CONFIGS["pp2_zero1"], d["pp2_x_dp2"])]),
+            ("train", [train_argv(recipe, CONFIGS["tp2_zero1"], d["tp2_x_dp2"])]),
+            ("train", [train_argv(deep, pp4, d["deep_pp4"])])]  # two middle stages, which never touch the data
     assert run_ranks(4, run_all, four) == [[0, 0, 0]] * 4
     return d
 

@@ -8,15 +8,11 @@ import time
 import pytest
 
 from ranks import spawn_ranks, start_ranks
-from train_helpers import ROOT, read_metrics, small_recipe, train_and_signal_at, train_losses, train_with_fault
+from train_helpers import ROOT, read_metrics, small_recipe, train_and_signal_at, train_argv, train_losses, train_with_fault
 
 pytestmark = pytest.mark.distributed
 
 CONFIG = ROOT / "ds_configs" / "zero1.json"
-
-
-def argv(recipe, run_dir, *overrides):
-    return ["--recipe", str(recipe), "--deepspeed_config", str(CONFIG), f"run_dir={run_dir}", *overrides]
 
 
 def wait_all(procs, timeout=240):
@@ -46,7 +42,7 @@ def recipe(tmp_path_factory, corpus):
 def reference(recipe, tmp_path_factory):
     """The uninterrupted run every recovered run must reproduce."""
     run = tmp_path_factory.mktemp("reference") / "run"
-    codes, outputs = wait_all(start_ranks(2, argv(recipe, run)))
+    codes, outputs = wait_all(start_ranks(2, train_argv(recipe, CONFIG, run)))
     assert codes == [0, 0], outputs[0][1][-2000:]
     return train_losses(run)
 
@@ -55,12 +51,12 @@ def test_kill9_of_the_whole_job_then_resume_is_bit_exact(recipe, reference, tmp_
     run = tmp_path / "run"
     kill_after = random.randint(3, 8)
     print(f"killing the job after step {kill_after}")
-    procs = start_ranks(2, argv(recipe, run))
+    procs = start_ranks(2, train_argv(recipe, CONFIG, run))
     wait_for_step(run, kill_after, procs)
     for p in procs:
         p.send_signal(signal.SIGKILL)
     wait_all(procs)
-    codes, outputs = wait_all(start_ranks(2, argv(recipe, run)))
+    codes, outputs = wait_all(start_ranks(2, train_argv(recipe, CONFIG, run)))
     assert codes == [0, 0], outputs[0][1][-2000:]
     assert "resumed from global_step" in outputs[0][0]
     assert train_losses(run) == reference  # bit for bit, steps 1..10, no duplicates
@@ -68,7 +64,7 @@ def test_kill9_of_the_whole_job_then_resume_is_bit_exact(recipe, reference, tmp_
 
 def test_a_rank_that_raises_stops_every_rank_within_60s(recipe, tmp_path, capfd):
     start = time.time()
-    codes = spawn_ranks(2, train_with_fault, argv(recipe, tmp_path / "run"), 3, "raise", 1, timeout=120)
+    codes = spawn_ranks(2, train_with_fault, train_argv(recipe, CONFIG, tmp_path / "run"), 3, "raise", 1, timeout=120)
     assert time.time() - start < 60 + 30  # 60 s to notice, plus start-up
     assert codes[0] not in (0, None) and codes[1] not in (0, None), codes
     err = capfd.readouterr().err
@@ -77,7 +73,7 @@ def test_a_rank_that_raises_stops_every_rank_within_60s(recipe, tmp_path, capfd)
 
 def test_a_killed_rank_stops_the_others_within_60s(recipe, tmp_path):
     run = tmp_path / "run"
-    procs = start_ranks(2, argv(recipe, run))
+    procs = start_ranks(2, train_argv(recipe, CONFIG, run))
     wait_for_step(run, 2, procs)
     procs[1].send_signal(signal.SIGKILL)
     killed = time.time()
@@ -88,12 +84,12 @@ def test_a_killed_rank_stops_the_others_within_60s(recipe, tmp_path):
 
 def test_death_inside_save_keeps_the_previous_checkpoint(recipe, reference, tmp_path):
     run = tmp_path / "run"
-    codes = spawn_ranks(2, train_with_fault, argv(recipe, run), 4, "die-in-save", None, timeout=180)
+    codes = spawn_ranks(2, train_with_fault, train_argv(recipe, CONFIG, run), 4, "die-in-save", None, timeout=180)
     assert codes == [9, 9]
     checkpoints = run / "checkpoints"
     assert (checkpoints / "latest").read_text() == "global_step2"
     assert (checkpoints / "global_step4.partial").is_dir() and not (checkpoints / "global_step4").exists()
-    codes, outputs = wait_all(start_ranks(2, argv(recipe, run)))
+    codes, outputs = wait_all(start_ranks(2, train_argv(recipe, CONFIG, run)))
     assert codes == [0, 0], outputs[0][1][-2000:]
     assert "resumed from global_step2" in outputs[0][0]
     assert train_losses(run) == reference
@@ -104,7 +100,7 @@ def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(recipe, reference, 
     from dstrain.train.checkpoint import newest_complete
 
     run = tmp_path / "run"
-    codes, outputs = wait_all(start_ranks(2, argv(recipe, run, "train.steps=6")))
+    codes, outputs = wait_all(start_ranks(2, train_argv(recipe, CONFIG, run, "train.steps=6")))
     assert codes == [0, 0], outputs[0][1][-2000:]
     checkpoints = run / "checkpoints"
     assert newest_complete(checkpoints) == "global_step6"
@@ -117,7 +113,7 @@ def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(recipe, reference, 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])  # Ctrl-C: tests/test_launchers.py
 def test_a_signal_on_any_rank_checkpoints_and_exits_0(recipe, tmp_path, signum):
     run = tmp_path / "run"
-    assert spawn_ranks(2, train_and_signal_at, argv(recipe, run), 3, signum, 1) == [0, 0]
+    assert spawn_ranks(2, train_and_signal_at, train_argv(recipe, CONFIG, run), 3, signum, 1) == [0, 0]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["step"] == 3
     assert (run / "checkpoints" / "latest").read_text() == "global_step3"
@@ -126,7 +122,7 @@ def test_a_signal_on_any_rank_checkpoints_and_exits_0(recipe, tmp_path, signum):
 def test_a_signal_delivered_twice_at_once_is_one_request(recipe, tmp_path):
     """A signal to the process group reaches each rank directly and again through its launcher."""
     run = tmp_path / "run"
-    assert spawn_ranks(2, train_and_signal_at, argv(recipe, run), 3, signal.SIGTERM, 0, 2, timeout=120) == [0, 0]
+    assert spawn_ranks(2, train_and_signal_at, train_argv(recipe, CONFIG, run), 3, signal.SIGTERM, 0, 2, timeout=120) == [0, 0]
     assert (run / "checkpoints" / "latest").read_text() == "global_step3"
 
 
@@ -134,7 +130,7 @@ def test_a_second_signal_exits_at_once(recipe, tmp_path):
     from dstrain.train.stop import REPEAT_WINDOW_S
 
     run = tmp_path / "run"
-    codes = spawn_ranks(2, train_and_signal_at, argv(recipe, run), 3, signal.SIGTERM, 0, 2,
+    codes = spawn_ranks(2, train_and_signal_at, train_argv(recipe, CONFIG, run), 3, signal.SIGTERM, 0, 2,
                         REPEAT_WINDOW_S + 0.5, timeout=120)
     assert codes[0] == 128 + signal.SIGTERM and codes[1] != 0
     assert not (run / "checkpoints" / "global_step3").exists()
@@ -142,7 +138,7 @@ def test_a_second_signal_exits_at_once(recipe, tmp_path):
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(recipe, tmp_path, capfd):
     run = tmp_path / "run"
-    assert spawn_ranks(2, train_with_fault, argv(recipe, run), 5, "nan", None) == [2, 2]
+    assert spawn_ranks(2, train_with_fault, train_argv(recipe, CONFIG, run), 5, "nan", None) == [2, 2]
     assert "loss became nan at step 5" in capfd.readouterr().err
     checkpoints = run / "checkpoints"
     assert (checkpoints / "latest").read_text() == "global_step4"
@@ -154,7 +150,7 @@ def test_two_runs_into_one_run_dir_are_refused(recipe, tmp_path):
     run.mkdir()
     with open(run / ".lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running job holds it
-        codes, outputs = wait_all(start_ranks(1, argv(recipe, run)), timeout=120)
+        codes, outputs = wait_all(start_ranks(1, train_argv(recipe, CONFIG, run)), timeout=120)
     assert codes == [2]
     assert outputs[0][1].strip().splitlines()[-1] == f"dstrain: error: {run} is in use by another run; wait for it or choose another run_dir"
     assert not (run / "recipe.yaml").exists()
@@ -163,7 +159,7 @@ def test_two_runs_into_one_run_dir_are_refused(recipe, tmp_path):
 def test_an_unwritable_run_dir_is_reported_before_training(recipe, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    codes, outputs = wait_all(start_ranks(1, argv(recipe, blocker / "run")), timeout=120)
+    codes, outputs = wait_all(start_ranks(1, train_argv(recipe, CONFIG, blocker / "run")), timeout=120)
     assert codes == [2] and "cannot be created" in outputs[0][1] and "step 1" not in outputs[0][0]
     assert blocker.read_text() == "not a folder"
 

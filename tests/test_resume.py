@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from ranks import run_ranks
-from train_helpers import ROOT, ds_config, read_events, read_metrics, small_recipe, train_each, train_losses
+from train_helpers import ds_config, read_events, read_metrics, small_recipe, train_argv, train_each, train_losses
 
 pytestmark = pytest.mark.distributed
 
@@ -20,11 +20,6 @@ STRATEGIES = ["zero0", "zero1", "zero2", "zero3", "pp2_zero1", "tp2_zero1"]
 # Every optimizer value changed at once, and a schedule whose step 2 of 4 lies inside the decay (warmup 1).
 CHANGED = ["optim.lr=1e-4", "optim.min_lr=1e-5", "optim.weight_decay=0.05", "optim.grad_clip=0.25",
            "optim.betas=[0.8, 0.9]", "optim.eps=1e-6", "schedule.kind=linear", "schedule.warmup_steps=1"]
-
-
-def argv(recipe, config, run_dir, *overrides):
-    config = config if str(config).endswith(".json") else ROOT / "ds_configs" / f"{config}.json"
-    return ["--recipe", str(recipe), "--deepspeed_config", str(config), f"run_dir={run_dir}", *overrides]
 
 
 def tags(checkpoints):
@@ -54,8 +49,8 @@ def test_resume_none_moves_the_previous_run_aside_and_a_relaunch_continues_the_n
     (as a Slurm requeue does) resumes B's own checkpoint, not A's higher-numbered one."""
     recipe = small_recipe(tmp_path, corpus)
     run = tmp_path / "run"
-    a = argv(recipe, "zero1", run, "seed=1234", "train.steps=4", "train.checkpoint_interval=2")
-    b = argv(recipe, "zero1", run, "seed=99", "train.steps=2", "train.keep_last=1")
+    a = train_argv(recipe, "zero1", run, "seed=1234", "train.steps=4", "train.checkpoint_interval=2")
+    b = train_argv(recipe, "zero1", run, "seed=99", "train.steps=2", "train.keep_last=1")
     assert run_ranks(2, train_each, [a, ["--resume", "none", *b], [*b, "train.steps=4"]]) == [[0, 0, 0]] * 2
     out = capfd.readouterr().out
     (previous,) = (run / "previous").iterdir()
@@ -151,14 +146,14 @@ def resumed(tmp_path_factory, corpus):
     tmp = tmp_path_factory.mktemp("resume")
     recipe = small_recipe(tmp, corpus, train={"steps": 4, "checkpoint_interval": 2})
     base = {s: tmp / f"base-{s}" for s in STRATEGIES}
-    assert run_ranks(2, train_each, [argv(recipe, s, base[s]) for s in STRATEGIES]) == [[0] * len(STRATEGIES)] * 2
+    assert run_ranks(2, train_each, [train_argv(recipe, s, base[s]) for s in STRATEGIES]) == [[0] * len(STRATEGIES)] * 2
     checkpointing = ds_config(tmp, "zero1", activation_checkpointing={"partition_activations": False})
     dirs = {s: branch(base[s], tmp / f"changed-{s}", 2) for s in STRATEGIES}
     dirs["extended"] = branch(base["zero1"], tmp / "extended", 4)
     dirs["checkpointing"] = branch(base["zero1"], tmp / "checkpointing", 2)
-    calls = [(train_probing_first_step, argv(recipe, s, dirs[s], *CHANGED)) for s in STRATEGIES]
-    calls += [(train_probing_first_step, argv(recipe, "zero1", dirs["extended"], "train.steps=8")),
-              (train_counting_checkpointed_blocks, argv(recipe, checkpointing, dirs["checkpointing"]))]
+    calls = [(train_probing_first_step, train_argv(recipe, s, dirs[s], *CHANGED)) for s in STRATEGIES]
+    calls += [(train_probing_first_step, train_argv(recipe, "zero1", dirs["extended"], "train.steps=8")),
+              (train_counting_checkpointed_blocks, train_argv(recipe, checkpointing, dirs["checkpointing"]))]
     results = run_ranks(2, run_calls, calls)
     names = [*STRATEGIES, "extended", "checkpointing"]
     return recipe, base, {n: (dirs[n], results[0][i], results[1][i]) for i, n in enumerate(names)}
@@ -175,7 +170,7 @@ def test_a_checkpoint_of_another_experiment_is_refused_by_its_own_record(resumed
     (run / "recipe.yaml").write_text(yaml.safe_dump({**recipe_yaml, "seed": 1234}))
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
     capfd.readouterr()
-    assert main(argv(recipe, "zero1", run, "seed=1234", "train.steps=8")) == 2
+    assert main(train_argv(recipe, "zero1", run, "seed=1234", "train.steps=8")) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "global_step4 holds a run of a different recipe (seed differ" in err[0], err
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from ranks import run_ranks
-from train_helpers import ROOT, ds_config, read_metrics, small_recipe, train_and_signal_at, train_each, train_losses
+from train_helpers import ROOT, ds_config, read_metrics, small_recipe, train_and_signal_at, train_argv, train_each, train_losses
 
 pytestmark = pytest.mark.distributed
 
@@ -18,10 +18,6 @@ pytestmark = pytest.mark.distributed
 # rounding to ~5e-5 by step 10. A real defect (a lost init, an unscaled loss, a skipped sample)
 # moves the losses by 1e-2 or more.
 LOSS_RTOL = 1e-4
-
-
-def argv(recipe, config, run_dir, *overrides):
-    return ["--recipe", str(recipe), "--deepspeed_config", str(config), f"run_dir={run_dir}", *overrides]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +29,7 @@ def equivalence_runs(tmp_path_factory, corpus):
                ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero1_fusedadam"]}
     configs["zero0_micro2_accum2"] = ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=2)
     runs = {name: tmp / name for name in configs}
-    codes = run_ranks(2, train_each, [argv(recipe, configs[n], runs[n]) for n in configs])
+    codes = run_ranks(2, train_each, [train_argv(recipe, configs[n], runs[n]) for n in configs])
     assert codes == [[0] * len(configs)] * 2
     return runs
 
@@ -117,11 +113,11 @@ def test_signal_checkpoints_and_resume_continues_exactly(tmp_path, corpus, equiv
     recipe = small_recipe(tmp_path, corpus)
     config = ROOT / "ds_configs" / "zero2.json"
     run = tmp_path / "run"
-    assert run_ranks(2, train_and_signal_at, argv(recipe, config, run, "train.checkpoint_interval=3"), 4) == [0, 0]
+    assert run_ranks(2, train_and_signal_at, train_argv(recipe, config, run, "train.checkpoint_interval=3"), 4) == [0, 0]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["step"] == 4
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["global_step3", "global_step4"]
-    assert run_ranks(2, train_each, [argv(recipe, config, run)]) == [[0], [0]]
+    assert run_ranks(2, train_each, [train_argv(recipe, config, run)]) == [[0], [0]]
     losses = train_losses(run)
     assert len(losses) == 10
     assert losses == train_losses(equivalence_runs["zero2"])  # bit for bit: same data, same state, same order
@@ -141,7 +137,7 @@ def test_launchers_end_to_end(tmp_path, corpus, launcher):
         "deepspeed": [f"{bin_dir}/deepspeed", "--num_gpus", "2", "--master_port", str(_port()), "--module", "dstrain.train"],
         "torchrun": [f"{bin_dir}/torchrun", "--nproc_per_node", "2", "--master_port", str(_port()), "-m", "dstrain.train"],
     }[launcher]
-    proc = subprocess.run([*command, *argv(recipe, config, run)], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([*command, *train_argv(recipe, config, run)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step 6/6" in proc.stdout and f"results in {run}" in proc.stdout
@@ -155,7 +151,7 @@ def test_launchers_end_to_end(tmp_path, corpus, launcher):
 def test_config_error_is_one_line_before_any_work(tmp_path, corpus):
     recipe = small_recipe(tmp_path, corpus)
     bad = ds_config(tmp_path, "zero1", train_micro_batch_size_per_gpu=3)
-    proc = subprocess.run([sys.executable, "-m", "dstrain.train", *argv(recipe, bad, tmp_path / "run")],
+    proc = subprocess.run([sys.executable, "-m", "dstrain.train", *train_argv(recipe, bad, tmp_path / "run")],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "2"})
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

@@ -39,6 +39,12 @@ def ds_config(folder: Path, base: str, **changes) -> Path:
     return path
 
 
+def train_argv(recipe: Path, config: str | Path, run_dir: Path, *overrides: str) -> list[str]:
+    """dstrain.train's arguments; ``config`` is a ds_config file or the name of a shipped one ("zero2")."""
+    config = config if str(config).endswith(".json") else ROOT / "ds_configs" / f"{config}.json"
+    return ["--recipe", str(recipe), "--deepspeed_config", str(config), f"run_dir={run_dir}", *overrides]
+
+
 def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "split" not in r]
 
