@@ -19,7 +19,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -70,16 +70,9 @@ class PrepareOptions:
         return shlex.join(parts + (["--streaming"] if self.streaming else []))
 
 
-def prepare(dataset: str, out: str, *, tokenizer: str | None = None, train_tokenizer: int | None = None,
-            dataset_config: str | None = None, split: str = "train", text_field: str = "text",
-            streaming: bool = False, shard_tokens: int = DEFAULT_SHARD_TOKENS, num_proc: int | None = None,
-            progress: bool = True) -> dict:
-    """Python entry point, same options as the CLI (documented on PrepareOptions); returns the manifest."""
-    return run(PrepareOptions(
-        dataset=str(dataset), out=str(out), tokenizer=tokenizer, train_tokenizer=train_tokenizer,
-        dataset_config=dataset_config, split=split, text_field=text_field, streaming=streaming,
-        shard_tokens=shard_tokens, num_proc=num_proc, progress=progress,
-    ))
+def prepare(dataset: str, out: str, **options) -> dict:
+    """Python entry point: ``options`` are PrepareOptions' other fields, as the CLI's flags; returns the manifest."""
+    return run(PrepareOptions(dataset=str(dataset), out=str(out), **options))
 
 
 def _existing_inputs(out: Path) -> dict | None:
@@ -222,7 +215,8 @@ def _write_shards(out: Path, source: Source, encoder: ParallelEncoder, dtype: np
                 return shards
 
 
-def _manifest_is_complete(out: Path) -> dict | None:
+def _complete_manifest(out: Path) -> dict | None:
+    """The manifest of a finished prepare in ``out`` whose every shard is whole; None otherwise."""
     path = out / MANIFEST_NAME
     if not path.is_file():
         return None
@@ -242,7 +236,7 @@ def _check_out(out: Path) -> None:
         raise DstrainError(f"--out {out} {where}; name a new or existing folder")
 
 
-def run(opts: PrepareOptions) -> dict:
+def _check_options(opts: PrepareOptions) -> None:
     if (opts.tokenizer is None) == (opts.train_tokenizer is None):
         raise DstrainError(
             "dstrain prepare: pass exactly one of --tokenizer NAME_OR_DIR or --train-tokenizer VOCAB_SIZE"
@@ -251,8 +245,22 @@ def run(opts: PrepareOptions) -> dict:
         raise DstrainError(f"--shard-tokens {opts.shard_tokens}: must be a positive number of tokens, e.g. 100000000")
     if opts.num_proc is not None and opts.num_proc < 1:
         raise DstrainError(f"--num-proc {opts.num_proc}: must be at least 1 (or left out: every core)")
-    num_proc = opts.num_proc or len(os.sched_getaffinity(0))
     _check_out(Path(opts.out))
+
+
+def _trained_tokenizer(opts: PrepareOptions, source, saved, earlier_hash: str | None):
+    """--train-tokenizer: the one an interrupted run trained and saved if it is there, else train one."""
+    if earlier_hash and saved is not None and tokenizer_hash(saved) == earlier_hash:
+        return saved
+    tokenizer = train_bpe_tokenizer(text_batches(source, 0, BATCH_DOCS), opts.train_tokenizer, source.num_docs,
+                                    opts.progress)
+    if earlier_hash and tokenizer_hash(tokenizer) != earlier_hash:
+        raise _refuse(Path(opts.out), f"a tokenizer trained earlier (hash {earlier_hash}) that retraining did not reproduce")
+    return tokenizer
+
+
+def run(opts: PrepareOptions) -> dict:
+    _check_options(opts)
     if not opts.progress:
         import datasets
 
@@ -274,34 +282,19 @@ def run(opts: PrepareOptions) -> dict:
     existing = _existing_inputs(out)
     if existing is not None and (conflict := _conflict(existing, inputs)):
         raise _refuse(out, conflict)
-    if existing is not None and (done := _manifest_is_complete(out)) is not None:
+    if existing is not None and (done := _complete_manifest(out)) is not None:
         return done
 
     tokenizer_dir = out / TOKENIZER_DIR
-    if tokenizer is None:  # --train-tokenizer: reuse the one an interrupted run trained
-        earlier = existing["tokenizer"]["hash"] if existing else None
-        if earlier and tokenizer_dir.is_dir() and tokenizer_hash(load_tokenizer(str(tokenizer_dir))) == earlier:
-            tokenizer = load_tokenizer(str(tokenizer_dir))
-        else:
-            batches = text_batches(source, 0, BATCH_DOCS)
-            tokenizer = train_bpe_tokenizer(batches, opts.train_tokenizer, source.num_docs, opts.progress)
-            if earlier and tokenizer_hash(tokenizer) != earlier:
-                raise _refuse(out, f"a tokenizer trained earlier (hash {earlier}) that retraining did not reproduce")
+    saved = load_tokenizer(str(tokenizer_dir)) if tokenizer_dir.is_dir() else None
+    if tokenizer is None:
+        tokenizer = _trained_tokenizer(opts, source, saved, existing["tokenizer"]["hash"] if existing else None)
         inputs["tokenizer"]["hash"] = tokenizer_hash(tokenizer)
     out.mkdir(parents=True, exist_ok=True)
-    if not tokenizer_dir.is_dir() or tokenizer_hash(load_tokenizer(str(tokenizer_dir))) != inputs["tokenizer"]["hash"]:
+    if saved is None or tokenizer_hash(saved) != inputs["tokenizer"]["hash"]:
         save_tokenizer(tokenizer, tokenizer_dir)
     write_json_atomic(out / INPUTS_NAME, inputs)
-
-    dtype = token_dtype(len(tokenizer))
-    encoder = ParallelEncoder(tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id, dtype, num_proc)
-    progress = _Progress(source.num_docs or source.announced_docs, opts.progress)
-    try:
-        shards = _write_shards(out, source, encoder, dtype, opts.shard_tokens, progress)
-    finally:
-        progress.bar.close()
-    for stale in out.glob("shard_*.tmp"):
-        stale.unlink()
+    shards, dtype = _tokenize(out, source, tokenizer, opts)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -316,6 +309,21 @@ def run(opts: PrepareOptions) -> dict:
     }
     write_json_atomic(out / MANIFEST_NAME, manifest)
     return manifest
+
+
+def _tokenize(out: Path, source, tokenizer, opts: PrepareOptions) -> tuple[list[dict], np.dtype]:
+    """Every document into shards (the complete ones of an interrupted run kept); (shard records, token dtype)."""
+    dtype = token_dtype(len(tokenizer))
+    num_proc = opts.num_proc or len(os.sched_getaffinity(0))
+    encoder = ParallelEncoder(tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id, dtype, num_proc)
+    progress = _Progress(source.num_docs or source.announced_docs, opts.progress)
+    try:
+        shards = _write_shards(out, source, encoder, dtype, opts.shard_tokens, progress)
+    finally:
+        progress.bar.close()
+    for stale in out.glob("shard_*.tmp"):
+        stale.unlink()
+    return shards, dtype
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -341,12 +349,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    manifest = prepare(
-        args.dataset, args.out, tokenizer=args.tokenizer, train_tokenizer=args.train_tokenizer,
-        dataset_config=args.dataset_config, split=args.split, text_field=args.text_field,
-        streaming=args.streaming, shard_tokens=args.shard_tokens, num_proc=args.num_proc,
-        progress=not args.no_progress,
-    )
+    options = {f.name: getattr(args, f.name) for f in fields(PrepareOptions) if f.name != "progress"}
+    manifest = run(PrepareOptions(**options, progress=not args.no_progress))
     seconds = time.perf_counter() - start
     print(f"{args.out}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
           f"in {len(manifest['shards'])} shard(s), {manifest['dtype']}, vocab {manifest['vocab_size']:,} "
