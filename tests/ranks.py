@@ -4,16 +4,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_module
-import socket
 import sys
 import time
 import traceback
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dstrain.train.distributed import free_port  # noqa: F401  (tests import it from here too)
 
 
 def _child(rank: int, world: int, port: int, env: dict, target, args, queue) -> None:

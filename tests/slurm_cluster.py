@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from dstrain.train.distributed import free_port
+
 NODES = ("dsnode1", "dsnode2")
 HOSTS_FILE = Path("/etc/hosts")
 HOSTS_MARK = "# dstrain slurm test node"
@@ -65,12 +67,6 @@ def missing_requirement() -> str | None:
     if not os.access(HOSTS_FILE, os.W_OK):
         return f"{HOSTS_FILE} is not writable: the emulated nodes need host names"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_layout() -> str:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from dstrain.errors import DstrainError
+from dstrain.train.distributed import free_port
 from dstrain.model.gpt import GPT, Block, Embedding, GPTConfig, flops_per_token, lm_loss, num_params
 
 VOCAB = 97
@@ -207,12 +207,6 @@ ZERO_INIT_SCRIPT = textwrap.dedent("""
                         "tied": model.lm_head.weight is model.embed.tok.weight}
     torch.save(out, sys.argv[1])
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.distributed

@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,12 +39,6 @@ THROUGHPUT_NOTE = (
 
 # --- running ------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launcher() -> str:
     """The deepspeed launcher of this interpreter's environment (a venv's bin/ need not be on PATH)."""
     beside = Path(sys.executable).parent / "deepspeed"
@@ -65,6 +58,8 @@ def run_overrides(overrides: list[str], steps: int | None) -> list[str]:
 
 def launch(recipe: str, config: str, run_dir: Path, nproc: int, overrides: list[str]) -> int:
     """One config through the deepspeed launcher; everything it prints goes to run_dir/launcher.log."""
+    from dstrain.train.distributed import free_port
+
     command = [launcher(), "--num_gpus", str(nproc), "--master_port", str(free_port()), "--module", "dstrain.train",
                "--recipe", recipe, "--deepspeed_config", config, f"run_dir={run_dir}", *overrides]
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,8 @@ def _slurm_env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the rendezvous of a single-node run)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -67,7 +68,7 @@ def init() -> None:
         else:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
     # torchrun/accelerate export LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE, srun e.g. "2(x2)".
     per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ.get("SLURM_TASKS_PER_NODE")
     local_world = int(re.match(r"\d+", per_node or os.environ["WORLD_SIZE"]).group())
