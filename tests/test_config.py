@@ -224,3 +224,16 @@ def test_every_numeric_recipe_field_declares_its_range():
                for name, hint in typing.get_type_hints(cls, include_extras=True).items()
                if numeric_without_range(hint)]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("change, fragments", [
+    ({"zero_optimization": {"stage": 0}}, ["ZeRO stage 0 sums gradients in bf16", "zero1_bf16.json"]),
+    ({"data_types": None}, ["accumulated in bf16", '"grad_accum_dtype": "fp32"']),
+    ({"communication_data_type": None}, ["reduced across ranks in bf16", '"communication_data_type": "fp32"']),
+    ({"communication_data_type": "bf16"}, ["reduced across ranks in bf16"]),
+])
+def test_a_bf16_config_that_would_sum_gradients_in_bf16_is_refused(tmp_path, change, fragments):
+    ds = json.loads((ROOT / "ds_configs/zero1_bf16.json").read_text())
+    for key, value in change.items():
+        ds.pop(key) if value is None else ds.update({key: value})
+    one_line_error(lambda: strategy_for(tmp_path, ds), "d.json", *fragments)

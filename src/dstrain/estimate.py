@@ -5,21 +5,25 @@ data-parallel size and b the bytes of the model's dtype (4 fp32, 2 bf16/fp16). T
 DeepSpeed 0.19.8 really keeps; tests/test_estimate.py counts them on 2 ranks and checks the totals:
 
     stage  parameters          gradients (backward | step)          fp32 master   Adam moments
-    0      bΨ                  bΨ | bΨ (fp32), 4Ψ (mixed)           0 / 4Ψ mixed  8Ψ
+    0      bΨ                  bΨ | bΨ (fp32), 4Ψ (fp16)            0 / 4Ψ fp16   8Ψ
     1      bΨ                  bΨ | (b+4)Ψ/N                        4Ψ/N          8Ψ/N
     2      bΨ                  bΨ/N | (b+4)Ψ/N                      4Ψ/N          8Ψ/N
-    3      b(Ψ/N + P) | bΨ/N   bΨ/N | (b+4)Ψ/N                      4Ψ/N          8Ψ/N
+    3      b(Ψ/N + P) | bΨ/N   bΨ/N | bΨ/N + 4·min(Ψ/N, S)          4Ψ/N          8Ψ/N
+
+    bf16 (gradients summed in fp32, which dstrain requires of every bf16 ds_config):
+    1      2Ψ                  2Ψ + 4Ψ (BF16_Optimizer's whole fp32 accumulation buffer)    4Ψ/N   8Ψ/N
+    2      2Ψ                  4Ψ/N (the fp32 partition the optimizer reads)                4Ψ/N   8Ψ/N
+    3      2(Ψ/N + P) | 2Ψ/N   4Ψ/N | 4Ψ/N + 4·min(Ψ/N, S)                                 4Ψ/N   8Ψ/N
 
 "backward" is the last backward of a step, "step" the optimizer step: the reduced gradient partition
-is copied to fp32 for the optimizer (even in fp32, where the copy is a second fp32 buffer). ZeRO-1
+is copied to fp32 for the optimizer (even in fp32, where the copy is a second fp32 buffer); ZeRO-3 copies
+one sub-group of S = zero_optimization.sub_group_size elements at a time. ZeRO-1
 accumulates full gradients in ``param.grad`` between steps; ZeRO-1/2/3 keep an fp32 master
 partition even for fp32 models (only ZeRO-0 fp32 updates the module's own weights). P are ZeRO-3's
 persistent parameters (numel <= stage3_param_persistence_threshold), whole on every rank during the
-backward. For bf16 ZeRO-2 this is 2Ψ + 18Ψ/N, DeepSpeed's own
-``stage_1_and_2.estimate_zero2_model_states_mem_needs``; for ZeRO-3 it is 20Ψ/N, where DeepSpeed's
-``estimate_zero3_model_states_mem_needs`` says 18Ψ/N (it omits the 16-bit gradient partition that
-stage3 keeps in ``grad_partitions_flat_buffer``) and the ZeRO paper (2+2+12)Ψ/N (it omits the fp32
-gradient copy). Both DeepSpeed numbers are reported next to ours. Optimizer offload moves the master
+backward. DeepSpeed's own ``estimate_zero2_model_states_mem_needs`` and
+``estimate_zero3_model_states_mem_needs`` assume 16-bit gradients (and omit the fp32 copy, as does the ZeRO
+paper's (2+2+12)Ψ/N); both are reported next to ours. Optimizer offload moves the master
 partition, the Adam moments and the fp32 gradient partition (plus a 16-bit staging copy, and a
 16-bit accumulation buffer when accumulating) to the CPU; parameter offload moves ZeRO-3's partitions.
 
@@ -200,40 +204,72 @@ def model_state_parts(strategy: Strategy, psi: int, persistent: int) -> list[Par
     opt, par = strategy.offload_optimizer, strategy.offload_param
     part = math.ceil(psi / n)
     parts: list[Part] = []
-
-    def add(group: str, name: str, where: str, backward: int, step: int, formula: str) -> None:
-        parts.append(Part(group, name, where, backward, step, formula))
-
     if s < 3:
-        add("parameters", f"parameters ({dtype})", "device", b * psi, b * psi, f"{b}Ψ")
+        parts.append(Part("parameters", f"parameters ({dtype})", "device", b * psi, b * psi, f"{b}Ψ"))
     else:
-        add("parameters", f"parameters ({dtype}), 1/{n} partition", par or "device", b * part, b * part, f"{b}Ψ/N")
-        add("parameters", "persistent parameters, whole", "device", b * persistent, 0, f"{b}P (backward only)")
-    if s == 0:  # torch's optimizer reads param.grad; mixed precision first copies it to fp32 (bf16 grads freed)
-        add("gradients", f"gradients ({dtype})", "device", b * psi, b * psi if b == 4 else 0, f"{b}Ψ")
-        if b != 4:
-            add("gradients", "gradients (fp32 copy for the optimizer)", "device", 0, 4 * psi, "4Ψ at the step")
-    else:
-        if opt:  # stage 1/2 stream gradients to the CPU; stage 3 keeps its 16-bit partition on the device
-            if s == 3:
-                add("gradients", f"gradients ({dtype}), 1/{n} partition", "device", b * part, b * part, f"{b}Ψ/N")
-            elif strategy.grad_accum > 1:
-                add("gradients", f"gradient accumulation ({dtype})", "cpu", b * part, b * part, f"{b}Ψ/N")
-        elif s == 1:
-            add("gradients", f"gradients ({dtype}), accumulated whole", "device", b * psi, 0, f"{b}Ψ (backward)")
-            add("gradients", f"gradients ({dtype}), reduced 1/{n} partition", "device", 0, b * part, f"{b}Ψ/N (step)")
-        else:
-            add("gradients", f"gradients ({dtype}), 1/{n} partition", "device", b * part, b * part, f"{b}Ψ/N")
-        keep = 4 * part if opt else 0  # offload keeps the pinned fp32 gradient partition allocated
-        add("gradients", "gradients (fp32 copy for the optimizer)", "cpu" if opt else "device", keep, 4 * part,
-            "4Ψ/N at the step")
-        if opt and s < 3:
-            add("parameters", f"{dtype} staging of the updated partition", "cpu", b * part, b * part, f"{b}Ψ/N")
-    share, label = (psi, "Ψ") if s == 0 else (part, "Ψ/N")
+        parts.append(Part("parameters", f"parameters ({dtype}), 1/{n} partition", par or "device", b * part, b * part,
+                          f"{b}Ψ/N"))
+        parts.append(Part("parameters", "persistent parameters, whole", "device", b * persistent, 0,
+                          f"{b}P (backward only)"))
+    parts += gradient_parts(strategy, psi)
+    if opt and s < 3:
+        parts.append(Part("parameters", f"{dtype} staging of the updated partition", "cpu", b * part, b * part,
+                          f"{b}Ψ/N"))
+    share, label = (psi, "Ψ") if s == 0 and not bf16_optimizer(strategy) else (part, "Ψ/N")
     if s > 0 or b != 4:  # only ZeRO-0 fp32 updates the module's own weights
-        add("optimizer states", "fp32 master weights", opt or "device", 4 * share, 4 * share, f"4{label}")
-    add("optimizer states", "Adam moments (fp32)", opt or "device", 8 * share, 8 * share, f"8{label}")
+        parts.append(Part("optimizer states", "fp32 master weights", opt or "device", 4 * share, 4 * share, f"4{label}"))
+    parts.append(Part("optimizer states", "Adam moments (fp32)", opt or "device", 8 * share, 8 * share, f"8{label}"))
     return parts
+
+
+def bf16_optimizer(strategy: Strategy) -> bool:
+    """DeepSpeed runs its BF16_Optimizer (whole fp32 accumulation buffer, partitioned fp32 state): bf16 at ZeRO-1
+    accumulating in fp32 without offload, or a ZeRO-0 bf16 pipeline (engine._do_optimizer_sanity_check)."""
+    if strategy.precision != "bf16" or strategy.offload_optimizer:
+        return False
+    return strategy.zero_stage == 1 and accumulates_in_fp32(strategy) or (
+        strategy.zero_stage == 0 and strategy.pp_stages > 1)
+
+
+def accumulates_in_fp32(strategy: Strategy) -> bool:
+    return strategy.ds_config.get("data_types", {}).get("grad_accum_dtype") == "fp32"
+
+
+def gradient_parts(strategy: Strategy, psi: int) -> list[Part]:
+    """Gradients per rank; "backward" is the last backward of a step, "step" the optimizer step."""
+    s, n, dtype, opt = strategy.zero_stage, strategy.dp_size, strategy.precision, strategy.offload_optimizer
+    b = 4 if dtype == "fp32" else 2
+    g = 4 if accumulates_in_fp32(strategy) else b  # bytes of an accumulated gradient
+    part = math.ceil(psi / n)
+    if bf16_optimizer(strategy):
+        return [Part("gradients", "gradients (bf16), whole", "device", 2 * psi, 2 * psi, "2Ψ"),
+                Part("gradients", "fp32 accumulation buffer, whole", "device", 4 * psi, 4 * psi, "4Ψ")]
+    if s == 0:  # torch's optimizer reads param.grad; mixed precision first copies it to fp32 (16-bit grads freed)
+        whole = [Part("gradients", f"gradients ({dtype})", "device", b * psi, b * psi if b == 4 else 0, f"{b}Ψ")]
+        copy = [Part("gradients", "gradients (fp32 copy for the optimizer)", "device", 0, 4 * psi, "4Ψ at the step")]
+        return whole + (copy if b != 4 else [])
+    name = f"gradients ({'fp32' if g == 4 else dtype})"
+    if opt:  # stage 1/2 stream gradients to the CPU; stage 3 keeps its gradient partition on the device
+        if s == 3:
+            parts = [Part("gradients", f"{name}, 1/{n} partition", "device", g * part, g * part, f"{g}Ψ/N")]
+        elif strategy.grad_accum > 1:
+            parts = [Part("gradients", f"gradient accumulation ({dtype})", "cpu", b * part, b * part, f"{b}Ψ/N")]
+        else:
+            parts = []
+    elif s == 1:
+        parts = [Part("gradients", f"gradients ({dtype}), accumulated whole", "device", b * psi, 0, f"{b}Ψ (backward)"),
+                 Part("gradients", f"gradients ({dtype}), reduced 1/{n} partition", "device", 0, b * part,
+                      f"{b}Ψ/N (step)")]
+    else:
+        parts = [Part("gradients", f"{name}, 1/{n} partition", "device", g * part, g * part, f"{g}Ψ/N")]
+    if s == 2 and g == 4 and b == 2 and not opt:
+        return parts  # the fp32 partition is what the optimizer reads: no copy
+    # ZeRO-3 steps one sub-group (zero_optimization.sub_group_size elements) at a time, each with its fp32 copy.
+    copied = min(part, int(strategy.ds_config["zero_optimization"].get("sub_group_size", 1e9))) if s == 3 else part
+    keep = 4 * part if opt else 0  # offload keeps the pinned fp32 gradient partition allocated
+    formula = "4·min(Ψ/N, sub_group_size) at the step" if s == 3 else "4Ψ/N at the step"
+    return parts + [Part("gradients", "gradients (fp32 copy for the optimizer)", "cpu" if opt else "device",
+                         keep, 4 * copied, formula)]
 
 
 def buffer_parts(strategy: Strategy, zero: DeepSpeedZeroConfig, counts: ParamCounts) -> list[Part]:
