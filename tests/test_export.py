@@ -21,6 +21,8 @@ EVAL_RTOL = 1e-6
 HF_CLASS = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
 RUNS = [(flavour, strategy) for flavour in ("llama", "gpt2") for strategy in ("zero0", "zero1", "zero2", "zero3")]
 RUNS += [("llama", s) for s in ("pp2_zero1", "tp2_zero1") if (ROOT / "ds_configs" / f"{s}.json").exists()]
+# bf16 runs keep fp32 masters apart from their bf16 module weights (BF16_Optimizer: ZeRO-1, pipeline, TP)
+BF16_RUNS = [("llama", s) for s in ("zero1_bf16", "pp2_zero1_bf16", "tp2_zero1_bf16")]
 DATA_FLAGS = ["--seq-len", "32", "--seed", "7", "--valid-fraction", "0.05", "--micro-batch", "4"]  # small_recipe's
 
 
@@ -54,9 +56,9 @@ def runs(tmp_path_factory, corpus):
     """3 steps of each flavour under each strategy on 2 ranks, each exported: {(flavour, strategy): (run, hf)}."""
     tmp = tmp_path_factory.mktemp("export")
     recipes = {f: recipe_for(tmp, corpus, f, train={"steps": 3}) for f in ("llama", "gpt2")}
-    dirs = {key: tmp / "-".join(key) for key in RUNS}
-    codes = run_ranks(2, train_each, [argv(recipes[f], s, dirs[f, s]) for f, s in RUNS])
-    assert codes == [[0] * len(RUNS)] * 2
+    dirs = {key: tmp / "-".join(key) for key in RUNS + BF16_RUNS}
+    codes = run_ranks(2, train_each, [argv(recipes[f], s, dirs[f, s]) for f, s in dirs])
+    assert codes == [[0] * len(dirs)] * 2
     for key, run in dirs.items():
         assert cli("export", run, "--out", tmp / "hf" / run.name) == 0
     return {key: (run, tmp / "hf" / run.name) for key, run in dirs.items()}
@@ -74,7 +76,7 @@ def test_export_computes_what_our_model_computes(runs, flavour, strategy):
     assert type(hf).__name__ == HF_CLASS[flavour] and hf.dtype == torch.float32
     recipe, tag = load_run(run, None)
     ours = GPT(recipe.model).eval()
-    ours.load_state_dict(consolidated_state_dict(tag))
+    ours.load_state_dict(consolidated_state_dict(tag, recipe.model))
     ids = torch.randint(0, recipe.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     assert (ours(ids) - hf(ids).logits).abs().max().item() <= LOGITS_ATOL
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
@@ -142,7 +144,7 @@ def test_generate_runs_offline_and_decodes_greedily(runs, capsys):
     recipe, tag = load_run(run, None)
     tokenizer = load_run_tokenizer(recipe)
     ours = GPT(recipe.model).eval()
-    ours.load_state_dict(consolidated_state_dict(tag))
+    ours.load_state_dict(consolidated_state_dict(tag, recipe.model))
     tokens = tokenizer("The module", return_tensors="pt").input_ids
     for _ in range(8):
         tokens = torch.cat([tokens, ours(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
@@ -191,6 +193,27 @@ def test_init_from_another_architecture_is_one_line(runs, tmp_path, corpus):
         load_init_from(GPT(recipe.model), recipe, path, zero3=False)
     message = str(error.value)
     assert "\n" not in message and str(path) in message and "model.n_layer=3 vs 2" in message
+
+
+@pytest.mark.parametrize("strategy", [s for _, s in BF16_RUNS])
+def test_a_bf16_run_exports_its_fp32_masters(runs, strategy, tmp_path):
+    """The bf16 module weights are the masters rounded (BF16_Optimizer copies them down after each step): the
+    export holds the masters themselves, not the module's weights widened; --dtype bf16 the module's weights."""
+    from dstrain.export import load_run, module_state_dict
+
+    run, hf_dir = runs["llama", strategy]
+    masters = load_file(hf_dir / "model.safetensors")
+    assert cli("export", run, "--out", tmp_path / "bf16", "--dtype", "bf16") == 0
+    halved = load_file(tmp_path / "bf16" / "model.safetensors")
+    module = module_state_dict(load_run(run, None)[1])
+    assert module["embed.tok.weight"].dtype == torch.bfloat16
+    hf_name = {"embed.tok.weight": "model.embed_tokens.weight", "blocks.1.mlp.down_proj.weight":
+               "model.layers.1.mlp.down_proj.weight", "blocks.0.self_attn.q_proj.weight": "model.layers.0.self_attn.q_proj.weight"}
+    for ours, theirs in hf_name.items():
+        assert masters[theirs].dtype == torch.float32 and halved[theirs].dtype == torch.bfloat16
+        assert torch.equal(masters[theirs].to(torch.bfloat16), module[ours]), ours
+        assert torch.equal(halved[theirs], module[ours]), ours
+        assert (masters[theirs] != module[ours].float()).float().mean() > 0.9, ours  # below bf16's resolution
 
 
 def test_export_never_overwrites_and_names_a_missing_tag(runs, tmp_path, capsys):

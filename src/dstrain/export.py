@@ -4,7 +4,9 @@ a recipe's `init_from` starts training from one.
     dstrain export runs/tiny --out hf/tiny                  # newest complete checkpoint
     dstrain export runs/tiny --tag global_step200 --out hf/tiny-200
 
-The folder holds config.json, model.safetensors (fp32) and the run's tokenizer; llama-flavour models
+The folder holds config.json, model.safetensors and the run's tokenizer. The weights are the fp32 master
+weights wherever the checkpoint holds them apart from the module's (bf16 runs: ZeRO's or BF16_Optimizer's
+partitions), else the module's own (fp32 runs); `--dtype bf16` writes them rounded to bf16; llama-flavour models
 become LlamaForCausalLM, gpt2-flavour ones GPT2LMHeadModel (dstrain.model.hf), so
 `AutoModelForCausalLM.from_pretrained(folder)` computes what our GPT computed.
 """
@@ -25,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run directory (holds recipe.yaml and checkpoints/)")
     parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step200 (default: the newest complete)")
     parser.add_argument("--out", required=True, help="new folder for the Hugging Face model (must not hold files)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="weights written: fp32 (the masters, default) or bf16 (half the size)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -33,14 +37,16 @@ def main(args: argparse.Namespace) -> int:
         raise DstrainError(f"--out {out} already exists and is not empty; choose a new folder")
     recipe, tag_dir = load_run(args.run_dir, args.tag)
     tokenizer = load_run_tokenizer(recipe)
-    model = to_hf_model(recipe.model, consolidated_state_dict(tag_dir), tokenizer)
+    model = to_hf_model(recipe.model, consolidated_state_dict(tag_dir, recipe.model), tokenizer)
+    model.to(torch.float32 if args.dtype == "fp32" else torch.bfloat16)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)  # safetensors
     tokenizer.save_pretrained(tmp)
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)  # replaces an empty folder, never a full one
-    print(f"{out}: {type(model).__name__} from {tag_dir} (fp32 safetensors, tokenizer)")
+    print(f"{out}: {type(model).__name__} from {tag_dir} ({args.dtype} safetensors of the {weights_kind(tag_dir)} "
+          f"weights, tokenizer)")
     return 0
 
 
@@ -66,25 +72,41 @@ def load_run(run_dir: str | os.PathLike, tag: str | None):
     return recipe, checkpoints / tag
 
 
-def consolidated_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
-    """fp32 weights of GPT(recipe.model), from a checkpoint of any strategy."""
+def weights_kind(tag_dir: Path) -> str:
+    """ "fp32 master" for a bf16 run, whose checkpoint keeps them apart from its bf16 module weights (ZeRO and fp16
+    runs read through zero_to_fp32 get their masters too), else "module"."""
+    from dstrain.train.topology import saved
+
+    return "fp32 master" if (saved(tag_dir) or {}).get("precision") == "bf16" else "module"
+
+
+def consolidated_state_dict(tag_dir: Path, model_config) -> dict[str, torch.Tensor]:
+    """fp32 weights of GPT(model_config), from a checkpoint of any strategy: the fp32 masters of a bf16 run (its
+    module weights are a rounding of them), otherwise the module's own, widened to fp32."""
+    from dstrain.train.topology import fp32_masters
+
+    if weights_kind(tag_dir) == "fp32 master":
+        return fp32_masters(tag_dir, model_config)
+    return {name: tensor.float().contiguous() for name, tensor in module_state_dict(tag_dir).items()}
+
+
+def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The module's weights in the checkpoint, in the model's dtype (fp32 masters for ZeRO, read by zero_to_fp32)."""
     from dstrain.train.topology import ZERO12_MODEL_FILE, _load
 
     if any(tag_dir.glob("layer_*-model_states.pt")) or any(tag_dir.glob("mp_rank_01_model_states.pt")):
         # Pipeline layer files / AutoTP shards: the model-parallel converter of dstrain.model consolidates them.
         from dstrain.model.convert import read_checkpoint
 
-        state = read_checkpoint(tag_dir)[1]
-    elif any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):  # ZeRO-1/2/3 partitions
+        return read_checkpoint(tag_dir)[1]
+    if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):  # ZeRO-1/2/3 partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         # DeepSpeed's own consolidation (it loads its files with weights_only=False itself); its progress
         # prints would land in `dstrain generate`'s output.
         with contextlib.redirect_stdout(io.StringIO()):
-            state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-    else:  # ZeRO-0: the whole model is in the model-state file
-        state = _load(tag_dir / ZERO12_MODEL_FILE)["module"]
-    return {name: tensor.float().contiguous() for name, tensor in state.items()}
+            return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    return _load(tag_dir / ZERO12_MODEL_FILE)["module"]  # ZeRO-0 and BF16_Optimizer: the whole model
 
 
 def tokenizer_dir(recipe) -> Path:
@@ -161,5 +183,5 @@ def load_model_source(path: str | os.PathLike, tag: str | None = None):
         return config, {k: v.float() for k, v in state.items()}, None
     if (path / "recipe.yaml").is_file():
         recipe, tag_dir = load_run(path, tag)
-        return recipe.model, consolidated_state_dict(tag_dir), recipe
+        return recipe.model, consolidated_state_dict(tag_dir, recipe.model), recipe
     raise DstrainError(f"{path}: neither a run directory (recipe.yaml) nor a Hugging Face model folder (config.json)")

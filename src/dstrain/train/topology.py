@@ -276,6 +276,34 @@ def _pipeline_names(model_config) -> dict[str, str]:
     return piped
 
 
+def fp32_masters(tag_dir: Path, model_config) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a checkpoint whose optimizer keeps them apart from the 16-bit module weights
+    (bf16 under any ZeRO stage, pipeline or TP), under GPT's own names, read through DeepSpeed's universal
+    format: the tag's universal/ folder if a resume made one, else a conversion in a temporary folder."""
+    import tempfile
+
+    from dstrain.model.gpt import GPT
+
+    with tempfile.TemporaryDirectory(prefix="dstrain-universal-") as tmp:
+        universal = tag_dir / UNIVERSAL
+        if not universal.is_dir():
+            universal = Path(tmp) / UNIVERSAL
+            _ds_to_universal(tag_dir, universal)
+        zero = universal / "zero"
+        piped = _pipeline_names(model_config) if (saved(tag_dir) or {}).get("pp_stages", 1) > 1 else {}
+        with torch.device("meta"):
+            shapes = {name: t.shape for name, t in GPT(model_config).state_dict().items()}  # tied: both names
+        state = {}
+        for name, shape in shapes.items():
+            folder = zero / name if (zero / name).is_dir() else zero / piped.get(name, name)
+            if folder.is_dir():
+                tensor = _load(folder / "fp32.pt")  # a {"param": ...} dict, or a bare flat tensor from ZeRO-3
+                state[name] = (tensor["param"] if isinstance(tensor, dict) else tensor).float().reshape(shape)
+    if "lm_head.weight" not in state:  # tied: the embedding is the head
+        state["lm_head.weight"] = state["embed.tok.weight"]
+    return state
+
+
 # --- ZeRO-0, which DeepSpeed's universal checkpoints do not cover -----------------------------------
 # A ZeRO-0 checkpoint is the whole model plus torch's own optimizer state_dict, whose parameters are
 # numbered in the order dstrain.train.engine.param_groups hands them to the optimizer.
