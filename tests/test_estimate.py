@@ -333,3 +333,22 @@ def test_bad_input_is_one_line(capsys, tmp_path):
         cfg.write_text(json.dumps({**json.loads((ROOT / "ds_configs" / "zero0.json").read_text()),
                                    "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}))
         estimate_file(load_recipe(LLAMA_7B), LLAMA_7B, cfg, 1, 8)
+
+
+def test_pipeline_stages_hold_whole_layers_and_the_tied_head():
+    """gpt2-125m, tied: the stages DeepSpeed's partition_balanced cuts hold whole blocks, and the last one a second
+    copy of the embedding as the head (pp2: 6 blocks, the final norm and the head = 81.9 M, not half the model's 62.2 M)."""
+    recipe = load_recipe(ROOT / "recipes" / "gpt2-125m.yaml")
+    import torch
+
+    from dstrain.model.gpt import GPT
+
+    with torch.device("meta"):
+        named = {name: p.numel() for name, p in GPT(recipe.model).named_parameters()}
+    embed = sum(n for name, n in named.items() if name.startswith("embed."))
+    block = sum(n for name, n in named.items() if name.startswith("blocks.0."))
+    norm = sum(n for name, n in named.items() if name.startswith("norm."))
+    assert recipe.model.tied and recipe.model.n_layer == 12
+    assert count_params(recipe.model, pp=2).per_rank == 6 * block + norm + embed == 81_948_672  # the last stage
+    assert count_params(recipe.model, pp=4).per_rank == 6 * block == 42_527_232  # embedding, 6, 6, norm + head
+    assert count_params(recipe.model, pp=4, partition_method="uniform").per_rank == embed + 3 * block

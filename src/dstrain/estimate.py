@@ -80,7 +80,8 @@ class ParamCounts:
     largest_layer: int  # most parameters owned directly by one module (DeepSpeed's "largest layer")
 
 
-def count_params(model: GPTConfig, tp: int = 1, pp: int = 1, persistence_threshold: int = 0) -> ParamCounts:
+def count_params(model: GPTConfig, tp: int = 1, pp: int = 1, persistence_threshold: int = 0,
+                 partition_method: str = "parameters") -> ParamCounts:
     """Count on a meta-device model: no memory, a 70B recipe in seconds; checked against num_params."""
     named = _meta_params(astuple(model))
     total = sum(numel for _, numel in named)
@@ -91,14 +92,37 @@ def count_params(model: GPTConfig, tp: int = 1, pp: int = 1, persistence_thresho
     layers = collections.Counter()
     for name, numel in named:
         layers[name.rsplit(".", 1)[0]] += numel
-    units = [sum(v for k, v in layers.items() if k.startswith(p)) for p in ("embed.", "blocks.0.", "lm_head")]
     return ParamCounts(
         total=total,
-        per_rank=max(math.ceil(per_tp / pp), max(units)) if pp > 1 else per_tp,
+        per_rank=_worst_stage(named, model, tp, pp, partition_method) if pp > 1 else per_tp,
         persistent=sum(numel for _, numel in named if numel <= persistence_threshold),
         largest_param=max(numel for _, numel in named),
         largest_layer=max(layers.values()),
     )
+
+
+def _worst_stage(named, model: GPTConfig, tp: int, pp: int, method: str) -> int:
+    """Parameters of the largest pipeline stage, cut as DeepSpeed's PipelineModule cuts dstrain.model.pipe's layers
+    (embedding, blocks, final norm, head): whole layers per stage, and a tied head is a second copy of the
+    embedding on the last stage, which DeepSpeed also counts when it balances the stages."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    from dstrain.model.pipe import layer_prefixes
+
+    def layer_count(prefix: str, sharded_by: int = 1) -> int:
+        return sum(math.ceil(n / sharded_by) if any(f".{s}." in name for s in TP_SHARDED) else n
+                   for name, n in named if name.startswith(prefix))
+
+    prefixes = [p[0] if p else "embed." for p in layer_prefixes(model)]  # None: the tied head, the embedding
+    whole = [layer_count(p) for p in prefixes]
+    if method == "parameters":
+        bounds = partition_balanced(whole, pp)
+    elif method == "uniform":
+        bounds = partition_uniform(len(whole), pp)
+    else:  # "type:Block": balance the blocks
+        bounds = partition_balanced([int(p.startswith("blocks.")) for p in prefixes], pp)
+    held = [layer_count(p, tp) for p in prefixes]
+    return max(sum(held[bounds[i]:bounds[i + 1]]) for i in range(pp))
 
 
 @functools.lru_cache(maxsize=8)
@@ -182,8 +206,9 @@ def estimate(recipe: Recipe, strategy: Strategy, nodes: int, gpus_per_node: int,
     if (strategy.offload_optimizer or strategy.offload_param) and stage == 0:
         raise DstrainError(f"{strategy.source}: zero_optimization.offload_* needs ZeRO stage 1, 2 or 3; "
                            f"set zero_optimization.stage")
+    method = str(strategy.ds_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
     counts = count_params(recipe.model, strategy.tp_size, strategy.pp_stages,
-                          zero.param_persistence_threshold if stage == 3 else 0)
+                          zero.param_persistence_threshold if stage == 3 else 0, method)
     est = Estimate(recipe.name, strategy.source, nodes, gpus_per_node, stage, strategy.precision, strategy.micro_batch,
                    strategy.grad_accum, n, strategy.tp_size, strategy.pp_stages, strategy.offload_optimizer,
                    strategy.offload_param, counts.total, counts.per_rank, int(device_memory_gib * GIB), int(reserve_gib * GIB))
