@@ -45,6 +45,7 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
         lr_ax.plot(*zip(*curves["lr"]), color="tab:green")
     lr_ax.set_ylabel("learning rate")
     lr_ax.set_xlabel("optimizer step")
+    lr_ax.xaxis.get_major_locator().set_params(integer=True)
     lr_ax.grid(alpha=0.3)
     fig.tight_layout()
     path = run_dir / "loss.png"

@@ -28,7 +28,8 @@ from dstrain.train import console, plot, preflight
 IDENTITY_KEYS = ("model", "seq_len", "valid_fraction", "data", "seed")
 # What a run leaves in its run_dir, moved into run_dir/previous/<UTC time>/ by a fresh start; DeepSpeed's monitors
 # write into tensorboard/ and csv/. The logs of the launch itself (compare's launcher.log, the Slurm job's link) stay.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "recipe.yaml", "ds_config.json", "logs", "tensorboard", "csv")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "recipe.yaml", "ds_config.json", "logs", "loss.png",
+             "tensorboard", "csv")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
