@@ -21,6 +21,8 @@ from pathlib import Path
 
 VERBOSE_ENV = "DSTRAIN_VERBOSE"
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # a warning raised in here is dstrain's own
+# Loggers that print through handlers of their own instead of propagating to the root logger (torch._logging's).
+_OWN_HANDLERS = ("torch",)
 _FORMAT = logging.Formatter("[%(asctime)s] [%(levelname)s] [%(name)s %(filename)s:%(lineno)d] %(message)s")
 
 
@@ -93,6 +95,7 @@ class Session:
         self.verbose = verbose
         self.log = _Log()
         self.route = _Route(self)
+        self.adopted: list[logging.Handler] = []
         self.streams = sys.stdout, sys.stderr
         self.showwarning = warnings.showwarning
         self.deepspeed = logging.getLogger("DeepSpeed")  # DeepSpeed's LoggerFactory takes this one and keeps filters
@@ -104,6 +107,15 @@ class Session:
         self.deepspeed.setLevel(logging.INFO)  # into the log; DeepSpeed's import sets WARNING, distributed.init INFO again
         logging.getLogger().addHandler(self.route)
         warnings.showwarning = self.show_warning
+        self.adopt_handlers()
+
+    def adopt_handlers(self) -> None:
+        """Route the records of loggers with their own console handlers too (those set up since the last call)."""
+        for name in _OWN_HANDLERS:
+            for handler in logging.getLogger(name).handlers:
+                if handler not in self.adopted:
+                    handler.addFilter(self.route.stop)
+                    self.adopted.append(handler)
 
     def show_warning(self, message, category, filename, lineno, file=None, line=None) -> None:
         text = warnings.formatwarning(message, category, filename, lineno, line)
@@ -118,6 +130,8 @@ class Session:
         self.deepspeed.setLevel(self.deepspeed_level or logging.WARNING)  # NOTSET: DeepSpeed not loaded yet
         logging.getLogger().removeHandler(self.route)
         warnings.showwarning = self.showwarning
+        for handler in self.adopted:
+            handler.removeFilter(self.route.stop)
         if self.log.file is not None:
             self.log.file.close()
 
@@ -132,6 +146,7 @@ def start(verbose: bool) -> Session:
         _session = Session(verbose)
         _session.install()
     _session.verbose = _session.verbose or verbose
+    _session.adopt_handlers()
     return _session
 
 
@@ -144,6 +159,7 @@ def open_log(run_dir: Path, rank: int) -> Path | None:
     if _session is None:
         return None
     path = run_dir / "logs" / f"rank{rank}.log"
+    _session.adopt_handlers()
     _session.log.open(path)
     return path
 

@@ -216,11 +216,10 @@ def write_summary(run_dir: Path, result: dict, recipe: Recipe, strategy: Strateg
 
 def main(argv: list[str] | None = None) -> int:
     console.start(console.verbose_requested(sys.argv[1:] if argv is None else argv))
-    args = parse_args(argv)
     rank = os.environ.get("RANK", "0")
     error = None
     try:
-        return train(args)
+        return train(parse_args(argv))
     except DstrainError as e:
         if rank == "0":
             print(f"dstrain: error: {e}", file=sys.stderr, flush=True)
