@@ -104,7 +104,8 @@ class Session:
     def install(self) -> None:
         sys.stdout, sys.stderr = _Tee(sys.stdout, self.log), _Tee(sys.stderr, self.log)
         self.deepspeed.addFilter(self.route.stop)
-        self.deepspeed.setLevel(logging.INFO)  # into the log; DeepSpeed's import sets WARNING, distributed.init INFO again
+        # INFO into the log; DeepSpeed's import sets WARNING, distributed.init sets INFO again
+        self.deepspeed.setLevel(logging.INFO)
         logging.getLogger().addHandler(self.route)
         warnings.showwarning = self.show_warning
         self.adopt_handlers()

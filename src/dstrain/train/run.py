@@ -208,8 +208,9 @@ def write_summary(run_dir: Path, result: dict, recipe: Recipe, strategy: Strateg
     """Rank 0, at the end of a finished or interrupted run: summary.json, loss.png, and where they are."""
     summary = {**result, "recipe": recipe.name, "strategy": strategy.name, "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    picture = plot.try_plot_run(run_dir, f"{recipe.name} under {strategy.name}: {result['status']} at step {result['step']}")
-    print(f"{result['status']}: step {result['step']}; results in {run_dir}/ (metrics.jsonl, summary.json, checkpoints/, logs/)")
+    status, step = result["status"], result["step"]
+    picture = plot.try_plot_run(run_dir, f"{recipe.name} under {strategy.name}: {status} at step {step}")
+    print(f"{status}: step {step}; results in {run_dir}/ (metrics.jsonl, summary.json, checkpoints/, logs/)")
     if picture:
         print(f"loss curve: {picture}", flush=True)
 
