@@ -68,3 +68,12 @@ def test_a_rank_failing_before_its_log_opens_prints_what_it_hid(capsys):
     logging.getLogger("DeepSpeed").warning("why it failed")
     console.end(error="Traceback ...")
     assert "why it failed" in capsys.readouterr().err
+
+
+def test_the_verbose_switch_is_a_flag_or_the_environment(monkeypatch):
+    monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
+    assert console.verbose_requested(["--recipe", "r.yaml", "--verbose"]) and not console.verbose_requested(["a=1"])
+    monkeypatch.setenv(console.VERBOSE_ENV, "0")
+    assert not console.verbose_requested([])
+    monkeypatch.setenv(console.VERBOSE_ENV, "1")
+    assert console.verbose_requested([])
