@@ -116,6 +116,7 @@ def test_signal_checkpoints_and_resume_continues_exactly(tmp_path, corpus, equiv
     assert run_ranks(2, train_and_signal_at, train_argv(recipe, config, run, "train.checkpoint_interval=3"), 4) == [0, 0]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["step"] == 4
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # an interrupted run draws its curve too
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["global_step3", "global_step4"]
     assert run_ranks(2, train_each, [train_argv(recipe, config, run)]) == [[0], [0]]
     losses = train_losses(run)
@@ -137,10 +138,22 @@ def test_launchers_end_to_end(tmp_path, corpus, launcher):
         "deepspeed": [f"{bin_dir}/deepspeed", "--num_gpus", "2", "--master_port", str(_port()), "--module", "dstrain.train"],
         "torchrun": [f"{bin_dir}/torchrun", "--nproc_per_node", "2", "--master_port", str(_port()), "-m", "dstrain.train"],
     }[launcher]
+    verbose = launcher == "torchrun"  # the switch for launchers that pass no flags; deepspeed's run is quiet
     proc = subprocess.run([*command, *train_argv(recipe, config, run)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "DSTRAIN_VERBOSE": "1" if verbose else "0"},
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step 6/6" in proc.stdout and f"results in {run}" in proc.stdout
+    # The ranks' DeepSpeed lines (the launchers' own lines are theirs) reach the console only when verbose, and
+    # always each rank's log, which also holds a copy of the console.
+    console = proc.stdout + proc.stderr
+    assert ("Initializing TorchBackend in DeepSpeed" in console) == verbose
+    assert ("] [DeepSpeed " in console) == verbose  # any rank-side record, e.g. "Setting accelerator to CPU"
+    for rank in (0, 1):
+        assert "[INFO] [DeepSpeed comm.py" in (run / "logs" / f"rank{rank}.log").read_text()
+    assert "step 6/6" in (run / "logs" / "rank0.log").read_text()
+    assert f"loss curve: {run / 'loss.png'}" in proc.stdout.splitlines()
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert proc.stdout.count("step 2/6") == 1  # rank 0 alone prints
     assert [r["step"] for r in read_metrics(run) if "split" not in r] == [2, 4, 6]
     loss_csv = run / "csv" / "small" / "train_loss.csv"

@@ -18,6 +18,8 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from dstrain.train import console
+
 
 def _slurm_env() -> dict[str, str]:
     """RANK and friends from an `srun` task (one task per device)."""
@@ -76,7 +78,8 @@ def init() -> None:
         # Ranks on one node must not oversubscribe its cores (on GPUs this only affects host-side work).
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.utils.logger.setLevel(logging.WARNING)  # our own progress line says what matters
+    # Our own progress line says what matters; a training run keeps DeepSpeed's INFO lines in its logs (console.py).
+    deepspeed.utils.logger.setLevel(logging.INFO if console.active() else logging.WARNING)
     skip_deepspeed_shm_allreduce()
     # A rank that dies closes its connections and the others fail at once; this bounds a rank that hangs.
     timeout = timedelta(seconds=int(os.environ.get("DSTRAIN_COLLECTIVE_TIMEOUT_S", "1800")))

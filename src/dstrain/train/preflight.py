@@ -12,7 +12,7 @@ from dstrain.errors import DstrainError
 # What a run leaves in its folder (run.claim_run_dir, the loop, checkpoints, DeepSpeed's monitors), and what
 # launchers put there first: slurm/train.sbatch its hostfile and a link to the job's log, compare launcher.log.
 RUN_FILES = {"recipe.yaml", "ds_config.json", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "checkpoints",
-             "tensorboard", "csv", "wandb", "hostfile", "logs", "previous"}
+             "tensorboard", "csv", "wandb", "hostfile", "logs", "loss.png", "previous"}
 LOG_SUFFIXES = (".log", ".out", ".err")
 
 

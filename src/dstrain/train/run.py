@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -20,14 +21,15 @@ import yaml
 from dstrain.config import Recipe, load_recipe, to_dict
 from dstrain.errors import DstrainError, OneLineArgumentParser
 from dstrain.strategy import Strategy, load_ds_config, resolve
-from dstrain.train import preflight
+from dstrain.train import console, plot, preflight
 
 # What makes a checkpoint meaningless for another run: the model, what it reads, and the seed. The rest of the
 # recipe (optimizer, schedule, length, cadence) may change on resume, and the current recipe's values apply.
 IDENTITY_KEYS = ("model", "seq_len", "valid_fraction", "data", "seed")
 # What a run leaves in its run_dir, moved into run_dir/previous/<UTC time>/ by a fresh start; DeepSpeed's monitors
 # write into tensorboard/ and csv/. The logs of the launch itself (compare's launcher.log, the Slurm job's link) stay.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "recipe.yaml", "ds_config.json", "logs", "tensorboard", "csv")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "recipe.yaml", "ds_config.json", "logs", "loss.png",
+             "tensorboard", "csv")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recipe", required=True, help="recipe YAML (the experiment)")
     parser.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="ds_config JSON (the strategy)")
     parser.add_argument("--resume", default="auto", help="auto: newest complete checkpoint in run_dir; none: start fresh; or a tag")
+    parser.add_argument("--verbose", action="store_true",
+                        help=f"DeepSpeed's and other libraries' lines on the console too (or {console.VERBOSE_ENV}=1); "
+                             "they always go to run_dir/logs/rank<r>.log")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     parser.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. train.steps=100 optim.lr=1e-3")
     return parser.parse_intermixed_args(argv)  # options may follow the overrides
@@ -199,11 +204,23 @@ def _logged_step(line: str) -> float:
         return float("inf")
 
 
+def write_summary(run_dir: Path, result: dict, recipe: Recipe, strategy: Strategy) -> None:
+    """Rank 0, at the end of a finished or interrupted run: summary.json, loss.png, and where they are."""
+    summary = {**result, "recipe": recipe.name, "strategy": strategy.name, "run_dir": str(run_dir)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    status, step = result["status"], result["step"]
+    picture = plot.try_plot_run(run_dir, f"{recipe.name} under {strategy.name}: {status} at step {step}")
+    print(f"{status}: step {step}; results in {run_dir}/ (metrics.jsonl, summary.json, checkpoints/, logs/)")
+    if picture:
+        print(f"loss curve: {picture}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    console.start(console.verbose_requested(sys.argv[1:] if argv is None else argv))
     rank = os.environ.get("RANK", "0")
+    error = None
     try:
-        return train(args)
+        return train(parse_args(argv))
     except DstrainError as e:
         if rank == "0":
             print(f"dstrain: error: {e}", file=sys.stderr, flush=True)
@@ -212,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         # Name the rank: in a 64-rank job the first failure is the one worth reading.
         print(f"dstrain: rank {rank} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
               file=sys.stderr, flush=True)
+        error = traceback.format_exc()
         raise
+    finally:
+        console.end(error)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -248,6 +268,7 @@ def train(args: argparse.Namespace) -> int:
             refusal = e
     if not distributed.all_ok(refusal is None):
         raise refusal or DstrainError(f"rank 0 could not use {run_dir}; see its message")
+    console.open_log(run_dir, rank)
 
     if tag:  # saved under another world size or ZeRO stage? rank 0 converts it, the others wait
         from dstrain.train import topology
@@ -266,9 +287,7 @@ def train(args: argparse.Namespace) -> int:
         trainer.resume(tag)
     result = trainer.fit()
     if rank == 0:
-        summary = {**result, "recipe": recipe.name, "strategy": strategy.name, "run_dir": str(run_dir)}
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"{result['status']}: step {result['step']}; results in {run_dir}/ (metrics.jsonl, summary.json, checkpoints/)")
+        write_summary(run_dir, result, recipe, strategy)
     torch.distributed.barrier()
     if lock:
         lock.close()
