@@ -337,6 +337,11 @@ def _run_folder(tmp_path, corpus) -> Path:
     return run
 
 
+def _estimate(t, c, *args):
+    return ["estimate", "--recipe", str(small_recipe(t, c)), "--deepspeed_config", str(ROOT / "ds_configs/zero1.json"),
+            *args]
+
+
 def _compare(t, c, *args):
     return ["compare", "--recipe", str(small_recipe(t, c)), "--out", str(t / "report"), *args]
 
@@ -374,6 +379,11 @@ CLI_CASES = {
         lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json"),
                                  str(ds_config(t, "zero2", zero_optimization={"stage": 2, "contiguous_gradient": True}))),
         ['"zero_optimization.contiguous_gradient"', '"zero_optimization.contiguous_gradients"']),
+    "estimate --configs-dir naming a missing folder": (
+        lambda t, c, o: _estimate(t, c, "--configs-dir", str(t / "configs")), ["--configs-dir", "no such folder"]),
+    "estimate --device-memory 0": (lambda t, c, o: _estimate(t, c, "--device-memory", "0"), ["--device-memory 0", "positive"]),
+    "estimate --reserve above the device": (
+        lambda t, c, o: _estimate(t, c, "--device-memory", "16", "--reserve", "20"), ["--reserve 20", "below"]),
 }
 
 

@@ -12,7 +12,7 @@ from train_helpers import ROOT
 
 from dstrain.config import load_recipe
 from dstrain.errors import DstrainError
-from dstrain.estimate import GIB, count_params, estimate, estimate_file
+from dstrain.memory import GIB, count_params, estimate, estimate_file
 from dstrain.model.gpt import GPTConfig, num_params
 from dstrain.strategy import load_ds_config, resolve
 

@@ -232,7 +232,7 @@ def test_activation_checkpointing_may_change_on_resume(resumed):
 def test_estimate_and_the_model_take_activation_checkpointing_from_the_ds_config(tmp_path, corpus):
     """The ds_config's section turns it on for the estimate and the model; a recipe.yaml from before (false) loads."""
     from dstrain.config import load_recipe
-    from dstrain.estimate import estimate
+    from dstrain.memory import estimate
     from dstrain.strategy import load_ds_config, resolve
     from dstrain.train.engine import build_model
 

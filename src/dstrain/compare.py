@@ -216,7 +216,7 @@ def add_estimates(rows: list[Row], out: Path, recipe_file: str | None, overrides
                   sources: dict[str, str]) -> None:
     """The estimated device peak of each config, from the run's resolved files, else the inputs."""
     from dstrain.config import load_recipe
-    from dstrain.estimate import estimate_file
+    from dstrain.memory import estimate_file
 
     for row in rows:
         run = out / row.config

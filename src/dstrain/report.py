@@ -6,10 +6,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from dstrain.estimate import Estimate
+from dstrain.memory import GIB
 
-GIB = 2**30
+if TYPE_CHECKING:
+    from dstrain.memory import Estimate
+
 
 
 @dataclass

@@ -1,0 +1,385 @@
+"""The memory model behind ``dstrain estimate``: what each rank holds under a ds_config, per phase of a step.
+
+Model states, per rank, with Ψ the parameters this rank's model-parallel slice holds, N the
+data-parallel size and b the bytes of the model's dtype (4 fp32, 2 bf16/fp16). These are the tensors
+DeepSpeed 0.19.8 really keeps; tests/test_estimate.py counts them on 2 ranks and checks the totals:
+
+    stage  parameters          gradients (backward | step)          fp32 master   Adam moments
+    0      bΨ                  bΨ | bΨ (fp32), 4Ψ (fp16)            0 / 4Ψ fp16   8Ψ
+    1      bΨ                  bΨ | (b+4)Ψ/N                        4Ψ/N          8Ψ/N
+    2      bΨ                  bΨ/N | (b+4)Ψ/N                      4Ψ/N          8Ψ/N
+    3      b(Ψ/N + P) | bΨ/N   bΨ/N | bΨ/N + 4·min(Ψ/N, S)          4Ψ/N          8Ψ/N
+
+    bf16 (gradients summed in fp32, which dstrain requires of every bf16 ds_config):
+    1      2Ψ                  2Ψ + 4Ψ (BF16_Optimizer's whole fp32 accumulation buffer)    4Ψ/N   8Ψ/N
+    2      2Ψ                  4Ψ/N (the fp32 partition the optimizer reads)                4Ψ/N   8Ψ/N
+    3      2(Ψ/N + P) | 2Ψ/N   4Ψ/N | 4Ψ/N + 4·min(Ψ/N, S)                                 4Ψ/N   8Ψ/N
+
+"backward" is the last backward of a step, "step" the optimizer step: the reduced gradient partition
+is copied to fp32 for the optimizer (even in fp32, where the copy is a second fp32 buffer); ZeRO-3 copies
+one sub-group of S = zero_optimization.sub_group_size elements at a time. ZeRO-1
+accumulates full gradients in ``param.grad`` between steps; ZeRO-1/2/3 keep an fp32 master
+partition even for fp32 models (only ZeRO-0 fp32 updates the module's own weights). P are ZeRO-3's
+persistent parameters (numel <= stage3_param_persistence_threshold), whole on every rank during the
+backward. DeepSpeed's own ``estimate_zero2_model_states_mem_needs`` and
+``estimate_zero3_model_states_mem_needs`` assume 16-bit gradients (and omit the fp32 copy, as does the ZeRO
+paper's (2+2+12)Ψ/N); both are reported next to ours. Optimizer offload moves the master
+partition, the Adam moments and the fp32 gradient partition (plus a 16-bit staging copy, and a
+16-bit accumulation buffer when accumulating) to the CPU; parameter offload moves ZeRO-3's partitions.
+
+Activations per rank (what autograd saves; the tests check it with saved-tensor hooks), with a the activation
+bytes, T = micro-batch x seq_len, h d_model, kv the key/value width, f the MLP width, V the vocabulary, t the TP size:
+
+    per block and token   2·norm + a(2h + inner/t) + 4·heads/t (linear inputs, attention log-sum-exp)
+                          llama: norm = 8h + 4 (torch's RMSNorm keeps fp32 input and output copies and
+                          rstd; a fused CUDA kernel keeps less, so this errs high), inner = 2h + 2kv + 4f,
+                          plus RoPE's cos/sin (2·seq·head_dim·a per block and micro-batch);
+                          gpt2: norm = a(h + 2) (input, mean, rstd), inner = 2h + 2kv + 2f
+    checkpointed block    a·h per token, plus one block recomputed in full during the backward
+    head                  norm + a·h + 4V + 8 per token (final norm, lm_head input, fp32 log-probabilities,
+                          labels); at the start of the backward the logits' gradient (4 + a)V per token too
+    pipeline              a stage holds ceil(layers/stages) blocks; the first stage has
+                          min(stages, accumulation) micro-batches in flight (1F1B), the last the head.
+
+Buffers: ZeRO-1/2 reduce buckets (two with overlap_comm), ZeRO-0's flattened all-reduce bucket, ZeRO-3's
+bucket, prefetch bucket and largest layer gathered with its gradient, offload staging of the largest parameter.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import math
+from dataclasses import asdict, astuple, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dstrain.config import Recipe
+from dstrain.errors import DstrainError
+from dstrain.model.gpt import GPTConfig, num_params
+from dstrain.strategy import Strategy, load_ds_config, resolve
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+GIB = 2**30
+PHASES = ("backward", "step")
+# Tensor-parallel (AutoTP) shards these linear layers; embeddings, norms and the head are replicated.
+TP_SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int  # unique parameters of GPT(config), counted on the meta device
+    per_rank: int  # held by one model-parallel rank (worst pipeline stage, TP-sharded linears)
+    persistent: int  # ZeRO-3: parameters whole on every rank (numel <= persistence threshold)
+    largest_param: int  # elements of the largest tensor (offload staging buffers)
+    largest_layer: int  # most parameters owned directly by one module (DeepSpeed's "largest layer")
+
+
+def count_params(model: GPTConfig, tp: int = 1, pp: int = 1, persistence_threshold: int = 0,
+                 partition_method: str = "parameters") -> ParamCounts:
+    """Count on a meta-device model: no memory, a 70B recipe in seconds; checked against num_params."""
+    named = _meta_params(astuple(model))
+    total = sum(numel for _, numel in named)
+    if total != num_params(model):
+        raise AssertionError(f"meta-device count {total} != num_params {num_params(model)} for {model}")
+    sharded = sum(numel for name, numel in named if any(f".{s}." in name for s in TP_SHARDED))
+    per_tp = total - sharded + math.ceil(sharded / tp)
+    layers = collections.Counter()
+    for name, numel in named:
+        layers[name.rsplit(".", 1)[0]] += numel
+    return ParamCounts(
+        total=total,
+        per_rank=_worst_stage(named, model, tp, pp, partition_method) if pp > 1 else per_tp,
+        persistent=sum(numel for _, numel in named if numel <= persistence_threshold),
+        largest_param=max(numel for _, numel in named),
+        largest_layer=max(layers.values()),
+    )
+
+
+def _worst_stage(named, model: GPTConfig, tp: int, pp: int, method: str) -> int:
+    """Parameters of the largest pipeline stage, cut as DeepSpeed's PipelineModule cuts dstrain.model.pipe's layers
+    (embedding, blocks, final norm, head): whole layers per stage, and a tied head is a second copy of the
+    embedding on the last stage, which DeepSpeed also counts when it balances the stages."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    from dstrain.model.pipe import layer_prefixes
+
+    def layer_count(prefix: str, sharded_by: int = 1) -> int:
+        return sum(math.ceil(n / sharded_by) if any(f".{s}." in name for s in TP_SHARDED) else n
+                   for name, n in named if name.startswith(prefix))
+
+    prefixes = [p[0] if p else "embed." for p in layer_prefixes(model)]  # None: the tied head, the embedding
+    whole = [layer_count(p) for p in prefixes]
+    if method == "parameters":
+        bounds = partition_balanced(whole, pp)
+    elif method == "uniform":
+        bounds = partition_uniform(len(whole), pp)
+    else:  # "type:Block": balance the blocks
+        bounds = partition_balanced([int(p.startswith("blocks.")) for p in prefixes], pp)
+    held = [layer_count(p, tp) for p in prefixes]
+    return max(sum(held[bounds[i]:bounds[i + 1]]) for i in range(pp))
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_params(fields: tuple) -> tuple[tuple[str, int], ...]:
+    """(name, numel) of GPT(config)'s parameters, built on the meta device (a tied matrix appears once)."""
+    import torch
+
+    from dstrain.model.gpt import GPT
+
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(*fields))
+    return tuple((name, p.numel()) for name, p in gpt.named_parameters())
+
+
+@dataclass
+class Part:
+    group: str  # parameters | gradients | optimizer states | activations | buffers
+    name: str
+    where: str  # device | cpu | nvme
+    backward: int  # bytes per rank during the last backward of a step
+    step: int  # bytes per rank during the optimizer step
+    formula: str
+
+
+@dataclass
+class Estimate:
+    recipe: str
+    ds_config: str
+    nodes: int
+    gpus_per_node: int
+    zero_stage: int
+    precision: str
+    micro_batch: int
+    grad_accum: int
+    dp_size: int
+    tp_size: int
+    pp_stages: int
+    offload_optimizer: str | None
+    offload_param: str | None
+    params_total: int
+    params_per_rank: int
+    device_memory: int  # bytes
+    reserve: int  # bytes kept free for the CUDA context, communicator buffers and fragmentation
+    parts: list[Part] = field(default_factory=list)
+    deepspeed_reference: dict | None = None  # DeepSpeed's own estimator, for comparison
+
+    def total(self, where: str, phase: str, groups: tuple[str, ...] | None = None) -> int:
+        return sum(getattr(p, phase) for p in self.parts if p.where == where and (groups is None or p.group in groups))
+
+    def peak(self, where: str = "device") -> int:
+        return max(self.total(where, phase) for phase in PHASES)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(PHASES, key=lambda phase: self.total("device", phase))
+
+    def model_states(self, phase: str | None = None) -> int:
+        """Parameters, gradients and optimizer states of one rank, wherever they live (peak over phases)."""
+        groups = ("parameters", "gradients", "optimizer states")
+        phases = [phase] if phase else PHASES
+        return max(sum(self.total(w, ph, groups) for w in ("device", "cpu", "nvme")) for ph in phases)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak("device") + self.reserve <= self.device_memory
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data.update(peak_phase=self.peak_phase, device_peak=self.peak("device"), fits=self.fits,
+                    cpu_per_node=self.peak("cpu") * self.gpus_per_node, nvme_per_node=self.peak("nvme") * self.gpus_per_node,
+                    model_states=self.model_states())
+        return data
+
+
+def estimate(recipe: Recipe, strategy: Strategy, nodes: int, gpus_per_node: int,
+             device_memory_gib: float = 80.0, reserve_gib: float = 1.0) -> Estimate:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = DeepSpeedZeroConfig(**strategy.ds_config.get("zero_optimization", {}))  # DeepSpeed's own defaults
+    stage, n = strategy.zero_stage, strategy.dp_size
+    if (strategy.offload_optimizer or strategy.offload_param) and stage == 0:
+        raise DstrainError(f"{strategy.source}: zero_optimization.offload_* needs ZeRO stage 1, 2 or 3; "
+                           f"set zero_optimization.stage")
+    method = str(strategy.ds_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
+    counts = count_params(recipe.model, strategy.tp_size, strategy.pp_stages,
+                          zero.param_persistence_threshold if stage == 3 else 0, method)
+    est = Estimate(recipe.name, strategy.source, nodes, gpus_per_node, stage, strategy.precision, strategy.micro_batch,
+                   strategy.grad_accum, n, strategy.tp_size, strategy.pp_stages, strategy.offload_optimizer,
+                   strategy.offload_param, counts.total, counts.per_rank, int(device_memory_gib * GIB), int(reserve_gib * GIB))
+    persistent = min(counts.persistent, zero.model_persistence_threshold // n) if stage == 3 else 0
+    est.parts = model_state_parts(strategy, counts.per_rank, persistent)
+    saved, transient = activation_bytes(recipe, strategy)
+    est.parts += [Part("activations", "saved for backward", "device", saved, 0, "see module docstring"),
+                  Part("activations", "logits gradient (backward start)", "device", transient, 0, "(4 + a)·T·V")]
+    est.parts += buffer_parts(strategy, zero, counts)
+    est.deepspeed_reference = deepspeed_reference(counts, est)
+    return est
+
+
+def model_state_parts(strategy: Strategy, psi: int, persistent: int) -> list[Part]:
+    """Parameters, gradients and optimizer states per rank, as tabled in the module docstring."""
+    s, n, dtype = strategy.zero_stage, strategy.dp_size, strategy.precision
+    b = 4 if dtype == "fp32" else 2
+    opt, par = strategy.offload_optimizer, strategy.offload_param
+    part = math.ceil(psi / n)
+    parts: list[Part] = []
+    if s < 3:
+        parts.append(Part("parameters", f"parameters ({dtype})", "device", b * psi, b * psi, f"{b}Ψ"))
+    else:
+        parts.append(Part("parameters", f"parameters ({dtype}), 1/{n} partition", par or "device", b * part, b * part,
+                          f"{b}Ψ/N"))
+        parts.append(Part("parameters", "persistent parameters, whole", "device", b * persistent, 0,
+                          f"{b}P (backward only)"))
+    parts += gradient_parts(strategy, psi)
+    if opt and s < 3:
+        parts.append(Part("parameters", f"{dtype} staging of the updated partition", "cpu", b * part, b * part,
+                          f"{b}Ψ/N"))
+    share, label = (psi, "Ψ") if s == 0 and not bf16_optimizer(strategy) else (part, "Ψ/N")
+    if s > 0 or b != 4:  # only ZeRO-0 fp32 updates the module's own weights
+        parts.append(Part("optimizer states", "fp32 master weights", opt or "device", 4 * share, 4 * share, f"4{label}"))
+    parts.append(Part("optimizer states", "Adam moments (fp32)", opt or "device", 8 * share, 8 * share, f"8{label}"))
+    return parts
+
+
+def bf16_optimizer(strategy: Strategy) -> bool:
+    """DeepSpeed runs its BF16_Optimizer (whole fp32 accumulation buffer, partitioned fp32 state): bf16 at ZeRO-1
+    accumulating in fp32 without offload, or a ZeRO-0 bf16 pipeline (engine._do_optimizer_sanity_check)."""
+    if strategy.precision != "bf16" or strategy.offload_optimizer:
+        return False
+    return strategy.zero_stage == 1 and accumulates_in_fp32(strategy) or (
+        strategy.zero_stage == 0 and strategy.pp_stages > 1)
+
+
+def accumulates_in_fp32(strategy: Strategy) -> bool:
+    return strategy.ds_config.get("data_types", {}).get("grad_accum_dtype") == "fp32"
+
+
+def gradient_parts(strategy: Strategy, psi: int) -> list[Part]:
+    """Gradients per rank; "backward" is the last backward of a step, "step" the optimizer step."""
+    s, n, dtype, opt = strategy.zero_stage, strategy.dp_size, strategy.precision, strategy.offload_optimizer
+    b = 4 if dtype == "fp32" else 2
+    g = 4 if accumulates_in_fp32(strategy) else b  # bytes of an accumulated gradient
+    part = math.ceil(psi / n)
+    if bf16_optimizer(strategy):
+        return [Part("gradients", "gradients (bf16), whole", "device", 2 * psi, 2 * psi, "2Ψ"),
+                Part("gradients", "fp32 accumulation buffer, whole", "device", 4 * psi, 4 * psi, "4Ψ")]
+    if s == 0:  # torch's optimizer reads param.grad; mixed precision first copies it to fp32 (16-bit grads freed)
+        whole = [Part("gradients", f"gradients ({dtype})", "device", b * psi, b * psi if b == 4 else 0, f"{b}Ψ")]
+        copy = [Part("gradients", "gradients (fp32 copy for the optimizer)", "device", 0, 4 * psi, "4Ψ at the step")]
+        return whole + (copy if b != 4 else [])
+    name = f"gradients ({'fp32' if g == 4 else dtype})"
+    if opt:  # stage 1/2 stream gradients to the CPU; stage 3 keeps its gradient partition on the device
+        if s == 3:
+            parts = [Part("gradients", f"{name}, 1/{n} partition", "device", g * part, g * part, f"{g}Ψ/N")]
+        elif strategy.grad_accum > 1:
+            parts = [Part("gradients", f"gradient accumulation ({dtype})", "cpu", b * part, b * part, f"{b}Ψ/N")]
+        else:
+            parts = []
+    elif s == 1:
+        parts = [Part("gradients", f"gradients ({dtype}), accumulated whole", "device", b * psi, 0, f"{b}Ψ (backward)"),
+                 Part("gradients", f"gradients ({dtype}), reduced 1/{n} partition", "device", 0, b * part,
+                      f"{b}Ψ/N (step)")]
+    else:
+        parts = [Part("gradients", f"{name}, 1/{n} partition", "device", g * part, g * part, f"{g}Ψ/N")]
+    if s == 2 and g == 4 and b == 2 and not opt:
+        return parts  # the fp32 partition is what the optimizer reads: no copy
+    # ZeRO-3 steps one sub-group (zero_optimization.sub_group_size elements) at a time, each with its fp32 copy.
+    copied = min(part, int(strategy.ds_config["zero_optimization"].get("sub_group_size", 1e9))) if s == 3 else part
+    keep = 4 * part if opt else 0  # offload keeps the pinned fp32 gradient partition allocated
+    formula = "4·min(Ψ/N, sub_group_size) at the step" if s == 3 else "4Ψ/N at the step"
+    return parts + [Part("gradients", "gradients (fp32 copy for the optimizer)", "cpu" if opt else "device",
+                         keep, 4 * copied, formula)]
+
+
+def buffer_parts(strategy: Strategy, zero: DeepSpeedZeroConfig, counts: ParamCounts) -> list[Part]:
+    """Communication buckets, ZeRO-3's gathered working set, offload staging: sizes from the ds_config."""
+    s, b, psi = strategy.zero_stage, 4 if strategy.precision == "fp32" else 2, counts.per_rank
+    opt, par = strategy.offload_optimizer, strategy.offload_param
+    parts: list[Part] = []
+    if s == 0:
+        from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
+
+        flat = b * min(psi, MEMORY_OPT_ALLREDUCE_SIZE)
+        parts.append(Part("buffers", "flattened all-reduce bucket", "device", flat, 0, "b·min(Ψ, 5e8)"))
+    elif s < 3 and zero.contiguous_gradients:
+        count = 2 if zero.overlap_comm else 1
+        size = count * b * zero.reduce_bucket_size
+        parts.append(Part("buffers", f"{count} x reduce bucket", "device", size, 0, "b·reduce_bucket_size"))
+    if s == 3:
+        size = b * zero.reduce_bucket_size
+        parts.append(Part("buffers", "reduce bucket", "device", size, size, "b·reduce_bucket_size"))
+        gathered = b * zero.prefetch_bucket_size + 2 * b * counts.largest_layer
+        parts.append(Part("buffers", "prefetch bucket + largest layer, gathered", "device", gathered, 0,
+                          "b·prefetch_bucket_size + 2b·largest layer"))
+    if par == "nvme":
+        pinned = zero.offload_param.buffer_count * zero.offload_param.buffer_size * b
+        parts.append(Part("buffers", "NVMe parameter swap buffers (pinned)", "cpu", pinned, pinned,
+                          "buffer_count·buffer_size·b"))
+    if opt == "nvme":
+        pinned = zero.offload_optimizer.buffer_count * min(zero.sub_group_size, math.ceil(psi / strategy.dp_size)) * 4
+        parts.append(Part("buffers", "NVMe optimizer swap buffers (pinned)", "cpu", pinned, pinned,
+                          "buffer_count·min(sub_group_size, Ψ/N)·4"))
+    if opt and s < 3:
+        size = b * counts.largest_param
+        parts += [Part("buffers", "offload staging (largest parameter)", where, size, size, "b·largest")
+                  for where in ("device", "cpu")]
+    return parts
+
+
+def activation_bytes(recipe: Recipe, strategy: Strategy) -> tuple[int, int]:
+    """(saved for backward, logits gradient) per rank; the formula is in the module docstring."""
+    m, t = recipe.model, strategy.tp_size
+    a = 4 if strategy.precision == "fp32" else 2
+    tokens, seq = strategy.micro_batch * recipe.data.seq_len, recipe.data.seq_len
+    h, kv, f, heads = m.d_model, m.kv_heads * m.head_dim, m.ff_dim, m.n_head
+    if m.flavour == "llama":
+        norm = 8 * h + 4  # torch's RMSNorm keeps fp32 copies of its input and output, and rstd
+        inner = 2 * h + 2 * kv + 4 * f  # q, k, v, attention output; gate, up, silu(gate), their product
+    else:
+        norm = a * (h + 2)  # LayerNorm keeps its input, mean and rstd
+        inner = 2 * h + 2 * kv + 2 * f  # q, k, v, attention output; up, gelu(up)
+    per_token = 2 * norm + a * (2 * h + inner / t) + 4 * heads / t  # + the linears' inputs, attention log-sum-exp
+    block = tokens * per_token + (2 * seq * m.head_dim * a if m.flavour == "llama" else 0)  # RoPE cos, sin
+    layers = math.ceil(m.n_layer / strategy.pp_stages)
+    if strategy.activation_checkpointing:
+        stage = layers * tokens * a * h + block  # block inputs, plus one block recomputed in the backward
+    else:
+        stage = layers * block
+    head = tokens * (norm + a * h + 4 * m.vocab_size + 8)  # final norm, lm_head input, fp32 log-probs, labels
+    ids, logits_grad = tokens * 8, int(tokens * (4 + a) * m.vocab_size)
+    if strategy.pp_stages == 1:
+        return int(stage + head + ids), logits_grad
+    in_flight = min(strategy.pp_stages, strategy.grad_accum)  # 1F1B: micro-batches the first stage holds
+    return int(max(in_flight * stage + ids, stage + head)), logits_grad  # first stage vs. last stage (the head)
+
+
+def deepspeed_reference(counts: ParamCounts, est: Estimate) -> dict | None:
+    """DeepSpeed's own model-state estimators (mixed precision, no model parallelism): device and CPU per node."""
+    if est.zero_stage < 2 or est.tp_size * est.pp_stages > 1:
+        return None
+    if est.zero_stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        cpu, gpu = estimate_zero2_model_states_mem_needs(counts.total, est.gpus_per_node, est.nodes,
+                                                         cpu_offload=bool(est.offload_optimizer), additional_buffer_factor=1.0)
+        name = "stage_1_and_2.estimate_zero2_model_states_mem_needs"
+    else:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            counts.total, counts.largest_layer, est.gpus_per_node, est.nodes, cpu_offload=bool(est.offload_optimizer),
+            cpu_offload_params=bool(est.offload_param), zero_init=True, additional_buffer_factor=1.0)
+        name = "stage3.estimate_zero3_model_states_mem_needs"
+    return {"function": name, "device": int(gpu), "cpu_per_node": int(cpu)}
+
+
+def estimate_file(recipe: Recipe, recipe_file: str | Path, ds_file: str | Path, nodes: int, gpus_per_node: int,
+                  device_memory_gib: float = 80.0, reserve_gib: float = 1.0) -> Estimate:
+    """Resolve ``ds_file`` against the recipe for nodes x gpus_per_node ranks, then estimate."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise DstrainError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: both must be at least 1")
+    # The estimate is for the cluster's devices, not this host's: its fp16 support does not matter.
+    strategy = resolve(recipe, recipe_file, load_ds_config(ds_file), ds_file, nodes * gpus_per_node, check_device=False)
+    return estimate(recipe, strategy, nodes, gpus_per_node, device_memory_gib, reserve_gib)
