@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dstrain.config import Recipe
+from dstrain.data.sampler import valid_micro_batches
 from dstrain.ds_schema import validate_ds_config
 from dstrain.errors import DstrainError
 
@@ -71,21 +72,9 @@ def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: s
     """Fill every "auto" from the recipe and check the ds_config against it; ``check_device=False`` when
     resolving for another machine (an estimate for a GPU cluster, made on a CPU login node)."""
     config = copy.deepcopy(ds_config)
-    ds_file = str(ds_file)
-
-    def fill(section: dict, key: str, value: Any, owner: str) -> None:
-        """Set an experiment-owned value: "auto"/absent is filled, an equal pin is kept, a different pin is an error."""
-        pinned = section.get(key, AUTO)
-        if pinned != AUTO and _differs(pinned, value):
-            raise DstrainError(
-                f"{ds_file} pins {key}={json.dumps(pinned)} but {recipe_file} sets {owner}={json.dumps(value)}; "
-                f'the recipe owns it: set {key} to "auto" in {ds_file}'
-            )
-        section[key] = value
-
+    ds_file, recipe_file = str(ds_file), str(recipe_file)
     if "scheduler" in config:
         raise DstrainError(f"{ds_file}: remove the 'scheduler' section; the LR schedule belongs to the recipe (schedule.*)")
-
     precision = _precision(config, ds_file, check_device)
     zero = config.setdefault("zero_optimization", {})
     stage = zero.get("stage", 0)
@@ -93,7 +82,32 @@ def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: s
         raise DstrainError(f"{ds_file}: zero_optimization.stage={stage!r}; use 0, 1, 2 or 3")
     if precision == "bf16":
         _check_bf16_sums_in_fp32(config, ds_file, stage)
+    tp_size, pp_stages, dp_size = _parallel_sizes(config, recipe, recipe_file, ds_file, world_size)
+    micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages)
+    _fill_recipe_values(config, recipe, recipe_file, ds_file)
+    leftover = _find_auto(config)
+    if leftover:
+        raise DstrainError(f'{ds_file}: "auto" is not supported for {leftover}; set a value')
+    validate_ds_config(config, ds_file)  # DeepSpeed's own parser, now rather than inside deepspeed.initialize
+    return Strategy(ds_config=config, source=ds_file, zero_stage=stage, precision=precision, micro_batch=micro,
+                    grad_accum=grad_accum, dp_size=dp_size, tp_size=tp_size, pp_stages=pp_stages,
+                    offload_optimizer=_offload(zero, "offload_optimizer"), offload_param=_offload(zero, "offload_param"))
 
+
+def _fill(section: dict, key: str, value: Any, owner: str, ds_file: str, recipe_file: str) -> None:
+    """Set an experiment-owned value: "auto"/absent is filled, an equal pin is kept, a different pin is an error."""
+    pinned = section.get(key, AUTO)
+    if pinned != AUTO and _differs(pinned, value):
+        raise DstrainError(
+            f"{ds_file} pins {key}={json.dumps(pinned)} but {recipe_file} sets {owner}={json.dumps(value)}; "
+            f'the recipe owns it: set {key} to "auto" in {ds_file}'
+        )
+    section[key] = value
+
+
+def _parallel_sizes(config: dict, recipe: Recipe, recipe_file: str, ds_file: str, world_size: int) -> tuple[int, int, int]:
+    """(tensor-parallel size, pipeline stages, data-parallel size), each checked against the model and the world."""
+    stage = config["zero_optimization"].get("stage", 0)
     tp_size = int(config.get("tensor_parallel", {}).get("autotp_size", 1))
     pp_stages = int(config.get("pipeline", {}).get("stages", 1))
     model_parallel = tp_size * pp_stages
@@ -102,7 +116,6 @@ def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: s
             f"{ds_file}: world size {world_size} is not divisible by tensor-parallel {tp_size} x pipeline {pp_stages}; "
             f"launch a multiple of {model_parallel} ranks"
         )
-    dp_size = world_size // model_parallel
     if pp_stages > 1 and stage > 1:
         raise DstrainError(
             f"{ds_file}: pipeline parallelism works with ZeRO stage 0 or 1, not {stage}; set zero_optimization.stage to 1"
@@ -115,57 +128,43 @@ def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: s
         _check_pipeline(config["pipeline"], ds_file)
     if tp_size > 1:
         _check_tensor_parallel(config["tensor_parallel"], recipe, recipe_file, ds_file, pp_stages)
+    return tp_size, pp_stages, world_size // model_parallel
 
+
+def _batch(config: dict, recipe: Recipe, recipe_file: str, ds_file: str, world_size: int, dp_size: int,
+           pp_stages: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps): the ds_config's micro-batch must split the recipe's global batch."""
     micro = config.get("train_micro_batch_size_per_gpu")
     if not isinstance(micro, int) or isinstance(micro, bool) or micro <= 0:
         raise DstrainError(f"{ds_file}: set train_micro_batch_size_per_gpu to a positive integer (the strategy owns it)")
     global_batch = recipe.train.global_batch
     if global_batch % (micro * dp_size):
-        valid = [m for m in range(1, global_batch // dp_size + 1) if global_batch % (m * dp_size) == 0]
+        valid = valid_micro_batches(global_batch, dp_size)
         raise DstrainError(
             f"{ds_file}: train_micro_batch_size_per_gpu={micro} x data-parallel size {dp_size} does not divide "
             f"train.global_batch={global_batch} of {recipe_file}; valid micro-batch sizes for {world_size} ranks: "
             f"{', '.join(map(str, valid)) or 'none (global batch smaller than the data-parallel size)'}"
         )
     grad_accum = global_batch // (micro * dp_size)
-    fill(config, "gradient_accumulation_steps", grad_accum, "train.global_batch")
+    _fill(config, "gradient_accumulation_steps", grad_accum, "train.global_batch", ds_file, recipe_file)
     # DeepSpeed checks train_batch_size = micro x accumulation x the world it counts: the data-parallel
     # world for pipeline engines (their grid is passed as mpu), the whole world otherwise, AutoTP included.
     counted_world = dp_size if pp_stages > 1 else world_size
-    fill(config, "train_batch_size", micro * grad_accum * counted_world, "train.global_batch")
-    fill(config, "gradient_clipping", recipe.optim.grad_clip, "optim.grad_clip")
+    _fill(config, "train_batch_size", micro * grad_accum * counted_world, "train.global_batch", ds_file, recipe_file)
+    return micro, grad_accum
 
-    optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
-    params = optimizer.setdefault("params", {})
+
+def _fill_recipe_values(config: dict, recipe: Recipe, recipe_file: str, ds_file: str) -> None:
+    """Clipping, the optimizer's hyper-parameters and the seed come from the recipe; monitors write into run_dir."""
     o = recipe.optim
-    for key, value, owner in [
-        ("lr", o.lr, "optim.lr"),
-        ("betas", list(o.betas), "optim.betas"),
-        ("eps", o.eps, "optim.eps"),
-        ("weight_decay", o.weight_decay, "optim.weight_decay"),
-    ]:
-        fill(params, key, value, owner)
+    _fill(config, "gradient_clipping", o.grad_clip, "optim.grad_clip", ds_file, recipe_file)
+    params = config.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})
+    for key, value, owner in [("lr", o.lr, "optim.lr"), ("betas", list(o.betas), "optim.betas"),
+                              ("eps", o.eps, "optim.eps"), ("weight_decay", o.weight_decay, "optim.weight_decay")]:
+        _fill(params, key, value, owner, ds_file, recipe_file)
     config.setdefault("steps_per_print", 10**9)  # the loop prints its own progress line
-    fill(config, "seed", recipe.seed, "seed")  # a record only: DeepSpeed does not read it
+    _fill(config, "seed", recipe.seed, "seed", ds_file, recipe_file)  # a record only: DeepSpeed does not read it
     _fill_monitor_paths(config, recipe)
-
-    leftover = _find_auto(config)
-    if leftover:
-        raise DstrainError(f'{ds_file}: "auto" is not supported for {leftover}; set a value')
-    validate_ds_config(config, ds_file)  # DeepSpeed's own parser, now rather than inside deepspeed.initialize
-    return Strategy(
-        ds_config=config,
-        source=ds_file,
-        zero_stage=stage,
-        precision=precision,
-        micro_batch=micro,
-        grad_accum=grad_accum,
-        dp_size=dp_size,
-        tp_size=tp_size,
-        pp_stages=pp_stages,
-        offload_optimizer=_offload(zero, "offload_optimizer"),
-        offload_param=_offload(zero, "offload_param"),
-    )
 
 
 # What AutoTP must do to each projection of a block (gpt2 has no gate_proj; nothing else is sharded).

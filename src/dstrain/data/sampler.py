@@ -13,6 +13,12 @@ from collections.abc import Iterator
 from dstrain.errors import DstrainError
 
 
+def valid_micro_batches(global_batch: int, dp_size: int) -> list[int]:
+    """Micro-batch sizes that split ``global_batch`` evenly over ``dp_size`` data-parallel ranks."""
+    per_rank = global_batch // dp_size if global_batch % dp_size == 0 else 0
+    return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+
+
 def micro_batches(consumed_samples: int, global_batch: int, micro_batch: int,
                   dp_rank: int, dp_size: int) -> Iterator[list[int]]:
     """Endless micro-batches (lists of sample indices) of rank ``dp_rank``, from ``consumed_samples``."""
@@ -29,7 +35,7 @@ def micro_batches(consumed_samples: int, global_batch: int, micro_batch: int,
         )
     per_rank = global_batch // dp_size
     if per_rank % micro_batch:
-        valid = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        valid = valid_micro_batches(global_batch, dp_size)
         raise DstrainError(
             f"micro-batch {micro_batch} does not divide the {per_rank} samples per rank of global batch "
             f"{global_batch} over {dp_size} ranks; valid micro-batch sizes: {', '.join(map(str, valid))}"
