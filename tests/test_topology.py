@@ -5,6 +5,7 @@ Each case branches an uninterrupted 10-step run at its step-4 checkpoint and con
 size or ZeRO stage, then compares steps 5..10 with the uninterrupted run's.
 """
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -105,10 +106,10 @@ def test_checkpoints_record_their_topology(uninterrupted):
     from dstrain.train import topology
 
     tag = uninterrupted[1]["llama", "zero3"] / "checkpoints" / "global_step4"
-    assert topology.saved(tag) == {"world_size": 2, "zero_stage": 3, "dp_size": 2, "tp_size": 1, "pp_stages": 1,
-                                   "precision": "fp32"}
+    assert topology.saved(tag).to_record() == {"world_size": 2, "zero_stage": 3, "dp_size": 2, "tp_size": 1,
+                                               "pp_stages": 1, "precision": "fp32"}
     client_state = topology._load(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    assert client_state["topology"] == topology.saved(tag)
+    assert client_state["topology"] == topology.saved(tag).to_record()
     assert client_state["universal_checkpoint_info"]["universal_checkpoint_version"] > 0  # for ds_to_universal
 
 
@@ -116,15 +117,18 @@ def test_what_cannot_be_converted_is_refused_in_one_line(tmp_path):
     from dstrain.errors import DstrainError
     from dstrain.train import topology
 
-    plain = {"world_size": 2, "zero_stage": 1, "dp_size": 2, "tp_size": 1, "pp_stages": 1, "precision": "fp32"}
-    assert not topology.needs_conversion({**plain, "zero_stage": 0}, {**plain, "zero_stage": 0, "dp_size": 1})
-    assert topology.needs_conversion(plain, {**plain, "dp_size": 4})
-    assert topology.needs_conversion(plain, {**plain, "zero_stage": 2})
-    assert topology.needs_conversion(plain, {**plain, "precision": "bf16"})  # ZeRO's bf16 files are named apart
-    topology.check_convertible(tmp_path, plain, {**plain, "pp_stages": 2, "dp_size": 1})  # pipelines convert
+    from dstrain.strategy import Topology
+
+    plain = Topology(world_size=2, zero_stage=1, dp_size=2, tp_size=1, pp_stages=1, precision="fp32")
+    zero0 = replace(plain, zero_stage=0)
+    assert not topology.needs_conversion(zero0, replace(zero0, dp_size=1))
+    assert topology.needs_conversion(plain, replace(plain, dp_size=4))
+    assert topology.needs_conversion(plain, replace(plain, zero_stage=2))
+    assert topology.needs_conversion(plain, replace(plain, precision="bf16"))  # ZeRO's bf16 files are named apart
+    topology.check_convertible(tmp_path, plain, replace(plain, pp_stages=2, dp_size=1))  # pipelines convert
     for change in ({"precision": "fp16"}, {"zero_stage": 0, "precision": "bf16"}, {"zero_stage": 0, "pp_stages": 2}):
         with pytest.raises(DstrainError) as error:
-            topology.check_convertible(tmp_path, plain, {**plain, **change})
+            topology.check_convertible(tmp_path, plain, replace(plain, **change))
         assert "\n" not in str(error.value) and "resume with the saved ds_config" in str(error.value)
 
 
@@ -180,7 +184,7 @@ def zero3_universal_reload(folder: str) -> dict:
     checkpoint.save(first, Path(folder), 1, {}, keep_last=1)
     tag = Path(folder) / "global_step1"
     old = topology.saved(tag)
-    topology.convert(tag, old, {**old, "dp_size": 2}, config, 0.1)
+    topology.convert(tag, old, replace(old, dp_size=2), config, 0.1)
     ds["checkpoint"] = {"load_universal": True}
     second = engine()
     second.load_checkpoint(str(tag), tag=topology.UNIVERSAL)

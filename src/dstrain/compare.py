@@ -137,19 +137,19 @@ def failure(log: str) -> tuple[str, str]:
     return "incomplete", lines[-1] if lines else "empty log"
 
 
-def describe(ds: dict) -> dict:
+def strategy_columns(ds: dict) -> dict:
     """The strategy columns of a ds_config (resolved or as written)."""
+    from dstrain.strategy import offload_of, precision_of
+
     zero = ds.get("zero_optimization", {})
-    precision = "fp16" if ds.get("fp16", {}).get("enabled") else "bf16" if ds.get("bf16", {}).get("enabled") else "fp32"
-    offload = [f"{k.split('_')[1]}:{zero[k]['device']}" for k in ("offload_optimizer", "offload_param")
-               if zero.get(k, {}).get("device", "none") != "none"]
+    offload = [f"{k.split('_')[1]}:{offload_of(ds, k)}" for k in ("offload_optimizer", "offload_param") if offload_of(ds, k)]
     ints = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
     pp = int(ds.get("pipeline", {}).get("stages", 1))
     tp = int(ds.get("tensor_parallel", {}).get("autotp_size", 1))
     world = None
     if all(isinstance(v, int) and v > 0 for v in ints):
         world = ints[0] // (ints[1] * ints[2]) * (pp if pp > 1 else 1)  # pipeline engines count the data-parallel world
-    return dict(zero_stage=zero.get("stage", 0), pp_stages=pp, tp_size=tp, precision=precision,
+    return dict(zero_stage=zero.get("stage", 0), pp_stages=pp, tp_size=tp, precision=precision_of(ds),
                 offload=", ".join(offload) or "none", micro_batch=ints[1],
                 grad_accum=ints[2] if isinstance(ints[2], int) else None, world_size=world)
 
@@ -181,7 +181,7 @@ def read_run(run_dir: Path, ds_file: str | None = None) -> Row:
     ds_path = run_dir / "ds_config.json" if (run_dir / "ds_config.json").is_file() else ds_file
     if ds_path and Path(ds_path).is_file():
         try:
-            for key, value in describe(json.loads(Path(ds_path).read_text())).items():
+            for key, value in strategy_columns(json.loads(Path(ds_path).read_text())).items():
                 setattr(row, key, value)
         except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
             pass  # a malformed config: the run's log says why

@@ -77,7 +77,8 @@ def weights_kind(tag_dir: Path) -> str:
     runs read through zero_to_fp32 get their masters too), else "module"."""
     from dstrain.train.topology import saved
 
-    return "fp32 master" if (saved(tag_dir) or {}).get("precision") == "bf16" else "module"
+    topology = saved(tag_dir)
+    return "fp32 master" if topology and topology.precision == "bf16" else "module"
 
 
 def consolidated_state_dict(tag_dir: Path, model_config) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,56 @@ from dstrain.ds_schema import validate_ds_config
 from dstrain.errors import DstrainError
 
 AUTO = "auto"
+
+
+def precision_of(ds_config: dict) -> str:
+    """ "fp16", "bf16" or "fp32", as DeepSpeed reads a ds_config's switches (resolve also checks them)."""
+    if ds_config.get("fp16", {}).get("enabled", False):
+        return "fp16"
+    return "bf16" if ds_config.get("bf16", {}).get("enabled", False) else "fp32"
+
+
+def offload_of(ds_config: dict, key: str) -> str | None:
+    """Where zero_optimization.<key> ("offload_optimizer" / "offload_param") puts its state: "cpu", "nvme" or None."""
+    device = ds_config.get("zero_optimization", {}).get(key, {}).get("device", "none")
+    return None if device == "none" else device
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How a run is laid out: what each checkpoint records, what a resume compares, what reports show."""
+
+    world_size: int
+    zero_stage: int
+    dp_size: int  # data-parallel replicas: world / (tp x pp)
+    tp_size: int  # AutoTP degree
+    pp_stages: int  # pipeline stages
+    precision: str  # "fp32", "bf16" or "fp16"
+
+    @classmethod
+    def from_engine(cls, engine) -> Topology:
+        import torch
+
+        return cls(world_size=torch.distributed.get_world_size(), zero_stage=int(engine.zero_optimization_stage()),
+                   dp_size=int(engine.dp_world_size), tp_size=max(1, int(engine.autotp_size() or 1)),
+                   pp_stages=int(getattr(engine, "num_stages", 1)),
+                   precision="bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32")
+
+    @classmethod
+    def from_record(cls, record: dict) -> Topology:
+        """From a checkpoint's record (``to_record``)."""
+        return cls(**{f.name: record[f.name] for f in fields(cls)})
+
+    def to_record(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        parts = [f"ZeRO-{self.zero_stage} {self.precision}", f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"]
+        if self.tp_size > 1:
+            parts.append(f"tensor-parallel {self.tp_size}")
+        if self.pp_stages > 1:
+            parts.append(f"{self.pp_stages} pipeline stages")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -43,6 +93,11 @@ class Strategy:
     @property
     def name(self) -> str:
         return Path(self.source).stem
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(world_size=self.dp_size * self.tp_size * self.pp_stages, zero_stage=self.zero_stage,
+                        dp_size=self.dp_size, tp_size=self.tp_size, pp_stages=self.pp_stages, precision=self.precision)
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -91,7 +146,8 @@ def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: s
     validate_ds_config(config, ds_file)  # DeepSpeed's own parser, now rather than inside deepspeed.initialize
     return Strategy(ds_config=config, source=ds_file, zero_stage=stage, precision=precision, micro_batch=micro,
                     grad_accum=grad_accum, dp_size=dp_size, tp_size=tp_size, pp_stages=pp_stages,
-                    offload_optimizer=_offload(zero, "offload_optimizer"), offload_param=_offload(zero, "offload_param"))
+                    offload_optimizer=offload_of(config, "offload_optimizer"),
+                    offload_param=offload_of(config, "offload_param"))
 
 
 def _fill(section: dict, key: str, value: Any, owner: str, ds_file: str, recipe_file: str) -> None:
@@ -234,8 +290,7 @@ def _precision(config: dict, ds_file: str, check_device: bool) -> str:
                 f"{ds_file}: fp16 with ZeRO stage 0 trains silently wrong in DeepSpeed 0.19 (unscaled loss); "
                 f"use ds_configs/zero1_fp16.json"
             )
-        return "fp16"
-    return "bf16" if bf16 else "fp32"
+    return precision_of(config)
 
 
 def _check_bf16_sums_in_fp32(config: dict, ds_file: str, stage: int) -> None:
@@ -273,11 +328,6 @@ def _fill_monitor_paths(config: dict, recipe: Recipe) -> None:
             section["job_name"] = recipe.name
         if block == "wandb" and section.get("project", AUTO) == AUTO:
             section["project"] = "dstrain"
-
-
-def _offload(zero: dict, key: str) -> str | None:
-    device = zero.get(key, {}).get("device", "none")
-    return None if device == "none" else device
 
 
 def _differs(pinned: Any, value: Any) -> bool:

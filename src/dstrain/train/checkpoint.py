@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from dstrain.strategy import Topology
 from dstrain.train import topology
 
 PARTIAL = ".partial"
@@ -92,7 +93,7 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last:
     tag = tag_for(step)
     partial = tag + PARTIAL
     is_writer = torch.distributed.get_rank() == 0
-    shape = topology.of_engine(engine)
+    shape = Topology.from_engine(engine).to_record()
     client_state = {**client_state, "topology": shape}
     if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None:  # AutoTP engines record their own
         # What Megatron-DeepSpeed records for ds_to_universal. Our parameters need no TP/vocab patterns; a

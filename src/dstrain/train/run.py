@@ -273,8 +273,7 @@ def train(args: argparse.Namespace) -> int:
     if tag:  # saved under another world size or ZeRO stage? rank 0 converts it, the others wait
         from dstrain.train import topology
 
-        topology.prepare_resume(run_dir / "checkpoints", tag, strategy, distributed.world_size(), recipe.model,
-                                recipe.optim.weight_decay)
+        topology.prepare_resume(run_dir / "checkpoints", tag, strategy, recipe.model, recipe.optim.weight_decay)
     model = build_model(recipe, strategy)
     if recipe.init_from and not tag:  # continued pretraining starts from a Hugging Face model, once
         from dstrain.export import load_init_from

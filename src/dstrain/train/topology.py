@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from dstrain.errors import DstrainError
+from dstrain.strategy import Topology
 
 UNIVERSAL = "universal"
 ZERO0 = "zero0"
@@ -37,80 +38,55 @@ ZERO12_MODEL_FILE = "mp_rank_00_model_states.pt"  # what a ZeRO-0/1/2 engine rea
 ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # what a ZeRO-3 engine reads (rank 0's)
 
 
-# --- what a checkpoint was saved with, and what this run is ------------------------------------------
+# --- what a checkpoint was saved with -------------------------------------------------------------------
 
 
-def of_engine(engine) -> dict:
-    """The topology of a running engine, as recorded with each checkpoint."""
-    return {
-        "world_size": torch.distributed.get_world_size(),
-        "zero_stage": int(engine.zero_optimization_stage()),
-        "dp_size": int(engine.dp_world_size),
-        "tp_size": max(1, int(engine.autotp_size() or 1)),
-        "pp_stages": int(getattr(engine, "num_stages", 1)),
-        "precision": "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
-    }
-
-
-def of_strategy(strategy, world_size: int) -> dict:
-    return {"world_size": world_size, "zero_stage": strategy.zero_stage, "dp_size": strategy.dp_size,
-            "tp_size": strategy.tp_size, "pp_stages": strategy.pp_stages, "precision": strategy.precision}
-
-
-def saved(tag_dir: Path) -> dict | None:
+def saved(tag_dir: Path) -> Topology | None:
     """The topology recorded with a published tag; None for a checkpoint from before it was recorded."""
     try:
-        return json.loads((tag_dir / RECORD).read_text()).get("topology")
+        record = json.loads((tag_dir / RECORD).read_text()).get("topology")
     except (OSError, ValueError):
         return None
+    return Topology.from_record(record) if record else None
 
 
-def needs_conversion(old: dict, new: dict) -> bool:
+def needs_conversion(old: Topology, new: Topology) -> bool:
     """Replicated state (ZeRO-0 fp32) loads at any world size; partitioned state needs the same data-parallel
     size and precision (ZeRO names its bf16 partition files differently)."""
-    if any(old[k] != new[k] for k in ("zero_stage", "tp_size", "pp_stages")):
+    if (old.zero_stage, old.tp_size, old.pp_stages) != (new.zero_stage, new.tp_size, new.pp_stages):
         return True
-    return (_partitioned(old) or _partitioned(new)) and any(old[k] != new[k] for k in ("dp_size", "precision"))
+    return (_partitioned(old) or _partitioned(new)) and (old.dp_size, old.precision) != (new.dp_size, new.precision)
 
 
-def _partitioned(t: dict) -> bool:
+def _partitioned(t: Topology) -> bool:
     # ZeRO-0 with bf16 runs DeepSpeed's BF16_Optimizer, which partitions its fp32 state like ZeRO-1.
-    return t["zero_stage"] > 0 or t["precision"] == "bf16"
-
-
-def describe(t: dict) -> str:
-    parts = [f"ZeRO-{t['zero_stage']} {t['precision']}", f"{t['world_size']} rank{'s' if t['world_size'] > 1 else ''}"]
-    if t["tp_size"] > 1:
-        parts.append(f"tensor-parallel {t['tp_size']}")
-    if t["pp_stages"] > 1:
-        parts.append(f"{t['pp_stages']} pipeline stages")
-    return ", ".join(parts)
+    return t.zero_stage > 0 or t.precision == "bf16"
 
 
 # --- the resume hook (dstrain.train.run) --------------------------------------------------------------
 
 
-def prepare_resume(checkpoint_dir: Path, tag: str, strategy, world_size: int, model_config, weight_decay: float) -> bool:
+def prepare_resume(checkpoint_dir: Path, tag: str, strategy, model_config, weight_decay: float) -> bool:
     """On every rank, before the engine is built: if ``tag`` was saved under another topology, convert it
     (global rank 0 converts, the others wait) and set up the ds_config to load the conversion.
     Returns True when a conversion is used."""
     from dstrain.train import distributed
 
     tag_dir = checkpoint_dir / tag
-    old, new = saved(tag_dir), of_strategy(strategy, world_size)
+    old, new = saved(tag_dir), strategy.topology
     if old is None or not needs_conversion(old, new):
         return False
     error = None
     if distributed.rank() == 0:
         try:
             check_convertible(tag_dir, old, new)
-            print(f"{tag} was saved under {describe(old)}; converting it for {describe(new)}", flush=True)
+            print(f"{tag} was saved under {old.describe()}; converting it for {new.describe()}", flush=True)
             convert(tag_dir, old, new, model_config, weight_decay)
         except DstrainError as e:
             error = e
     if not distributed.all_ok(error is None):
         raise error or DstrainError(f"rank 0 could not convert {tag_dir}; see its message")
-    if new["zero_stage"] > 0:  # ZeRO-0 loads the plain checkpoint written into zero0/
+    if new.zero_stage > 0:  # ZeRO-0 loads the plain checkpoint written into zero0/
         strategy.ds_config["checkpoint"] = {**strategy.ds_config.get("checkpoint", {}), "load_universal": True}
     return True
 
@@ -120,21 +96,21 @@ def load_source(engine, tag_dir: Path) -> tuple[Path, str]:
     if engine.load_universal_checkpoint():
         return tag_dir, UNIVERSAL
     old = saved(tag_dir)
-    if old is not None and engine.zero_optimization_stage() == 0 and old["zero_stage"] > 0:
+    if old is not None and engine.zero_optimization_stage() == 0 and old.zero_stage > 0:
         return tag_dir, ZERO0
     return tag_dir.parent, tag_dir.name
 
 
-def check_convertible(tag_dir: Path, old: dict, new: dict) -> None:
+def check_convertible(tag_dir: Path, old: Topology, new: Topology) -> None:
     """Refuse, in one line, what no converter here handles."""
     for t in (old, new):
-        what = ("fp16 (dynamic loss scale)" if t["precision"] == "fp16" else
-                "ZeRO-0 bf16 (DeepSpeed's BF16_Optimizer)" if t["zero_stage"] == 0 and t["precision"] == "bf16" else
-                "ZeRO-0 pipeline (optimizer state kept per stage)" if t["zero_stage"] == 0 and t["pp_stages"] > 1 else
+        what = ("fp16 (dynamic loss scale)" if t.precision == "fp16" else
+                "ZeRO-0 bf16 (DeepSpeed's BF16_Optimizer)" if t.zero_stage == 0 and t.precision == "bf16" else
+                "ZeRO-0 pipeline (optimizer state kept per stage)" if t.zero_stage == 0 and t.pp_stages > 1 else
                 None)
         if what:
             raise DstrainError(
-                f"{tag_dir}: a {what} run cannot change topology here ({describe(old)} -> {describe(new)}); "
+                f"{tag_dir}: a {what} run cannot change topology here ({old.describe()} -> {new.describe()}); "
                 f"resume with the saved ds_config and rank count"
             )
 
@@ -142,7 +118,7 @@ def check_convertible(tag_dir: Path, old: dict, new: dict) -> None:
 # --- conversion (global rank 0 only) ------------------------------------------------------------------
 
 
-def convert(tag_dir: Path, old: dict, new: dict, model_config, weight_decay: float) -> None:
+def convert(tag_dir: Path, old: Topology, new: Topology, model_config, weight_decay: float) -> None:
     """Write tag_dir/universal (and tag_dir/zero0 for a ZeRO-0 target) unless already there.
 
     Built under a temporary name and renamed, so a conversion killed half-way is simply redone."""
@@ -150,21 +126,21 @@ def convert(tag_dir: Path, old: dict, new: dict, model_config, weight_decay: flo
     if not universal.is_dir():
         work = tag_dir / f".{UNIVERSAL}.tmp"
         shutil.rmtree(work, ignore_errors=True)
-        if old["zero_stage"] == 0:
+        if old.zero_stage == 0:
             _universal_from_zero0(tag_dir, work / UNIVERSAL, model_config, weight_decay)
         else:
             _ds_to_universal(tag_dir, work / UNIVERSAL)
         _bridge_deepspeed_gaps(work / UNIVERSAL)
-        if old["pp_stages"] > 1:
+        if old.pp_stages > 1:
             for plain, piped in _pipeline_names(model_config).items():
                 os.replace(work / UNIVERSAL / "zero" / piped, work / UNIVERSAL / "zero" / plain)
         os.replace(work / UNIVERSAL, universal)
         shutil.rmtree(work)  # also holds the `latest_universal` file ds_to_universal writes beside its output
-    if new["pp_stages"] > 1:  # a pipeline engine looks its parameters up under its own names
+    if new.pp_stages > 1:  # a pipeline engine looks its parameters up under its own names
         for plain, piped in _pipeline_names(model_config).items():
             if not (universal / "zero" / piped).exists():
                 os.symlink(plain, universal / "zero" / piped)
-    if new["zero_stage"] == 0 and not (tag_dir / ZERO0).is_dir():
+    if new.zero_stage == 0 and not (tag_dir / ZERO0).is_dir():
         work = tag_dir / f".{ZERO0}.tmp"
         shutil.rmtree(work, ignore_errors=True)
         _zero0_from_universal(universal, work, model_config, weight_decay)
@@ -290,7 +266,8 @@ def fp32_masters(tag_dir: Path, model_config) -> dict[str, torch.Tensor]:
             universal = Path(tmp) / UNIVERSAL
             _ds_to_universal(tag_dir, universal)
         zero = universal / "zero"
-        piped = _pipeline_names(model_config) if (saved(tag_dir) or {}).get("pp_stages", 1) > 1 else {}
+        old = saved(tag_dir)
+        piped = _pipeline_names(model_config) if old and old.pp_stages > 1 else {}
         with torch.device("meta"):
             shapes = {name: t.shape for name, t in GPT(model_config).state_dict().items()}  # tied: both names
         state = {}
