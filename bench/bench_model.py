@@ -19,7 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from dstrain.model.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
+from dstrain.model.config import GPTConfig  # noqa: E402
+from dstrain.model.gpt import GPT, lm_loss  # noqa: E402
 from dstrain.model.hf import to_hf  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

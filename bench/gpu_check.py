@@ -260,7 +260,8 @@ def flop_count(check: Check, recipes: list[str]) -> list[dict]:
     from deepspeed.profiling.flops_profiler import get_model_profile
 
     from dstrain.config import load_recipe
-    from dstrain.model.gpt import GPT, flops_per_token
+    from dstrain.model.config import flops_per_token
+    from dstrain.model.gpt import GPT
 
     rows = []
     for name in recipes:

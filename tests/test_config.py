@@ -209,7 +209,7 @@ def test_every_numeric_recipe_field_declares_its_range():
     import typing
 
     from dstrain.config import DataConfig, DataSource, OptimConfig, Recipe, ScheduleConfig, TrainConfig
-    from dstrain.model.gpt import GPTConfig
+    from dstrain.model.config import GPTConfig
     from dstrain.ranges import Range
 
     def numeric_without_range(hint) -> bool:
@@ -237,3 +237,28 @@ def test_a_bf16_config_that_would_sum_gradients_in_bf16_is_refused(tmp_path, cha
     for key, value in change.items():
         ds.pop(key) if value is None else ds.update({key: value})
     one_line_error(lambda: strategy_for(tmp_path, ds), "d.json", *fragments)
+
+
+@pytest.mark.launcher
+def test_the_recipe_and_the_light_commands_load_no_torch():
+    """A recipe, `dstrain --help` and the commands that need no model (`prepare`, `estimate`, `compare --help`)
+    import neither torch nor DeepSpeed: a login node or an sbatch check answers in a fraction of a second."""
+    import subprocess
+    import sys
+
+    probe = """if True:
+        import sys
+        from dstrain.config import load_recipe
+        from dstrain.cli import main
+        load_recipe(sys.argv[1])
+        for argv in (["--help"], ["prepare", "--help"], ["estimate", "--help"], ["compare", "--help"]):
+            try:
+                main(argv)
+            except SystemExit:
+                pass
+        print(sorted(m for m in ("torch", "deepspeed", "transformers") if m in sys.modules))
+    """
+    done = subprocess.run([sys.executable, "-c", probe, str(ROOT / "recipes" / "tiny.yaml")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -13,7 +13,7 @@ from train_helpers import ROOT
 from dstrain.config import load_recipe
 from dstrain.errors import DstrainError
 from dstrain.memory import GIB, count_params, estimate, estimate_file
-from dstrain.model.gpt import GPTConfig, num_params
+from dstrain.model.config import GPTConfig, num_params
 from dstrain.strategy import load_ds_config, resolve
 
 LLAMA_7B = ROOT / "recipes" / "llama-7b.yaml"

@@ -37,7 +37,8 @@ def test_fused_adam_matches_torch_adamw():
 
 def test_initial_weights_do_not_depend_on_the_device():
     """ZeRO-3 builds the model on the accelerator (zero.Init), the other strategies on the host: same weights."""
-    from dstrain.model.gpt import GPT, GPTConfig
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.gpt import GPT
 
     config = GPTConfig(flavour="llama", vocab_size=512, max_seq_len=64, n_layer=2, n_head=4, d_model=64)
     torch.manual_seed(0)
@@ -53,7 +54,8 @@ def test_initial_weights_do_not_depend_on_the_device():
 def test_bf16_causal_attention_dispatches_a_fused_kernel(flavour):
     """The shipped recipes' attention (causal, no dense mask; GQA for llama) runs a fused flash-style kernel in bf16:
     FlashAttention-2 or cuDNN's (which torch 2.11 prefers on Hopper), never the math path."""
-    from dstrain.model.gpt import GPT, GPTConfig
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.gpt import GPT
 
     config = GPTConfig(flavour=flavour, vocab_size=512, max_seq_len=1024, n_layer=1, n_head=8,
                        n_kv_head=4 if flavour == "llama" else None, d_model=512)

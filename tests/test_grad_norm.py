@@ -16,7 +16,9 @@ def probe_engines() -> dict:
     torch's clip_grad_norm_ and SGD on a replica fed both ranks' samples."""
     import deepspeed
 
-    from dstrain.model.gpt import GPT, GPTConfig, lm_loss
+    from dstrain.model.config import GPTConfig
+
+    from dstrain.model.gpt import GPT, lm_loss
     from dstrain.train import distributed, grad_norm
 
     distributed.init()

@@ -11,7 +11,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from dstrain.errors import DstrainError  # noqa: E402
-from dstrain.model.gpt import GPT, GPTConfig  # noqa: E402
+from dstrain.model.config import GPTConfig  # noqa: E402
+from dstrain.model.gpt import GPT  # noqa: E402
 from dstrain.model.hf import from_hf, to_hf  # noqa: E402
 
 VOCAB = 101

@@ -12,7 +12,8 @@ import torch
 
 from dstrain.errors import DstrainError
 from dstrain.train.distributed import free_port
-from dstrain.model.gpt import GPT, Block, Embedding, GPTConfig, flops_per_token, lm_loss, num_params
+from dstrain.model.config import GPTConfig, flops_per_token, num_params
+from dstrain.model.gpt import GPT, Block, Embedding, lm_loss
 
 VOCAB = 97
 
@@ -191,7 +192,8 @@ def test_bad_config_raises_one_line_error(overrides, key):
 
 ZERO_INIT_SCRIPT = textwrap.dedent("""
     import sys, torch, deepspeed
-    from dstrain.model.gpt import GPT, GPTConfig
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.gpt import GPT
     deepspeed.init_distributed(dist_backend="gloo")
     out = {}
     for flavour in ("gpt2", "llama"):

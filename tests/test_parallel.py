@@ -118,7 +118,7 @@ def pipeline_eval_with_monitor(folder) -> str:
     """What PipelineEngine.eval_batch(reduce_output=None) does when the ds_config enables a monitor."""
     import deepspeed
 
-    from dstrain.model.gpt import GPTConfig
+    from dstrain.model.config import GPTConfig
     from dstrain.model.pipe import build_pipeline
 
     config = GPTConfig(flavour="llama", vocab_size=64, max_seq_len=8, n_layer=1, n_head=2, d_model=16)

@@ -23,7 +23,9 @@ def accumulation_errors(configs: list[str], world: int) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    from dstrain.model.gpt import GPT, GPTConfig, lm_loss
+    from dstrain.model.config import GPTConfig
+
+    from dstrain.model.gpt import GPT, lm_loss
     from dstrain.train import distributed
 
     distributed.init()

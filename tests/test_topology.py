@@ -162,7 +162,9 @@ def zero3_universal_reload(folder: str) -> dict:
 
     import deepspeed
 
-    from dstrain.model.gpt import GPT, GPTConfig, lm_loss
+    from dstrain.model.config import GPTConfig
+
+    from dstrain.model.gpt import GPT, lm_loss
     from dstrain.train import checkpoint, distributed, topology
 
     distributed.init()

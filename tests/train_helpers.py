@@ -121,7 +121,9 @@ def zero0_fp16_gradient_scale() -> float:
     import deepspeed
     import torch
 
-    from dstrain.model.gpt import GPT, GPTConfig, lm_loss
+    from dstrain.model.config import GPTConfig
+
+    from dstrain.model.gpt import GPT, lm_loss
     from dstrain.train import distributed
 
     from deepspeed.accelerator import get_accelerator

@@ -22,14 +22,17 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = OneLineArgumentParser(prog="dstrain", description="DeepSpeed training recipes for GPT-style models")
     # The deepspeed launcher passes --local_rank before the command (`deepspeed --module dstrain eval ...`).
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
+    chosen = next((a for a in argv if a in COMMANDS), None)
     for name, (module, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         command.set_defaults(module=module)
-        importlib.import_module(module).add_arguments(command)
+        if name == chosen:  # only the named command's module is imported: `dstrain --help` loads no torch
+            importlib.import_module(module).add_arguments(command)
     args = parser.parse_args(argv)
     try:
         return importlib.import_module(args.module).main(args) or 0

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 import yaml
 
 from dstrain.errors import DstrainError
-from dstrain.model.gpt import GPTConfig
+from dstrain.model.config import GPTConfig
 from dstrain.ranges import Range, check
 
 Positive = Annotated[int, Range(ge=1)]

@@ -73,8 +73,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     for flag, value in (("--seq-len", seq_len), ("--micro-batch", micro), ("--samples", args.samples or 1)):
         if value <= 0:
             raise DstrainError(f"{flag} {value}: must be positive")
-    if seq_len > config.max_seq_len and config.flavour == "gpt2":
-        raise DstrainError(f"--seq-len {seq_len} exceeds the model's {config.max_seq_len} positions; lower it")
+    if config.position_limit and seq_len > config.position_limit:
+        raise DstrainError(f"--seq-len {seq_len} exceeds the model's {config.position_limit} positions; lower it")
     sets = build_valid_sets(sources, seq_len, seed, valid_fraction, split=args.split)
 
     distributed.init()

@@ -46,9 +46,9 @@ def generate(model_path: str, prompt: str, max_new_tokens: int = 64, temperature
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         raise DstrainError("--prompt is empty; give some text to continue")
-    if config.flavour == "gpt2" and ids.shape[1] + max_new_tokens > config.max_seq_len:
+    if config.position_limit and ids.shape[1] + max_new_tokens > config.position_limit:
         raise DstrainError(f"--prompt ({ids.shape[1]} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
-                           f"{config.max_seq_len} positions; shorten them")
+                           f"{config.position_limit} positions; shorten them")
     torch.manual_seed(seed)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else \
         {"do_sample": False}

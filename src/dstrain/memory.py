@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
-from dstrain.model.gpt import GPTConfig, num_params
+from dstrain.model.config import GPTConfig, num_params
 from dstrain.strategy import Strategy, load_ds_config, resolve
 
 if TYPE_CHECKING:

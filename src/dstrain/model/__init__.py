@@ -1,4 +1,2 @@
-"""Our GPT (gpt2 / llama flavours); Hugging Face conversion lives in dstrain.model.hf."""
-from dstrain.model.gpt import GPT, Block, Embedding, GPTConfig, flops_per_token, lm_loss, num_params
-
-__all__ = ["GPT", "Block", "Embedding", "GPTConfig", "flops_per_token", "lm_loss", "num_params"]
+"""Our GPT (gpt2 / llama flavours): config.py its torch-free configuration, gpt.py the model, pipe.py its pipeline
+form, hf.py the Hugging Face conversion, convert.py pipeline/TP <-> plain state dicts."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dstrain.errors import DstrainError
-from dstrain.model.gpt import GPTConfig
+from dstrain.model.config import GPTConfig
 from dstrain.model.pipe import TIED_KEY, layer_prefixes
 
 StateDict = dict[str, torch.Tensor]

@@ -21,79 +21,12 @@ empty shards and silently leave the weights at their constructor values.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Annotated
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dstrain.errors import DstrainError
-from dstrain.ranges import Range
-
-FLAVOURS = ("gpt2", "llama")
-
-
-@dataclass
-class GPTConfig:
-    flavour: str = "gpt2"  # architecture family: "gpt2" or "llama" (see module docstring)
-    vocab_size: Annotated[int, Range(ge=1)] = 50304  # rows of the token embedding / columns of the logits
-    max_seq_len: Annotated[int, Range(ge=1)] = 1024  # longest sequence; size of gpt2's position table, HF max_position_embeddings
-    n_layer: Annotated[int, Range(ge=1)] = 12  # number of transformer blocks
-    n_head: Annotated[int, Range(ge=1)] = 12  # query heads; must divide d_model
-    n_kv_head: Annotated[int, Range(ge=1)] | None = None  # key/value heads (grouped-query attention, llama only); None = n_head
-    d_model: Annotated[int, Range(ge=1)] = 768  # residual stream width
-    d_ff: Annotated[int, Range(ge=1)] | None = None  # MLP hidden width; None = 4*d_model (gpt2), 8/3*d_model up to a multiple of 64 (llama)
-    tie_embeddings: bool | None = None  # share lm_head.weight with the token embedding; None = gpt2 yes, llama no
-    norm_eps: Annotated[float, Range(gt=0)] = 1e-5  # epsilon of LayerNorm (gpt2) / RMSNorm (llama)
-    rope_theta: Annotated[float, Range(gt=0)] = 10000.0  # RoPE base wavelength (llama only)
-    init_std: Annotated[float, Range(gt=0)] = 0.02  # std of the normal init; o_proj/down_proj use init_std / sqrt(2 * n_layer)
-    doc_masking: bool = False  # attend only within the current document (segments start where position_ids == 0)
-
-    def __post_init__(self) -> None:
-        def bad(key: str, problem: str, fix: str) -> DstrainError:
-            return DstrainError(f"model.{key}: {problem}; {fix}")
-
-        if self.flavour not in FLAVOURS:
-            raise bad("flavour", f"{self.flavour!r} is not a known flavour", f"use one of {', '.join(FLAVOURS)}")
-        for key in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
-                raise bad(key, f"{getattr(self, key)!r} is not a positive integer", "set a positive integer")
-        if self.d_model % self.n_head:
-            raise bad("n_head", f"{self.n_head} does not divide d_model={self.d_model}", "pick a divisor of d_model")
-        if self.n_kv_head is not None and (self.n_kv_head <= 0 or self.n_head % self.n_kv_head):
-            raise bad("n_kv_head", f"{self.n_kv_head} does not divide n_head={self.n_head}", "pick a divisor of n_head")
-        if self.flavour == "gpt2" and self.kv_heads != self.n_head:
-            raise bad("n_kv_head", "grouped-query attention needs flavour 'llama'",
-                      "remove n_kv_head or set it to n_head")
-        if self.flavour == "llama" and self.head_dim % 2:
-            raise bad("n_head", f"RoPE needs an even head size, got d_model/n_head={self.head_dim}", "change n_head")
-        if self.d_ff is not None and self.d_ff <= 0:
-            raise bad("d_ff", f"{self.d_ff} is not positive", "set a positive integer or remove it")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
-    def kv_heads(self) -> int:
-        """n_kv_head with None resolved."""
-        return self.n_head if self.n_kv_head is None else self.n_kv_head
-
-    @property
-    def ff_dim(self) -> int:
-        """d_ff with None resolved to the flavour's default."""
-        if self.d_ff is not None:
-            return self.d_ff
-        if self.flavour == "gpt2":
-            return 4 * self.d_model
-        return 64 * math.ceil(8 * self.d_model / (3 * 64))
-
-    @property
-    def tied(self) -> bool:
-        """tie_embeddings with None resolved to the flavour's default."""
-        return self.flavour == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
-
+from dstrain.model.config import GPTConfig
 
 # --- leaf modules that initialise their own parameters (see the module docstring) ---
 
@@ -309,39 +242,3 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     label -100 is ignored.
     """
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
-
-
-# --- arithmetic on the config (no model built) ---
-
-
-def num_params(config: GPTConfig, exclude_embeddings: bool = False) -> int:
-    """Parameter count of GPT(config), a tied matrix counted once.
-
-    exclude_embeddings drops the token (and position) tables; an untied lm_head is still counted.
-    """
-    d, ff, v = config.d_model, config.ff_dim, config.vocab_size
-    q_out, kv_out = config.n_head * config.head_dim, config.kv_heads * config.head_dim
-    attention = d * q_out + 2 * d * kv_out + q_out * d
-    if config.flavour == "gpt2":
-        attention += q_out + 2 * kv_out + d
-        mlp = d * ff + ff + ff * d + d
-        norm = 2 * d
-    else:
-        mlp = 3 * d * ff
-        norm = d
-    block = attention + mlp + 2 * norm
-    embeddings = v * d + (config.max_seq_len * d if config.flavour == "gpt2" else 0)
-    total = config.n_layer * block + norm + (0 if config.tied else v * d)
-    return total if exclude_embeddings else total + embeddings
-
-
-def flops_per_token(config: GPTConfig, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward): 6*N + 12*n_layer*d_model*seq_len.
-
-    N = non-embedding parameters plus the vocab_size*d_model output projection, counted whether or
-    not it is tied (the logits matmul runs either way); the position table and embedding lookups cost
-    no matmul FLOPs. The second term is the attention scores and weighted sum (QK^T and AV), counted
-    over the full L x L square as in Kaplan et al. / PaLM, ignoring the causal half.
-    """
-    n = num_params(config, exclude_embeddings=True) + (config.vocab_size * config.d_model if config.tied else 0)
-    return 6 * n + 12 * config.n_layer * config.d_model * seq_len

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from dstrain.errors import DstrainError
-from dstrain.model.gpt import GPTConfig
+from dstrain.model.config import GPTConfig
 
 StateDict = dict[str, torch.Tensor]
 

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
-from dstrain.model.gpt import Block, Embedding, GPTConfig, Linear, lm_loss, make_norm
+from dstrain.model.config import GPTConfig
+from dstrain.model.gpt import Block, Embedding, Linear, lm_loss, make_norm
 
 TIED_KEY = "embed"
 

@@ -27,7 +27,8 @@ from dstrain.data.dataset import collate
 from dstrain.data.sampler import micro_batches
 from dstrain.errors import DstrainError
 from dstrain.metrics import IntervalClock, MetricsLog, device_peak, peak_memory_bytes
-from dstrain.model.gpt import flops_per_token, lm_loss
+from dstrain.model.config import flops_per_token
+from dstrain.model.gpt import lm_loss
 from dstrain.train import checkpoint
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
 from dstrain.train.stop import StopSignal
