@@ -55,6 +55,11 @@ def command(launcher: str) -> list[str]:
     return {
         "deepspeed": [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, "--module", "dstrain.train"],
         "torchrun": [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port, "-m", "dstrain.train"],
+        # --multi_gpu is accelerate's torchrun launcher, which DeepSpeed's CPU accelerator serves here (its --cpu
+        # launcher runs one process). One thread per process, as in every other row and the reference: another
+        # thread count sums in another order, 1e-7 apart by step 10.
+        "accelerate": [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+                       "--num_cpu_threads_per_process", "1", "--main_process_port", port, "-m", "dstrain.train"],
     }[launcher]
 
 
@@ -109,6 +114,7 @@ MATRIX = [
     pytest.param("deepspeed", "group", signal.SIGTERM, -signal.SIGTERM, id="deepspeed-TERM-to-group"),
     pytest.param("torchrun", "group", signal.SIGINT, 1, id="torchrun-Ctrl-C"),  # torchrun forwards, then exits 1
     pytest.param("python -m", "group", signal.SIGINT, 0, id="python-m-Ctrl-C"),
+    pytest.param("accelerate", "group", signal.SIGINT, 1, id="accelerate-Ctrl-C"),  # torchrun inside: exits 1
 ]
 
 
