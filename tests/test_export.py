@@ -67,7 +67,7 @@ def runs(tmp_path_factory, corpus):
 @pytest.mark.parametrize("flavour,strategy", RUNS)
 @torch.no_grad()
 def test_export_computes_what_our_model_computes(runs, flavour, strategy):
-    from dstrain.export import consolidated_state_dict, load_run
+    from dstrain.train.checkpoint import consolidated_state_dict, load_run
     from dstrain.model.gpt import GPT
 
     run, hf_dir = runs[flavour, strategy]
@@ -135,14 +135,15 @@ def test_eval_under_the_deepspeed_launcher(runs, tmp_path):
 
 @torch.no_grad()
 def test_generate_runs_offline_and_decodes_greedily(runs, capsys):
-    from dstrain.export import consolidated_state_dict, load_run, load_run_tokenizer
+    from dstrain.data.tokenizer import load_run_tokenizer
+    from dstrain.train.checkpoint import consolidated_state_dict, load_run
     from dstrain.generate import generate
     from dstrain.model.gpt import GPT
 
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     run, hf_dir = runs["gpt2", "zero3"]
     recipe, tag = load_run(run, None)
-    tokenizer = load_run_tokenizer(recipe)
+    tokenizer = load_run_tokenizer(recipe.data)
     ours = GPT(recipe.model).eval()
     ours.load_state_dict(consolidated_state_dict(tag, recipe.model))
     tokens = tokenizer("The module", return_tensors="pt").input_ids
@@ -184,7 +185,7 @@ def test_import_then_export_is_identical(round_trip, flavour):
 def test_init_from_another_architecture_is_one_line(runs, tmp_path, corpus):
     from dstrain.config import load_recipe
     from dstrain.errors import DstrainError
-    from dstrain.export import load_init_from
+    from dstrain.train.engine import load_init_from
     from dstrain.model.gpt import GPT
 
     path = recipe_for(tmp_path, corpus, "llama", init_from=str(runs["llama", "zero0"][1]), model={"n_layer": 3})
@@ -199,7 +200,7 @@ def test_init_from_another_architecture_is_one_line(runs, tmp_path, corpus):
 def test_a_bf16_run_exports_its_fp32_masters(runs, strategy, tmp_path):
     """The bf16 module weights are the masters rounded (BF16_Optimizer copies them down after each step): the
     export holds the masters themselves, not the module's weights widened; --dtype bf16 the module's weights."""
-    from dstrain.export import load_run, module_state_dict
+    from dstrain.train.checkpoint import load_run, module_state_dict
 
     run, hf_dir = runs["llama", strategy]
     masters = load_file(hf_dir / "model.safetensors")

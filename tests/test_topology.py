@@ -108,7 +108,7 @@ def test_checkpoints_record_their_topology(uninterrupted):
     tag = uninterrupted[1]["llama", "zero3"] / "checkpoints" / "global_step4"
     assert topology.saved(tag).to_record() == {"world_size": 2, "zero_stage": 3, "dp_size": 2, "tp_size": 1,
                                                "pp_stages": 1, "precision": "fp32"}
-    client_state = topology._load(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    client_state = topology.read_pt(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     assert client_state["topology"] == topology.saved(tag).to_record()
     assert client_state["universal_checkpoint_info"]["universal_checkpoint_version"] > 0  # for ds_to_universal
 
@@ -148,11 +148,11 @@ def test_deepspeed_universal_conversion_still_writes_per_stage_dialects(uninterr
     assert (zero2 / topology.ZERO12_MODEL_FILE).exists() and not (zero2 / topology.ZERO3_MODEL_FILE).exists()
     assert (zero3 / topology.ZERO3_MODEL_FILE).exists() and not (zero3 / topology.ZERO12_MODEL_FILE).exists()
     # item 2: the optimizer state each loader reads is written only by a source of its own stage
-    assert "optimizer_state_dict" not in topology._load(zero2 / "zero" / "optimizer_state.pt")
-    assert "ds_version" not in topology._load(zero3 / "zero" / "optimizer_state.pt")
+    assert "optimizer_state_dict" not in topology.read_pt(zero2 / "zero" / "optimizer_state.pt")
+    assert "ds_version" not in topology.read_pt(zero3 / "zero" / "optimizer_state.pt")
     # item 3: ZeRO-3 writes bare flat tensors and no step
     weight = zero3 / "zero" / "blocks.0.self_attn.q_proj.weight"
-    assert torch.is_tensor(topology._load(weight / "fp32.pt")) and not (weight / "step.pt").exists()
+    assert torch.is_tensor(topology.read_pt(weight / "fp32.pt")) and not (weight / "step.pt").exists()
 
 
 def zero3_universal_reload(folder: str) -> dict:

@@ -49,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
 def evaluate(args: argparse.Namespace) -> dict:
     from dstrain.config import DataConfig, Recipe
     from dstrain.data.dataset import build_valid_sets
-    from dstrain.export import load_model_source
+    from dstrain.train.checkpoint import load_model_source
     from dstrain.model.gpt import GPT
     from dstrain.train import distributed
 

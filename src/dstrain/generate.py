@@ -33,13 +33,15 @@ def generate(model_path: str, prompt: str, max_new_tokens: int = 64, temperature
              tag: str | None = None) -> str:
     """The prompt followed by its continuation, decoded."""
     from dstrain.data.tokenizer import load_tokenizer
-    from dstrain.export import load_model_source, load_run_tokenizer, to_hf_model
+    from dstrain.data.tokenizer import load_run_tokenizer
+    from dstrain.model.hf import to_hf_model
+    from dstrain.train.checkpoint import load_model_source
 
     if max_new_tokens <= 0 or temperature < 0:
         raise DstrainError("--max-new-tokens must be positive and --temperature zero or more")
     config, state, recipe = load_model_source(model_path, tag)
     if recipe is not None:
-        tokenizer = load_run_tokenizer(recipe)
+        tokenizer = load_run_tokenizer(recipe.data)
     else:
         tokenizer = load_tokenizer(str(model_path), flag="the model folder's tokenizer")
     model = to_hf_model(config, state, tokenizer)  # a HF folder goes through from_hf: its weights, verified

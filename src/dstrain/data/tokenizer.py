@@ -113,3 +113,12 @@ def verify_tokenizer(manifest_dir: str | os.PathLike, tokenizer_dir: str | os.Pa
             f"(manifest.json tokenizer.hash {expected}); use {Path(manifest_dir) / TOKENIZER_DIR} "
             f"or re-run `dstrain prepare --tokenizer {tokenizer_dir}` into a new --out"
         )
+
+
+def run_tokenizer_dir(data) -> Path:
+    """The tokenizer a run's data section names: data.tokenizer, else the first source's prepared tokenizer/."""
+    return Path(data.tokenizer or Path(data.sources[0].path) / TOKENIZER_DIR)
+
+
+def load_run_tokenizer(data):
+    return load_tokenizer(str(run_tokenizer_dir(data)), flag="the run's tokenizer")

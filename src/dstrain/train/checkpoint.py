@@ -16,6 +16,8 @@ can resume under another one (dstrain.train.topology).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from dstrain.errors import DstrainError
 from dstrain.strategy import Topology
 from dstrain.train import topology
 
@@ -140,3 +143,75 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+# --- reading: a tag of any strategy as one plain state dict --------------------------------------------------------
+
+
+def load_run(run_dir: str | os.PathLike, tag: str | None):
+    """(recipe, tag folder) of a run directory; tag None = the newest complete checkpoint."""
+    from dstrain.config import load_recipe
+
+    run_dir = Path(run_dir)
+    recipe_file = run_dir / "recipe.yaml"
+    if not recipe_file.is_file():
+        raise DstrainError(f"{recipe_file}: no such file; pass a run directory written by dstrain.train")
+    recipe = load_recipe(recipe_file)
+    checkpoints = run_dir / "checkpoints"
+    tag = tag or newest_complete(checkpoints)
+    if tag is None:
+        raise DstrainError(f"{checkpoints}: no complete checkpoint; train the run first or pass --tag")
+    if not is_complete(checkpoints / tag):
+        raise DstrainError(f"--tag {tag}: no complete checkpoint {checkpoints / tag}; omit --tag for the newest")
+    return recipe, checkpoints / tag
+
+
+def weights_kind(tag_dir: Path) -> str:
+    """ "fp32 master" for a bf16 run, whose checkpoint keeps them apart from its bf16 module weights (ZeRO and fp16
+    runs read through zero_to_fp32 get their masters too), else "module"."""
+    saved = topology.saved(tag_dir)
+    return "fp32 master" if saved and saved.precision == "bf16" else "module"
+
+
+def consolidated_state_dict(tag_dir: Path, model_config) -> dict[str, torch.Tensor]:
+    """fp32 weights of GPT(model_config), from a checkpoint of any strategy: the fp32 masters of a bf16 run (its
+    module weights are a rounding of them), otherwise the module's own, widened to fp32."""
+    if weights_kind(tag_dir) == "fp32 master":
+        return topology.fp32_masters(tag_dir, model_config)
+    return {name: tensor.float().contiguous() for name, tensor in module_state_dict(tag_dir).items()}
+
+
+def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The module's weights in the checkpoint, in the model's dtype (fp32 masters for ZeRO, read by zero_to_fp32)."""
+    if any(tag_dir.glob("layer_*-model_states.pt")) or any(tag_dir.glob("mp_rank_01_model_states.pt")):
+        # Pipeline layer files / AutoTP shards: the model-parallel converter of dstrain.model consolidates them.
+        from dstrain.model.convert import read_checkpoint
+
+        return read_checkpoint(tag_dir)[1]
+    if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):  # ZeRO-1/2/3 partitions
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        # DeepSpeed's own consolidation (it loads its files with weights_only=False itself); its progress
+        # prints would land in `dstrain generate`'s output.
+        with contextlib.redirect_stdout(io.StringIO()):
+            return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    return topology.read_pt(tag_dir / topology.ZERO12_MODEL_FILE)["module"]  # ZeRO-0 and BF16_Optimizer: the whole model
+
+
+# --- a model to evaluate or sample from: a run's checkpoint or a Hugging Face folder ---
+
+
+def load_model_source(path: str | os.PathLike, tag: str | None = None):
+    """(GPTConfig, fp32 state dict, the run's recipe or None) of a run directory or a Hugging Face model folder."""
+    from dstrain.model.hf import from_hf
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        if tag:
+            raise DstrainError(f"--tag {tag}: {path} is a Hugging Face model folder, which has no checkpoints")
+        config, state = from_hf(path)
+        return config, {k: v.float() for k, v in state.items()}, None
+    if (path / "recipe.yaml").is_file():
+        recipe, tag_dir = load_run(path, tag)
+        return recipe.model, consolidated_state_dict(tag_dir, recipe.model), recipe
+    raise DstrainError(f"{path}: neither a run directory (recipe.yaml) nor a Hugging Face model folder (config.json)")

@@ -196,3 +196,34 @@ def data_parallel_rank(engine, strategy: Strategy) -> int:
     if size != strategy.dp_size:
         raise RuntimeError(f"DeepSpeed built {size} data-parallel replicas, strategy.resolve expected {strategy.dp_size}")
     return rank
+
+
+def load_init_from(model: torch.nn.Module, recipe, recipe_file: str | os.PathLike, zero3: bool) -> None:
+    """Copy the weights of the Hugging Face folder ``recipe.init_from`` into the freshly built ``model``.
+
+    Under ZeRO-3 the model was built inside deepspeed.zero.Init, so each parameter is gathered, filled on
+    rank 0 and re-partitioned from there (one parameter at a time: no rank ever holds the whole model)."""
+    from dstrain.errors import DstrainError
+    from dstrain.model.hf import architecture_diff, from_hf
+
+    config, state = from_hf(recipe.init_from)
+    differ = [f"model.{k}={ours!r} vs {theirs!r}" for k, ours, theirs in architecture_diff(recipe.model, config)]
+    if differ:
+        raise DstrainError(f"{recipe_file}: init_from {recipe.init_from} has another architecture ({'; '.join(differ)}); "
+                           f"set those model fields to the Hugging Face values")
+    if not isinstance(model, GPT):  # a PipelineModule: this rank's stage only
+        from dstrain.model.convert import load_into_pipeline
+
+        load_into_pipeline(model, state, recipe.model)
+        return
+    if not zero3:
+        model.load_state_dict(state, strict=True)
+        return
+    import deepspeed
+
+    rank = torch.distributed.get_rank()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if rank == 0:
+                    param.copy_(state[name])

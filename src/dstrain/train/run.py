@@ -248,7 +248,7 @@ def train(args: argparse.Namespace) -> int:
 
     from dstrain.data.dataset import build_dataset, build_valid_sets
     from dstrain.train import distributed
-    from dstrain.train.engine import build_engine, build_model
+    from dstrain.train.engine import build_engine, build_model, load_init_from
     from dstrain.train.loop import Trainer
 
     # Index arrays are built under a file lock by whichever rank comes first; broken shards fail here.
@@ -276,8 +276,6 @@ def train(args: argparse.Namespace) -> int:
         topology.prepare_resume(run_dir / "checkpoints", tag, strategy, recipe.model, recipe.optim.weight_decay)
     model = build_model(recipe, strategy)
     if recipe.init_from and not tag:  # continued pretraining starts from a Hugging Face model, once
-        from dstrain.export import load_init_from
-
         load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)
     engine = build_engine(recipe, strategy, model)
     trainer = Trainer(recipe, strategy, engine, train_data, valid_sets, run_dir,

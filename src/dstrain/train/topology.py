@@ -174,17 +174,17 @@ def _bridge_deepspeed_gaps(universal: Path) -> None:
          conversion writes bare flat tensors and no step.
     """
     model_files = sorted(universal.glob("*model_states.pt"))
-    model_state = _load(model_files[0])
+    model_state = read_pt(model_files[0])
     for name in (ZERO12_MODEL_FILE, ZERO3_MODEL_FILE):
         if not (universal / name).exists():
             shutil.copyfile(model_files[0], universal / name)
     zero = universal / "zero"
-    optim = _load(zero / "optimizer_state.pt")
+    optim = read_pt(zero / "optimizer_state.pt")
     params = sorted(p for p in zero.iterdir() if p.is_dir())
     if "optimizer_state_dict" in optim:  # from ZeRO-3
         step = optim["optimizer_state_dict"]["state"][0]["step"]
     else:
-        step = _load(next(p / "step.pt" for p in params if (p / "step.pt").exists()))
+        step = read_pt(next(p / "step.pt" for p in params if (p / "step.pt").exists()))
     optim.pop("fp32_flat_groups", None)  # the ZeRO-3 conversion keeps rank 0's whole partition; unused
     optim["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": optim["param_groups"]}
     optim.setdefault("ds_version", model_state["ds_version"])
@@ -193,7 +193,7 @@ def _bridge_deepspeed_gaps(universal: Path) -> None:
     shapes = {k: v for group in model_state.get("param_shapes") or [] for k, v in group.items()}
     for folder in params:  # (a tied weight's second name has only fp32.pt, from the ZeRO-1/2 module state)
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            state = _load(folder / f"{key}.pt") if (folder / f"{key}.pt").exists() else None
+            state = read_pt(folder / f"{key}.pt") if (folder / f"{key}.pt").exists() else None
             if torch.is_tensor(state):
                 torch.save({"param": state.view(shapes[folder.name])}, folder / f"{key}.pt")
         if (folder / "exp_avg.pt").exists() and not (folder / "step.pt").exists():
@@ -210,7 +210,7 @@ def repair_after_load(engine, tag_dir: Path) -> None:
          bias correction of all but the first sub-group would run ahead by one step per sub-group."""
     if not engine.load_universal_checkpoint():
         return
-    saved_groups = _load(tag_dir / UNIVERSAL / "zero" / "optimizer_state.pt")["param_groups"]
+    saved_groups = read_pt(tag_dir / UNIVERSAL / "zero" / "optimizer_state.pt")["param_groups"]
     _check_groups(tag_dir, len(saved_groups), len(engine.optimizer.param_groups))
     if engine.zero_optimization_stage() != 3:
         return
@@ -274,7 +274,7 @@ def fp32_masters(tag_dir: Path, model_config) -> dict[str, torch.Tensor]:
         for name, shape in shapes.items():
             folder = zero / name if (zero / name).is_dir() else zero / piped.get(name, name)
             if folder.is_dir():
-                tensor = _load(folder / "fp32.pt")  # a {"param": ...} dict, or a bare flat tensor from ZeRO-3
+                tensor = read_pt(folder / "fp32.pt")  # a {"param": ...} dict, or a bare flat tensor from ZeRO-3
                 state[name] = (tensor["param"] if isinstance(tensor, dict) else tensor).float().reshape(shape)
     if "lm_head.weight" not in state:  # tied: the embedding is the head
         state["lm_head.weight"] = state["embed.tok.weight"]
@@ -298,7 +298,7 @@ def _optimizer_order(model_config, weight_decay: float) -> list[list[str]]:
 
 
 def _universal_from_zero0(tag_dir: Path, out: Path, model_config, weight_decay: float) -> None:
-    model_state = _load(tag_dir / ZERO12_MODEL_FILE)
+    model_state = read_pt(tag_dir / ZERO12_MODEL_FILE)
     optimizer = model_state["optimizer"]
     order = _optimizer_order(model_config, weight_decay)
     for group, names in zip(optimizer["param_groups"], order):
@@ -321,12 +321,12 @@ def _universal_from_zero0(tag_dir: Path, out: Path, model_config, weight_decay: 
 def _zero0_from_universal(universal: Path, out: Path, model_config, weight_decay: float) -> None:
     from dstrain.model.gpt import GPT
 
-    model_state = _load(universal / ZERO12_MODEL_FILE)
+    model_state = read_pt(universal / ZERO12_MODEL_FILE)
     zero = universal / "zero"
-    saved_groups = _load(zero / "optimizer_state.pt")["param_groups"]
+    saved_groups = read_pt(zero / "optimizer_state.pt")["param_groups"]
     with torch.device("meta"):
         names = list(GPT(model_config).state_dict())  # tied weights appear under both names
-    module = {name: _load(zero / name / "fp32.pt")["param"] for name in names if (zero / name).is_dir()}
+    module = {name: read_pt(zero / name / "fp32.pt")["param"] for name in names if (zero / name).is_dir()}
     module["lm_head.weight"] = module.get("lm_head.weight", module["embed.tok.weight"])
     order = _optimizer_order(model_config, weight_decay)
     _check_groups(universal.parent, len(saved_groups), len(order))
@@ -334,8 +334,8 @@ def _zero0_from_universal(universal: Path, out: Path, model_config, weight_decay
     for saved_group, group_names in zip(saved_groups, order):
         groups.append({k: v for k, v in saved_group.items() if k != "params"} | {"params": []})
         for name in group_names:
-            state[index] = {key: _load(zero / name / f"{key}.pt")["param"] for key in ("exp_avg", "exp_avg_sq")}
-            state[index]["step"] = _load(zero / name / "step.pt")
+            state[index] = {key: read_pt(zero / name / f"{key}.pt")["param"] for key in ("exp_avg", "exp_avg_sq")}
+            state[index]["step"] = read_pt(zero / name / "step.pt")
             groups[-1]["params"].append(index)
             index += 1
     model_state.update(module=module, optimizer={"state": state, "param_groups": groups}, param_shapes=None)
@@ -346,7 +346,7 @@ def _zero0_from_universal(universal: Path, out: Path, model_config, weight_decay
 # --- reading DeepSpeed's files ------------------------------------------------------------------------
 
 
-def _load(path: Path):
+def read_pt(path: Path):
     """torch.load with weights_only=True, allowing the few plain types DeepSpeed and our client state pickle."""
     import numpy as np
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
