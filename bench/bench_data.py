@@ -10,6 +10,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_data.py [--copies 12] [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,9 +73,16 @@ def bench_prepare(tmp: Path, corpus: Path, texts: list[str], repeats: int) -> di
     assert manifest["tokens"] == tokens + manifest["documents"], "prepare and the bare tokenizer disagree"
     raw_rate = tokens / statistics.median(t for t, _ in raw_runs)
     ours_rate = tokens / statistics.median(ours_runs)
-    return {"documents": manifest["documents"], "tokens": tokens, "raw_tok_s": raw_rate, "prepare_tok_s": ours_rate,
-            "ratio": ours_rate / raw_rate, "prepare_cold_tok_s": tokens / cold_seconds,
-            "ratios_per_run": [r / o for (r, _), o in zip(raw_runs, ours_runs)], "folder": str(tmp / "prepared_1")}
+    return {
+        "documents": manifest["documents"],
+        "tokens": tokens,
+        "raw_tok_s": raw_rate,
+        "prepare_tok_s": ours_rate,
+        "ratio": ours_rate / raw_rate,
+        "prepare_cold_tok_s": tokens / cold_seconds,
+        "ratios_per_run": [r / o for (r, _), o in zip(raw_runs, ours_runs)],
+        "folder": str(tmp / "prepared_1"),
+    }
 
 
 def bench_loader(folder: str, samples: int) -> dict:
@@ -91,8 +99,12 @@ def bench_loader(folder: str, samples: int) -> dict:
     for _ in range(samples // 8):
         collate([ds[i] for i in next(batches)])
     collated = (samples // 8 * 8) / (time.perf_counter() - start)
-    return {"samples": samples, "epochs": -(-samples // ds.samples_per_epoch), "bare_samples_s": bare,
-            "collated_samples_s": collated}
+    return {
+        "samples": samples,
+        "epochs": -(-samples // ds.samples_per_epoch),
+        "bare_samples_s": bare,
+        "collated_samples_s": collated,
+    }
 
 
 def simulate_corpus(folder: Path, total_tokens: int, shards: int) -> int:
@@ -112,11 +124,20 @@ def simulate_corpus(folder: Path, total_tokens: int, shards: int) -> int:
         with open(f"{prefix}.bin", "wb") as f:
             f.truncate(int(part.sum(dtype=np.int64)) * 2)  # sparse: no disk blocks
         records.append({"prefix": prefix.name, "documents": int(part.size), "tokens": int(part.sum(dtype=np.int64))})
-    write_json_atomic(folder / "manifest.json", {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "shards": records, "dtype": "uint16",
-        "documents": int(sizes.size), "tokens": int(sizes.sum(dtype=np.int64)),
-        "tokenizer": {"hash": "simulated"}, "vocab_size": 50_000, "eos_id": 0,
-    })
+    write_json_atomic(
+        folder / "manifest.json",
+        {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "shards": records,
+            "dtype": "uint16",
+            "documents": int(sizes.size),
+            "tokens": int(sizes.sum(dtype=np.int64)),
+            "tokenizer": {"hash": "simulated"},
+            "vocab_size": 50_000,
+            "eos_id": 0,
+        },
+    )
     return int(sizes.size)
 
 
@@ -150,20 +171,29 @@ def main() -> None:
             corpus, texts = make_corpus(tmp, args.copies)
             results["prepare"] = bench_prepare(tmp, corpus, texts, args.repeats)
             p = results["prepare"]
-            print(f"prepare: {p['documents']:,} docs, {p['tokens']:,} tokens | "
-                  f"tokenizer(batch) {p['raw_tok_s']:,.0f} tok/s"
-                  f" | prepare {p['prepare_tok_s']:,.0f} tok/s (cold, with Arrow conversion: "
-                  f"{p['prepare_cold_tok_s']:,.0f}) | ratio {p['ratio']:.2f} (runs: "
-                  f"{', '.join(f'{r:.2f}' for r in p['ratios_per_run'])}; target >= 0.9)", flush=True)
+            print(
+                f"prepare: {p['documents']:,} docs, {p['tokens']:,} tokens | "
+                f"tokenizer(batch) {p['raw_tok_s']:,.0f} tok/s"
+                f" | prepare {p['prepare_tok_s']:,.0f} tok/s (cold, with Arrow conversion: "
+                f"{p['prepare_cold_tok_s']:,.0f}) | ratio {p['ratio']:.2f} (runs: "
+                f"{', '.join(f'{r:.2f}' for r in p['ratios_per_run'])}; target >= 0.9)",
+                flush=True,
+            )
         if args.only in (None, "loader"):
             results["loader"] = loader = bench_loader(results["prepare"]["folder"], args.loader_samples)
-            print(f"loader: seq_len {SEQ_LEN}, {loader['samples']:,} samples over {loader['epochs']} epoch(s) | "
-                  f"ds[i] {loader['bare_samples_s']:,.0f} samples/s | micro_batches+collate "
-                  f"{loader['collated_samples_s']:,.0f} samples/s (target >= 20,000)", flush=True)
+            print(
+                f"loader: seq_len {SEQ_LEN}, {loader['samples']:,} samples over {loader['epochs']} epoch(s) | "
+                f"ds[i] {loader['bare_samples_s']:,.0f} samples/s | micro_batches+collate "
+                f"{loader['collated_samples_s']:,.0f} samples/s (target >= 20,000)",
+                flush=True,
+            )
         if args.only in (None, "index"):
             results["index"] = idx = bench_index(tmp, int(args.index_tokens))
-            print(f"index: {idx['tokens']:,} tokens, {idx['documents']:,} docs, {idx['samples']:,} samples | "
-                  f"build {idx['cold_s']:.1f} s (target <= 30 s), cached {idx['warm_s']:.2f} s", flush=True)
+            print(
+                f"index: {idx['tokens']:,} tokens, {idx['documents']:,} docs, {idx['samples']:,} samples | "
+                f"build {idx['cold_s']:.1f} s (target <= 30 s), cached {idx['warm_s']:.2f} s",
+                flush=True,
+            )
         print(json.dumps(results, indent=2, default=str))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

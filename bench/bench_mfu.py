@@ -9,6 +9,7 @@ MFU is the trainer's own: the median over logged steps after the first of 6N + 1
 token × tokens/s per device ÷ the device's dense peak (src/dstrain/metrics.py; DSTRAIN_PEAK_TFLOPS
 overrides it). The targets and the settings behind them are in BENCHMARKS.md, "GPU readiness".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,21 +35,57 @@ def ensure_data() -> None:
     if not (DATA / "manifest.json").exists():
         raw = ROOT / "data" / "raw" / "pydocs.jsonl"
         subprocess.run([sys.executable, "-m", "dstrain.data.corpus", str(raw)], check=True)
-        subprocess.run([sys.executable, "-m", "dstrain", "prepare", "--dataset", str(raw), "--train-tokenizer", "4096",
-                        "--out", str(DATA)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dstrain",
+                "prepare",
+                "--dataset",
+                str(raw),
+                "--train-tokenizer",
+                "4096",
+                "--out",
+                str(DATA),
+            ],
+            check=True,
+        )
 
 
 def run(recipe: str, nproc: int | None, steps: int, out: Path) -> dict:
     config, shorten, _ = PLAN[recipe]
-    command = [sys.executable, "-m", "dstrain", "compare", "--recipe", str(ROOT / "recipes" / f"{recipe}.yaml"),
-               "--deepspeed_configs", str(ROOT / "ds_configs" / config), "--steps", str(steps), "--out", str(out),
-               *(["--nproc", str(nproc)] if nproc else []), f"data.sources=[{{path: {DATA}}}]",
-               "train.eval_interval=1000000", "train.checkpoint_interval=1000000", "train.eval_samples=64",
-               "schedule.warmup_steps=1", *shorten]
+    command = [
+        sys.executable,
+        "-m",
+        "dstrain",
+        "compare",
+        "--recipe",
+        str(ROOT / "recipes" / f"{recipe}.yaml"),
+        "--deepspeed_configs",
+        str(ROOT / "ds_configs" / config),
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        *(["--nproc", str(nproc)] if nproc else []),
+        f"data.sources=[{{path: {DATA}}}]",
+        "train.eval_interval=1000000",
+        "train.checkpoint_interval=1000000",
+        "train.eval_samples=64",
+        "schedule.warmup_steps=1",
+        *shorten,
+    ]
     subprocess.run(command, check=False)  # a failed config still has its row and reason
     if not (out / "results.csv").exists():  # refused before running: compare printed why
-        return {"config": Path(config).stem, "world_size": "", "tokens_per_s": "", "tflops_per_device": "", "mfu": "",
-                "status": "not run", "reason": "(see the error above)"}
+        return {
+            "config": Path(config).stem,
+            "world_size": "",
+            "tokens_per_s": "",
+            "tflops_per_device": "",
+            "mfu": "",
+            "status": "not run",
+            "reason": "(see the error above)",
+        }
     with (out / "results.csv").open(newline="") as f:
         return next(csv.DictReader(f))
 
@@ -62,16 +99,27 @@ def main() -> int:
     args = parser.parse_args()
     ensure_data()
     rows = [(recipe, run(recipe, args.nproc, args.steps, args.out / recipe)) for recipe in args.recipes]
-    print(f"\n{'recipe':<10} {'ds_config':<16} {'ranks':>5} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>6} {'target':>6}  status")
+    print(
+        f"\n{'recipe':<10} {'ds_config':<16} {'ranks':>5} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>6} "
+        f"{'target':>6}  status"
+    )
     for recipe, row in rows:
         mfu = f"{float(row['mfu']):.0%}" if row["mfu"] else "n/a"
         target = f"{PLAN[recipe][2]}%" if PLAN[recipe][2] else "-"
         rate = f"{float(row['tokens_per_s']):,.0f}" if row["tokens_per_s"] else "-"
         tflops = f"{float(row['tflops_per_device']):.3g}" if row["tflops_per_device"] else "-"
-        print(f"{recipe:<10} {row['config']:<16} {row['world_size']:>5} {rate:>10} {tflops:>11} {mfu:>6} {target:>6}  "
-              f"{row['status']} {row['reason']}".rstrip())
-    print(f"\nreports: {args.out}/<recipe>/report.md" + ("" if any(r["mfu"] for _, r in rows) else
-          "\nMFU n/a: no known peak for this device; set DSTRAIN_PEAK_TFLOPS to its dense peak"))
+        print(
+            f"{recipe:<10} {row['config']:<16} {row['world_size']:>5} {rate:>10} {tflops:>11} {mfu:>6} {target:>6}  "
+            f"{row['status']} {row['reason']}".rstrip()
+        )
+    print(
+        f"\nreports: {args.out}/<recipe>/report.md"
+        + (
+            ""
+            if any(r["mfu"] for _, r in rows)
+            else "\nMFU n/a: no known peak for this device; set DSTRAIN_PEAK_TFLOPS to its dense peak"
+        )
+    )
     return 0 if all(row["status"] == "completed" for _, row in rows) else 1
 
 

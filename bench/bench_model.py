@@ -7,6 +7,7 @@ alternate between the two models so that load from other processes hits both ali
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_model.py [--repeats 10] [--profile]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,22 +81,32 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also print torch.profiler tables")
     args = parser.parse_args()
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}, "
-          f"dtype {args.dtype}, batch {args.batch} x seq {args.seq}, d_model {args.d_model}, "
-          f"{args.n_layer} layers, vocab {args.vocab}")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}, "
+        f"dtype {args.dtype}, batch {args.batch} x seq {args.seq}, d_model {args.d_model}, "
+        f"{args.n_layer} layers, vocab {args.vocab}"
+    )
     torch.manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
     labels = torch.randint(0, args.vocab, (args.batch, args.seq))
     for flavour in ("gpt2", "llama"):
-        config = GPTConfig(flavour=flavour, vocab_size=args.vocab, max_seq_len=args.seq, n_layer=args.n_layer,
-                           n_head=args.n_head, n_kv_head=args.n_kv_head if flavour == "llama" else None,
-                           d_model=args.d_model)
+        config = GPTConfig(
+            flavour=flavour,
+            vocab_size=args.vocab,
+            max_seq_len=args.seq,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            n_kv_head=args.n_kv_head if flavour == "llama" else None,
+            d_model=args.d_model,
+        )
         ours, hf = build_pair(config, DTYPES[args.dtype])
         hf_name = type(hf).__name__
         tokens_per_s = measure({"dstrain": ours, hf_name: hf}, ids, labels, args.repeats, args.warmup)
         ratio = tokens_per_s["dstrain"] / tokens_per_s[hf_name]
-        print(f"{flavour:6s} dstrain {tokens_per_s['dstrain']:9.0f} tok/s | {hf_name:17s} "
-              f"{tokens_per_s[hf_name]:9.0f} tok/s | ratio {ratio:.2f}x")
+        print(
+            f"{flavour:6s} dstrain {tokens_per_s['dstrain']:9.0f} tok/s | {hf_name:17s} "
+            f"{tokens_per_s[hf_name]:9.0f} tok/s | ratio {ratio:.2f}x"
+        )
         if args.profile:
             profile(ours, ids, labels, f"dstrain {flavour}")
             profile(hf, ids, labels, hf_name)

@@ -10,6 +10,7 @@
 
 Runs as a world of one (gloo); the data folder is any `dstrain prepare` output (the demo's data/pydocs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,16 @@ def load(recipe_name: str, data: str, run_dir: str):
     from dstrain.config import load_recipe
     from dstrain.strategy import load_ds_config, resolve
 
-    overrides = [*SHORTEN[recipe_name], f"data.sources=[{{path: {data}}}]", f"train.steps={STEPS}", f"train.log_interval={LOG_INTERVAL}",
-                 "train.eval_samples=8", f"run_dir={run_dir}", "train.tokens=null", "schedule.warmup_steps=1"]
+    overrides = [
+        *SHORTEN[recipe_name],
+        f"data.sources=[{{path: {data}}}]",
+        f"train.steps={STEPS}",
+        f"train.log_interval={LOG_INTERVAL}",
+        "train.eval_samples=8",
+        f"run_dir={run_dir}",
+        "train.tokens=null",
+        "schedule.warmup_steps=1",
+    ]
     recipe = load_recipe(ROOT / "recipes" / f"{recipe_name}.yaml", overrides)
     config = ROOT / "ds_configs" / "zero1.json"
     raw = load_ds_config(config)
@@ -66,8 +75,11 @@ def trainer_rate(recipe, strategy, train_data, valid_data, run_dir: Path) -> tup
     trainer.train_step = timed_train_step
     trainer.fit()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["tokens_per_s"] for r in records if r["step"] in range(MEASURED.start + 1, MEASURED.stop + 1)
-             and "split" not in r and "event" not in r]
+    rates = [
+        r["tokens_per_s"]
+        for r in records
+        if r["step"] in range(MEASURED.start + 1, MEASURED.stop + 1) and "split" not in r and "event" not in r
+    ]
     tokens = recipe.train.global_batch * recipe.data.seq_len
     outside = [1 - step * rate / tokens for rate, step in zip(rates, inner[MEASURED])]  # 1 - train_step / whole step
     return statistics.median(rates), statistics.median(outside)
@@ -104,8 +116,9 @@ def profiled_flops_per_token(recipe) -> float:
 
     model = GPT(recipe.model)
     batch, seq = 1, recipe.data.seq_len
-    flops, _, _ = get_model_profile(model, args=[torch.zeros(batch, seq, dtype=torch.long)], print_profile=False,
-                                    as_string=False)
+    flops, _, _ = get_model_profile(
+        model, args=[torch.zeros(batch, seq, dtype=torch.long)], print_profile=False, as_string=False
+    )
     return 3 * flops / (batch * seq)  # backward costs twice the forward
 
 
@@ -126,8 +139,14 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             recipe, strategy = load(name, args.data, tmp)
             sources = [(s.path, s.weight) for s in recipe.data.sources]
-            train = build_dataset(sources, "train", recipe.data.seq_len, recipe.seed, STEPS * recipe.train.global_batch,
-                                  recipe.data.valid_fraction)
+            train = build_dataset(
+                sources,
+                "train",
+                recipe.data.seq_len,
+                recipe.seed,
+                STEPS * recipe.train.global_batch,
+                recipe.data.valid_fraction,
+            )
             valid = build_valid_sets(sources, recipe.data.seq_len, recipe.seed, recipe.data.valid_fraction)
             # minimal, trainer, minimal, trainer, ..., minimal: each trainer block is compared with the mean of
             # the two minimal blocks around it, so that drift in background load cancels.
@@ -139,15 +158,21 @@ def main() -> None:
                 outside.append(share)
                 theirs.append(minimal_rate(recipe, strategy, train))
                 ratios.append(ours[-1] / statistics.mean(theirs[-2:]))
-            print(f"{name}: trainer {statistics.median(ours):,.0f} tok/s, minimal loop {statistics.median(theirs):,.0f} "
-                  f"tok/s, ratio {statistics.median(ratios):.3f} (median of {len(ratios)} blocks, range "
-                  f"{min(ratios):.3f}-{max(ratios):.3f}; target >= 0.98)")
-            print(f"{name}: the trainer's own loop outside train_step takes {100 * statistics.median(outside):.2f}% "
-                  f"of a step (the ratio it alone would give: {1 - statistics.median(outside):.4f})")
+            print(
+                f"{name}: trainer {statistics.median(ours):,.0f} tok/s, minimal loop {statistics.median(theirs):,.0f} "
+                f"tok/s, ratio {statistics.median(ratios):.3f} (median of {len(ratios)} blocks, range "
+                f"{min(ratios):.3f}-{max(ratios):.3f}; target >= 0.98)"
+            )
+            print(
+                f"{name}: the trainer's own loop outside train_step takes {100 * statistics.median(outside):.2f}% "
+                f"of a step (the ratio it alone would give: {1 - statistics.median(outside):.4f})"
+            )
             ours_flops = flops_per_token(recipe.model, recipe.data.seq_len)
             profiled = profiled_flops_per_token(recipe)
-            print(f"{name}: flops/token dstrain {ours_flops / 1e6:.2f} M, DeepSpeed profiler {profiled / 1e6:.2f} M, "
-                  f"difference {100 * (ours_flops / profiled - 1):+.2f}% (target within 5%)")
+            print(
+                f"{name}: flops/token dstrain {ours_flops / 1e6:.2f} M, DeepSpeed profiler {profiled / 1e6:.2f} M, "
+                f"difference {100 * (ours_flops / profiled - 1):+.2f}% (target within 5%)"
+            )
 
 
 if __name__ == "__main__":

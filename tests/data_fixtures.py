@@ -5,6 +5,7 @@
 
 The same arguments in the same folder return the already-prepared folder.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,15 +42,22 @@ def read_texts(path: str | os.PathLike) -> list[str]:
     return [json.loads(line)["text"] for line in Path(path).read_text(encoding="utf-8").splitlines()]
 
 
-def prepared_corpus(tmp_dir: str | os.PathLike, n_docs: int = TINY_DOCS, vocab_size: int = TINY_VOCAB,
-                    shard_tokens: int = TINY_SHARD_TOKENS, skip_docs: int = 0, name: str | None = None) -> Path:
+def prepared_corpus(
+    tmp_dir: str | os.PathLike,
+    n_docs: int = TINY_DOCS,
+    vocab_size: int = TINY_VOCAB,
+    shard_tokens: int = TINY_SHARD_TOKENS,
+    skip_docs: int = 0,
+    name: str | None = None,
+) -> Path:
     """Prepare ``n_docs`` stdlib documents with a trained BPE into ``tmp_dir/name``; returns the folder."""
     tmp_dir = Path(tmp_dir)
     out = tmp_dir / (name or f"prepared_{skip_docs}_{n_docs}_{vocab_size}_{shard_tokens}")
     if not (out / "manifest.json").is_file():
         source = corpus_file(tmp_dir, n_docs, skip_docs)
-        prepare(str(source), str(out), train_tokenizer=vocab_size, shard_tokens=shard_tokens,
-                num_proc=1, progress=False)
+        prepare(
+            str(source), str(out), train_tokenizer=vocab_size, shard_tokens=shard_tokens, num_proc=1, progress=False
+        )
     return out
 
 

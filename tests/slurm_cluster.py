@@ -14,6 +14,7 @@ which ``cluster.env`` carries (and sbatch's default --export=ALL hands to the jo
 Where the machine cannot run it (not root, packages missing) the fixture skips with the reason,
 or fails under ``CI=true``.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -58,8 +59,10 @@ def missing_requirement() -> str | None:
         return "the Slurm test cluster needs root (slurmd runs jobs as their user; munged runs as user munge)"
     absent = [b for b in BINARIES if shutil.which(b) is None]
     if absent:
-        return (f"Slurm is not installed ({', '.join(absent)} not found): run scripts/test as root, which installs "
-                f"it, or `apt-get install -y {PACKAGES}`")
+        return (
+            f"Slurm is not installed ({', '.join(absent)} not found): run scripts/test as root, which installs "
+            f"it, or `apt-get install -y {PACKAGES}`"
+        )
     try:
         pwd.getpwnam("munge")
     except KeyError:
@@ -75,8 +78,11 @@ def node_layout() -> str:
     fields = dict(item.split("=", 1) for item in out.split())
     if int(fields.get("CPUs", "0")) < 2:
         return MIN_LAYOUT
-    return " ".join(f"{k}={fields[k]}" for k in ("CPUs", "Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore")
-                    if k in fields)
+    return " ".join(
+        f"{k}={fields[k]}"
+        for k in ("CPUs", "Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore")
+        if k in fields
+    )
 
 
 def _die_with_parent() -> None:
@@ -103,7 +109,7 @@ class SlurmCluster:
                 del self.env[var]
 
     # --- lifecycle --------------------------------------------------------------------
-    def start(self) -> "SlurmCluster":
+    def start(self) -> SlurmCluster:
         for sub in ("state", "spool", "run", "log"):
             (self.base / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(self.base, 0o755)  # munged (user munge) must reach its folder inside
@@ -123,8 +129,12 @@ class SlurmCluster:
                 jobs = self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
                 if jobs:
                     self.run(["scancel", *jobs], check=False)
-                    self._wait_for(lambda: not self.run(["squeue", "-h"], check=False).stdout.strip(), 30,
-                                   "cancelled jobs to leave", fail=False)
+                    self._wait_for(
+                        lambda: not self.run(["squeue", "-h"], check=False).stdout.strip(),
+                        30,
+                        "cancelled jobs to leave",
+                        fail=False,
+                    )
         finally:
             # slurmds first, so that none is left reporting to a stopped controller; munged last.
             for name in sorted(self.procs, key=lambda n: (n == "munged", n == "slurmctld")):
@@ -197,8 +207,15 @@ class SlurmCluster:
         # Own session: a Ctrl-C on pytest reaches the teardown, not the daemons directly.
         # Own session: a Ctrl-C on pytest reaches the teardown, not the daemons directly; and should pytest
         # die without a teardown, the kernel stops the daemons (PR_SET_PDEATHSIG).
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
+        self.procs[name] = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            **kwargs,
+        )
         log.close()
         time.sleep(0.2)
         if self.procs[name].poll() is not None:
@@ -213,11 +230,20 @@ class SlurmCluster:
             os.chown(path, munge.pw_uid, munge.pw_gid)
         os.chmod(self.munge_dir, 0o755)  # clients must reach the socket; munged refuses a looser folder
         os.chmod(key, 0o600)
-        self._spawn("munged", [
-            "munged", "--foreground", f"--socket={self.munge_socket}", f"--key-file={key}",
-            f"--pid-file={self.munge_dir / 'munged.pid'}", f"--log-file={self.munge_dir / 'munged.log'}",
-            f"--seed-file={self.munge_dir / 'munged.seed'}",
-        ], user=munge.pw_uid, group=munge.pw_gid)
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={self.munge_dir / 'munged.pid'}",
+                f"--log-file={self.munge_dir / 'munged.log'}",
+                f"--seed-file={self.munge_dir / 'munged.seed'}",
+            ],
+            user=munge.pw_uid,
+            group=munge.pw_gid,
+        )
         self._wait_for(self.munge_socket.exists, 20, "munged's socket")
 
     def _write_conf(self) -> None:
@@ -230,7 +256,7 @@ class SlurmCluster:
 ClusterName=dstraintest
 # Job ids (and so the trainers' MASTER_PORT, 20000 + id) differ from another test session's.
 FirstJobId={random.randrange(1000, 12000)}
-SlurmctldHost={socket.gethostname().split('.')[0]}(127.0.0.1)
+SlurmctldHost={socket.gethostname().split(".")[0]}(127.0.0.1)
 SlurmctldPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
@@ -301,8 +327,10 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 f.write(("" if text.endswith("\n") or not text else "\n") + "\n".join(missing) + "\n")
         for node in self.nodes:
             if socket.gethostbyname(node) != self.addresses[node]:
-                raise RuntimeError(f"{node} resolves to {socket.gethostbyname(node)}, not {self.addresses[node]}: "
-                                   f"fix its line in {HOSTS_FILE}")
+                raise RuntimeError(
+                    f"{node} resolves to {socket.gethostbyname(node)}, not {self.addresses[node]}: "
+                    f"fix its line in {HOSTS_FILE}"
+                )
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """The catalogue of bad input to `dstrain.train`: one case per input, each a single line on stderr naming
 what is wrong and how to fix it, exit status 2, before any work, with nothing the user had changed."""
+
 import hashlib
 import json
 import os
@@ -71,8 +72,16 @@ def _hf_config(tmp_path, weights: bool) -> Path:
     from transformers import LlamaConfig
 
     folder = tmp_path / "hf"
-    LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=32, architectures=["LlamaForCausalLM"]).save_pretrained(folder)
+    LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(folder)
     if weights:
         (folder / "model.safetensors").write_bytes(b"")
     return folder
@@ -98,114 +107,197 @@ def _finished_run(tmp_path, corpus) -> Path:
 CASES = {
     "malformed YAML": (
         lambda t, c: (_write(t / "r.yaml", "name: x\nmodel: {flavour: llama,\n"), ROOT / "ds_configs/zero1.json", []),
-        ["r.yaml: malformed YAML at line"]),
+        ["r.yaml: malformed YAML at line"],
+    ),
     "malformed JSON": (
         lambda t, c: (small_recipe(t, c), _write(t / "d.json", '{"zero_optimization": {"stage": 1}'), []),
-        ["d.json: malformed JSON at line 1"]),
+        ["d.json: malformed JSON at line 1"],
+    ),
     "unknown recipe key": (
         lambda t, c: (edit_recipe(small_recipe(t, c), "optim", weight_decy=0.1), ROOT / "ds_configs/zero1.json", []),
-        ["unknown key optim.weight_decy; did you mean optim.weight_decay?"]),
+        ["unknown key optim.weight_decy; did you mean optim.weight_decay?"],
+    ),
     "wrong type": (
         lambda t, c: (edit_recipe(small_recipe(t, c), "train", steps="ten"), ROOT / "ds_configs/zero1.json", []),
-        ["train.steps must be int"]),
+        ["train.steps must be int"],
+    ),
     "inconsistent batch arithmetic": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", train_micro_batch_size_per_gpu=3), []),
-        ["train_micro_batch_size_per_gpu=3", "valid micro-batch sizes for 2 ranks: 1, 2, 4"]),
+        ["train_micro_batch_size_per_gpu=3", "valid micro-batch sizes for 2 ranks: 1, 2, 4"],
+    ),
     "ds_config contradicts the recipe": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", gradient_clipping=5.0), []),
-        ["pins gradient_clipping=5.0", "sets optim.grad_clip=1.0"]),
+        ["pins gradient_clipping=5.0", "sets optim.grad_clip=1.0"],
+    ),
     "pipeline with ZeRO-2": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero2", pipeline={"stages": 2}), []),
-        ["pipeline parallelism works with ZeRO stage 0 or 1", "stage to 1"]),
+        ["pipeline parallelism works with ZeRO stage 0 or 1", "stage to 1"],
+    ),
     "fp16 on a device without it": (
         lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1_fp16.json", []),
-        ["fp16 is not supported on this device", "ds_configs/zero1_bf16.json"]),
+        ["fp16 is not supported on this device", "ds_configs/zero1_bf16.json"],
+    ),
     "unprepared data folder": (
-        lambda t, c: (edit_recipe(small_recipe(t, c), "data", sources=[{"path": str(t / "nowhere")}]),
-                      ROOT / "ds_configs/zero1.json", []),
-        ["no manifest", "run `dstrain prepare"]),
+        lambda t, c: (
+            edit_recipe(small_recipe(t, c), "data", sources=[{"path": str(t / "nowhere")}]),
+            ROOT / "ds_configs/zero1.json",
+            [],
+        ),
+        ["no manifest", "run `dstrain prepare"],
+    ),
     "missing shard": (
-        lambda t, c: (edit_recipe(small_recipe(t, c), "data", sources=[{"path": str(damaged_corpus(
-            t, c, lambda f: (f / "shard_00001.bin").unlink()))}]), ROOT / "ds_configs/zero1.json", []),
-        ["shard_00001.bin"]),
+        lambda t, c: (
+            edit_recipe(
+                small_recipe(t, c),
+                "data",
+                sources=[{"path": str(damaged_corpus(t, c, lambda f: (f / "shard_00001.bin").unlink()))}],
+            ),
+            ROOT / "ds_configs/zero1.json",
+            [],
+        ),
+        ["shard_00001.bin"],
+    ),
     "truncated shard": (
-        lambda t, c: (edit_recipe(small_recipe(t, c), "data", sources=[{"path": str(damaged_corpus(
-            t, c, lambda f: truncate(f / "shard_00000.bin")))}]), ROOT / "ds_configs/zero1.json", []),
-        ["shard_00000.bin", "dstrain prepare"]),
+        lambda t, c: (
+            edit_recipe(
+                small_recipe(t, c),
+                "data",
+                sources=[{"path": str(damaged_corpus(t, c, lambda f: truncate(f / "shard_00000.bin")))}],
+            ),
+            ROOT / "ds_configs/zero1.json",
+            [],
+        ),
+        ["shard_00000.bin", "dstrain prepare"],
+    ),
     "vocabulary smaller than the data's": (
         lambda t, c: (edit_recipe(small_recipe(t, c), "model", vocab_size=256), ROOT / "ds_configs/zero1.json", []),
-        ["model.vocab_size=256 is smaller than the tokenizer's 512"]),
+        ["model.vocab_size=256 is smaller than the tokenizer's 512"],
+    ),
     "tokenizer other than the data's": (
-        lambda t, c: (edit_recipe(small_recipe(t, c), "data", tokenizer=str(_other_tokenizer(t))),
-                      ROOT / "ds_configs/zero1.json", []),
-        ["is not the one", "was prepared with"]),
+        lambda t, c: (
+            edit_recipe(small_recipe(t, c), "data", tokenizer=str(_other_tokenizer(t))),
+            ROOT / "ds_configs/zero1.json",
+            [],
+        ),
+        ["is not the one", "was prepared with"],
+    ),
     "seq_len above the model's positions": (
         lambda t, c: (edit_recipe(small_recipe(t, c), "model", max_seq_len=16), ROOT / "ds_configs/zero1.json", []),
-        ["data.seq_len=32 exceeds model.max_seq_len=16"]),
+        ["data.seq_len=32 exceeds model.max_seq_len=16"],
+    ),
     "activation checkpointing in the recipe (a ds_config setting)": (
-        lambda t, c: (edit_recipe(small_recipe(t, c), "model", activation_checkpointing=True),
-                      ROOT / "ds_configs/zero1.json", []),
-        ["model.activation_checkpointing moved to the ds_config", '"activation_checkpointing": {']),
+        lambda t, c: (
+            edit_recipe(small_recipe(t, c), "model", activation_checkpointing=True),
+            ROOT / "ds_configs/zero1.json",
+            [],
+        ),
+        ["model.activation_checkpointing moved to the ds_config", '"activation_checkpointing": {'],
+    ),
     "run_dir holding a different model": (
-        lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [f"run_dir={_existing_run(t, c, d_model=32)}"]),
-        ["holds a run of a different recipe (model", "set run_dir="]),
+        lambda t, c: (
+            small_recipe(t, c),
+            ROOT / "ds_configs/zero1.json",
+            [f"run_dir={_existing_run(t, c, d_model=32)}"],
+        ),
+        ["holds a run of a different recipe (model", "set run_dir="],
+    ),
     # A ds_config that DeepSpeed would reject inside deepspeed.initialize, or silently ignore.
     "misspelled ZeRO sub-key": (
-        lambda t, c: (small_recipe(t, c), ds_config(t, "zero2", zero_optimization={"stage": 2, "overlap_com": True}), []),
-        ['unknown key "zero_optimization.overlap_com"', 'did you mean "zero_optimization.overlap_comm"']),
+        lambda t, c: (
+            small_recipe(t, c),
+            ds_config(t, "zero2", zero_optimization={"stage": 2, "overlap_com": True}),
+            [],
+        ),
+        ['unknown key "zero_optimization.overlap_com"', 'did you mean "zero_optimization.overlap_comm"'],
+    ),
     "misspelled top-level key": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", zero_optimisation={"stage": 2}), []),
-        ['unknown key "zero_optimisation"', 'did you mean "zero_optimization"']),
+        ['unknown key "zero_optimisation"', 'did you mean "zero_optimization"'],
+    ),
     "misspelled nested offload key": (
-        lambda t, c: (small_recipe(t, c), ds_config(t, "zero2", zero_optimization={
-            "stage": 2, "offload_optimizer": {"devce": "cpu"}}), []),
-        ['"zero_optimization.offload_optimizer.devce"', '"zero_optimization.offload_optimizer.device"']),
+        lambda t, c: (
+            small_recipe(t, c),
+            ds_config(t, "zero2", zero_optimization={"stage": 2, "offload_optimizer": {"devce": "cpu"}}),
+            [],
+        ),
+        ['"zero_optimization.offload_optimizer.devce"', '"zero_optimization.offload_optimizer.device"'],
+    ),
     "misspelled bf16 key": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", bf16={"enabeld": True}), []),
-        ['unknown key "bf16.enabeld"', '"bf16.enabled"']),
+        ['unknown key "bf16.enabeld"', '"bf16.enabled"'],
+    ),
     "misspelled activation_checkpointing key": (
-        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", activation_checkpointing={"partition_activation": True}), []),
-        ['"activation_checkpointing.partition_activation"', '"activation_checkpointing.partition_activations"']),
+        lambda t, c: (
+            small_recipe(t, c),
+            ds_config(t, "zero1", activation_checkpointing={"partition_activation": True}),
+            [],
+        ),
+        ['"activation_checkpointing.partition_activation"', '"activation_checkpointing.partition_activations"'],
+    ),
     "misspelled data_types key": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", data_types={"grad_acum_dtype": "fp32"}), []),
-        ['"data_types.grad_acum_dtype"', '"data_types.grad_accum_dtype"']),
+        ['"data_types.grad_acum_dtype"', '"data_types.grad_accum_dtype"'],
+    ),
     "misspelled monitor key": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", tensorboard={"enabled": True, "output_pat": "tb"}), []),
-        ['"tensorboard.output_pat"', '"tensorboard.output_path"']),
+        ['"tensorboard.output_pat"', '"tensorboard.output_path"'],
+    ),
     "misspelled pipeline key": (
-        lambda t, c: (small_recipe(t, c), ds_config(t, "pp2_zero1", pipeline={"stages": 2, "partition_methd": "uniform"}), []),
-        ['"pipeline.partition_methd"', '"pipeline.partition_method"']),
+        lambda t, c: (
+            small_recipe(t, c),
+            ds_config(t, "pp2_zero1", pipeline={"stages": 2, "partition_methd": "uniform"}),
+            [],
+        ),
+        ['"pipeline.partition_methd"', '"pipeline.partition_method"'],
+    ),
     "ZeRO stage as a word": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", zero_optimization={"stage": "two"}), []),
-        ["zero_optimization.stage"]),
+        ["zero_optimization.stage"],
+    ),
     "ZeRO stage 7": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", zero_optimization={"stage": 7}), []),
-        ["zero_optimization.stage=7", "use 0, 1, 2 or 3"]),
+        ["zero_optimization.stage=7", "use 0, 1, 2 or 3"],
+    ),
     "ZeRO bucket size of the wrong type": (
-        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", zero_optimization={"stage": 1, "reduce_bucket_size": "big"}), []),
-        ['"zero_optimization.reduce_bucket_size"', "'big'"]),
+        lambda t, c: (
+            small_recipe(t, c),
+            ds_config(t, "zero1", zero_optimization={"stage": 1, "reduce_bucket_size": "big"}),
+            [],
+        ),
+        ['"zero_optimization.reduce_bucket_size"', "'big'"],
+    ),
     "unknown optimizer type": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", optimizer={"type": "AdamWW", "params": {}}), []),
-        ['optimizer.type "AdamWW"', 'did you mean "AdamW"']),
+        ['optimizer.type "AdamWW"', 'did you mean "AdamW"'],
+    ),
     "ds_config seed that is not the recipe's": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", seed=99), []),
-        ["pins seed=99", "sets seed=7"]),
+        ["pins seed=99", "sets seed=7"],
+    ),
     "ds_config that is a list": (
         lambda t, c: (small_recipe(t, c), _write(t / "d.json", "[1, 2]"), []),
-        ["d.json: a ds_config is a JSON object"]),
+        ["d.json: a ds_config is a JSON object"],
+    ),
     "ds_config that is a folder": (
         lambda t, c: (small_recipe(t, c), ROOT / "ds_configs", []),
-        ["ds_configs: cannot read the ds_config (Is a directory)"]),
+        ["ds_configs: cannot read the ds_config (Is a directory)"],
+    ),
     "recipe that is a folder": (
         lambda t, c: (ROOT / "recipes", ROOT / "ds_configs/zero1.json", []),
-        ["recipes: cannot read the recipe (Is a directory)"]),
+        ["recipes: cannot read the recipe (Is a directory)"],
+    ),
     "missing ds_config": (
         lambda t, c: (small_recipe(t, c), t / "nowhere.json", []),
-        ["nowhere.json: no such ds_config file"]),
+        ["nowhere.json: no such ds_config file"],
+    ),
     "finished run extended under a ds_config DeepSpeed rejects": (
-        lambda t, c: (small_recipe(t, c), ds_config(t, "zero2", zero_optimization={"stage": 2, "overlap_com": True}),
-                      [f"run_dir={_finished_run(t, c)}", "train.steps=20"]),
-        ['"zero_optimization.overlap_com"']),
+        lambda t, c: (
+            small_recipe(t, c),
+            ds_config(t, "zero2", zero_optimization={"stage": 2, "overlap_com": True}),
+            [f"run_dir={_finished_run(t, c)}", "train.steps=20"],
+        ),
+        ['"zero_optimization.overlap_com"'],
+    ),
     # Numeric ranges (dstrain.ranges), declared with each field.
     "log_interval 0": (_override("train.log_interval=0"), ["train.log_interval=0 is out of range", ">= 1"]),
     "eval_samples 0": (_override("train.eval_samples=0"), ["train.eval_samples=0 is out of range", ">= 1"]),
@@ -215,57 +307,113 @@ CASES = {
     "keep_last 0": (_override("train.keep_last=0"), ["train.keep_last=0", ">= 1"]),
     "negative steps": (_override("train.steps=-5"), ["train.steps=-5", ">= 0"]),
     "negative seed": (_override("seed=-1"), ["seed=-1", ">= 0"]),
-    "zero source weight": (_override(f"data.sources=[{{path: {'{corpus}'}, weight: 0}}]"), ["data.sources[0].weight=0.0", "> 0"]),
+    "zero source weight": (
+        _override(f"data.sources=[{{path: {'{corpus}'}, weight: 0}}]"),
+        ["data.sources[0].weight=0.0", "> 0"],
+    ),
     "decay_fraction above 1": (_override("schedule.decay_fraction=2"), ["schedule.decay_fraction=2.0", "<= 1"]),
     "zero model layers": (_override("model.n_layer=0"), ["model.n_layer=0", ">= 1"]),
     "zero norm epsilon": (_override("model.norm_eps=0"), ["model.norm_eps=0.0", "> 0"]),
     # Natural slips.
-    "sources as plain strings": (_override("data.sources=[{corpus}]"), ["data.sources[0] must be a mapping", "- path: "]),
+    "sources as plain strings": (
+        _override("data.sources=[{corpus}]"),
+        ["data.sources[0] must be a mapping", "- path: "],
+    ),
     "sources as one string": (_override("data.sources={corpus}"), ["data.sources must be a list"]),
     "override without a value": (_override("train.steps"), ["override 'train.steps'", "key=value"]),
     "override into a value": (_override("name.first=x"), ["override 'name.first=x'", "name in", "not a section"]),
     "options after the overrides, still checked": (
-        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", zero_optimisation={}), ["train.steps=2", "--resume", "none"]),
-        ['unknown key "zero_optimisation"']),
+        lambda t, c: (
+            small_recipe(t, c),
+            ds_config(t, "zero1", zero_optimisation={}),
+            ["train.steps=2", "--resume", "none"],
+        ),
+        ['unknown key "zero_optimisation"'],
+    ),
     # Work before validation: the run folder and init_from are checked before the process group starts.
     "run_dir that is a file": (
         lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [f"run_dir={_write(t / 'notes.txt', 'x')}"]),
-        ["notes.txt is a file", "set run_dir="]),
+        ["notes.txt is a file", "set run_dir="],
+    ),
     "run_dir under a file": (
-        lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [f"run_dir={_write(t / 'notes.txt', 'x')}/run"]),
-        ["cannot be created", "notes.txt is a file"]),
+        lambda t, c: (
+            small_recipe(t, c),
+            ROOT / "ds_configs/zero1.json",
+            [f"run_dir={_write(t / 'notes.txt', 'x')}/run"],
+        ),
+        ["cannot be created", "notes.txt is a file"],
+    ),
     "run_dir that is prepared data": (
         lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [f"run_dir={copy_prepared(c, t / 'data')}"]),
-        ["is a folder prepared by dstrain prepare", "set run_dir="]),
+        ["is a folder prepared by dstrain prepare", "set run_dir="],
+    ),
     "run_dir holding someone's files": (
-        lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1.json", [f"run_dir={_folder_with(t / 'mine', 'thesis.tex')}"]),
-        ["holds files that no run wrote (thesis.tex)"]),
+        lambda t, c: (
+            small_recipe(t, c),
+            ROOT / "ds_configs/zero1.json",
+            [f"run_dir={_folder_with(t / 'mine', 'thesis.tex')}"],
+        ),
+        ["holds files that no run wrote (thesis.tex)"],
+    ),
     "init_from a missing folder": (
         lambda t, c: (small_recipe(t, c, init_from=str(t / "no-model")), ROOT / "ds_configs/zero1.json", []),
-        ["init_from", "no-model/config.json: no such file"]),
+        ["init_from", "no-model/config.json: no such file"],
+    ),
     "init_from a folder that is not a model": (
-        lambda t, c: (small_recipe(t, c, init_from=str(_folder_with(t / "empty", "README"))), ROOT / "ds_configs/zero1.json", []),
-        ["init_from", "config.json: no such file"]),
+        lambda t, c: (
+            small_recipe(t, c, init_from=str(_folder_with(t / "empty", "README"))),
+            ROOT / "ds_configs/zero1.json",
+            [],
+        ),
+        ["init_from", "config.json: no such file"],
+    ),
     "init_from a dstrain run": (
         lambda t, c: (small_recipe(t, c, init_from=_existing_run(t, c)), ROOT / "ds_configs/zero1.json", []),
-        ["is a dstrain run, not a Hugging Face folder", "dstrain export"]),
+        ["is a dstrain run, not a Hugging Face folder", "dstrain export"],
+    ),
     "init_from a model without weights": (
-        lambda t, c: (small_recipe(t, c, init_from=str(_hf_config(t, weights=False))), ROOT / "ds_configs/zero1.json", []),
-        ["init_from", "no weights"]),
+        lambda t, c: (
+            small_recipe(t, c, init_from=str(_hf_config(t, weights=False))),
+            ROOT / "ds_configs/zero1.json",
+            [],
+        ),
+        ["init_from", "no weights"],
+    ),
     "init_from another architecture": (
-        lambda t, c: (small_recipe(t, c, init_from=str(_hf_config(t, weights=True))), ROOT / "ds_configs/zero1.json", []),
-        ["init_from", "has another architecture", "model.d_model=64 vs 32"]),
+        lambda t, c: (
+            small_recipe(t, c, init_from=str(_hf_config(t, weights=True))),
+            ROOT / "ds_configs/zero1.json",
+            [],
+        ),
+        ["init_from", "has another architecture", "model.d_model=64 vs 32"],
+    ),
     "init_from an unsupported architecture": (
-        lambda t, c: (small_recipe(t, c, init_from=str(_folder_with(t / "bert", "model.safetensors", config={
-            "model_type": "bert", "architectures": ["BertForMaskedLM"]}))), ROOT / "ds_configs/zero1.json", []),
-        ["init_from", "BertForMaskedLM", "cannot be converted"]),
+        lambda t, c: (
+            small_recipe(
+                t,
+                c,
+                init_from=str(
+                    _folder_with(
+                        t / "bert",
+                        "model.safetensors",
+                        config={"model_type": "bert", "architectures": ["BertForMaskedLM"]},
+                    )
+                ),
+            ),
+            ROOT / "ds_configs/zero1.json",
+            [],
+        ),
+        ["init_from", "BertForMaskedLM", "cannot be converted"],
+    ),
 }
 
 
 def snapshot(folder: Path) -> dict:
     """Every path under folder with its mtime, and each file's content hash: nothing created, changed or removed."""
-    return {str(p): (p.stat().st_mtime_ns, p.is_dir() or hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in folder.rglob("*")}
+    return {
+        str(p): (p.stat().st_mtime_ns, p.is_dir() or hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in folder.rglob("*")
+    }
 
 
 def assert_one_line(err: str, prefix: str, fragments) -> None:
@@ -306,16 +454,39 @@ def test_the_cli_reports_bad_input_the_same_way(command, tmp_path, corpus):
     recipe = edit_recipe(small_recipe(tmp_path, corpus), "optim", learning_rate=1e-3)
     argv = {
         "train with options after the overrides": [
-            "dstrain.train", "--recipe", str(recipe), "train.steps=2", "--deepspeed_config",
-            str(ROOT / "ds_configs/zero1.json"), f"run_dir={tmp_path / 'run'}", "--resume", "none"],
-        "prepare into a file": ["dstrain", "prepare", "--dataset", "x.jsonl", "--train-tokenizer", "512", "--out",
-                                str(recipe)],
+            "dstrain.train",
+            "--recipe",
+            str(recipe),
+            "train.steps=2",
+            "--deepspeed_config",
+            str(ROOT / "ds_configs/zero1.json"),
+            f"run_dir={tmp_path / 'run'}",
+            "--resume",
+            "none",
+        ],
+        "prepare into a file": [
+            "dstrain",
+            "prepare",
+            "--dataset",
+            "x.jsonl",
+            "--train-tokenizer",
+            "512",
+            "--out",
+            str(recipe),
+        ],
     }[command]
     before = snapshot(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "WORLD_SIZE": "2"})
+    proc = subprocess.run(
+        [sys.executable, "-m", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "WORLD_SIZE": "2"},
+    )
     assert proc.returncode == 2, proc.stderr
-    assert_one_line(proc.stderr, "dstrain: error: ", ["optim.learning_rate" if "train" in command else "small.yaml is a file"])
+    assert_one_line(
+        proc.stderr, "dstrain: error: ", ["optim.learning_rate" if "train" in command else "small.yaml is a file"]
+    )
     assert snapshot(tmp_path) == before
 
 
@@ -338,8 +509,14 @@ def _run_folder(tmp_path, corpus) -> Path:
 
 
 def _estimate(t, c, *args):
-    return ["estimate", "--recipe", str(small_recipe(t, c)), "--deepspeed_config", str(ROOT / "ds_configs/zero1.json"),
-            *args]
+    return [
+        "estimate",
+        "--recipe",
+        str(small_recipe(t, c)),
+        "--deepspeed_config",
+        str(ROOT / "ds_configs/zero1.json"),
+        *args,
+    ]
 
 
 def _compare(t, c, *args):
@@ -349,41 +526,97 @@ def _compare(t, c, *args):
 # `dstrain <command>` cases: name -> (argv(tmp_path, corpus, other corpus), fragments)
 CLI_CASES = {
     "prepare --out naming a file": (
-        lambda t, c, o: ["prepare", "--dataset", "x.jsonl", "--train-tokenizer", "512", "--out", str(_write(t / "f", "x"))],
-        ["--out", "/f is a file"]),
+        lambda t, c, o: [
+            "prepare",
+            "--dataset",
+            "x.jsonl",
+            "--train-tokenizer",
+            "512",
+            "--out",
+            str(_write(t / "f", "x")),
+        ],
+        ["--out", "/f is a file"],
+    ),
     "prepare --out under a file": (
-        lambda t, c, o: ["prepare", "--dataset", "x.jsonl", "--train-tokenizer", "512", "--out", f"{_write(t / 'f', 'x')}/d"],
-        ["is under", "/f, a file"]),
+        lambda t, c, o: [
+            "prepare",
+            "--dataset",
+            "x.jsonl",
+            "--train-tokenizer",
+            "512",
+            "--out",
+            f"{_write(t / 'f', 'x')}/d",
+        ],
+        ["is under", "/f, a file"],
+    ),
     "eval of a run on data of another tokenizer of the same size": (
         lambda t, c, o: ["eval", str(_run_folder(t, c)), "--data", str(o)],
-        ["was prepared with another tokenizer than the run", "--tokenizer"]),
+        ["was prepared with another tokenizer than the run", "--tokenizer"],
+    ),
     "compare --nproc 0": (
         lambda t, c, o: _compare(t, c, "--nproc", "0", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json")),
-        ["--nproc 0", "positive"]),
+        ["--nproc 0", "positive"],
+    ),
     "compare --steps -3": (
-        lambda t, c, o: _compare(t, c, "--nproc", "2", "--steps", "-3", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json")),
-        ["--steps -3", "positive"]),
+        lambda t, c, o: _compare(
+            t, c, "--nproc", "2", "--steps", "-3", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json")
+        ),
+        ["--steps -3", "positive"],
+    ),
     "compare with a missing ds_config after a good one": (
-        lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json"),
-                                 str(t / "zero9.json")),
-        ["zero9.json: no such ds_config file"]),
+        lambda t, c, o: _compare(
+            t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json"), str(t / "zero9.json")
+        ),
+        ["zero9.json: no such ds_config file"],
+    ),
     "compare with ZeRO stage 7 after a good one": (
-        lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json"),
-                                 str(ds_config(t, "zero1", zero_optimization={"stage": 7}))),
-        ["zero_optimization.stage=7"]),
+        lambda t, c, o: _compare(
+            t,
+            c,
+            "--nproc",
+            "2",
+            "--deepspeed_configs",
+            str(ROOT / "ds_configs/zero1.json"),
+            str(ds_config(t, "zero1", zero_optimization={"stage": 7})),
+        ),
+        ["zero_optimization.stage=7"],
+    ),
     "compare with a micro-batch that does not divide the global batch": (
-        lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero0.json"),
-                                 str(ds_config(t, "zero1", train_micro_batch_size_per_gpu=3))),
-        ["train_micro_batch_size_per_gpu=3", "valid micro-batch sizes for 2 ranks: 1, 2, 4"]),
+        lambda t, c, o: _compare(
+            t,
+            c,
+            "--nproc",
+            "2",
+            "--deepspeed_configs",
+            str(ROOT / "ds_configs/zero0.json"),
+            str(ds_config(t, "zero1", train_micro_batch_size_per_gpu=3)),
+        ),
+        ["train_micro_batch_size_per_gpu=3", "valid micro-batch sizes for 2 ranks: 1, 2, 4"],
+    ),
     "compare with a misspelled key in one config": (
-        lambda t, c, o: _compare(t, c, "--nproc", "2", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json"),
-                                 str(ds_config(t, "zero2", zero_optimization={"stage": 2, "contiguous_gradient": True}))),
-        ['"zero_optimization.contiguous_gradient"', '"zero_optimization.contiguous_gradients"']),
+        lambda t, c, o: _compare(
+            t,
+            c,
+            "--nproc",
+            "2",
+            "--deepspeed_configs",
+            str(ROOT / "ds_configs/zero1.json"),
+            str(ds_config(t, "zero2", zero_optimization={"stage": 2, "contiguous_gradient": True})),
+        ),
+        ['"zero_optimization.contiguous_gradient"', '"zero_optimization.contiguous_gradients"'],
+    ),
     "estimate --configs-dir naming a missing folder": (
-        lambda t, c, o: _estimate(t, c, "--configs-dir", str(t / "configs")), ["--configs-dir", "no such folder"]),
-    "estimate --device-memory 0": (lambda t, c, o: _estimate(t, c, "--device-memory", "0"), ["--device-memory 0", "positive"]),
+        lambda t, c, o: _estimate(t, c, "--configs-dir", str(t / "configs")),
+        ["--configs-dir", "no such folder"],
+    ),
+    "estimate --device-memory 0": (
+        lambda t, c, o: _estimate(t, c, "--device-memory", "0"),
+        ["--device-memory 0", "positive"],
+    ),
     "estimate --reserve above the device": (
-        lambda t, c, o: _estimate(t, c, "--device-memory", "16", "--reserve", "20"), ["--reserve 20", "below"]),
+        lambda t, c, o: _estimate(t, c, "--device-memory", "16", "--reserve", "20"),
+        ["--reserve 20", "below"],
+    ),
 }
 
 
@@ -399,13 +632,21 @@ def test_commands_refuse_bad_input_before_any_work(case, tmp_path, corpus, same_
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("argv, fragments", [
-    (["dstrain.train", "--recipe", "r.yaml", "--deepspeed_config", "d.json", "--resme", "none"],
-     ["dstrain.train: error: unrecognized arguments: --resme", "--help"]),
-    (["dstrain.train", "--deepspeed_config", "d.json", "train.steps=2"], ["the following arguments are required: --recipe"]),
-    (["dstrain", "compare", "--nproc", "two"], ["argument --nproc: invalid int value: 'two'"]),
-    (["dstrain", "evaluate", "runs/x"], ["dstrain: error: argument command: invalid choice: 'evaluate'"]),
-])
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (
+            ["dstrain.train", "--recipe", "r.yaml", "--deepspeed_config", "d.json", "--resme", "none"],
+            ["dstrain.train: error: unrecognized arguments: --resme", "--help"],
+        ),
+        (
+            ["dstrain.train", "--deepspeed_config", "d.json", "train.steps=2"],
+            ["the following arguments are required: --recipe"],
+        ),
+        (["dstrain", "compare", "--nproc", "two"], ["argument --nproc: invalid int value: 'two'"]),
+        (["dstrain", "evaluate", "runs/x"], ["dstrain: error: argument command: invalid choice: 'evaluate'"]),
+    ],
+)
 def test_argument_errors_are_one_line(argv, fragments, capsys):
     from dstrain.cli import main as cli_main
     from dstrain.train.run import main as train_main

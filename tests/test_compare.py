@@ -1,4 +1,5 @@
 """dstrain compare: three configs through the real deepspeed launcher, one report; and --collect of existing runs."""
+
 import csv
 import json
 import os
@@ -6,10 +7,10 @@ import statistics
 
 import pytest
 
-from train_helpers import ROOT, read_metrics, small_recipe
-
 from dstrain.cli import main
 from dstrain.compare import read_run
+
+from train_helpers import ROOT, read_metrics, small_recipe
 
 pytestmark = pytest.mark.launcher
 
@@ -25,8 +26,20 @@ def compared(tmp_path_factory, corpus):
     recipe = small_recipe(tmp, corpus)
     configs = [str(ROOT / "ds_configs" / "zero0.json"), str(ROOT / "ds_configs" / "zero2.json")]
     out = tmp / "report"
-    argv = ["compare", "--recipe", str(recipe), "--deepspeed_configs", *configs, "optim.lr=2e-3",
-            "--nproc", "2", "--steps", str(STEPS), "--out", str(out)]
+    argv = [
+        "compare",
+        "--recipe",
+        str(recipe),
+        "--deepspeed_configs",
+        *configs,
+        "optim.lr=2e-3",
+        "--nproc",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+    ]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_NUM_THREADS", "1")  # the launched ranks share 2 cores
         code = main(argv)
@@ -49,12 +62,16 @@ def test_report_has_a_row_per_config_with_sane_numbers(compared):
         strategy = (row["zero_stage"], row["precision"], row["offload"], row["micro_batch"], row["grad_accum"])
         assert strategy == (stage, "fp32", "none", "4", "1")
         assert row["steps"] == str(STEPS) and row["world_size"] == "2"
-        assert float(row["tokens_per_s"]) > 0 and float(row["tflops_per_device"]) > 0 and row["mfu"] == ""  # no CPU peak
+        assert (
+            float(row["tokens_per_s"]) > 0 and float(row["tflops_per_device"]) > 0 and row["mfu"] == ""
+        )  # no CPU peak
         assert float(row["mem_peak_gib"]) > 0 and float(row["est_mem_gib"]) > 0
         assert 4.0 < float(row["final_loss"]) < 8.0 and float(row["valid_loss"]) > 0
     # the same recipe under equivalent strategies: the same final loss, and the difference is reported
     assert float(zero2["final_loss"]) == pytest.approx(float(zero0["final_loss"]), rel=LOSS_RTOL)
-    assert float(zero2["loss_diff"]) == pytest.approx(float(zero2["final_loss"]) - float(zero0["final_loss"]), abs=1e-12)
+    assert float(zero2["loss_diff"]) == pytest.approx(
+        float(zero2["final_loss"]) - float(zero0["final_loss"]), abs=1e-12
+    )
     assert float(zero0["loss_diff"]) == 0.0
 
 
@@ -103,22 +120,38 @@ def test_failures_are_read_from_any_log(tmp_path):
     """A Slurm array's run folders: an OOM traceback, a crash, a run that stopped without a word, an empty folder."""
     oom = tmp_path / "zero1_bf16"
     oom.mkdir()
-    (oom / "ds_config.json").write_text(json.dumps({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
-                                                    "train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
-                                                    "gradient_accumulation_steps": 1}))
+    (oom / "ds_config.json").write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 1},
+                "bf16": {"enabled": True},
+                "train_batch_size": 64,
+                "train_micro_batch_size_per_gpu": 8,
+                "gradient_accumulation_steps": 1,
+            }
+        )
+    )
     (oom / "slurm-1234_0.out").write_text(
-        "step 10/100 | loss 5.1\nTraceback (most recent call last):\n  File \"loop.py\", line 1, in fit\n"
-        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB\n"
-        "[2026-01-01 00:00:00,000] [ERROR] [launch.py:325:sigkill_handler] ['python', '-u'] exits with return code = 1\n")
+        'step 10/100 | loss 5.1\nTraceback (most recent call last):\n  File "loop.py", line 1, in fit\n'
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
+        "GPU 0 has a total capacity of 79.1 GiB\n"
+        "[2026-01-01 00:00:00,000] [ERROR] [launch.py:325:sigkill_handler] ['python', '-u'] "
+        "exits with return code = 1\n"
+    )
     crash = tmp_path / "zero3"
     crash.mkdir()
     (crash / "launcher.log").write_text("$ deepspeed ...\nRuntimeError: NCCL communicator was aborted on rank 3\n")
     quiet = tmp_path / "zero2"
     quiet.mkdir()
-    logged = [{"step": 1, "loss": 9.0, "tokens_per_s": 10.0}, {"step": 2, "loss": 8.9, "tokens_per_s": 30.0},
-              {"step": 2, "loss": 8.8, "tokens_per_s": 20.0}]  # requeued: step 2 again after resuming from step 1
+    logged = [
+        {"step": 1, "loss": 9.0, "tokens_per_s": 10.0},
+        {"step": 2, "loss": 8.9, "tokens_per_s": 30.0},
+        {"step": 2, "loss": 8.8, "tokens_per_s": 20.0},
+    ]  # requeued: step 2 again after resuming from step 1
     (quiet / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged) + '{"step": 3, "lo')
-    (quiet / "launcher.log").write_text("step 1/100 | loss 9.0\nslurmstepd: *** JOB 7 CANCELLED AT 2026-01-01 DUE TO TIME LIMIT ***\n")
+    (quiet / "launcher.log").write_text(
+        "step 1/100 | loss 9.0\nslurmstepd: *** JOB 7 CANCELLED AT 2026-01-01 DUE TO TIME LIMIT ***\n"
+    )
 
     row = read_run(oom)
     assert row.status == "out of memory" and row.reason.startswith("torch.OutOfMemoryError: CUDA out of memory.")

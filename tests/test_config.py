@@ -1,4 +1,5 @@
 """Recipes and ds_configs: typed parsing, "auto" resolution, batch arithmetic, and the refusals."""
+
 import json
 from pathlib import Path
 
@@ -43,8 +44,12 @@ def one_line_error(fn, *fragments):
 
 
 def test_auto_fills_from_recipe_and_derives_accumulation(tmp_path):
-    s = strategy_for(tmp_path, json.loads((ROOT / "ds_configs/zero2.json").read_text()), world=2, recipe={
-        **RECIPE, "train": {"global_batch": 16, "steps": 4}})
+    s = strategy_for(
+        tmp_path,
+        json.loads((ROOT / "ds_configs/zero2.json").read_text()),
+        world=2,
+        recipe={**RECIPE, "train": {"global_batch": 16, "steps": 4}},
+    )
     c = s.ds_config
     assert (s.micro_batch, s.dp_size, s.grad_accum) == (4, 2, 2)
     assert c["train_batch_size"] == 16 and c["gradient_accumulation_steps"] == 2
@@ -89,25 +94,44 @@ def test_every_shipped_ds_config_passes_deepspeeds_own_parser(tmp_path, monkeypa
 
 def test_deepspeed_sections_dstrain_does_not_read_are_accepted(tmp_path):
     ds = json.loads((ROOT / "ds_configs/zero2.json").read_text())
-    ds.update(activation_checkpointing={"partition_activations": True, "cpu_checkpointing": False,
-                                        "contiguous_memory_optimization": False, "number_checkpoints": None,
-                                        "synchronize_checkpoint_boundary": False, "profile": False},
-              data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32", wall_clock_breakdown=True,
-              tensorboard={"enabled": True, "output_path": "auto", "job_name": "auto"}, seed="auto",
-              aio={"block_size": 1048576, "intra_op_parallelism": 1})
+    ds.update(
+        activation_checkpointing={
+            "partition_activations": True,
+            "cpu_checkpointing": False,
+            "contiguous_memory_optimization": False,
+            "number_checkpoints": None,
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        },
+        data_types={"grad_accum_dtype": "fp32"},
+        communication_data_type="fp32",
+        wall_clock_breakdown=True,
+        tensorboard={"enabled": True, "output_path": "auto", "job_name": "auto"},
+        seed="auto",
+        aio={"block_size": 1048576, "intra_op_parallelism": 1},
+    )
     s = strategy_for(tmp_path, ds)
     assert s.ds_config["seed"] == 1234 and s.ds_config["communication_data_type"] == "fp32"
 
 
-@pytest.mark.parametrize("change, fragments", [
-    ({"zero_optimization": {"stage": 2, "overlap_com": True}}, ['"zero_optimization.overlap_com"', '"zero_optimization.overlap_comm"']),
-    ({"zero_optimisation": {"stage": 1}}, ['unknown key "zero_optimisation"', '"zero_optimization"']),
-    ({"aio": {"thread_count": 1}}, ['"aio.thread_count"', "remove it"]),
-    ({"optimizer": {"type": "Adamw8bit", "params": {}}}, ['optimizer.type "Adamw8bit"']),
-    ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": -1.5}}, ['"zero_optimization.stage3_max_live_parameters"']),
-    ({"seed": 5}, ["pins seed=5", "sets seed=1234"]),
-    ({"nebula": {"enabled": True}}, ["DeepSpeed rejects this ds_config", "Nebula checkpointing has been removed"]),
-])
+@pytest.mark.parametrize(
+    "change, fragments",
+    [
+        (
+            {"zero_optimization": {"stage": 2, "overlap_com": True}},
+            ['"zero_optimization.overlap_com"', '"zero_optimization.overlap_comm"'],
+        ),
+        ({"zero_optimisation": {"stage": 1}}, ['unknown key "zero_optimisation"', '"zero_optimization"']),
+        ({"aio": {"thread_count": 1}}, ['"aio.thread_count"', "remove it"]),
+        ({"optimizer": {"type": "Adamw8bit", "params": {}}}, ['optimizer.type "Adamw8bit"']),
+        (
+            {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": -1.5}},
+            ['"zero_optimization.stage3_max_live_parameters"'],
+        ),
+        ({"seed": 5}, ["pins seed=5", "sets seed=1234"]),
+        ({"nebula": {"enabled": True}}, ["DeepSpeed rejects this ds_config", "Nebula checkpointing has been removed"]),
+    ],
+)
 def test_ds_config_errors_name_the_file_and_key(tmp_path, change, fragments):
     ds = {**json.loads((ROOT / "ds_configs/zero1.json").read_text()), **change}
     one_line_error(lambda: strategy_for(tmp_path, ds), "d.json", *fragments)
@@ -122,7 +146,9 @@ def test_overrides_are_typed(tmp_path):
 
 def test_unknown_key_suggests_closest(tmp_path):
     bad = {**RECIPE, "train": {"global_batch": 8, "steps": 4, "eval_intervall": 3}}
-    one_line_error(lambda: load_recipe(write(tmp_path, "r.yaml", bad)), "r.yaml", "train.eval_intervall", "train.eval_interval")
+    one_line_error(
+        lambda: load_recipe(write(tmp_path, "r.yaml", bad)), "r.yaml", "train.eval_intervall", "train.eval_interval"
+    )
 
 
 def test_unknown_override_key(tmp_path):
@@ -156,18 +182,26 @@ def test_malformed_yaml_and_json(tmp_path):
 
 def test_indivisible_batch_lists_valid_micro_batches(tmp_path):
     ds = {"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 1}}
-    one_line_error(lambda: strategy_for(tmp_path, ds, world=2), "train_micro_batch_size_per_gpu=3", "valid micro-batch sizes for 2 ranks: 1, 2, 4")
+    one_line_error(
+        lambda: strategy_for(tmp_path, ds, world=2),
+        "train_micro_batch_size_per_gpu=3",
+        "valid micro-batch sizes for 2 ranks: 1, 2, 4",
+    )
 
 
 def test_pinned_value_contradicting_recipe_names_both_files(tmp_path):
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5}
-    one_line_error(lambda: strategy_for(tmp_path, ds), "d.json pins gradient_clipping=0.5", "r.yaml sets optim.grad_clip=1.0")
+    one_line_error(
+        lambda: strategy_for(tmp_path, ds), "d.json pins gradient_clipping=0.5", "r.yaml sets optim.grad_clip=1.0"
+    )
     ds = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 64}
     one_line_error(lambda: strategy_for(tmp_path, ds), "train_batch_size=64", "train.global_batch=8")
 
 
 def test_equal_pin_is_accepted(tmp_path):
-    s = strategy_for(tmp_path, {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 8, "gradient_accumulation_steps": 2})
+    s = strategy_for(
+        tmp_path, {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 8, "gradient_accumulation_steps": 2}
+    )
     assert s.grad_accum == 2
 
 
@@ -219,19 +253,24 @@ def test_every_numeric_recipe_field_declares_its_range():
             return True
         return any(numeric_without_range(a) for a in typing.get_args(hint) if a is not type(None))
 
-    missing = [f"{cls.__name__}.{name}" for cls in (Recipe, DataSource, DataConfig, OptimConfig, ScheduleConfig,
-                                                    TrainConfig, GPTConfig)
-               for name, hint in typing.get_type_hints(cls, include_extras=True).items()
-               if numeric_without_range(hint)]
+    missing = [
+        f"{cls.__name__}.{name}"
+        for cls in (Recipe, DataSource, DataConfig, OptimConfig, ScheduleConfig, TrainConfig, GPTConfig)
+        for name, hint in typing.get_type_hints(cls, include_extras=True).items()
+        if numeric_without_range(hint)
+    ]
     assert not missing, missing
 
 
-@pytest.mark.parametrize("change, fragments", [
-    ({"zero_optimization": {"stage": 0}}, ["ZeRO stage 0 sums gradients in bf16", "zero1_bf16.json"]),
-    ({"data_types": None}, ["accumulated in bf16", '"grad_accum_dtype": "fp32"']),
-    ({"communication_data_type": None}, ["reduced across ranks in bf16", '"communication_data_type": "fp32"']),
-    ({"communication_data_type": "bf16"}, ["reduced across ranks in bf16"]),
-])
+@pytest.mark.parametrize(
+    "change, fragments",
+    [
+        ({"zero_optimization": {"stage": 0}}, ["ZeRO stage 0 sums gradients in bf16", "zero1_bf16.json"]),
+        ({"data_types": None}, ["accumulated in bf16", '"grad_accum_dtype": "fp32"']),
+        ({"communication_data_type": None}, ["reduced across ranks in bf16", '"communication_data_type": "fp32"']),
+        ({"communication_data_type": "bf16"}, ["reduced across ranks in bf16"]),
+    ],
+)
 def test_a_bf16_config_that_would_sum_gradients_in_bf16_is_refused(tmp_path, change, fragments):
     ds = json.loads((ROOT / "ds_configs/zero1_bf16.json").read_text())
     for key, value in change.items():
@@ -258,7 +297,8 @@ def test_the_recipe_and_the_light_commands_load_no_torch():
                 pass
         print(sorted(m for m in ("torch", "deepspeed", "transformers") if m in sys.modules))
     """
-    done = subprocess.run([sys.executable, "-c", probe, str(ROOT / "recipes" / "tiny.yaml")], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(ROOT / "recipes" / "tiny.yaml")], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -1,5 +1,6 @@
 """The training console (train/console.py) and the run's picture (train/plot.py), in-process and cheap; the
 end-to-end checks ride on tests/test_train.py's launcher runs."""
+
 from __future__ import annotations
 
 import json
@@ -21,12 +22,18 @@ def write_metrics(run_dir, records, tail=""):
 
 def test_loss_png_of_a_finished_and_of_an_interrupted_run(tmp_path):
     steps = [{"step": s, "loss": 8.0 - s / 10, "lr": 1e-3 * s} for s in range(1, 11)]
-    evals = [{"step": 5, "split": "valid", "loss": 7.6, "ppl": 2000.0}, {"step": 10, "split": "valid", "loss": 7.2},
-             {"step": 10, "split": "valid/a", "loss": 7.1}]
+    evals = [
+        {"step": 5, "split": "valid", "loss": 7.6, "ppl": 2000.0},
+        {"step": 10, "split": "valid", "loss": 7.2},
+        {"step": 10, "split": "valid/a", "loss": 7.1},
+    ]
     write_metrics(tmp_path / "done", [*steps[:5], evals[0], *steps[5:], *evals[1:]])
     # interrupted: no final evaluation, an event record, and a line cut short by a killed job
-    write_metrics(tmp_path / "stopped", [*steps[:3], {"step": 3, "event": "resume", "tag": "global_step3"}],
-                  tail='{"step": 4, "lo')
+    write_metrics(
+        tmp_path / "stopped",
+        [*steps[:3], {"step": 3, "event": "resume", "tag": "global_step3"}],
+        tail='{"step": 4, "lo',
+    )
     for name in ("done", "stopped"):
         path = plot_run(tmp_path / name)
         assert path == tmp_path / name / "loss.png" and path.read_bytes()[:8] == PNG and path.stat().st_size > 5000
@@ -54,8 +61,14 @@ def test_deepspeed_lines_go_to_the_rank_log_and_errors_to_the_console(tmp_path, 
         console.end()
     out, err = capsys.readouterr()
     log = (tmp_path / "logs" / "rank1.log").read_text()
-    for line in ("early info", "step 1/2", "a deepspeed warning", "a deepspeed error", "a torch warning",
-                 "a library's warning"):
+    for line in (
+        "early info",
+        "step 1/2",
+        "a deepspeed warning",
+        "a deepspeed error",
+        "a torch warning",
+        "a library's warning",
+    ):
         assert line in log
     assert "step 1/2" in out and "a deepspeed error" in err
     hidden = ["early info", "a deepspeed warning", "a torch warning", "a library's warning"]

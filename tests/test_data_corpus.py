@@ -1,8 +1,8 @@
 """The stdlib-documentation corpus: real text, fixed order, reproducible."""
+
 from __future__ import annotations
 
 import json
-
 from pydoc_data.topics import topics
 
 from dstrain.data.corpus import MIN_DOCSTRING_CHARS, main, write_stdlib_corpus

@@ -1,4 +1,5 @@
 """The packed dataset: packing, position ids, splits, epochs, blending, the index cache."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -9,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from data_fixtures import corpus_file
 
 from dstrain.data import index as index_lib
 from dstrain.data.dataset import PreparedTokens, build_dataset, collate, read_manifest
 from dstrain.data.prepare import prepare
 from dstrain.errors import DstrainError
+
+from data_fixtures import corpus_file
 
 SEQ_LEN = 64
 VALID_FRACTION = 0.1
@@ -27,8 +29,13 @@ def blend_sources(tmp_path_factory, tiny_corpus) -> list[Path]:
     folders = [tiny_corpus]
     for skip in (300, 450):
         out = tmp / f"docs_{skip}"
-        prepare(corpus_file(tmp, n_docs=150, skip_docs=skip), out, tokenizer=str(tiny_corpus / "tokenizer"),
-                num_proc=1, progress=False)
+        prepare(
+            corpus_file(tmp, n_docs=150, skip_docs=skip),
+            out,
+            tokenizer=str(tiny_corpus / "tokenizer"),
+            num_proc=1,
+            progress=False,
+        )
         folders.append(out)
     return folders
 
@@ -40,8 +47,15 @@ def epoch_stream(ds, epoch: int) -> np.ndarray:
 
 
 def test_samples_are_overlapping_windows_of_the_shuffled_document_stream(tiny_corpus, tmp_path):
-    ds = build_dataset([(str(tiny_corpus), 1.0)], "train", SEQ_LEN, seed=3, num_samples=None,
-                       valid_fraction=VALID_FRACTION, cache_dir=tmp_path)
+    ds = build_dataset(
+        [(str(tiny_corpus), 1.0)],
+        "train",
+        SEQ_LEN,
+        seed=3,
+        num_samples=None,
+        valid_fraction=VALID_FRACTION,
+        cache_dir=tmp_path,
+    )
     stream = epoch_stream(ds, 0)
     assert len(ds) == ds.samples_per_epoch == (stream.size - 1) // SEQ_LEN
     assert sorted(ds.sample_order.tolist()) == list(range(len(ds)))
@@ -57,8 +71,15 @@ def test_samples_are_overlapping_windows_of_the_shuffled_document_stream(tiny_co
 
 def test_position_ids_restart_at_every_document_start(tiny_corpus, tmp_path):
     eos = read_manifest(tiny_corpus)["eos_id"]
-    ds = build_dataset([(str(tiny_corpus), 1.0)], "train", 256, seed=0, num_samples=None,
-                       valid_fraction=VALID_FRACTION, cache_dir=tmp_path)
+    ds = build_dataset(
+        [(str(tiny_corpus), 1.0)],
+        "train",
+        256,
+        seed=0,
+        num_samples=None,
+        valid_fraction=VALID_FRACTION,
+        cache_dir=tmp_path,
+    )
     restarts = 0
     for i in range(len(ds)):
         sample = ds[i]
@@ -88,8 +109,15 @@ def test_split_is_deterministic_disjoint_and_sized(tiny_corpus, tmp_path):
 
 def test_epochs_reshuffle_and_longer_runs_keep_earlier_samples(tiny_corpus, tmp_path):
     def build(num_samples):
-        return build_dataset([(str(tiny_corpus), 1.0)], "train", SEQ_LEN, seed=11, num_samples=num_samples,
-                             valid_fraction=VALID_FRACTION, cache_dir=tmp_path)
+        return build_dataset(
+            [(str(tiny_corpus), 1.0)],
+            "train",
+            SEQ_LEN,
+            seed=11,
+            num_samples=num_samples,
+            valid_fraction=VALID_FRACTION,
+            cache_dir=tmp_path,
+        )
 
     one = build(None)
     per_epoch = one.samples_per_epoch
@@ -109,8 +137,9 @@ def test_epochs_reshuffle_and_longer_runs_keep_earlier_samples(tiny_corpus, tmp_
 def test_blend_follows_the_weights_in_every_prefix(blend_sources, tmp_path):
     weights = [0.2, 0.3, 0.5]
     sources = [(str(f), w) for f, w in zip(blend_sources, weights)]
-    ds = build_dataset(sources, "train", SEQ_LEN, seed=1, num_samples=3000, valid_fraction=VALID_FRACTION,
-                       cache_dir=tmp_path)
+    ds = build_dataset(
+        sources, "train", SEQ_LEN, seed=1, num_samples=3000, valid_fraction=VALID_FRACTION, cache_dir=tmp_path
+    )
     assert len(ds) == 3000
     counts = np.cumsum(np.eye(3, dtype=np.int64)[ds.source], axis=0)  # counts[n-1, s]: source s in the first n
     expected = np.arange(1, 3001)[:, None] * np.array(weights)[None, :]
@@ -118,8 +147,9 @@ def test_blend_follows_the_weights_in_every_prefix(blend_sources, tmp_path):
     for i in (0, 1, 2, 999, 2999):  # sample i is sample k of source s
         s, k = int(ds.source[i]), int(ds.sample[i])
         np.testing.assert_array_equal(ds[i]["tokens"], ds.datasets[s][k]["tokens"])
-    shorter = build_dataset(sources, "train", SEQ_LEN, seed=1, num_samples=700, valid_fraction=VALID_FRACTION,
-                            cache_dir=tmp_path)
+    shorter = build_dataset(
+        sources, "train", SEQ_LEN, seed=1, num_samples=700, valid_fraction=VALID_FRACTION, cache_dir=tmp_path
+    )
     assert shorter.source.tolist() == ds.source[:700].tolist()
     for i in range(0, 700, 37):
         np.testing.assert_array_equal(shorter[i]["tokens"], ds[i]["tokens"])
@@ -127,8 +157,9 @@ def test_blend_follows_the_weights_in_every_prefix(blend_sources, tmp_path):
 
 def test_valid_blend_holds_each_valid_sample_once(blend_sources, tmp_path):
     sources = [(str(f), 1.0) for f in blend_sources]
-    ds = build_dataset(sources, "valid", SEQ_LEN, seed=1, num_samples=None, valid_fraction=VALID_FRACTION,
-                       cache_dir=tmp_path)
+    ds = build_dataset(
+        sources, "valid", SEQ_LEN, seed=1, num_samples=None, valid_fraction=VALID_FRACTION, cache_dir=tmp_path
+    )
     for s, part in enumerate(ds.datasets):
         assert sorted(ds.sample[ds.source == s].tolist()) == list(range(len(part)))
     assert len(ds) == sum(len(part) for part in ds.datasets)
@@ -138,8 +169,15 @@ def test_sources_with_different_tokenizers_are_refused(tiny_corpus, tmp_path):
     other = tmp_path / "other"
     prepare(corpus_file(tmp_path, n_docs=100), other, train_tokenizer=300, num_proc=1, progress=False)
     with pytest.raises(DstrainError, match="prepared with different tokenizers"):
-        build_dataset([(str(tiny_corpus), 1.0), (str(other), 1.0)], "train", SEQ_LEN, 0, 10, VALID_FRACTION,
-                      cache_dir=tmp_path / "cache")
+        build_dataset(
+            [(str(tiny_corpus), 1.0), (str(other), 1.0)],
+            "train",
+            SEQ_LEN,
+            0,
+            10,
+            VALID_FRACTION,
+            cache_dir=tmp_path / "cache",
+        )
 
 
 def test_index_cache_is_reused_and_keyed_by_every_input(blend_sources, tmp_path):
@@ -207,12 +245,15 @@ def test_collate_shifts_tokens_into_inputs_and_labels(tiny_corpus, tmp_path):
     np.testing.assert_array_equal(batch["position_ids"][2].numpy(), ds[2]["position_ids"])
 
 
-@pytest.mark.parametrize("arguments, expected", [
-    ({"split": "valid", "valid_fraction": 0.0}, "split 'valid' with valid_fraction 0 is empty"),
-    ({"split": "test"}, "split 'test': must be one of train, valid"),
-    ({"weight": 0.0}, "weight 0.0 must be a positive number"),
-    ({"seq_len": 10**9}, "not enough for one sample"),
-])
+@pytest.mark.parametrize(
+    "arguments, expected",
+    [
+        ({"split": "valid", "valid_fraction": 0.0}, "split 'valid' with valid_fraction 0 is empty"),
+        ({"split": "test"}, "split 'test': must be one of train, valid"),
+        ({"weight": 0.0}, "weight 0.0 must be a positive number"),
+        ({"seq_len": 10**9}, "not enough for one sample"),
+    ],
+)
 def test_bad_dataset_arguments_are_one_line_errors(tiny_corpus, tmp_path, arguments, expected):
     args = {"split": "train", "seq_len": SEQ_LEN, "seed": 0, "num_samples": 10, "valid_fraction": VALID_FRACTION}
     weight = arguments.pop("weight", 1.0)
@@ -231,8 +272,9 @@ def test_unprepared_folder_says_run_prepare_first(tmp_path):
 
 def test_datasets_pickle_small_and_read_the_same_samples(blend_sources, tmp_path):
     single = build_dataset([(str(blend_sources[0]), 1.0)], "train", SEQ_LEN, 0, 500, VALID_FRACTION, cache_dir=tmp_path)
-    blended = build_dataset([(str(f), 1.0) for f in blend_sources], "train", SEQ_LEN, 0, 500, VALID_FRACTION,
-                            cache_dir=tmp_path)
+    blended = build_dataset(
+        [(str(f), 1.0) for f in blend_sources], "train", SEQ_LEN, 0, 500, VALID_FRACTION, cache_dir=tmp_path
+    )
     for ds in (single, blended):
         payload = pickle.dumps(ds)
         assert len(payload) < 4096  # paths and arguments, not the memory-mapped arrays

@@ -1,4 +1,5 @@
 """`dstrain prepare`: manifest, shard bounds, resume, equivalent inputs, and the bad-input catalogue."""
+
 from __future__ import annotations
 
 import gzip
@@ -10,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from data_fixtures import TINY_SHARD_TOKENS, TINY_VOCAB, copy_prepared, corpus_file, read_texts
 from transformers import AutoTokenizer
 
 import dstrain.data.prepare as prepare_module
@@ -19,6 +19,8 @@ from dstrain.data.shards import ShardReader
 from dstrain.data.tokenizer import save_tokenizer, tokenizer_hash, train_bpe_tokenizer
 from dstrain.errors import DstrainError
 
+from data_fixtures import TINY_SHARD_TOKENS, TINY_VOCAB, copy_prepared, corpus_file, read_texts
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -26,7 +28,8 @@ def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
     """Every file under ``folder``: content hash and modification time."""
     return {
         str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-        for p in sorted(folder.rglob("*")) if p.is_file()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -77,8 +80,14 @@ def test_interrupted_prepare_rewrites_only_the_missing_shard(tmp_path, tiny_corp
             super().__init__(prefix, dtype)
 
     monkeypatch.setattr(prepare_module, "ShardWriter", CountingWriter)
-    manifest = prepare(source_of(tiny_corpus), out, train_tokenizer=TINY_VOCAB,
-                       shard_tokens=TINY_SHARD_TOKENS, num_proc=1, progress=False)
+    manifest = prepare(
+        source_of(tiny_corpus),
+        out,
+        train_tokenizer=TINY_VOCAB,
+        shard_tokens=TINY_SHARD_TOKENS,
+        num_proc=1,
+        progress=False,
+    )
     assert written == ["shard_00001"]
     after = snapshot(out)
     untouched = [name for name in before if name not in ("prepare_inputs.json", "shard_00002.bin.tmp")]
@@ -92,8 +101,14 @@ def test_interrupted_prepare_rewrites_only_the_missing_shard(tmp_path, tiny_corp
 def test_rerun_of_a_complete_folder_changes_nothing(tmp_path, tiny_corpus):
     out = copy_prepared(tiny_corpus, tmp_path / "out")
     before = snapshot(out)
-    prepare(source_of(tiny_corpus), out, train_tokenizer=TINY_VOCAB, shard_tokens=TINY_SHARD_TOKENS,
-            num_proc=1, progress=False)
+    prepare(
+        source_of(tiny_corpus),
+        out,
+        train_tokenizer=TINY_VOCAB,
+        shard_tokens=TINY_SHARD_TOKENS,
+        num_proc=1,
+        progress=False,
+    )
     assert snapshot(out) == before
 
 
@@ -120,33 +135,60 @@ def _as_gzip_parts(src: Path, dest: Path) -> str:
     return str(dest / "part_*.jsonl.gz")
 
 
-@pytest.mark.parametrize("make_source, streaming", [
-    (lambda src, dest: str(src), True),
-    (_as_parquet, False),
-    (_as_saved_dataset, False),
-    (_as_saved_dataset, True),
-    (_as_gzip_parts, False),
-])
+@pytest.mark.parametrize(
+    "make_source, streaming",
+    [
+        (lambda src, dest: str(src), True),
+        (_as_parquet, False),
+        (_as_saved_dataset, False),
+        (_as_saved_dataset, True),
+        (_as_gzip_parts, False),
+    ],
+)
 def test_every_source_kind_gives_the_same_shards(tmp_path, tiny_corpus, make_source, streaming):
     dataset = make_source(Path(source_of(tiny_corpus)), tmp_path)
     out = tmp_path / "out"
-    prepare(dataset, out, tokenizer=str(tiny_corpus / "tokenizer"), shard_tokens=TINY_SHARD_TOKENS,
-            streaming=streaming, num_proc=1, progress=False)
+    prepare(
+        dataset,
+        out,
+        tokenizer=str(tiny_corpus / "tokenizer"),
+        shard_tokens=TINY_SHARD_TOKENS,
+        streaming=streaming,
+        num_proc=1,
+        progress=False,
+    )
     assert shard_bytes(out) == shard_bytes(tiny_corpus)
     verify_tokenizer(out, tiny_corpus / "tokenizer")
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "dstrain", "prepare", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dstrain", "prepare", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.launcher
 def test_cli_with_two_processes_matches_in_process_prepare(tmp_path, tiny_corpus):
     out = tmp_path / "out"
-    result = run_cli("--dataset", source_of(tiny_corpus), "--train-tokenizer", str(TINY_VOCAB), "--out", str(out),
-                     "--shard-tokens", str(TINY_SHARD_TOKENS), "--num-proc", "2", "--no-progress")
+    result = run_cli(
+        "--dataset",
+        source_of(tiny_corpus),
+        "--train-tokenizer",
+        str(TINY_VOCAB),
+        "--out",
+        str(out),
+        "--shard-tokens",
+        str(TINY_SHARD_TOKENS),
+        "--num-proc",
+        "2",
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stderr
     assert f"{out}: 300 documents" in result.stdout
     assert shard_bytes(out) == shard_bytes(tiny_corpus)
@@ -156,17 +198,26 @@ def test_cli_with_two_processes_matches_in_process_prepare(tmp_path, tiny_corpus
 @pytest.mark.launcher
 def test_cli_unknown_tokenizer_exits_2_with_one_line(tmp_path, tiny_corpus):
     out = tmp_path / "out"
-    result = run_cli("--dataset", source_of(tiny_corpus), "--tokenizer", "no-such-org/no-such-tokenizer",
-                     "--out", str(out), "--no-progress")
+    result = run_cli(
+        "--dataset",
+        source_of(tiny_corpus),
+        "--tokenizer",
+        "no-such-org/no-such-tokenizer",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("dstrain: error: tokenizer 'no-such-org/no-such-tokenizer' (--tokenizer) "
-                               "could not be found locally")
+    assert lines[0].startswith(
+        "dstrain: error: tokenizer 'no-such-org/no-such-tokenizer' (--tokenizer) could not be found locally"
+    )
     assert not out.exists()
 
 
 # ---- the bad-input catalogue: each a one-line DstrainError, and nothing written or changed ----
+
 
 def _bad_source(tmp_path: Path, tiny_corpus: Path, case: str) -> tuple[str, dict, str]:
     """(dataset, prepare options, expected message fragment) for one bad input."""
@@ -191,8 +242,17 @@ def _bad_source(tmp_path: Path, tiny_corpus: Path, case: str) -> tuple[str, dict
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", ["misspelled text field", "missing text field", "empty dataset",
-                                  "non-UTF-8 bytes", "unknown tokenizer", "no tokenizer"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "misspelled text field",
+        "missing text field",
+        "empty dataset",
+        "non-UTF-8 bytes",
+        "unknown tokenizer",
+        "no tokenizer",
+    ],
+)
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, tiny_corpus, case):
     dataset, options, expected = _bad_source(tmp_path, tiny_corpus, case)
     inputs_before = snapshot(tmp_path)

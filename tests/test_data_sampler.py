@@ -1,4 +1,5 @@
 """Micro-batch sampling: the k-th global batch is the same whatever the parallel layout or resume point."""
+
 from __future__ import annotations
 
 from itertools import islice
@@ -39,8 +40,15 @@ def test_resume_continues_exactly_where_the_run_stopped(dp_size, micro):
 
 
 def test_same_global_batch_tokens_on_one_or_four_ranks(tiny_corpus, tmp_path):
-    ds = build_dataset([(str(tiny_corpus), 1.0)], "train", 32, seed=2, num_samples=GLOBAL_BATCH * 6,
-                       valid_fraction=0.1, cache_dir=tmp_path)
+    ds = build_dataset(
+        [(str(tiny_corpus), 1.0)],
+        "train",
+        32,
+        seed=2,
+        num_samples=GLOBAL_BATCH * 6,
+        valid_fraction=0.1,
+        cache_dir=tmp_path,
+    )
 
     def tokens_of_batch(b: int, dp_size: int, micro: int) -> np.ndarray:
         per_rank = global_batches(0, dp_size, micro, b + 1)[b]
@@ -50,11 +58,14 @@ def test_same_global_batch_tokens_on_one_or_four_ranks(tiny_corpus, tmp_path):
     np.testing.assert_array_equal(tokens_of_batch(4, 1, 8), tokens_of_batch(4, 4, 2))
 
 
-@pytest.mark.parametrize("consumed, micro, dp_size, expected", [
-    (10, 2, 2, "consumed_samples 10 is not a whole number of global batches of 24"),
-    (0, 5, 2, "valid micro-batch sizes: 1, 2, 3, 4, 6, 12"),
-    (0, 1, 5, "does not split over 5 data-parallel ranks"),
-])
+@pytest.mark.parametrize(
+    "consumed, micro, dp_size, expected",
+    [
+        (10, 2, 2, "consumed_samples 10 is not a whole number of global batches of 24"),
+        (0, 5, 2, "valid micro-batch sizes: 1, 2, 3, 4, 6, 12"),
+        (0, 1, 5, "does not split over 5 data-parallel ranks"),
+    ],
+)
 def test_inconsistent_batch_settings_are_one_line_errors(consumed, micro, dp_size, expected):
     with pytest.raises(DstrainError) as error:
         micro_batches(consumed, GLOBAL_BATCH, micro, 0, dp_size)  # raises before any batch is drawn

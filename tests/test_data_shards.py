@@ -1,4 +1,5 @@
 """MMIDIDX shards: round trip of real documents, Megatron compatibility, damaged files."""
+
 from __future__ import annotations
 
 import json
@@ -7,12 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from data_fixtures import copy_prepared, read_texts
 from transformers import AutoTokenizer
 
 from dstrain.data.dataset import build_dataset
 from dstrain.data.shards import ShardReader, ShardWriter, token_dtype
 from dstrain.errors import DstrainError
+
+from data_fixtures import copy_prepared, read_texts
 
 # Megatron-LM indexed_dataset.py DType codes, written out independently of our module.
 MEGATRON_DTYPES = {1: "B", 2: "b", 3: "h", 4: "i", 5: "q", 6: "d", 7: "f", 8: "H"}

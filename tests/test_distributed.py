@@ -1,4 +1,5 @@
 """Process-group set-up: DeepSpeed's CPU shared-memory all-reduce stays out of our runs."""
+
 import os
 from pathlib import Path
 
@@ -7,7 +8,10 @@ import pytest
 from ranks import run_ranks
 
 SHM = Path("/dev/shm")
-pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not SHM.is_dir(), reason="POSIX shared memory lives in /dev/shm on Linux only")]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not SHM.is_dir(), reason="POSIX shared memory lives in /dev/shm on Linux only"),
+]
 
 
 def shm_buffers(port: str) -> list[Path]:
@@ -30,7 +34,10 @@ def deepspeed_init_then_all_reduce(ours: bool) -> tuple[str, float]:
     return os.environ["MASTER_PORT"], total.item()
 
 
-@pytest.mark.deepspeed_defect("DeepSpeed's CPU shm all-reduce never unlinks its /dev/shm buffer (train/distributed.py::skip_deepspeed_shm_allreduce)")
+@pytest.mark.deepspeed_defect(
+    "DeepSpeed's CPU shm all-reduce never unlinks its /dev/shm buffer "
+    "(train/distributed.py::skip_deepspeed_shm_allreduce)"
+)
 def test_deepspeed_shm_allreduce_still_leaks():
     """DeepSpeed 0.19.x leaves one ~69 MB buffer per rank in /dev/shm after every CPU run.
 

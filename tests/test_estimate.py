@@ -1,4 +1,5 @@
 """dstrain estimate: against the tensors 2 ranks really hold, autograd's saved tensors, the ZeRO paper and DeepSpeed."""
+
 import collections
 import json
 import math
@@ -7,28 +8,45 @@ import time
 import pytest
 import yaml
 
-from ranks import run_ranks
-from train_helpers import ROOT
-
 from dstrain.config import load_recipe
 from dstrain.errors import DstrainError
 from dstrain.memory import GIB, count_params, estimate, estimate_file
 from dstrain.model.config import GPTConfig, num_params
 from dstrain.strategy import load_ds_config, resolve
 
+from ranks import run_ranks
+from train_helpers import ROOT
+
 LLAMA_7B = ROOT / "recipes" / "llama-7b.yaml"
 # Every shipped strategy that runs on a CPU: fp32 ZeRO-0..3, optimizer (and parameter) offload, bf16 ZeRO-1..3.
-REALITY_CONFIGS = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
-                   "zero1_bf16", "zero2_bf16", "zero3_bf16"]
+REALITY_CONFIGS = [
+    "zero0",
+    "zero1",
+    "zero2",
+    "zero3",
+    "zero2_offload",
+    "zero3_offload",
+    "zero1_bf16",
+    "zero2_bf16",
+    "zero3_bf16",
+]
 REALITY_RTOL = 0.10  # the bound the estimator promises; the measured gaps are printed (well under 1%)
 
 
 def write_recipe(folder, **model):
     """A recipe that names its vocabulary, so nothing reads data: 2 llama blocks, 16 x 32 tokens per step."""
     recipe = {
-        "name": "estimate-check", "seed": 3,
-        "model": {"flavour": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 128, "vocab_size": 2048,
-                  **model},
+        "name": "estimate-check",
+        "seed": 3,
+        "model": {
+            "flavour": "llama",
+            "n_layer": 2,
+            "n_head": 4,
+            "n_kv_head": 2,
+            "d_model": 128,
+            "vocab_size": 2048,
+            **model,
+        },
         "data": {"sources": [{"path": str(folder / "no-data")}], "seq_len": 32},
         "train": {"global_batch": 16, "steps": 2},
     }
@@ -38,6 +56,7 @@ def write_recipe(folder, **model):
 
 
 # --- the estimate against the tensors DeepSpeed keeps, on 2 gloo ranks ----------------------------------
+
 
 def reachable_tensors(root) -> dict[int, tuple[str, int]]:
     """storage -> (first path, bytes) of every tensor reachable from the engine: its module, optimizer(s), buffers.
@@ -75,13 +94,17 @@ def reachable_tensors(root) -> dict[int, tuple[str, int]]:
 def classify(engine, found) -> dict[str, int]:
     """Bytes per group: module parameters (and ZeRO-3 partitions), optimizer states (fp32 masters, Adam moments),
     gradients (every .grad and DeepSpeed's gradient partitions), buffers (buckets, offload staging)."""
+
     def storages(tensors):
         return {t.untyped_storage().data_ptr() for t in tensors if t is not None and t.untyped_storage().nbytes()}
 
     params = storages(t for p in engine.module.parameters() for t in (p, getattr(p, "ds_tensor", None)))
     basic = engine.basic_optimizer
-    optimizer = storages([p for g in basic.param_groups for p in g["params"]] + list(basic.state)  # masters
-                         + [v for state in basic.state.values() for v in state.values() if hasattr(v, "untyped_storage")])
+    optimizer = storages(
+        [p for g in basic.param_groups for p in g["params"]]
+        + list(basic.state)  # masters
+        + [v for state in basic.state.values() for v in state.values() if hasattr(v, "untyped_storage")]
+    )
     sizes = collections.Counter()
     for ptr, (path, nbytes) in found.items():
         last = path.rsplit(".", 1)[-1]
@@ -151,14 +174,18 @@ def test_model_states_match_what_two_ranks_hold(tmp_path):
     worst = 0.0
     for name, rank0, rank1 in zip(REALITY_CONFIGS, *measured):
         est = estimate_file(recipe, recipe_file, ROOT / "ds_configs" / f"{name}.json", 1, 2)
-        groups = {g: max(sum(getattr(p, ph) for p in est.parts if p.group == g) for ph in ("backward", "step"))
-                  for g in ("parameters", "gradients", "optimizer states")}
+        groups = {
+            g: max(sum(getattr(p, ph) for p in est.parts if p.group == g) for ph in ("backward", "step"))
+            for g in ("parameters", "gradients", "optimizer states")
+        }
         groups["model states"] = est.model_states()
         for group, expected in groups.items():
             for held in (rank0, rank1):
                 gap = held.get(group, 0) / expected - 1 if expected else held.get(group, 0)
                 worst = max(worst, abs(gap))
-                assert abs(gap) <= REALITY_RTOL, f"{name} {group}: estimate {expected:,} B, rank holds {held.get(group, 0):,} B"
+                assert abs(gap) <= REALITY_RTOL, (
+                    f"{name} {group}: estimate {expected:,} B, rank holds {held.get(group, 0):,} B"
+                )
             print(f"{name:14} {group:17} {expected / 1e6:12.3f} {rank0.get(group, 0) / 1e6:10.3f} {gap:+8.2%}")
         assert rank0.get("other", 0) < 0.001 * groups["model states"]  # nothing sizeable escaped the groups
         buffers = sum(max(p.backward, p.step) for p in est.parts if p.group == "buffers")
@@ -167,6 +194,7 @@ def test_model_states_match_what_two_ranks_hold(tmp_path):
 
 
 # --- activations against autograd's saved tensors ---------------------------------------------------------
+
 
 def saved_tensor_bytes(config: GPTConfig, batch: int, seq: int, dtype, checkpointed: bool = False) -> int:
     """Bytes of the distinct tensors autograd saves for backward in one forward (parameters excluded), with the
@@ -225,16 +253,27 @@ def test_activation_formula_matches_saved_tensors(tmp_path, flavour, config, che
     else:
         recompute = 0
     measured = saved_tensor_bytes(model, strategy.micro_batch, 32, dtype, checkpointing) + recompute
-    print(f"activations {flavour} {strategy.precision} checkpointing={checkpointing}: formula {formula:,} B, "
-          f"saved {measured:,} B ({formula / measured - 1:+.3%})")
+    print(
+        f"activations {flavour} {strategy.precision} checkpointing={checkpointing}: formula {formula:,} B, "
+        f"saved {measured:,} B ({formula / measured - 1:+.3%})"
+    )
     assert abs(formula / measured - 1) < 0.001  # the formula counts what autograd keeps, to a few scalars
 
 
 # --- the published formulas, DeepSpeed's estimators, and refusals -------------------------------------------
 
+
 def test_params_counted_on_the_meta_device_in_seconds():
-    llama_70b = GPTConfig(flavour="llama", vocab_size=32000, n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672,
-                          max_seq_len=4096)
+    llama_70b = GPTConfig(
+        flavour="llama",
+        vocab_size=32000,
+        n_layer=80,
+        n_head=64,
+        n_kv_head=8,
+        d_model=8192,
+        d_ff=28672,
+        max_seq_len=4096,
+    )
     start = time.perf_counter()
     counts = count_params(llama_70b)
     assert time.perf_counter() - start < 30  # no memory is allocated for 69 B parameters
@@ -257,7 +296,7 @@ def test_llama_7b_zero3_on_8_gpus_against_the_zero_paper():
     assert step["gradients (fp32), 1/8 partition"] == 2 * paper["gradients"] * psi / n
     assert step["gradients (fp32 copy for the optimizer)"] == 4 * psi / n
     assert est.model_states() == 22 * psi / n
-    # DeepSpeed's own estimator: 18Ψ/N plus the largest layer (param + grad, 16-bit); it leaves out the 16-bit gradients.
+    # DeepSpeed's own estimator: 18Ψ/N plus the largest layer (param + grad, 16-bit); it omits the 16-bit gradients.
     ref = est.deepspeed_reference
     assert ref["device"] == int(18 * psi / n) + 4 * 32000 * 4096
     assert est.fits and 20 * GIB < est.peak() < 40 * GIB  # 15.7 GiB model states, activations with checkpointing
@@ -278,8 +317,9 @@ def test_zero2_bf16_against_deepspeeds_estimator():
 def test_zero3_steps_one_sub_group_at_a_time(tmp_path):
     """ZeRO-3 builds the fp32 gradient copy of one sub-group at a time: a 69 B llama on 8 GPUs holds at most
     4 x sub_group_size bytes of it (3.7 GiB at the default 1e9), not 4Ψ/N (32 GiB)."""
-    recipe = load_recipe(LLAMA_7B, ["model.n_layer=80", "model.d_model=8192", "model.n_head=64", "model.n_kv_head=8",
-                                    "model.d_ff=28672"])
+    recipe = load_recipe(
+        LLAMA_7B, ["model.n_layer=80", "model.d_model=8192", "model.n_head=64", "model.n_kv_head=8", "model.d_ff=28672"]
+    )
     config = json.loads((ROOT / "ds_configs" / "zero3_bf16.json").read_text())
     for sub_group in (None, 10**8):
         if sub_group:
@@ -295,8 +335,20 @@ def test_zero3_steps_one_sub_group_at_a_time(tmp_path):
 def test_too_big_does_not_fit_and_the_cheapest_fitting_config_is_named(capsys):
     from dstrain.cli import main
 
-    argv = ["estimate", "--recipe", str(LLAMA_7B), "--deepspeed_config", str(ROOT / "ds_configs" / "zero1_bf16.json"),
-            "--nodes", "1", "--gpus-per-node", "8", "--configs-dir", str(ROOT / "ds_configs"), "--json"]
+    argv = [
+        "estimate",
+        "--recipe",
+        str(LLAMA_7B),
+        "--deepspeed_config",
+        str(ROOT / "ds_configs" / "zero1_bf16.json"),
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "8",
+        "--configs-dir",
+        str(ROOT / "ds_configs"),
+        "--json",
+    ]
     assert main(argv) == 1  # does not fit: a script can stop before sbatch
     report = json.loads(capsys.readouterr().out)
     psi = report["params_total"]
@@ -323,21 +375,35 @@ def test_bad_input_is_one_line(capsys, tmp_path):
     assert main([*base, str(ROOT / "ds_configs" / "zero3_bf16.json"), "--nodes", "0"]) == 2
     assert "--nodes 0 --gpus-per-node 8: both must be at least 1" in capsys.readouterr().err
     bad = tmp_path / "micro3.json"
-    bad.write_text(json.dumps({**json.loads((ROOT / "ds_configs" / "zero3_bf16.json").read_text()),
-                               "train_micro_batch_size_per_gpu": 3}))
+    bad.write_text(
+        json.dumps(
+            {**json.loads((ROOT / "ds_configs" / "zero3_bf16.json").read_text()), "train_micro_batch_size_per_gpu": 3}
+        )
+    )
     assert main([*base, str(bad), "--gpus-per-node", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "micro3.json: train_micro_batch_size_per_gpu=3" in err[0] and "valid micro-batch sizes" in err[0]
+    assert (
+        len(err) == 1
+        and "micro3.json: train_micro_batch_size_per_gpu=3" in err[0]
+        and "valid micro-batch sizes" in err[0]
+    )
     with pytest.raises(DstrainError, match="offload_.* needs ZeRO stage 1, 2 or 3"):
         cfg = tmp_path / "zero0_offload.json"
-        cfg.write_text(json.dumps({**json.loads((ROOT / "ds_configs" / "zero0.json").read_text()),
-                                   "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}))
+        cfg.write_text(
+            json.dumps(
+                {
+                    **json.loads((ROOT / "ds_configs" / "zero0.json").read_text()),
+                    "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}},
+                }
+            )
+        )
         estimate_file(load_recipe(LLAMA_7B), LLAMA_7B, cfg, 1, 8)
 
 
 def test_pipeline_stages_hold_whole_layers_and_the_tied_head():
     """gpt2-125m, tied: the stages DeepSpeed's partition_balanced cuts hold whole blocks, and the last one a second
-    copy of the embedding as the head (pp2: 6 blocks, the final norm and the head = 81.9 M, not half the model's 62.2 M)."""
+    copy of the embedding as the head (pp2: 6 blocks, the final norm and the head = 81.9 M, not half the model's
+    62.2 M)."""
     recipe = load_recipe(ROOT / "recipes" / "gpt2-125m.yaml")
     import torch
 

@@ -1,4 +1,5 @@
 """Hugging Face export and import, `dstrain eval` and `dstrain generate`, on short real 2-rank runs."""
+
 import argparse
 import json
 import os
@@ -27,8 +28,14 @@ DATA_FLAGS = ["--seq-len", "32", "--seed", "7", "--valid-fraction", "0.05", "--m
 
 
 def argv(recipe, strategy, run_dir, *overrides):
-    return ["--recipe", str(recipe), "--deepspeed_config", str(ROOT / "ds_configs" / f"{strategy}.json"),
-            f"run_dir={run_dir}", *overrides]
+    return [
+        "--recipe",
+        str(recipe),
+        "--deepspeed_config",
+        str(ROOT / "ds_configs" / f"{strategy}.json"),
+        f"run_dir={run_dir}",
+        *overrides,
+    ]
 
 
 def recipe_for(tmp, corpus, flavour, model=None, **sections):
@@ -59,7 +66,7 @@ def runs(tmp_path_factory, corpus):
     dirs = {key: tmp / "-".join(key) for key in RUNS + BF16_RUNS}
     codes = run_ranks(2, train_each, [argv(recipes[f], s, dirs[f, s]) for f, s in dirs])
     assert codes == [[0] * len(dirs)] * 2
-    for key, run in dirs.items():
+    for run in dirs.values():
         assert cli("export", run, "--out", tmp / "hf" / run.name) == 0
     return {key: (run, tmp / "hf" / run.name) for key, run in dirs.items()}
 
@@ -67,8 +74,8 @@ def runs(tmp_path_factory, corpus):
 @pytest.mark.parametrize("flavour,strategy", RUNS)
 @torch.no_grad()
 def test_export_computes_what_our_model_computes(runs, flavour, strategy):
-    from dstrain.train.checkpoint import consolidated_state_dict, load_run
     from dstrain.model.gpt import GPT
+    from dstrain.train.checkpoint import consolidated_state_dict, load_run
 
     run, hf_dir = runs[flavour, strategy]
     assert (hf_dir / "model.safetensors").is_file() and (hf_dir / "tokenizer.json").is_file()
@@ -85,13 +92,13 @@ def test_export_computes_what_our_model_computes(runs, flavour, strategy):
 
 @pytest.fixture(scope="module")
 def evals(runs, corpus):
-    """On 2 ranks: each run, and its exported folder, evaluated on the trainer's 32 samples; one run on the whole split."""
+    """On 2 ranks: each run and its exported folder, evaluated on the trainer's 32 samples; one on the whole split."""
     argvs = [[run, "--samples", 32] for run, _ in runs.values()]
     argvs += [[hf, "--data", corpus, *DATA_FLAGS, "--samples", 32] for _, hf in runs.values()]
     whole = runs["llama", "zero2"][0]
     results = run_ranks(2, eval_each, argvs + [[whole]])[0]
     n = len(runs)
-    return dict(zip(runs, results[:n])), dict(zip(runs, results[n:2 * n])), results[-1]
+    return dict(zip(runs, results[:n])), dict(zip(runs, results[n : 2 * n])), results[-1]
 
 
 @pytest.mark.parametrize("flavour,strategy", RUNS)
@@ -124,9 +131,26 @@ def test_eval_under_the_deepspeed_launcher(runs, tmp_path):
 
     run = runs["llama", "zero2"][0]
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "dstrain",
-                           "eval", str(run), "--samples", "32"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            launcher,
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "dstrain",
+            "eval",
+            str(run),
+            "--samples",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     trainer = [r for r in read_metrics(run) if r.get("split") == "valid"][-1]
@@ -136,9 +160,9 @@ def test_eval_under_the_deepspeed_launcher(runs, tmp_path):
 @torch.no_grad()
 def test_generate_runs_offline_and_decodes_greedily(runs, capsys):
     from dstrain.data.tokenizer import load_run_tokenizer
-    from dstrain.train.checkpoint import consolidated_state_dict, load_run
     from dstrain.generate import generate
     from dstrain.model.gpt import GPT
+    from dstrain.train.checkpoint import consolidated_state_dict, load_run
 
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     run, hf_dir = runs["gpt2", "zero3"]
@@ -164,8 +188,12 @@ def round_trip(runs, tmp_path_factory, corpus):
     ZeRO-2 where there are no pipelines), exported again."""
     tmp = tmp_path_factory.mktemp("round_trip")
     cases = {"llama": "zero3", "gpt2": "pp2_zero1" if ("llama", "pp2_zero1") in RUNS else "zero2"}
-    recipes = {f: recipe_for(tmp, corpus, f, train={"steps": 0}, schedule={"warmup_steps": 0},
-                             init_from=str(runs[f, "zero1"][1])) for f in cases}
+    recipes = {
+        f: recipe_for(
+            tmp, corpus, f, train={"steps": 0}, schedule={"warmup_steps": 0}, init_from=str(runs[f, "zero1"][1])
+        )
+        for f in cases
+    }
     assert run_ranks(2, train_each, [argv(recipes[f], s, tmp / f) for f, s in cases.items()]) == [[0, 0]] * 2
     for flavour in cases:
         assert cli("export", tmp / flavour, "--out", tmp / f"{flavour}-hf") == 0
@@ -185,8 +213,8 @@ def test_import_then_export_is_identical(round_trip, flavour):
 def test_init_from_another_architecture_is_one_line(runs, tmp_path, corpus):
     from dstrain.config import load_recipe
     from dstrain.errors import DstrainError
-    from dstrain.train.engine import load_init_from
     from dstrain.model.gpt import GPT
+    from dstrain.train.engine import load_init_from
 
     path = recipe_for(tmp_path, corpus, "llama", init_from=str(runs["llama", "zero0"][1]), model={"n_layer": 3})
     recipe = load_recipe(path)
@@ -208,8 +236,11 @@ def test_a_bf16_run_exports_its_fp32_masters(runs, strategy, tmp_path):
     halved = load_file(tmp_path / "bf16" / "model.safetensors")
     module = module_state_dict(load_run(run, None)[1])
     assert module["embed.tok.weight"].dtype == torch.bfloat16
-    hf_name = {"embed.tok.weight": "model.embed_tokens.weight", "blocks.1.mlp.down_proj.weight":
-               "model.layers.1.mlp.down_proj.weight", "blocks.0.self_attn.q_proj.weight": "model.layers.0.self_attn.q_proj.weight"}
+    hf_name = {
+        "embed.tok.weight": "model.embed_tokens.weight",
+        "blocks.1.mlp.down_proj.weight": "model.layers.1.mlp.down_proj.weight",
+        "blocks.0.self_attn.q_proj.weight": "model.layers.0.self_attn.q_proj.weight",
+    }
     for ours, theirs in hf_name.items():
         assert masters[theirs].dtype == torch.float32 and halved[theirs].dtype == torch.bfloat16
         assert torch.equal(masters[theirs].to(torch.bfloat16), module[ours]), ours

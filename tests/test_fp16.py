@@ -1,15 +1,29 @@
 """fp16 dynamic loss scaling, tested on CPU by switching DeepSpeed's fp16 support on inside the ranks."""
+
 import numpy as np
 import pytest
 
 from ranks import run_ranks
-from train_helpers import ds_config, read_metrics, small_recipe, train_argv, train_fp16_with_overflows, zero0_fp16_gradient_scale
+from train_helpers import (
+    ds_config,
+    read_metrics,
+    small_recipe,
+    train_argv,
+    train_fp16_with_overflows,
+    zero0_fp16_gradient_scale,
+)
 
 pytestmark = pytest.mark.distributed
 
 WINDOW = 3  # loss_scale_window: clean steps before the scale doubles
-SCALER = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": WINDOW,
-          "hysteresis": 1, "min_loss_scale": 1}
+SCALER = {
+    "enabled": True,
+    "loss_scale": 0,
+    "initial_scale_power": 8,
+    "loss_scale_window": WINDOW,
+    "hysteresis": 1,
+    "min_loss_scale": 1,
+}
 OVERFLOW_AT = {4, 9}  # optimizer steps whose loss is made inf
 
 
@@ -59,7 +73,9 @@ def test_zero1_and_zero2_agree_in_fp16(fp16_runs):
 def test_consecutive_overflows_abort_with_a_clear_message(tmp_path, corpus, capfd):
     recipe = small_recipe(tmp_path, corpus)
     config = ds_config(tmp_path, "zero1_fp16", fp16=SCALER)
-    codes = run_ranks(2, train_fp16_with_overflows, train_argv(recipe, config, tmp_path / "run", "train.max_skipped_steps=3"), None)
+    codes = run_ranks(
+        2, train_fp16_with_overflows, train_argv(recipe, config, tmp_path / "run", "train.max_skipped_steps=3"), None
+    )
     assert codes == [2, 2]
     err = capfd.readouterr().err
     assert "4 consecutive fp16 overflow steps (train.max_skipped_steps=3)" in err
@@ -67,7 +83,9 @@ def test_consecutive_overflows_abort_with_a_clear_message(tmp_path, corpus, capf
     assert [r["skipped_steps"] for r in records] == [1, 2, 3]
 
 
-@pytest.mark.deepspeed_defect("engine.backward does not scale the loss for the ZeRO-0 fp16 optimizer (strategy._precision refuses it)")
+@pytest.mark.deepspeed_defect(
+    "engine.backward does not scale the loss for the ZeRO-0 fp16 optimizer (strategy._precision refuses it)"
+)
 def test_deepspeed_zero0_fp16_defect_is_still_there():
     """DeepSpeed 0.19.8: engine.backward leaves the loss unscaled with fp16 and ZeRO stage 0, while the optimizer
     still divides the gradients by the scale. dstrain refuses that combination (strategy._precision). If this

@@ -1,14 +1,20 @@
 """What only a CUDA device can show; bench/gpu_check.py runs these on a GPU machine (see BENCHMARKS.md, "GPU")."""
+
 import pytest
 import torch
 
 from ranks import run_ranks
 from train_helpers import zero0_fp16_gradient_scale
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; bench/gpu_check.py runs it")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; bench/gpu_check.py runs it"),
+]
 
 
-@pytest.mark.deepspeed_defect("engine.backward does not scale the loss for the ZeRO-0 fp16 optimizer (strategy._precision refuses it)")
+@pytest.mark.deepspeed_defect(
+    "engine.backward does not scale the loss for the ZeRO-0 fp16 optimizer (strategy._precision refuses it)"
+)
 def test_the_zero0_fp16_defect_reproduces_on_cuda():
     """The refusal of ZeRO-0 fp16 rests on a defect seen on CPU ranks; on CUDA (real fp16 kernels) the gradient after
     engine.backward is likewise unscaled (a correct engine would give the loss scale, 2**10)."""
@@ -24,8 +30,10 @@ def test_fused_adam_matches_torch_adamw():
     start = torch.randn(4096, 257, device="cuda")
     grads = [torch.randn_like(start) for _ in range(10)]
     results = []
-    for make in (lambda p: FusedAdam(p, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, adam_w_mode=True),
-                 lambda p: torch.optim.AdamW(p, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)):
+    for make in (
+        lambda p: FusedAdam(p, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, adam_w_mode=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False),
+    ):
         param = torch.nn.Parameter(start.clone())
         optimizer = make([param])
         for grad in grads:
@@ -57,8 +65,15 @@ def test_bf16_causal_attention_dispatches_a_fused_kernel(flavour):
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT
 
-    config = GPTConfig(flavour=flavour, vocab_size=512, max_seq_len=1024, n_layer=1, n_head=8,
-                       n_kv_head=4 if flavour == "llama" else None, d_model=512)
+    config = GPTConfig(
+        flavour=flavour,
+        vocab_size=512,
+        max_seq_len=1024,
+        n_layer=1,
+        n_head=8,
+        n_kv_head=4 if flavour == "llama" else None,
+        d_model=512,
+    )
     model = GPT(config).to(device="cuda", dtype=torch.bfloat16)
     tokens = torch.randint(0, 512, (2, 1024), device="cuda")
     with torch.no_grad(), torch.profiler.profile() as prof:

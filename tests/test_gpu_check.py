@@ -1,4 +1,5 @@
 """bench/gpu_check.py's dry run (the GPU check's code paths on a CPU), and the DeepSpeed defect it found."""
+
 import json
 import os
 import subprocess
@@ -13,9 +14,21 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.launcher
 def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
     out = tmp_path / "check"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), str(out), "--dry-run",
-                           "--data", str(corpus), "--wheels", str(tmp_path / "no-wheels")],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_check.py"),
+            str(out),
+            "--dry-run",
+            "--data",
+            str(corpus),
+            "--wheels",
+            str(tmp_path / "no-wheels"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     figures = json.loads((out / "gpu_check.json").read_text())
     assert [row["ok"] for row in figures["correctness"]] == [True]  # ZeRO-3 against ZeRO-0, 1e-5 relative
@@ -30,7 +43,10 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
         assert f"## {title}" in report
 
 
-@pytest.mark.deepspeed_defect("op_builder/builder.py cannot sort TORCH_CUDA_ARCH_LIST entries with a suffix (engine.make_arch_list_readable_by_deepspeed)")
+@pytest.mark.deepspeed_defect(
+    "op_builder/builder.py cannot sort TORCH_CUDA_ARCH_LIST entries with a suffix "
+    "(engine.make_arch_list_readable_by_deepspeed)"
+)
 def test_deepspeed_cannot_read_arch_suffixes(monkeypatch):
     from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 

@@ -1,6 +1,7 @@
 """grad_norm where DeepSpeed keeps none (ZeRO-0 fp32), and the DeepSpeed defects that train/grad_norm.py works
 around (issue 12 item 9). The same norm under ZeRO 0-3, pipeline and TP: tests/test_train.py and
 tests/test_parallel.py compare the logged grad_norm of their runs."""
+
 import pytest
 import torch
 
@@ -17,7 +18,6 @@ def probe_engines() -> dict:
     import deepspeed
 
     from dstrain.model.config import GPTConfig
-
     from dstrain.model.gpt import GPT, lm_loss
     from dstrain.train import distributed, grad_norm
 
@@ -25,8 +25,12 @@ def probe_engines() -> dict:
     config = GPTConfig(flavour="llama", vocab_size=64, max_seq_len=8, n_layer=1, n_head=2, d_model=16)
     tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
     rank = torch.distributed.get_rank()
-    ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1e-3,
-          "zero_optimization": {"stage": 0}}
+    ds = {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1e-3,
+        "zero_optimization": {"stage": 0},
+    }
     norms = {}
     for name in ("deepspeed", "installed"):
         torch.manual_seed(0)
@@ -35,7 +39,7 @@ def probe_engines() -> dict:
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=ds)
         if name == "installed":
             grad_norm.install(engine)
-        mine = tokens[2 * rank:2 * rank + 2]
+        mine = tokens[2 * rank : 2 * rank + 2]
         engine.backward(lm_loss(engine(mine[:, :-1]), mine[:, 1:]))
         engine.step()
         norm = engine.get_global_grad_norm()

@@ -1,4 +1,5 @@
 """dstrain.model.hf: our GPT and the Hugging Face model built by to_hf compute the same function."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,10 +20,33 @@ VOCAB = 101
 ATOL = 1e-4
 # Every field explicit, so the config survives the round trip field for field.
 CONFIGS = {
-    "gpt2": GPTConfig(flavour="gpt2", vocab_size=VOCAB, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=4,
-                      d_model=32, d_ff=128, tie_embeddings=True, norm_eps=1e-5, init_std=0.2),
-    "llama": GPTConfig(flavour="llama", vocab_size=VOCAB, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=2,
-                       d_model=32, d_ff=96, tie_embeddings=False, norm_eps=1e-6, rope_theta=500.0, init_std=0.2),
+    "gpt2": GPTConfig(
+        flavour="gpt2",
+        vocab_size=VOCAB,
+        max_seq_len=32,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=4,
+        d_model=32,
+        d_ff=128,
+        tie_embeddings=True,
+        norm_eps=1e-5,
+        init_std=0.2,
+    ),
+    "llama": GPTConfig(
+        flavour="llama",
+        vocab_size=VOCAB,
+        max_seq_len=32,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        d_model=32,
+        d_ff=96,
+        tie_embeddings=False,
+        norm_eps=1e-6,
+        rope_theta=500.0,
+        init_std=0.2,
+    ),
 }
 HF_CLASSES = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}
 
@@ -92,8 +116,9 @@ def test_round_trip_is_identical(pair, tmp_path):
 def test_hf_generate_matches_our_greedy_decoding(pair):
     _, ours, hf = pair
     prompt = torch.randint(2, VOCAB, (2, 5))
-    generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
-                            pad_token_id=1)
+    generated = hf.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=1
+    )
     assert generated.shape == (2, 11)
     tokens = prompt
     for _ in range(6):

@@ -5,6 +5,7 @@ process of the run gone within STOP_BOUND_S, and a resume whose losses equal the
 bit for bit (fp32). The launchers run in a session of their own, so that a signal to "the group"
 reaches what a terminal's Ctrl-C, systemd or Kubernetes would reach, and nothing of pytest.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,11 @@ def argv(recipe, run):
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory, corpus):
-    return small_recipe(tmp_path_factory.mktemp("launchers"), corpus,
-                        train={"steps": STEPS, "checkpoint_interval": 1000, "eval_samples": 16})
+    return small_recipe(
+        tmp_path_factory.mktemp("launchers"),
+        corpus,
+        train={"steps": STEPS, "checkpoint_interval": 1000, "eval_samples": 16},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +62,19 @@ def command(launcher: str) -> list[str]:
         # --multi_gpu is accelerate's torchrun launcher, which DeepSpeed's CPU accelerator serves here (its --cpu
         # launcher runs one process). One thread per process, as in every other row and the reference: another
         # thread count sums in another order, 1e-7 apart by step 10.
-        "accelerate": [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-                       "--num_cpu_threads_per_process", "1", "--main_process_port", port, "-m", "dstrain.train"],
+        "accelerate": [
+            str(BIN / "accelerate"),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_cpu_threads_per_process",
+            "1",
+            "--main_process_port",
+            port,
+            "-m",
+            "dstrain.train",
+        ],
     }[launcher]
 
 
@@ -68,17 +83,34 @@ def start(launcher: str, args: list[str], log: Path) -> list[subprocess.Popen]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     out = open(log, "w")
     if launcher != "python -m":
-        return [subprocess.Popen([*command(launcher), *args], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)]
+        return [
+            subprocess.Popen(
+                [*command(launcher), *args], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        ]
     port = str(free_port())
     procs = []
     try:
         for rank in range(2):
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_SIZE": "2",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            rank_env = {
+                **env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            }
             group = procs[0].pid if procs else 0  # a process group of their own, as a shell's job
-            procs.append(subprocess.Popen([sys.executable, "-m", "dstrain.train", *args], env=rank_env, stdout=out,
-                                          stderr=subprocess.STDOUT, process_group=group))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "dstrain.train", *args],
+                    env=rank_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    process_group=group,
+                )
+            )
     except BaseException:
         for p in procs:  # rank 0 alone would wait for its peer forever
             p.kill()
@@ -119,8 +151,7 @@ MATRIX = [
 
 
 @pytest.mark.parametrize("launcher, target, signum, leader_exit", MATRIX)
-def test_every_stop_checkpoints_and_resumes_exactly(recipe, reference, tmp_path, launcher, target, signum,
-                                                    leader_exit):
+def test_every_stop_checkpoints_and_resumes_exactly(recipe, reference, tmp_path, launcher, target, signum, leader_exit):
     run, log = tmp_path / "run", tmp_path / "launcher.log"
     procs = start(launcher, argv(recipe, run), log)
     try:
@@ -148,16 +179,23 @@ def test_every_stop_checkpoints_and_resumes_exactly(recipe, reference, tmp_path,
     assert train_losses(run) == reference  # bit for bit, every step once
 
 
-@pytest.mark.deepspeed_defect("deepspeed/launcher/runner.py forwards SIGTERM only for multi-node PDSH; "
-                              "workaround: dstrain.train.stop.LauncherWatch")
+@pytest.mark.deepspeed_defect(
+    "deepspeed/launcher/runner.py forwards SIGTERM only for multi-node PDSH; "
+    "workaround: dstrain.train.stop.LauncherWatch"
+)
 def test_deepspeed_runner_still_forwards_no_signal(tmp_path):
     """SIGTERM to the `deepspeed` command on one node: it exits and its child training process trains on."""
     script = tmp_path / "sleeper.py"
     pid_file = tmp_path / "pid"
     script.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    runner = subprocess.Popen([str(BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(free_port()), str(script)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    runner = subprocess.Popen(
+        [str(BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(free_port()), str(script)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
@@ -173,7 +211,12 @@ def test_deepspeed_runner_still_forwards_no_signal(tmp_path):
 
 
 # What the ranks do on their way out: a finished command, a refusal, a crash, a second signal's SystemExit.
-EXIT_PATHS = {0: "sys.exit(0)", 2: "sys.exit(2)", 1: "raise RuntimeError('a rank failed')", 143: "raise SystemExit(143)"}
+EXIT_PATHS = {
+    0: "sys.exit(0)",
+    2: "sys.exit(2)",
+    1: "raise RuntimeError('a rank failed')",
+    143: "raise SystemExit(143)",
+}
 RANK_SCRIPT = """
 import atexit, sys, torch
 atexit.register(lambda: print("initialized at exit:", torch.distributed.is_initialized(), flush=True))  # runs last
@@ -190,11 +233,24 @@ def test_the_process_group_is_torn_down_on_every_exit_path(code):
     Each path out of a 2-rank group destroys the group before exit and exits with its own status. Asserting the
     teardown itself (the group is gone when the last exit handler runs) catches a missing one on every run,
     where repeating exits until one aborts would catch it 1 time in 24."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT.format(exit=EXIT_PATHS[code])],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT.format(exit=EXIT_PATHS[code])],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == code and "initialized at exit: False" in out, err[-2000:]

@@ -1,5 +1,6 @@
 """What the metrics count (issue 12 items 8, 10, 11): training time only in throughput, each data source's valid
 loss on its own, and the MFU peak of the exact device variant."""
+
 import argparse
 import time
 
@@ -58,30 +59,33 @@ GB = 10**9
 GIB = 2**30
 
 
-@pytest.mark.parametrize("name, memory, precision, variant, tflops", [
-    ("NVIDIA H100 80GB HBM3", 85017493504, "bf16", "H100 SXM", 989.5),  # as torch reports the lent H100
-    ("NVIDIA H100 80GB HBM3", 79.1 * GIB, "fp32", "H100 SXM", 67.0),
-    ("NVIDIA H100 PCIe", 79.1 * GIB, "bf16", "H100 PCIe", 756.5),
-    ("NVIDIA H100 PCIe", 79.1 * GIB, "fp16", "H100 PCIe", 756.5),
-    ("NVIDIA H100 NVL", 93.6 * GIB, "bf16", "H100 NVL", 835.5),
-    ("NVIDIA H100", 93.6 * GIB, "bf16", "H100 NVL", 835.5),  # the name alone is ambiguous: 94 GB is the NVL
-    ("NVIDIA H100", 79.1 * GIB, "bf16", None, None),  # 80 GB: SXM or PCIe, a third slower; no guess
-    ("NVIDIA H200", 140.4 * GIB, "bf16", "H200 SXM", 989.5),
-    ("NVIDIA H200 NVL", 140.4 * GIB, "bf16", "H200 NVL", 835.5),
-    ("NVIDIA GH200 480GB", 94.5 * GIB, "bf16", "GH200", 989.5),
-    ("NVIDIA A100-SXM4-40GB", 39.4 * GIB, "bf16", "A100 40GB", 312.0),
-    ("NVIDIA A100-SXM4-80GB", 79.2 * GIB, "bf16", "A100 80GB", 312.0),
-    ("NVIDIA A100 80GB PCIe", 79.2 * GIB, "fp32", "A100 80GB", 19.5),
-    ("NVIDIA L40S", 44.4 * GIB, "bf16", "L40S", 362.05),
-    ("NVIDIA L40", 44.4 * GIB, "bf16", "L40", 181.05),
-    ("NVIDIA L4", 22.0 * GIB, "bf16", "L4", 121.0),
-    ("NVIDIA A10", 22.0 * GIB, "bf16", "A10", 125.0),
-    ("NVIDIA A10G", 22.0 * GIB, "bf16", None, None),  # no vendor datasheet
-    ("Tesla V100-SXM2-32GB", 31.7 * GIB, "fp16", "V100 SXM2", 125.0),
-    ("Tesla V100-PCIE-16GB", 15.8 * GIB, "fp16", "V100 PCIe", 112.0),
-    ("Tesla V100-SXM2-16GB", 15.8 * GIB, "bf16", "V100 SXM2", None),  # no bf16 on Volta
-    ("AMD Instinct MI300X", 192 * GB, "bf16", "MI300X", 1307.4),
-])
+@pytest.mark.parametrize(
+    "name, memory, precision, variant, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 85017493504, "bf16", "H100 SXM", 989.5),  # as torch reports the lent H100
+        ("NVIDIA H100 80GB HBM3", 79.1 * GIB, "fp32", "H100 SXM", 67.0),
+        ("NVIDIA H100 PCIe", 79.1 * GIB, "bf16", "H100 PCIe", 756.5),
+        ("NVIDIA H100 PCIe", 79.1 * GIB, "fp16", "H100 PCIe", 756.5),
+        ("NVIDIA H100 NVL", 93.6 * GIB, "bf16", "H100 NVL", 835.5),
+        ("NVIDIA H100", 93.6 * GIB, "bf16", "H100 NVL", 835.5),  # the name alone is ambiguous: 94 GB is the NVL
+        ("NVIDIA H100", 79.1 * GIB, "bf16", None, None),  # 80 GB: SXM or PCIe, a third slower; no guess
+        ("NVIDIA H200", 140.4 * GIB, "bf16", "H200 SXM", 989.5),
+        ("NVIDIA H200 NVL", 140.4 * GIB, "bf16", "H200 NVL", 835.5),
+        ("NVIDIA GH200 480GB", 94.5 * GIB, "bf16", "GH200", 989.5),
+        ("NVIDIA A100-SXM4-40GB", 39.4 * GIB, "bf16", "A100 40GB", 312.0),
+        ("NVIDIA A100-SXM4-80GB", 79.2 * GIB, "bf16", "A100 80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 79.2 * GIB, "fp32", "A100 80GB", 19.5),
+        ("NVIDIA L40S", 44.4 * GIB, "bf16", "L40S", 362.05),
+        ("NVIDIA L40", 44.4 * GIB, "bf16", "L40", 181.05),
+        ("NVIDIA L4", 22.0 * GIB, "bf16", "L4", 121.0),
+        ("NVIDIA A10", 22.0 * GIB, "bf16", "A10", 125.0),
+        ("NVIDIA A10G", 22.0 * GIB, "bf16", None, None),  # no vendor datasheet
+        ("Tesla V100-SXM2-32GB", 31.7 * GIB, "fp16", "V100 SXM2", 125.0),
+        ("Tesla V100-PCIE-16GB", 15.8 * GIB, "fp16", "V100 PCIe", 112.0),
+        ("Tesla V100-SXM2-16GB", 15.8 * GIB, "bf16", "V100 SXM2", None),  # no bf16 on Volta
+        ("AMD Instinct MI300X", 192 * GB, "bf16", "MI300X", 1307.4),
+    ],
+)
 def test_peak_of_each_device_variant(name, memory, precision, variant, tflops):
     from dstrain.metrics import lookup_peak
 
@@ -112,6 +116,7 @@ def train_slowed(argv: list[str]) -> int:
         def slowed(self, *args):
             time.sleep(PAUSE_S)
             return method(self, *args)
+
         return slowed
 
     Trainer.evaluate, Trainer.save = slow(evaluate), slow(save)
@@ -135,25 +140,43 @@ def train_then_eval(train_argvs: list[list[str]], eval_argvs: list[list[str]]) -
 def two_sources(tmp_path_factory, corpus):
     """The corpus (weight 0.1) and a small other source (weight 0.9): 2-rank runs of the whole valid splits and of
     8 samples per source, then `dstrain eval` of both."""
-    from data_fixtures import corpus_file
-
     from dstrain.data.prepare import prepare
+
+    from data_fixtures import corpus_file
 
     tmp = tmp_path_factory.mktemp("metrics")
     small = tmp / "small_source"
-    prepare(str(corpus_file(tmp, n_docs=60, skip_docs=300)), str(small), tokenizer=str(corpus / "tokenizer"),
-            num_proc=1, progress=False)
+    prepare(
+        str(corpus_file(tmp, n_docs=60, skip_docs=300)),
+        str(small),
+        tokenizer=str(corpus / "tokenizer"),
+        num_proc=1,
+        progress=False,
+    )
     sources = [{"path": str(corpus), "weight": 0.1}, {"path": str(small), "weight": 0.9}]
-    recipe = small_recipe(tmp, corpus, data={"sources": sources},
-                          train={"steps": 6, "log_interval": 2, "eval_interval": 2, "checkpoint_interval": 4,
-                                 "eval_samples": None})
+    recipe = small_recipe(
+        tmp,
+        corpus,
+        data={"sources": sources},
+        train={"steps": 6, "log_interval": 2, "eval_interval": 2, "checkpoint_interval": 4, "eval_samples": None},
+    )
     config = ROOT / "ds_configs" / "zero1.json"
     whole, few = tmp / "whole", tmp / "few"
-    runs = [["--recipe", recipe, "--deepspeed_config", config, f"run_dir={run}", *extra]
-            for run, extra in ((whole, []), (few, ["train.eval_samples=8"]))]
-    codes, evals = run_ranks(2, train_then_eval, [[str(a) for a in r] for r in runs], [[whole], [few, "--samples", 8]])[0]
+    runs = [
+        ["--recipe", recipe, "--deepspeed_config", config, f"run_dir={run}", *extra]
+        for run, extra in ((whole, []), (few, ["train.eval_samples=8"]))
+    ]
+    codes, evals = run_ranks(2, train_then_eval, [[str(a) for a in r] for r in runs], [[whole], [few, "--samples", 8]])[
+        0
+    ]
     assert codes == [0, 0]
-    return {"whole": whole, "few": few, "eval_whole": evals[0], "eval_few": evals[1], "names": [corpus.name, small.name]}
+    return {
+        "whole": whole,
+        "few": few,
+        "eval_whole": evals[0],
+        "eval_few": evals[1],
+        "names": [corpus.name, small.name],
+    }
 
 
 @pytest.mark.distributed

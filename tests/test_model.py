@@ -1,4 +1,5 @@
 """Behaviour of dstrain.model.gpt: shapes, masking, parameter accounting, initialisation, checkpointing."""
+
 from __future__ import annotations
 
 import math
@@ -11,9 +12,9 @@ import pytest
 import torch
 
 from dstrain.errors import DstrainError
-from dstrain.train.distributed import free_port
 from dstrain.model.config import GPTConfig, flops_per_token, num_params
 from dstrain.model.gpt import GPT, Block, Embedding, lm_loss
+from dstrain.train.distributed import free_port
 
 VOCAB = 97
 
@@ -46,8 +47,14 @@ def test_module_structure_and_logit_shape(flavour):
     assert len(model.blocks) == config.n_layer and all(isinstance(b, Block) for b in model.blocks)
     assert isinstance(model.lm_head, torch.nn.Linear)
     names = {n for n, _ in model.named_parameters()}
-    for proj in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.up_proj", "mlp.down_proj"] + (["mlp.gate_proj"] if flavour == "llama" else []):
+    for proj in [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ] + (["mlp.gate_proj"] if flavour == "llama" else []):
         assert f"blocks.1.{proj}.weight" in names
     ids = torch.randint(0, VOCAB, (3, 11))
     logits = model(ids)
@@ -128,8 +135,9 @@ def test_num_params_matches_the_model(flavour, tie):
 def test_num_params_and_d_ff_match_published_models():
     gpt2_small = GPTConfig(flavour="gpt2", vocab_size=50257, max_seq_len=1024, n_layer=12, n_head=12, d_model=768)
     assert num_params(gpt2_small) == 124_439_808  # HF GPT2LMHeadModel("gpt2")
-    llama2_7b = GPTConfig(flavour="llama", vocab_size=32000, max_seq_len=4096, n_layer=32, n_head=32, d_model=4096,
-                          d_ff=11008)
+    llama2_7b = GPTConfig(
+        flavour="llama", vocab_size=32000, max_seq_len=4096, n_layer=32, n_head=32, d_model=4096, d_ff=11008
+    )
     assert num_params(llama2_7b) == 6_738_415_616  # Llama-2-7b-hf
     # 6N + 12 L d T with N = non-embedding params + the logits projection (tied or not)
     n = num_params(gpt2_small, exclude_embeddings=True) + 50257 * 768
@@ -178,12 +186,15 @@ def test_activation_checkpointing_same_loss_and_grads(flavour):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (dict(flavour="mamba"), "model.flavour"),
-    (dict(n_head=6), "model.n_head"),
-    (dict(flavour="llama", n_kv_head=3), "model.n_kv_head"),
-    (dict(flavour="gpt2", n_kv_head=2), "model.n_kv_head"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (dict(flavour="mamba"), "model.flavour"),
+        (dict(n_head=6), "model.n_head"),
+        (dict(flavour="llama", n_kv_head=3), "model.n_kv_head"),
+        (dict(flavour="gpt2", n_kv_head=2), "model.n_kv_head"),
+    ],
+)
 def test_bad_config_raises_one_line_error(overrides, key):
     with pytest.raises(DstrainError) as error:
         GPTConfig(**{"d_model": 40, "n_head": 4, **overrides})
@@ -215,11 +226,19 @@ ZERO_INIT_SCRIPT = textwrap.dedent("""
 def test_init_under_zero3_equals_plain_init(tmp_path):
     """Every parameter is initialised inside its owning constructor, so ZeRO-3 partitioning keeps it."""
     # A subprocess keeps the gloo process group out of the other tests.
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "OMP_NUM_THREADS": "1",
+    }
     result_path = tmp_path / "zero3_params.pt"
-    run = subprocess.run([sys.executable, "-c", ZERO_INIT_SCRIPT, str(result_path)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", ZERO_INIT_SCRIPT, str(result_path)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = torch.load(result_path)
     for flavour in ("gpt2", "llama"):

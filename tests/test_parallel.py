@@ -1,5 +1,6 @@
 """Model parallelism chosen by the ds_config, on CPU ranks (gloo, fp32): pipeline stages and AutoTP tensor
 parallelism give the plain model's losses, resume exactly, and convert to and from the plain state dict."""
+
 import inspect
 import json
 
@@ -20,8 +21,10 @@ LOSS_RTOL = 1e-4
 BF16_RTOL = 1e-3  # bf16 rounds the same sums to 8 bits of mantissa (measured: 5e-5 by step 10)
 LOGITS_ATOL = 1e-5  # one forward of a consolidated TP model: row-parallel partial sums added in another order
 
-CONFIGS = {name: ROOT / "ds_configs" / f"{name}.json" for name in
-           ["zero1", "pp2_zero1", "tp2_zero1", "zero1_bf16", "pp2_zero1_bf16", "tp2_zero1_bf16"]}
+CONFIGS = {
+    name: ROOT / "ds_configs" / f"{name}.json"
+    for name in ["zero1", "pp2_zero1", "tp2_zero1", "zero1_bf16", "pp2_zero1_bf16", "tp2_zero1_bf16"]
+}
 POSITIONS = [*range(12), *range(20)]  # two documents in one sample: doc masking passes (hidden, position_ids)
 
 
@@ -75,7 +78,9 @@ def engine_for(run_dir, config_file):
     from dstrain.train.engine import build_engine, build_model
 
     recipe = load_recipe(f"{run_dir}/recipe.yaml")
-    strategy = resolve(recipe, "recipe.yaml", load_ds_config(config_file), config_file, torch.distributed.get_world_size())
+    strategy = resolve(
+        recipe, "recipe.yaml", load_ds_config(config_file), config_file, torch.distributed.get_world_size()
+    )
     engine = build_engine(recipe, strategy, build_model(recipe, strategy))
     engine.load_checkpoint(f"{run_dir}/checkpoints", load_module_only=True)
     return engine
@@ -96,8 +101,13 @@ def pipeline_round_trip_logits(run_dir, config_file):
     input_ids, position_ids, labels = sample_inputs(config.vocab_size)
 
     def logits():
-        _, out = engine.eval_batch(iter([((input_ids, position_ids), labels)]), num_micro_batches=1,
-                                   return_logits=True, reduce_output=None, bcast_loss=False)
+        _, out = engine.eval_batch(
+            iter([((input_ids, position_ids), labels)]),
+            num_micro_batches=1,
+            return_logits=True,
+            reduce_output=None,
+            bcast_loss=False,
+        )
         return out
 
     native = logits()
@@ -122,15 +132,20 @@ def pipeline_eval_with_monitor(folder) -> str:
     from dstrain.model.pipe import build_pipeline
 
     config = GPTConfig(flavour="llama", vocab_size=64, max_seq_len=8, n_layer=1, n_head=2, d_model=16)
-    ds = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-          "csv_monitor": {"enabled": True, "output_path": str(folder), "job_name": "monitor"}}
+    ds = {
+        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 1,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "csv_monitor": {"enabled": True, "output_path": str(folder), "job_name": "monitor"},
+    }
     model = build_pipeline(config, seed=0, stages=1)  # two one-stage pipelines: no collective to hang on
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
     tokens = torch.randint(0, 64, (1, 9))
     try:
-        engine.eval_batch(iter([(tokens[:, :-1], tokens[:, 1:])]), num_micro_batches=1, reduce_output=None,
-                          bcast_loss=False)
+        engine.eval_batch(
+            iter([(tokens[:, :-1], tokens[:, 1:])]), num_micro_batches=1, reduce_output=None, bcast_loss=False
+        )
     except Exception as e:  # noqa: BLE001  (the defect's type is what we report)
         return type(e).__name__
     return "ok"
@@ -145,16 +160,32 @@ def runs(tmp_path_factory, corpus):
     about 45 s on 2 idle cores (about 2 minutes while other work shares them)."""
     tmp = tmp_path_factory.mktemp("parallel")
     recipe = small_recipe(tmp, corpus, model={"doc_masking": True}, train={"eval_samples": 30})
-    gpt2 = small_recipe(tmp, corpus, name="gpt2", model={"flavour": "gpt2", "n_kv_head": None},
-                        train={"eval_samples": 30})
+    gpt2 = small_recipe(
+        tmp, corpus, name="gpt2", model={"flavour": "gpt2", "n_kv_head": None}, train={"eval_samples": 30}
+    )
     deep = small_recipe(tmp, corpus, name="deep", model={"doc_masking": True, "n_layer": 4}, train={"eval_samples": 30})
     pp4 = ds_config(tmp, "pp2_zero1", pipeline={"stages": 4})
-    gpt2_pipe = ds_config(tmp, "pp2_zero1", pipeline={"stages": 2, "partition_method": "type:Block",
-                                                      "activation_checkpoint_interval": 1})
-    gpt2_pipe_zero0 = ds_config(tmp, "pp2_zero1", pipeline={"stages": 2, "partition_method": "type:Block"},
-                                zero_optimization={"stage": 0})
-    names = ["pp2", "tp2", "zero1", "gpt2_zero1", "gpt2_pp2", "gpt2_tp2", "gpt2_pp2_zero0", "pp2_resumed", "tp2_resumed",
-             "deep_zero1", "zero1_bf16", "pp2_zero1_bf16", "tp2_zero1_bf16"]
+    gpt2_pipe = ds_config(
+        tmp, "pp2_zero1", pipeline={"stages": 2, "partition_method": "type:Block", "activation_checkpoint_interval": 1}
+    )
+    gpt2_pipe_zero0 = ds_config(
+        tmp, "pp2_zero1", pipeline={"stages": 2, "partition_method": "type:Block"}, zero_optimization={"stage": 0}
+    )
+    names = [
+        "pp2",
+        "tp2",
+        "zero1",
+        "gpt2_zero1",
+        "gpt2_pp2",
+        "gpt2_tp2",
+        "gpt2_pp2_zero0",
+        "pp2_resumed",
+        "tp2_resumed",
+        "deep_zero1",
+        "zero1_bf16",
+        "pp2_zero1_bf16",
+        "tp2_zero1_bf16",
+    ]
     d = {name: tmp / name for name in names}
     calls = [
         ("train", [train_argv(recipe, CONFIGS["pp2_zero1"], d["pp2"])]),
@@ -167,9 +198,15 @@ def runs(tmp_path_factory, corpus):
         ("train", [train_argv(gpt2, CONFIGS["tp2_zero1"], d["gpt2_tp2"])]),
         ("train", [train_argv(gpt2, gpt2_pipe_zero0, d["gpt2_pp2_zero0"])]),
         ("train", [train_argv(deep, CONFIGS["zero1"], d["deep_zero1"])]),
-        ("train_and_signal", [train_argv(recipe, CONFIGS["pp2_zero1"], d["pp2_resumed"], "train.checkpoint_interval=3"), 4]),
+        (
+            "train_and_signal",
+            [train_argv(recipe, CONFIGS["pp2_zero1"], d["pp2_resumed"], "train.checkpoint_interval=3"), 4],
+        ),
         ("train", [train_argv(recipe, CONFIGS["pp2_zero1"], d["pp2_resumed"])]),
-        ("train_and_signal", [train_argv(recipe, CONFIGS["tp2_zero1"], d["tp2_resumed"], "train.checkpoint_interval=3"), 4]),
+        (
+            "train_and_signal",
+            [train_argv(recipe, CONFIGS["tp2_zero1"], d["tp2_resumed"], "train.checkpoint_interval=3"), 4],
+        ),
         ("train", [train_argv(recipe, CONFIGS["tp2_zero1"], d["tp2_resumed"])]),
         *(("train", [train_argv(recipe, CONFIGS[name], d[name])]) for name in names[-3:]),  # bf16
         ("pipeline_round_trip_logits", [d["pp2"], CONFIGS["pp2_zero1"]]),
@@ -177,13 +214,20 @@ def runs(tmp_path_factory, corpus):
         ("tensor_parallel_logits", [d["gpt2_tp2"], CONFIGS["tp2_zero1"]]),
     ]
     results = run_ranks(2, run_all, calls)
-    assert [[code for (name, _), code in zip(calls, rank) if name.startswith("train")] for rank in results] == [[0] * 15] * 2
-    d["results"] = {f"{name}:{args[0].name if args else ''}": [rank[i] for rank in results]
-                    for i, (name, args) in enumerate(calls) if not name.startswith("train")}
+    assert [[code for (name, _), code in zip(calls, rank) if name.startswith("train")] for rank in results] == [
+        [0] * 15
+    ] * 2
+    d["results"] = {
+        f"{name}:{args[0].name if args else ''}": [rank[i] for rank in results]
+        for i, (name, args) in enumerate(calls)
+        if not name.startswith("train")
+    }
     d.update({name: tmp / name for name in ["pp2_x_dp2", "tp2_x_dp2", "deep_pp4"]})
-    four = [("train", [train_argv(recipe, CONFIGS["pp2_zero1"], d["pp2_x_dp2"])]),
-            ("train", [train_argv(recipe, CONFIGS["tp2_zero1"], d["tp2_x_dp2"])]),
-            ("train", [train_argv(deep, pp4, d["deep_pp4"])])]  # two middle stages, which never touch the data
+    four = [
+        ("train", [train_argv(recipe, CONFIGS["pp2_zero1"], d["pp2_x_dp2"])]),
+        ("train", [train_argv(recipe, CONFIGS["tp2_zero1"], d["tp2_x_dp2"])]),
+        ("train", [train_argv(deep, pp4, d["deep_pp4"])]),
+    ]  # two middle stages, which never touch the data
     assert run_ranks(4, run_all, four) == [[0, 0, 0]] * 4
     return d
 
@@ -191,8 +235,10 @@ def runs(tmp_path_factory, corpus):
 # --- same math under every layout ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("run, reference", [("pp2", "zero1"), ("tp2", "zero1"), ("pp2_x_dp2", "zero1"),
-                                            ("tp2_x_dp2", "zero1"), ("deep_pp4", "deep_zero1")])
+@pytest.mark.parametrize(
+    "run, reference",
+    [("pp2", "zero1"), ("tp2", "zero1"), ("pp2_x_dp2", "zero1"), ("tp2_x_dp2", "zero1"), ("deep_pp4", "deep_zero1")],
+)
 def test_model_parallel_runs_give_the_data_parallel_losses(runs, run, reference):
     expected, losses = train_losses(runs[reference]), train_losses(runs[run])
     assert len(losses) == len(expected) == 10
@@ -214,14 +260,25 @@ def test_pipeline_starts_from_the_plain_models_weights(runs):
     assert abs(pipe["loss"] - plain["loss"]) < 1e-6 and abs(pipe["grad_norm"] - plain["grad_norm"]) < 1e-6
 
 
-@pytest.mark.parametrize("run, reference", [("pp2", "zero1"), ("tp2", "zero1"), ("pp2_x_dp2", "zero1"),
-                                            ("tp2_x_dp2", "zero1"), ("deep_pp4", "deep_zero1"),
-                                            ("gpt2_pp2", "gpt2_zero1"), ("gpt2_tp2", "gpt2_zero1"),
-                                            ("gpt2_pp2_zero0", "gpt2_zero1")])
+@pytest.mark.parametrize(
+    "run, reference",
+    [
+        ("pp2", "zero1"),
+        ("tp2", "zero1"),
+        ("pp2_x_dp2", "zero1"),
+        ("tp2_x_dp2", "zero1"),
+        ("deep_pp4", "deep_zero1"),
+        ("gpt2_pp2", "gpt2_zero1"),
+        ("gpt2_tp2", "gpt2_zero1"),
+        ("gpt2_pp2_zero0", "gpt2_zero1"),
+    ],
+)
 def test_grad_norm_is_the_global_norm_under_every_layout(runs, run, reference):
     """One norm over the whole model: stages summed, TP replicas and the tied head counted once. Under pipeline
     ZeRO-0 dstrain computes (and clips by) it: DeepSpeed would use the first stage's norm (tests/test_grad_norm.py)."""
-    expected, norms = ([r["grad_norm"] for r in read_metrics(runs[name]) if "split" not in r] for name in (reference, run))
+    expected, norms = (
+        [r["grad_norm"] for r in read_metrics(runs[name]) if "split" not in r] for name in (reference, run)
+    )
     assert norms[0] == pytest.approx(expected[0], rel=1e-6)  # the same weights: only the reduction order differs
     np.testing.assert_allclose(norms, expected, rtol=LOSS_RTOL)
 
@@ -234,9 +291,14 @@ def test_gpt2_flavour(runs, run):
 
 
 def test_run_records_the_model_parallel_strategy(runs):
-    """Global batch 8 of micro-batches of 4; DeepSpeed counts the data-parallel world for pipelines, all ranks for TP."""
-    for run, (accumulation, train_batch_size) in {"pp2": (2, 8), "tp2": (2, 16), "pp2_x_dp2": (1, 8),
-                                                  "tp2_x_dp2": (1, 16)}.items():
+    """Global batch 8 of micro-batches of 4; DeepSpeed counts the data-parallel world for pipelines, every rank for
+    TP."""
+    for run, (accumulation, train_batch_size) in {
+        "pp2": (2, 8),
+        "tp2": (2, 16),
+        "pp2_x_dp2": (1, 8),
+        "tp2_x_dp2": (1, 16),
+    }.items():
         ds = json.loads((runs[run] / "ds_config.json").read_text())
         assert (ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (accumulation, train_batch_size), run
     assert yaml.safe_load((runs["pp2"] / "recipe.yaml").read_text())["train"]["global_batch"] == 8
@@ -287,7 +349,9 @@ def test_pipeline_layers_and_plain_names_convert_both_ways(runs):
     back = plain_to_pipeline(state, config)
     assert all(torch.equal(back[i][k], v) for i in layers for k, v in layers[i].items())
     assert {i: set(back[i]) for i in layers} == {i: set(layers[i]) for i in layers}
-    assert pipeline_to_plain(back, config).keys() == state.keys() and state["lm_head.weight"] is state["embed.tok.weight"]
+    assert (
+        pipeline_to_plain(back, config).keys() == state.keys() and state["lm_head.weight"] is state["embed.tok.weight"]
+    )
 
 
 @pytest.mark.parametrize("run", ["tp2", "gpt2_tp2"])
@@ -301,7 +365,9 @@ def test_tensor_parallel_checkpoint_consolidates_to_the_plain_model(runs, run):
 # --- DeepSpeed behaviour worked around (these fail when an upgrade changes it) --------------------------
 
 
-@pytest.mark.deepspeed_defect("deepspeed.utils.groups.mpu outlives its engine (train/engine.py::build_engine resets it)")
+@pytest.mark.deepspeed_defect(
+    "deepspeed.utils.groups.mpu outlives its engine (train/engine.py::build_engine resets it)"
+)
 def test_deepspeed_leaks_the_pipeline_grid(runs):
     """DeepSpeed 0.19.8 keeps a finished pipeline engine's grid in deepspeed.utils.groups.mpu; the next engine
     built without one reads its data-parallel group from it. engine.build_engine clears it (the zero1 run after
@@ -309,7 +375,9 @@ def test_deepspeed_leaks_the_pipeline_grid(runs):
     assert runs["results"]["pipeline_grid_left_behind:"] == ["PipelineParallelGrid"] * 2
 
 
-@pytest.mark.deepspeed_defect("PipelineEngine.eval_batch(reduce_output=None) breaks the monitor (train/loop.py::monitor_paused)")
+@pytest.mark.deepspeed_defect(
+    "PipelineEngine.eval_batch(reduce_output=None) breaks the monitor (train/loop.py::monitor_paused)"
+)
 def test_deepspeed_pipeline_eval_monitor_defect(runs):
     """PipelineEngine.eval_batch(reduce_output=None) feeds its monitor/broadcast a list when a monitor is on;
     loop.monitor_paused works around it. If this fails, drop the workaround."""
@@ -330,9 +398,12 @@ def test_deepspeed_autotp_replaces_the_pipeline_grid():
 
 # --- refusals, before any process starts ----------------------------------------------------------------
 
-RECIPE = {"name": "t", "model": {"flavour": "llama", "vocab_size": 512, "n_layer": 2, "n_head": 4, "n_kv_head": 2,
-                                 "d_model": 32},
-          "data": {"sources": [{"path": "data/none"}], "seq_len": 16}, "train": {"global_batch": 8, "steps": 4}}
+RECIPE = {
+    "name": "t",
+    "model": {"flavour": "llama", "vocab_size": 512, "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 32},
+    "data": {"sources": [{"path": "data/none"}], "seq_len": 16},
+    "train": {"global_batch": 8, "steps": 4},
+}
 
 
 def resolve_with(tmp_path, base: str, world: int, **changes):
@@ -356,19 +427,41 @@ def test_shipped_parallel_configs_resolve(tmp_path):
     assert (tp.pp_stages, tp.tp_size, tp.dp_size, tp.grad_accum, tp.ds_config["train_batch_size"]) == (1, 2, 2, 1, 16)
 
 
-@pytest.mark.parametrize("base, world, changes, fragments", [
-    ("tp2_zero1", 4, {"pipeline": {"stages": 2}}, ["tensor_parallel with pipeline.stages > 1", "tp2_zero1.json"]),
-    ("tp2_zero1", 4, {"tensor_parallel": {"autotp_size": 4}}, ["autotp_size=4 does not divide the 2 key/value heads"]),
-    ("tp2_zero1", 2, {"tensor_parallel": {"partition_config": {"layer_specs": [
-        {"patterns": [r".*_proj\.weight$"], "partition_type": "column"}]}}},
-     ["must split self_attn.o_proj row-wise (it says column)", "tp2_zero1.json"]),
-    ("tp2_zero1", 2, {"tensor_parallel": {"partition_config": None}}, ["must split self_attn.q_proj column-wise"]),
-    ("pp2_zero1", 2, {"pipeline": {"partition_method": "profile"}}, ["pipeline.partition_method='profile'", "type:Block"]),
-    ("pp2_zero1", 2, {"pipeline": {"activation_checkpoint_interval": -1}}, ["activation_checkpoint_interval=-1"]),
-    ("pp2_zero1", 2, {"zero_optimization": {"stage": 2}}, ["ZeRO stage 0 or 1, not 2"]),
-    ("pp2_zero1", 2, {"pipeline": {"stages": 4}}, ["not divisible by tensor-parallel 1 x pipeline 4"]),
-    ("pp2_zero1", 3, {}, ["world size 3 is not divisible"]),
-])
+@pytest.mark.parametrize(
+    "base, world, changes, fragments",
+    [
+        ("tp2_zero1", 4, {"pipeline": {"stages": 2}}, ["tensor_parallel with pipeline.stages > 1", "tp2_zero1.json"]),
+        (
+            "tp2_zero1",
+            4,
+            {"tensor_parallel": {"autotp_size": 4}},
+            ["autotp_size=4 does not divide the 2 key/value heads"],
+        ),
+        (
+            "tp2_zero1",
+            2,
+            {
+                "tensor_parallel": {
+                    "partition_config": {
+                        "layer_specs": [{"patterns": [r".*_proj\.weight$"], "partition_type": "column"}]
+                    }
+                }
+            },
+            ["must split self_attn.o_proj row-wise (it says column)", "tp2_zero1.json"],
+        ),
+        ("tp2_zero1", 2, {"tensor_parallel": {"partition_config": None}}, ["must split self_attn.q_proj column-wise"]),
+        (
+            "pp2_zero1",
+            2,
+            {"pipeline": {"partition_method": "profile"}},
+            ["pipeline.partition_method='profile'", "type:Block"],
+        ),
+        ("pp2_zero1", 2, {"pipeline": {"activation_checkpoint_interval": -1}}, ["activation_checkpoint_interval=-1"]),
+        ("pp2_zero1", 2, {"zero_optimization": {"stage": 2}}, ["ZeRO stage 0 or 1, not 2"]),
+        ("pp2_zero1", 2, {"pipeline": {"stages": 4}}, ["not divisible by tensor-parallel 1 x pipeline 4"]),
+        ("pp2_zero1", 3, {}, ["world size 3 is not divisible"]),
+    ],
+)
 def test_refusals_are_one_line(tmp_path, base, world, changes, fragments):
     from dstrain.errors import DstrainError
 

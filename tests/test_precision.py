@@ -1,5 +1,6 @@
 """bf16 gradients are summed in fp32 (issue 12 item 6): across 16 micro-batches and across 2 ranks, every shipped
 bf16 ds_config's accumulated gradient against an fp64 sum of the same bf16 micro-batch gradients."""
+
 import json
 
 import pytest
@@ -24,7 +25,6 @@ def accumulation_errors(configs: list[str], world: int) -> dict:
     from deepspeed.utils import safe_get_full_grad
 
     from dstrain.model.config import GPTConfig
-
     from dstrain.model.gpt import GPT, lm_loss
     from dstrain.train import distributed
 
@@ -45,10 +45,19 @@ def accumulation_errors(configs: list[str], world: int) -> dict:
         ds = json.loads((ROOT / "ds_configs" / f"{name.removesuffix('-bf16sum')}.json").read_text())
         if name.endswith("-bf16sum"):
             del ds["data_types"], ds["communication_data_type"]
-        ds.update(train_batch_size=MICRO * GAS * world, train_micro_batch_size_per_gpu=MICRO,
-                  gradient_accumulation_steps=GAS, gradient_clipping=1.0)
-        ds["optimizer"]["params"] = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0,
-                                     "torch_adam": True}  # no step is taken: no need to load the fused op
+        ds.update(
+            train_batch_size=MICRO * GAS * world,
+            train_micro_batch_size_per_gpu=MICRO,
+            gradient_accumulation_steps=GAS,
+            gradient_clipping=1.0,
+        )
+        ds["optimizer"]["params"] = {
+            "lr": 1e-3,
+            "betas": [0.9, 0.95],
+            "eps": 1e-8,
+            "weight_decay": 0.0,
+            "torch_adam": True,
+        }  # no step is taken: no need to load the fused op
         torch.manual_seed(0)
         engine, *_ = deepspeed.initialize(model=GPT(config), config=ds)
         for samples in tokens[rank]:
@@ -73,9 +82,14 @@ def two_ranks():
     return run_ranks(2, accumulation_errors, ["zero2_bf16", "zero3_bf16", "zero3_bf16-bf16sum"], 2)[0]
 
 
-@pytest.mark.parametrize("config, optimizer", [("zero1_bf16", "BF16_Optimizer"),
-                                               ("zero2_bf16", "DeepSpeedZeroOptimizer"),
-                                               ("zero3_bf16", "DeepSpeedZeroOptimizer_Stage3")])
+@pytest.mark.parametrize(
+    "config, optimizer",
+    [
+        ("zero1_bf16", "BF16_Optimizer"),
+        ("zero2_bf16", "DeepSpeedZeroOptimizer"),
+        ("zero3_bf16", "DeepSpeedZeroOptimizer_Stage3"),
+    ],
+)
 def test_micro_batches_are_summed_in_fp32(one_rank, config, optimizer):
     assert one_rank[config]["optimizer"] == optimizer
     assert one_rank[config]["error"] < FP32_SUM, one_rank[config]

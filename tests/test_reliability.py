@@ -1,4 +1,5 @@
 """Faults on 2 CPU ranks: nothing lost, nothing hangs. Every fault is injected into a real training run."""
+
 import fcntl
 import json
 import random
@@ -8,7 +9,15 @@ import time
 import pytest
 
 from ranks import spawn_ranks, start_ranks
-from train_helpers import ROOT, read_metrics, small_recipe, train_and_signal_at, train_argv, train_losses, train_with_fault
+from train_helpers import (
+    ROOT,
+    read_metrics,
+    small_recipe,
+    train_and_signal_at,
+    train_argv,
+    train_losses,
+    train_with_fault,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -80,7 +89,9 @@ def test_a_killed_rank_stops_the_others_within_60s(recipe, tmp_path):
     procs[0].wait(timeout=60)
     assert time.time() - killed < 60 and procs[0].returncode != 0
     err = procs[0].stderr.read()
-    assert "dstrain: rank 0 failed" in err and "Traceback (most recent call last)" in err  # the quiet console hides no error
+    assert (
+        "dstrain: rank 0 failed" in err and "Traceback (most recent call last)" in err
+    )  # the quiet console hides no error
 
 
 def test_death_inside_save_keeps_the_previous_checkpoint(recipe, reference, tmp_path):
@@ -123,7 +134,9 @@ def test_a_signal_on_any_rank_checkpoints_and_exits_0(recipe, tmp_path, signum):
 def test_a_signal_delivered_twice_at_once_is_one_request(recipe, tmp_path):
     """A signal to the process group reaches each rank directly and again through its launcher."""
     run = tmp_path / "run"
-    assert spawn_ranks(2, train_and_signal_at, train_argv(recipe, CONFIG, run), 3, signal.SIGTERM, 0, 2, timeout=120) == [0, 0]
+    assert spawn_ranks(
+        2, train_and_signal_at, train_argv(recipe, CONFIG, run), 3, signal.SIGTERM, 0, 2, timeout=120
+    ) == [0, 0]
     assert (run / "checkpoints" / "latest").read_text() == "global_step3"
 
 
@@ -131,8 +144,17 @@ def test_a_second_signal_exits_at_once(recipe, tmp_path):
     from dstrain.train.stop import REPEAT_WINDOW_S
 
     run = tmp_path / "run"
-    codes = spawn_ranks(2, train_and_signal_at, train_argv(recipe, CONFIG, run), 3, signal.SIGTERM, 0, 2,
-                        REPEAT_WINDOW_S + 0.5, timeout=120)
+    codes = spawn_ranks(
+        2,
+        train_and_signal_at,
+        train_argv(recipe, CONFIG, run),
+        3,
+        signal.SIGTERM,
+        0,
+        2,
+        REPEAT_WINDOW_S + 0.5,
+        timeout=120,
+    )
     assert codes[0] == 128 + signal.SIGTERM and codes[1] != 0
     assert not (run / "checkpoints" / "global_step3").exists()
 
@@ -153,7 +175,10 @@ def test_two_runs_into_one_run_dir_are_refused(recipe, tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running job holds it
         codes, outputs = wait_all(start_ranks(1, train_argv(recipe, CONFIG, run)), timeout=120)
     assert codes == [2]
-    assert outputs[0][1].strip().splitlines()[-1] == f"dstrain: error: {run} is in use by another run; wait for it or choose another run_dir"
+    assert (
+        outputs[0][1].strip().splitlines()[-1]
+        == f"dstrain: error: {run} is in use by another run; wait for it or choose another run_dir"
+    )
     assert not (run / "recipe.yaml").exists()
 
 

@@ -4,6 +4,7 @@ A fresh start moves a previous run aside; keep-last prunes in save order; the ch
 experiment it belongs to; a changed optimizer, schedule or length applies from the first resumed step under every
 strategy; activation checkpointing (a ds_config setting) may change on resume.
 """
+
 import json
 import shutil
 
@@ -18,8 +19,16 @@ pytestmark = pytest.mark.distributed
 
 STRATEGIES = ["zero0", "zero1", "zero2", "zero3", "pp2_zero1", "tp2_zero1"]
 # Every optimizer value changed at once, and a schedule whose step 2 of 4 lies inside the decay (warmup 1).
-CHANGED = ["optim.lr=1e-4", "optim.min_lr=1e-5", "optim.weight_decay=0.05", "optim.grad_clip=0.25",
-           "optim.betas=[0.8, 0.9]", "optim.eps=1e-6", "schedule.kind=linear", "schedule.warmup_steps=1"]
+CHANGED = [
+    "optim.lr=1e-4",
+    "optim.min_lr=1e-5",
+    "optim.weight_decay=0.05",
+    "optim.grad_clip=0.25",
+    "optim.betas=[0.8, 0.9]",
+    "optim.eps=1e-6",
+    "schedule.kind=linear",
+    "schedule.warmup_steps=1",
+]
 
 
 def tags(checkpoints):
@@ -44,6 +53,7 @@ def branch(run, dest, step):
 
 # --- item 1: --resume none never deletes or mixes ------------------------------------------------------------
 
+
 def test_resume_none_moves_the_previous_run_aside_and_a_relaunch_continues_the_new_one(tmp_path, corpus, capfd):
     """Run A (seed 1234, checkpoints 2 and 4); run B with --resume none (seed 99, 2 steps, keep_last=1); B relaunched
     (as a Slurm requeue does) resumes B's own checkpoint, not A's higher-numbered one."""
@@ -64,8 +74,9 @@ def test_resume_none_moves_the_previous_run_aside_and_a_relaunch_continues_the_n
     assert tags(run / "checkpoints") == ["global_step4"]  # B's step 4 (keep_last=1 pruned B's step 2)
     assert record(run / "checkpoints" / "global_step4")["identity"]["seed"] == 99
     assert [r["step"] for r in read_metrics(run) if "split" not in r] == [1, 2, 3, 4]
-    assert read_events(run) == [{"step": 2, "event": "resume", "tag": "global_step2",
-                                 "changed": {"train.steps": [2, 4]}}]
+    assert read_events(run) == [
+        {"step": 2, "event": "resume", "tag": "global_step2", "changed": {"train.steps": [2, 4]}}
+    ]
     assert train_losses(run)[0] != train_losses(previous)[0]  # B's own weights (seed 99), not A's
 
 
@@ -77,7 +88,8 @@ def test_keep_last_and_resume_follow_the_save_order(tmp_path):
     for seq, step in [(1, 8), (2, 6)]:
         (checkpoints / f"global_step{step}").mkdir(parents=True)
         (checkpoints / f"global_step{step}" / "dstrain_checkpoint.json").write_text(
-            json.dumps({"step": step, "save_seq": seq, "files": {}}))
+            json.dumps({"step": step, "save_seq": seq, "files": {}})
+        )
     assert published_tags(checkpoints) == ["global_step8", "global_step6"]
     assert newest_complete(checkpoints) == "global_step6"
     (checkpoints / "latest").write_text("global_step8")  # a complete `latest` is what a resume takes
@@ -85,6 +97,7 @@ def test_keep_last_and_resume_follow_the_save_order(tmp_path):
 
 
 # --- item 2: the current recipe is the truth on resume --------------------------------------------------------
+
 
 def train_probing_first_step(args: list[str]):
     """Rank target: train, recording what the optimizer holds as the first step after the start runs."""
@@ -101,10 +114,15 @@ def train_probing_first_step(args: list[str]):
                 if hasattr(wrapper, "clip_grad"):
                     clips.append(float(wrapper.clip_grad))
                 wrapper = getattr(wrapper, "optimizer", None)
-            seen.update(groups=[{"lr": g["lr"], "weight_decay": g["weight_decay"], "betas": list(g["betas"]),
-                                 "eps": g["eps"]} for g in engine.optimizer.param_groups],
-                        engine_clip=float(engine.gradient_clipping()), clips=clips,
-                        base_lrs=list(engine.lr_scheduler.base_lrs))
+            seen.update(
+                groups=[
+                    {"lr": g["lr"], "weight_decay": g["weight_decay"], "betas": list(g["betas"]), "eps": g["eps"]}
+                    for g in engine.optimizer.param_groups
+                ],
+                engine_clip=float(engine.gradient_clipping()),
+                clips=clips,
+                base_lrs=list(engine.lr_scheduler.base_lrs),
+            )
         return original(self, batches)
 
     Trainer.train_step = train_step
@@ -152,8 +170,10 @@ def resumed(tmp_path_factory, corpus):
     dirs["extended"] = branch(base["zero1"], tmp / "extended", 4)
     dirs["checkpointing"] = branch(base["zero1"], tmp / "checkpointing", 2)
     calls = [(train_probing_first_step, train_argv(recipe, s, dirs[s], *CHANGED)) for s in STRATEGIES]
-    calls += [(train_probing_first_step, train_argv(recipe, "zero1", dirs["extended"], "train.steps=8")),
-              (train_counting_checkpointed_blocks, train_argv(recipe, checkpointing, dirs["checkpointing"]))]
+    calls += [
+        (train_probing_first_step, train_argv(recipe, "zero1", dirs["extended"], "train.steps=8")),
+        (train_counting_checkpointed_blocks, train_argv(recipe, checkpointing, dirs["checkpointing"])),
+    ]
     results = run_ranks(2, run_calls, calls)
     names = [*STRATEGIES, "extended", "checkpointing"]
     return recipe, base, {n: (dirs[n], results[0][i], results[1][i]) for i, n in enumerate(names)}
@@ -216,7 +236,9 @@ def test_an_extended_run_follows_the_longer_schedule(resumed):
     longer = load_recipe(recipe_file, ["train.steps=8"])
     logged = [r["lr"] for r in read_metrics(run) if "split" not in r]
     assert len(logged) == 8 and all(code == 0 for code, _ in ranks)
-    np.testing.assert_allclose(logged[4:], [lr_at(s, 8, longer.optim, longer.schedule) for s in range(4, 8)], rtol=1e-12)
+    np.testing.assert_allclose(
+        logged[4:], [lr_at(s, 8, longer.optim, longer.schedule) for s in range(4, 8)], rtol=1e-12
+    )
 
 
 def test_activation_checkpointing_may_change_on_resume(resumed):

@@ -1,4 +1,5 @@
 """The recipe's schedule against transformers' own schedule functions, value for value (issue 12 item 3)."""
+
 import math
 
 import pytest
@@ -43,8 +44,9 @@ def test_cosine_is_transformers_cosine_with_min_lr(total, warmup):
 def test_linear_is_transformers_polynomial_decay_of_power_one(total, warmup):
     from transformers import get_linear_schedule_with_warmup, get_polynomial_decay_schedule_with_warmup
 
-    want = reference_lrs(get_polynomial_decay_schedule_with_warmup(optimizer(), warmup, total, lr_end=MIN_LR,
-                                                                   power=1.0), total)
+    want = reference_lrs(
+        get_polynomial_decay_schedule_with_warmup(optimizer(), warmup, total, lr_end=MIN_LR, power=1.0), total
+    )
     assert ours("linear", total, warmup) == pytest.approx(want, rel=RTOL, abs=1e-18)
     to_zero = reference_lrs(get_linear_schedule_with_warmup(optimizer(), warmup, total), total)
     assert ours("linear", total, warmup, min_lr=0.0) == pytest.approx(to_zero, rel=RTOL, abs=1e-18)
@@ -56,13 +58,18 @@ def test_wsd_is_transformers_wsd_with_linear_decay_after_warmup(total, warmup, f
     from transformers import get_wsd_schedule
 
     decay = round(total * fraction)
-    want = reference_lrs(get_wsd_schedule(optimizer(), warmup, decay, num_training_steps=total, decay_type="linear",
-                                          min_lr_ratio=MIN_LR / LR), total)
+    want = reference_lrs(
+        get_wsd_schedule(
+            optimizer(), warmup, decay, num_training_steps=total, decay_type="linear", min_lr_ratio=MIN_LR / LR
+        ),
+        total,
+    )
     got = ours("wsd", total, warmup, decay_fraction=fraction)
     assert got[warmup:] == pytest.approx(want[warmup:], rel=RTOL, abs=1e-18)
     assert got[:warmup] == pytest.approx([LR * s / warmup for s in range(warmup)], rel=RTOL, abs=0)
-    from_zero = reference_lrs(get_wsd_schedule(optimizer(), warmup, decay, num_training_steps=total,
-                                               decay_type="linear"), total)  # min_lr_ratio 0: warmup from 0
+    from_zero = reference_lrs(
+        get_wsd_schedule(optimizer(), warmup, decay, num_training_steps=total, decay_type="linear"), total
+    )  # min_lr_ratio 0: warmup from 0
     assert got[:warmup] == pytest.approx(from_zero[:warmup], rel=RTOL, abs=0)
 
 

@@ -5,6 +5,7 @@ The cluster has two emulated nodes of 2 CPUs on this machine and no GPUs, so eve
 cluster. Jobs are submitted from a temp folder (their runs/ lands there) with the scripts' absolute
 paths, as a user submitting from elsewhere would.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,10 +55,19 @@ def build_ops() -> None:
     for stale in EXTENSIONS.glob("*/lock"):  # left by a job killed while it built an op (no job runs yet)
         stale.unlink()
     python = Path(sys.executable)
-    env = {**os.environ, "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}",  # the venv's ninja, as in the jobs
-           "TORCH_EXTENSIONS_DIR": str(EXTENSIONS), "OMP_NUM_THREADS": "1"}
-    subprocess.run([str(python), "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
-                   env=env, check=True, capture_output=True, timeout=1800)
+    env = {
+        **os.environ,
+        "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}",  # the venv's ninja, as in the jobs
+        "TORCH_EXTENSIONS_DIR": str(EXTENSIONS),
+        "OMP_NUM_THREADS": "1",
+    }
+    subprocess.run(
+        [str(python), "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=1800,
+    )
 
 
 def zero(stage: int) -> str:
@@ -77,8 +87,12 @@ def submit(cluster, work, args: list[str], env: dict | None = None, wait: bool =
         err += f"(no end after {JOB_TIMEOUT} s)"
     found = re.match(r"\d+", out.strip())
     if process.returncode != 0 or not found:
-        logs = "\n".join(p.read_text() for p in sorted((work / "runs").glob("slurm-*")) if found and found.group() in p.name)
-        raise AssertionError(f"{' '.join(command)} exited {process.returncode}: {out}{err}\n{logs}\n{cluster.logs_tail()}")
+        logs = "\n".join(
+            p.read_text() for p in sorted((work / "runs").glob("slurm-*")) if found and found.group() in p.name
+        )
+        raise AssertionError(
+            f"{' '.join(command)} exited {process.returncode}: {out}{err}\n{logs}\n{cluster.logs_tail()}"
+        )
     return int(found.group())
 
 
@@ -141,25 +155,35 @@ def wait_for_steps(cluster, work, job: int, steps: int, timeout: float = JOB_TIM
             break
         time.sleep(0.2)
     log_file = work / "runs" / f"slurm-{job}.out"
-    raise AssertionError(f"job {job} logged no {steps} steps (state {cluster.job_state(job)}):\n"
-                         f"{log_file.read_text() if log_file.exists() else '(no log)'}\n{cluster.logs_tail()}")
+    raise AssertionError(
+        f"job {job} logged no {steps} steps (state {cluster.job_state(job)}):\n"
+        f"{log_file.read_text() if log_file.exists() else '(no log)'}\n{cluster.logs_tail()}"
+    )
 
 
-@pytest.mark.parametrize("launcher, nodes, scancel", [
-    # USR1 to the batch shell, as `#SBATCH --signal=B:USR1@600` sends it before the time limit: it forwards it.
-    pytest.param("srun", 1, ["--batch", "--signal=USR1"], id="USR1-to-batch-shell"),
-    # USR1 straight to every process of the training step (`--signal=USR1@600` without B:, or an admin's
-    # scancel): the deepspeed launchers on both nodes must survive it, the trainer ranks stop.
-    pytest.param("deepspeed", 2, ["--signal=USR1"], id="USR1-to-all-deepspeed-2-nodes"),
-    # SIGTERM straight to the trainer ranks (`scancel --signal=TERM`): the same checkpoint and requeue.
-    pytest.param("srun", 1, ["--signal=TERM"], id="TERM-to-steps"),
-])
+@pytest.mark.parametrize(
+    "launcher, nodes, scancel",
+    [
+        # USR1 to the batch shell, as `#SBATCH --signal=B:USR1@600` sends it before the time limit: it forwards it.
+        pytest.param("srun", 1, ["--batch", "--signal=USR1"], id="USR1-to-batch-shell"),
+        # USR1 straight to every process of the training step (`--signal=USR1@600` without B:, or an admin's
+        # scancel): the deepspeed launchers on both nodes must survive it, the trainer ranks stop.
+        pytest.param("deepspeed", 2, ["--signal=USR1"], id="USR1-to-all-deepspeed-2-nodes"),
+        # SIGTERM straight to the trainer ranks (`scancel --signal=TERM`): the same checkpoint and requeue.
+        pytest.param("srun", 1, ["--signal=TERM"], id="TERM-to-steps"),
+    ],
+)
 def test_signal_checkpoints_requeues_and_resumes(slurm_cluster, work, one_node_two_tasks, launcher, nodes, scancel):
     """Signal mid-run -> the trainer checkpoints and stops ("interrupted") -> the job requeues itself -> same job id,
     same run folder -> resumes from the checkpoint -> the losses of an uninterrupted run, step for step."""
     per_node = 2 // nodes
-    job = submit(slurm_cluster, work, [f"--nodes={nodes}", f"--ntasks-per-node={per_node}", TRAIN, "small.yaml", zero(0)],
-                 env={"LAUNCHER": launcher}, wait=False)
+    job = submit(
+        slurm_cluster,
+        work,
+        [f"--nodes={nodes}", f"--ntasks-per-node={per_node}", TRAIN, "small.yaml", zero(0)],
+        env={"LAUNCHER": launcher},
+        wait=False,
+    )
     wait_for_steps(slurm_cluster, work, job, 3)
     slurm_cluster.run(["scancel", *scancel, str(job)])
     restarts = restarts_until_gone(slurm_cluster, job)
@@ -198,8 +222,20 @@ def restarts_until_gone(cluster, job: int, timeout: float = JOB_TIMEOUT) -> int:
 def test_compare_array_one_result_per_config(slurm_cluster, work):
     """`sbatch --array=0-2 compare.sbatch RECIPE OUT C0 C1 C2`: task i trains under config i into OUT/<stem>/."""
     stages = [0, 2, 3]
-    submit(slurm_cluster, work, ["--array=0-2", "--nodes=1", "--ntasks-per-node=2", COMPARE, "small.yaml", "cmp",
-                                 *[zero(s) for s in stages], "train.steps=6"])
+    submit(
+        slurm_cluster,
+        work,
+        [
+            "--array=0-2",
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            COMPARE,
+            "small.yaml",
+            "cmp",
+            *[zero(s) for s in stages],
+            "train.steps=6",
+        ],
+    )
     out = work / "cmp"
     logs = "\n".join(p.read_text() for p in sorted((work / "runs").glob("slurm-compare-*.out")))
     assert sorted(p.name for p in out.iterdir()) == [f"zero{s}" for s in stages], logs

@@ -4,6 +4,7 @@ through universal checkpoints.
 Each case branches an uninterrupted 10-step run at its step-4 checkpoint and continues it under another world
 size or ZeRO stage, then compares steps 5..10 with the uninterrupted run's.
 """
+
 import shutil
 from dataclasses import replace
 
@@ -60,8 +61,10 @@ def uninterrupted(tmp_path_factory, corpus):
     """10 steps on 2 ranks, a checkpoint every 4 steps: {(flavour, strategy): run_dir}."""
     tmp = tmp_path_factory.mktemp("topology")
     train = {"checkpoint_interval": 4, "keep_last": 3}
-    recipes = {"llama": small_recipe(tmp, corpus, "llama", train=train),
-               "gpt2": small_recipe(tmp, corpus, "gpt2", train=train, model={"flavour": "gpt2", "n_kv_head": 4})}
+    recipes = {
+        "llama": small_recipe(tmp, corpus, "llama", train=train),
+        "gpt2": small_recipe(tmp, corpus, "gpt2", train=train, model={"flavour": "gpt2", "n_kv_head": 4}),
+    }
     needed = sorted({(flavour, old) for _, flavour, old, _ in CASES.values()})
     runs = {key: tmp / f"{key[0]}-{key[1]}" for key in needed}
     codes = run_ranks(2, train_each, [argv(recipes[f], s, runs[f, s]) for f, s in needed])
@@ -98,16 +101,23 @@ def test_resume_on_another_topology_continues_the_run(uninterrupted, resumed, ca
     steps = [(r["step"], r["consumed_samples"]) for r in read_metrics(run) if "split" not in r]
     assert steps == [(s, 8 * s) for s in range(1, 11)]  # consumed_samples carried over: same batches after step 4
     final_eval = [r for r in read_metrics(run) if r.get("split")][-1]
-    assert final_eval["loss"] == pytest.approx([r for r in read_metrics(reference) if r.get("split")][-1]["loss"],
-                                               rel=LOSS_RTOL)
+    assert final_eval["loss"] == pytest.approx(
+        [r for r in read_metrics(reference) if r.get("split")][-1]["loss"], rel=LOSS_RTOL
+    )
 
 
 def test_checkpoints_record_their_topology(uninterrupted):
     from dstrain.train import topology
 
     tag = uninterrupted[1]["llama", "zero3"] / "checkpoints" / "global_step4"
-    assert topology.saved(tag).to_record() == {"world_size": 2, "zero_stage": 3, "dp_size": 2, "tp_size": 1,
-                                               "pp_stages": 1, "precision": "fp32"}
+    assert topology.saved(tag).to_record() == {
+        "world_size": 2,
+        "zero_stage": 3,
+        "dp_size": 2,
+        "tp_size": 1,
+        "pp_stages": 1,
+        "precision": "fp32",
+    }
     client_state = topology.read_pt(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     assert client_state["topology"] == topology.saved(tag).to_record()
     assert client_state["universal_checkpoint_info"]["universal_checkpoint_version"] > 0  # for ds_to_universal
@@ -115,9 +125,8 @@ def test_checkpoints_record_their_topology(uninterrupted):
 
 def test_what_cannot_be_converted_is_refused_in_one_line(tmp_path):
     from dstrain.errors import DstrainError
-    from dstrain.train import topology
-
     from dstrain.strategy import Topology
+    from dstrain.train import topology
 
     plain = Topology(world_size=2, zero_stage=1, dp_size=2, tp_size=1, pp_stages=1, precision="fp32")
     zero0 = replace(plain, zero_stage=0)
@@ -163,20 +172,24 @@ def zero3_universal_reload(folder: str) -> dict:
     import deepspeed
 
     from dstrain.model.config import GPTConfig
-
     from dstrain.model.gpt import GPT, lm_loss
     from dstrain.train import checkpoint, distributed, topology
 
     distributed.init()
     config = GPTConfig(flavour="llama", vocab_size=64, max_seq_len=8, n_layer=1, n_head=2, d_model=16)
-    ds = {"train_batch_size": 2, "zero_optimization": {"stage": 3},
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}}}
+    ds = {
+        "train_batch_size": 2,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
+    }
 
     def engine():
         torch.manual_seed(0)
         model = GPT(config)  # built outside zero.Init: real shapes, so two groups
-        groups = [{"params": [p for p in model.parameters() if p.ndim == 2], "weight_decay": 0.1},
-                  {"params": [p for p in model.parameters() if p.ndim == 1], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in model.parameters() if p.ndim == 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.ndim == 1], "weight_decay": 0.0},
+        ]
         return deepspeed.initialize(model=model, model_parameters=groups, config=ds)[0]
 
     first = engine()
@@ -194,8 +207,10 @@ def zero3_universal_reload(folder: str) -> dict:
     def observed():
         optimizer = second.optimizer
         steps = [optimizer.optimizer.state[f]["step"] for f in optimizer.fp32_partitioned_groups_flat]
-        return {"weight_decay": [g["weight_decay"] for g in optimizer.optimizer.param_groups],
-                "shared_step": len(steps) > 1 and all(s is steps[0] for s in steps)}
+        return {
+            "weight_decay": [g["weight_decay"] for g in optimizer.optimizer.param_groups],
+            "shared_step": len(steps) > 1 and all(s is steps[0] for s in steps),
+        }
 
     raw = observed()
     topology.repair_after_load(second, tag)

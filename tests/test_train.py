@@ -1,4 +1,5 @@
 """The trainer on 2 CPU ranks (gloo, fp32): strategy equivalence, exact resume, what a run leaves."""
+
 import json
 import os
 import subprocess
@@ -9,7 +10,16 @@ import pytest
 import yaml
 
 from ranks import run_ranks
-from train_helpers import ROOT, ds_config, read_metrics, small_recipe, train_and_signal_at, train_argv, train_each, train_losses
+from train_helpers import (
+    ROOT,
+    ds_config,
+    read_metrics,
+    small_recipe,
+    train_and_signal_at,
+    train_argv,
+    train_each,
+    train_losses,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -25,8 +35,10 @@ def equivalence_runs(tmp_path_factory, corpus):
     """One 2-rank process group trains the same recipe under every fp32 strategy, one after another."""
     tmp = tmp_path_factory.mktemp("equivalence")
     recipe = small_recipe(tmp, corpus)
-    configs = {name: ROOT / "ds_configs" / f"{name}.json" for name in
-               ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero1_fusedadam"]}
+    configs = {
+        name: ROOT / "ds_configs" / f"{name}.json"
+        for name in ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero1_fusedadam"]
+    }
     configs["zero0_micro2_accum2"] = ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=2)
     runs = {name: tmp / name for name in configs}
     codes = run_ranks(2, train_each, [train_argv(recipe, configs[n], runs[n]) for n in configs])
@@ -34,8 +46,9 @@ def equivalence_runs(tmp_path_factory, corpus):
     return runs
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero1_fusedadam",
-                                      "zero0_micro2_accum2"])
+@pytest.mark.parametrize(
+    "strategy", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero1_fusedadam", "zero0_micro2_accum2"]
+)
 def test_strategies_give_the_same_losses(equivalence_runs, strategy):
     reference = train_losses(equivalence_runs["zero0"])
     losses = train_losses(equivalence_runs[strategy])
@@ -49,7 +62,9 @@ def test_grad_norm_is_the_same_under_every_strategy(equivalence_runs):
     """The pre-clip global norm: computed by dstrain under ZeRO-0 (DeepSpeed keeps none), by DeepSpeed's ZeRO
     optimizers elsewhere. Step 1 has the same weights everywhere: only the reduction order differs (measured
     <3e-7); later steps carry the losses' Adam-amplified rounding (LOSS_RTOL)."""
-    norms = {name: [r["grad_norm"] for r in read_metrics(run) if "split" not in r] for name, run in equivalence_runs.items()}
+    norms = {
+        name: [r["grad_norm"] for r in read_metrics(run) if "split" not in r] for name, run in equivalence_runs.items()
+    }
     reference = norms.pop("zero0")
     assert len(reference) == 10 and all(n is not None and n > 0 for n in reference)
     for name, got in norms.items():
@@ -72,8 +87,21 @@ def test_run_dir_holds_what_the_run_resolved(equivalence_runs):
     assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 1 and "auto" not in json.dumps(ds)
     records = read_metrics(run)
     step = records[0]
-    for key in ["step", "consumed_samples", "consumed_tokens", "loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
-                "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_bytes", "elapsed_s"]:
+    for key in [
+        "step",
+        "consumed_samples",
+        "consumed_tokens",
+        "loss",
+        "lr",
+        "grad_norm",
+        "loss_scale",
+        "skipped_steps",
+        "tokens_per_s",
+        "tflops_per_device",
+        "mfu",
+        "mem_peak_bytes",
+        "elapsed_s",
+    ]:
         assert key in step, key
     assert step["consumed_tokens"] == step["consumed_samples"] * 32 == 8 * 32
     assert step["tokens_per_s"] > 0 and step["tflops_per_device"] > 0 and step["mem_peak_bytes"] > 0
@@ -113,7 +141,10 @@ def test_signal_checkpoints_and_resume_continues_exactly(tmp_path, corpus, equiv
     recipe = small_recipe(tmp_path, corpus)
     config = ROOT / "ds_configs" / "zero2.json"
     run = tmp_path / "run"
-    assert run_ranks(2, train_and_signal_at, train_argv(recipe, config, run, "train.checkpoint_interval=3"), 4) == [0, 0]
+    assert run_ranks(2, train_and_signal_at, train_argv(recipe, config, run, "train.checkpoint_interval=3"), 4) == [
+        0,
+        0,
+    ]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["step"] == 4
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # an interrupted run draws its curve too
@@ -135,13 +166,34 @@ def test_launchers_end_to_end(tmp_path, corpus, launcher):
     run = tmp_path / "run"
     bin_dir = os.path.dirname(sys.executable)
     command = {
-        "deepspeed": [f"{bin_dir}/deepspeed", "--num_gpus", "2", "--master_port", str(_port()), "--module", "dstrain.train"],
-        "torchrun": [f"{bin_dir}/torchrun", "--nproc_per_node", "2", "--master_port", str(_port()), "-m", "dstrain.train"],
+        "deepspeed": [
+            f"{bin_dir}/deepspeed",
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(_port()),
+            "--module",
+            "dstrain.train",
+        ],
+        "torchrun": [
+            f"{bin_dir}/torchrun",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_port()),
+            "-m",
+            "dstrain.train",
+        ],
     }[launcher]
     verbose = launcher == "torchrun"  # the switch for launchers that pass no flags; deepspeed's run is quiet
-    proc = subprocess.run([*command, *train_argv(recipe, config, run)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "DSTRAIN_VERBOSE": "1" if verbose else "0"},
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        [*command, *train_argv(recipe, config, run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "DSTRAIN_VERBOSE": "1" if verbose else "0"},
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step 6/6" in proc.stdout and f"results in {run}" in proc.stdout
     # The ranks' DeepSpeed lines (the launchers' own lines are theirs) reach the console only when verbose, and
@@ -164,8 +216,13 @@ def test_launchers_end_to_end(tmp_path, corpus, launcher):
 def test_config_error_is_one_line_before_any_work(tmp_path, corpus):
     recipe = small_recipe(tmp_path, corpus)
     bad = ds_config(tmp_path, "zero1", train_micro_batch_size_per_gpu=3)
-    proc = subprocess.run([sys.executable, "-m", "dstrain.train", *train_argv(recipe, bad, tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "2"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "dstrain.train", *train_argv(recipe, bad, tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "WORLD_SIZE": "2"},
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "valid micro-batch sizes for 2 ranks: 1, 2, 4" in lines[0], proc.stderr

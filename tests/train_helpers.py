@@ -1,4 +1,5 @@
 """Shared pieces of the trainer tests: a small recipe on the real corpus, and rank targets."""
+
 from __future__ import annotations
 
 import json
@@ -69,8 +70,9 @@ def train_each(runs: list[list[str]]) -> list[int]:
     return [main(argv) for argv in runs]
 
 
-def train_and_signal_at(argv: list[str], step: int, signum: int = signal.SIGUSR1, rank: int = 0, times: int = 1,
-                        gap_s: float = 0.0) -> int:
+def train_and_signal_at(
+    argv: list[str], step: int, signum: int = signal.SIGUSR1, rank: int = 0, times: int = 1, gap_s: float = 0.0
+) -> int:
     """Rank target: train, with ``rank`` sending itself ``signum`` (``times`` times, ``gap_s`` apart) right after
     optimizer step ``step``."""
     from dstrain.train.loop import Trainer
@@ -120,13 +122,11 @@ def zero0_fp16_gradient_scale() -> float:
     """Rank target (world 1): ratio of the gradient after engine.backward to the true fp16 gradient."""
     import deepspeed
     import torch
+    from deepspeed.accelerator import get_accelerator
 
     from dstrain.model.config import GPTConfig
-
     from dstrain.model.gpt import GPT, lm_loss
     from dstrain.train import distributed
-
-    from deepspeed.accelerator import get_accelerator
 
     enable_fp16_on_cpu()
     distributed.init()
@@ -135,8 +135,12 @@ def zero0_fp16_gradient_scale() -> float:
     model = GPT(GPTConfig(flavour="llama", vocab_size=128, max_seq_len=16, n_layer=1, n_head=2, d_model=32))
     reference = GPT(model.config).half().to(device)
     reference.load_state_dict(model.state_dict())
-    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-              "fp16": {"enabled": True, "initial_scale_power": 10}, "zero_optimization": {"stage": 0}}
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "fp16": {"enabled": True, "initial_scale_power": 10},
+        "zero_optimization": {"stage": 0},
+    }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     tokens = torch.randint(0, 128, (2, 17)).to(device)
     engine.backward(lm_loss(engine(tokens[:, :-1]), tokens[:, 1:]))

@@ -3,6 +3,7 @@
 Each command module exposes ``add_arguments(parser)`` and ``main(args) -> int``;
 this file only dispatches, so a command's flags live next to its code.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -10,6 +10,7 @@ fixes global batch, schedule and data order, so every config trains on the same 
 equivalent strategies end on the same loss. A config that fails keeps its row with the reason; the
 others still run. DIR gets ``report.md``, ``results.csv``, ``loss.png``, ``throughput.png``, ``memory.png``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ THROUGHPUT_NOTE = (
 
 # --- running ------------------------------------------------------------------------------------------
 
+
 def launcher() -> str:
     """The deepspeed launcher of this interpreter's environment (a venv's bin/ need not be on PATH)."""
     beside = Path(sys.executable).parent / "deepspeed"
@@ -60,8 +62,21 @@ def launch(recipe: str, config: str, run_dir: Path, nproc: int, overrides: list[
     """One config through the deepspeed launcher; everything it prints goes to run_dir/launcher.log."""
     from dstrain.train.distributed import free_port
 
-    command = [launcher(), "--num_gpus", str(nproc), "--master_port", str(free_port()), "--module", "dstrain.train",
-               "--recipe", recipe, "--deepspeed_config", config, f"run_dir={run_dir}", *overrides]
+    command = [
+        launcher(),
+        "--num_gpus",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "dstrain.train",
+        "--recipe",
+        recipe,
+        "--deepspeed_config",
+        config,
+        f"run_dir={run_dir}",
+        *overrides,
+    ]
     run_dir.mkdir(parents=True, exist_ok=True)
     with (run_dir / LOG_NAME).open("w") as log:
         log.write("$ " + shlex.join(command) + "\n")
@@ -78,7 +93,11 @@ def run_all(recipe: str, configs: list[str], out: Path, nproc: int, overrides: l
         with console.status(f"[{i}/{len(configs)}] {stem}: running on {nproc} ranks ({out / stem / LOG_NAME})"):
             launch(recipe, config, out / stem, nproc, overrides)
         row = read_run(out / stem)
-        done = f"{row.tokens_per_s or 0:,.0f} tokens/s, final loss {row.final_loss or float('nan'):.4f}" if row.ok else row.reason
+        done = (
+            f"{row.tokens_per_s or 0:,.0f} tokens/s, final loss {row.final_loss or float('nan'):.4f}"
+            if row.ok
+            else row.reason
+        )
         mark = "[green]ok[/]" if row.ok else "[red]failed[/]"
         seconds = time.time() - start
         console.print(f"[{i}/{len(configs)}] {stem}: {mark} {row.status} in {seconds:.0f} s: {done}", highlight=False)
@@ -90,17 +109,25 @@ def check_fresh(out: Path, configs: list[str]) -> None:
     for stem in stems:
         if stems.count(stem) > 1:
             clash = [c for c in configs if Path(c).stem == stem]
-            raise DstrainError(f"--deepspeed_configs {' and '.join(clash)} share the run folder {out / stem}; rename one")
+            raise DstrainError(
+                f"--deepspeed_configs {' and '.join(clash)} share the run folder {out / stem}; rename one"
+            )
         if any((out / stem / name).exists() for name in RUN_FILES):
-            raise DstrainError(f"{out / stem} already holds a run; choose another --out, remove it, "
-                               f"or rebuild the report with --collect {out}")
+            raise DstrainError(
+                f"{out / stem} already holds a run; choose another --out, remove it, "
+                f"or rebuild the report with --collect {out}"
+            )
 
 
 def check_counts(nproc: int | None, steps: int | None) -> None:
     if nproc is not None and nproc < 1:
-        raise DstrainError(f"--nproc {nproc}: the ranks per run must be a positive integer; leave it out for every local device")
+        raise DstrainError(
+            f"--nproc {nproc}: the ranks per run must be a positive integer; leave it out for every local device"
+        )
     if steps is not None and steps < 1:
-        raise DstrainError(f"--steps {steps}: the steps per run must be a positive integer; leave it out for the recipe's")
+        raise DstrainError(
+            f"--steps {steps}: the steps per run must be a positive integer; leave it out for the recipe's"
+        )
 
 
 def check_configs(recipe, recipe_file: str, configs: list[str], nproc: int) -> None:
@@ -112,6 +139,7 @@ def check_configs(recipe, recipe_file: str, configs: list[str], nproc: int) -> N
 
 
 # --- reading run folders --------------------------------------------------------------------------------
+
 
 def find_log(run_dir: Path) -> Path | None:
     """launcher.log, else the newest *.log / *.out (a Slurm job's output) in the run folder."""
@@ -142,23 +170,33 @@ def strategy_columns(ds: dict) -> dict:
     from dstrain.strategy import offload_of, precision_of
 
     zero = ds.get("zero_optimization", {})
-    offload = [f"{k.split('_')[1]}:{offload_of(ds, k)}" for k in ("offload_optimizer", "offload_param") if offload_of(ds, k)]
+    offload = [
+        f"{k.split('_')[1]}:{offload_of(ds, k)}" for k in ("offload_optimizer", "offload_param") if offload_of(ds, k)
+    ]
     ints = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
     pp = int(ds.get("pipeline", {}).get("stages", 1))
     tp = int(ds.get("tensor_parallel", {}).get("autotp_size", 1))
     world = None
-    if all(isinstance(v, int) and v > 0 for v in ints):
-        world = ints[0] // (ints[1] * ints[2]) * (pp if pp > 1 else 1)  # pipeline engines count the data-parallel world
-    return dict(zero_stage=zero.get("stage", 0), pp_stages=pp, tp_size=tp, precision=precision_of(ds),
-                offload=", ".join(offload) or "none", micro_batch=ints[1],
-                grad_accum=ints[2] if isinstance(ints[2], int) else None, world_size=world)
+    batch, micro, accumulation = ints
+    if isinstance(batch, int) and isinstance(micro, int) and isinstance(accumulation, int) and micro * accumulation > 0:
+        world = batch // (micro * accumulation) * (pp if pp > 1 else 1)  # pipeline engines count the data-parallel world
+    return dict(
+        zero_stage=zero.get("stage", 0),
+        pp_stages=pp,
+        tp_size=tp,
+        precision=precision_of(ds),
+        offload=", ".join(offload) or "none",
+        micro_batch=ints[1],
+        grad_accum=ints[2] if isinstance(ints[2], int) else None,
+        world_size=world,
+    )
 
 
 def steady(values: list[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    if not values:
+    known = [v for v in values if v is not None]
+    if not known:
         return None
-    return statistics.median(values[1:]) if len(values) > 1 else values[0]
+    return statistics.median(known[1:]) if len(known) > 1 else known[0]
 
 
 def read_records(path: Path) -> list[dict]:
@@ -212,8 +250,14 @@ def read_run(run_dir: Path, ds_file: str | None = None) -> Row:
     return row
 
 
-def add_estimates(rows: list[Row], out: Path, recipe_file: str | None, overrides: list[str], nproc: int | None,
-                  sources: dict[str, str]) -> None:
+def add_estimates(
+    rows: list[Row],
+    out: Path,
+    recipe_file: str | None,
+    overrides: list[str],
+    nproc: int | None,
+    sources: dict[str, str],
+) -> None:
     """The estimated device peak of each config, from the run's resolved files, else the inputs."""
     from dstrain.config import load_recipe
     from dstrain.memory import estimate_file
@@ -225,7 +269,7 @@ def add_estimates(rows: list[Row], out: Path, recipe_file: str | None, overrides
                 recipe_path, ds_path, world = run / "recipe.yaml", run / "ds_config.json", row.world_size
                 recipe = load_recipe(recipe_path)
             elif recipe_file and row.config in sources and nproc:
-                recipe_path, ds_path, world = recipe_file, sources[row.config], nproc
+                recipe_path, ds_path, world = Path(recipe_file), Path(sources[row.config]), nproc
                 recipe = load_recipe(recipe_file, overrides)
             else:
                 continue
@@ -238,7 +282,7 @@ def build_report(out: Path, rows: list[Row], title: str, context: list[str]) -> 
     ok = [r for r in rows if r.ok and r.final_loss is not None]
     base = ok[0] if ok and rows[0].ok else None
     for row in rows:
-        if base is not None and row.final_loss is not None:
+        if base is not None and base.final_loss is not None and row.final_loss is not None:
             row.loss_diff = row.final_loss - base.final_loss
     plots = ["loss.png", "throughput.png", "memory.png"]
     plot_losses(rows, out / plots[0])
@@ -247,7 +291,9 @@ def build_report(out: Path, rows: list[Row], title: str, context: list[str]) -> 
     write_csv(rows, out / "results.csv")
     baseline = f"`{base.config}`" if base else "none (the first config did not complete)"
     notes = [
-        *context, "", THROUGHPUT_NOTE,
+        *context,
+        "",
+        THROUGHPUT_NOTE,
         "Peak memory is rank 0's `mem_peak_bytes` (the device allocator's peak; process RSS on a CPU); the estimate is "
         "`dstrain estimate`'s device peak (model states, activations, buffers) for the same ranks.",
         f"Δ loss is the final training loss minus that of the first config, {baseline}; equivalent strategies "
@@ -258,10 +304,17 @@ def build_report(out: Path, rows: list[Row], title: str, context: list[str]) -> 
 
 # --- the command ----------------------------------------------------------------------------------------
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", help="recipe YAML, the same for every config")
-    parser.add_argument("--deepspeed_configs", "--deepspeed-configs", nargs="+", default=[], metavar="CONFIG",
-                        help="ds_configs to compare, the first is the loss baseline (with --collect: the row order)")
+    parser.add_argument(
+        "--deepspeed_configs",
+        "--deepspeed-configs",
+        nargs="+",
+        default=[],
+        metavar="CONFIG",
+        help="ds_configs to compare, the first is the loss baseline (with --collect: the row order)",
+    )
     parser.add_argument("--nproc", type=int, default=None, help="ranks per run (default: every local device)")
     parser.add_argument("--steps", type=int, default=None, help="train.steps for every run (default: the recipe's)")
     parser.add_argument("--out", type=Path, help="report folder; each config runs in OUT/<config stem>/")
@@ -278,8 +331,9 @@ def main(args: argparse.Namespace) -> int:
         out = args.collect
         if not out.is_dir():
             raise DstrainError(f"--collect {out}: no such folder")
-        found = sorted(p.name for p in out.iterdir()
-                       if p.is_dir() and (any((p / n).exists() for n in RUN_FILES) or find_log(p)))
+        found = sorted(
+            p.name for p in out.iterdir() if p.is_dir() and (any((p / n).exists() for n in RUN_FILES) or find_log(p))
+        )
         names = [Path(c).stem for c in configs] or found
         if not names:
             raise DstrainError(f"--collect {out}: no run folders (with metrics.jsonl, summary.json or a log) in it")
@@ -302,9 +356,11 @@ def main(args: argparse.Namespace) -> int:
         check_configs(recipe, args.recipe, configs, nproc)
         run_all(args.recipe, configs, out, nproc, overrides)
         rows = [read_run(out / Path(c).stem, c) for c in configs]
-        context = [f"Recipe `{args.recipe}` (`{recipe.name}`: global batch {recipe.train.global_batch} × "
-                   f"{recipe.data.seq_len} tokens, {recipe.total_steps} steps) on {nproc} ranks per config, "
-                   f"one config after another. Overrides: `{' '.join(overrides)}`."]
+        context = [
+            f"Recipe `{args.recipe}` (`{recipe.name}`: global batch {recipe.train.global_batch} × "
+            f"{recipe.data.seq_len} tokens, {recipe.total_steps} steps) on {nproc} ranks per config, "
+            f"one config after another. Overrides: `{' '.join(overrides)}`."
+        ]
     add_estimates(rows, out, args.recipe, overrides, nproc, sources)
     build_report(out, rows, f"dstrain compare: {len(rows)} configs", context)
     completed = sum(r.ok for r in rows)

@@ -7,6 +7,7 @@ ds_config and is resolved against the recipe in ``strategy.py``.
 
 Every field can be overridden on the command line as ``section.key=value``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -40,7 +42,9 @@ class DataConfig:
     sources: list[DataSource]  # prepared folders and their blending weights
     seq_len: Positive  # tokens per training sample (the model sees seq_len inputs, predicts seq_len labels)
     tokenizer: str | None = None  # tokenizer folder; None = the first source's `tokenizer/`; must match every manifest
-    valid_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.01  # fraction of documents held out for the valid split (document-level, seeded)
+    valid_fraction: Annotated[float, Range(gt=0, lt=1)] = (
+        0.01  # fraction of documents held out for the valid split (document-level, seeded)
+    )
 
 
 @dataclass
@@ -49,7 +53,9 @@ class OptimConfig:
     min_lr: Annotated[float, Range(ge=0)] = 3e-5  # learning rate at the end of the decay
     betas: tuple[Beta, Beta] = (0.9, 0.95)  # Adam betas
     eps: Annotated[float, Range(gt=0)] = 1e-8  # Adam epsilon
-    weight_decay: Annotated[float, Range(ge=0)] = 0.1  # decoupled weight decay, applied to matrices only (not to norms, biases)
+    weight_decay: Annotated[float, Range(ge=0)] = (
+        0.1  # decoupled weight decay, applied to matrices only (not to norms, biases)
+    )
     grad_clip: Annotated[float, Range(ge=0)] = 1.0  # global gradient-norm clipping; 0 disables
 
 
@@ -57,7 +63,9 @@ class OptimConfig:
 class ScheduleConfig:
     kind: Literal["cosine", "linear", "wsd"] = "cosine"  # decay after warmup; wsd = warmup-stable-decay
     warmup_steps: NonNegative = 0  # linear warmup: update s (from 0) uses optim.lr * s / warmup_steps
-    decay_fraction: Annotated[float, Range(ge=0, le=1)] = 0.2  # wsd only: the final fraction of steps that decays linearly to min_lr
+    decay_fraction: Annotated[float, Range(ge=0, le=1)] = (
+        0.2  # wsd only: the final fraction of steps that decays linearly to min_lr
+    )
 
 
 @dataclass
@@ -89,6 +97,7 @@ class Recipe:
     def total_steps(self) -> int:
         if self.train.steps is not None:
             return self.train.steps
+        assert self.train.tokens is not None  # validation requires exactly one of steps / tokens
         return -(-self.train.tokens // (self.train.global_batch * self.data.seq_len))
 
     @property
@@ -96,7 +105,7 @@ class Recipe:
         return Path(self.run_dir or f"runs/{self.name}")
 
 
-def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read a recipe file, apply ``key=value`` overrides, and validate everything."""
     path = Path(path)
     try:
@@ -104,7 +113,9 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     except FileNotFoundError:
         raise DstrainError(f"{path}: no such recipe file; see recipes/ for examples") from None
     except OSError as e:
-        raise DstrainError(f"{path}: cannot read the recipe ({e.strerror}); pass a YAML file, e.g. recipes/tiny.yaml") from None
+        raise DstrainError(
+            f"{path}: cannot read the recipe ({e.strerror}); pass a YAML file, e.g. recipes/tiny.yaml"
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -126,7 +137,7 @@ def refuse_moved_keys(raw: dict, path: Path) -> None:
     model = raw.get("model")
     if isinstance(model, dict) and model.pop("activation_checkpointing", False):
         raise DstrainError(
-            f'{path}: model.activation_checkpointing moved to the ds_config; remove it here and add '
+            f"{path}: model.activation_checkpointing moved to the ds_config; remove it here and add "
             f'"activation_checkpointing": {{"partition_activations": false}} to your ds_config'
         )
 
@@ -170,7 +181,9 @@ def parse(cls: type, data: Any, file: Path, where: str) -> Any:
     """
     if not isinstance(data, dict):
         fix = f"; write it as `- path: {data}`" if cls is DataSource and isinstance(data, str) else ""
-        raise DstrainError(f"{file}: {where.rstrip('.') or 'recipe'} must be a mapping, got {type(data).__name__} {data!r}{fix}")
+        raise DstrainError(
+            f"{file}: {where.rstrip('.') or 'recipe'} must be a mapping, got {type(data).__name__} {data!r}{fix}"
+        )
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls, include_extras=True)
     for key in data:
@@ -207,7 +220,7 @@ def coerce(hint: Any, value: Any, file: Path, key: str) -> Any:
         if value not in args:
             raise DstrainError(f"{file}: {key}={value!r} is not one of {', '.join(map(repr, args))}")
         return value
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return parse(hint, value, file, key + ".")
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
@@ -245,7 +258,9 @@ def validate(recipe: Recipe, file: Path) -> None:
             f"lower data.seq_len or raise model.max_seq_len"
         )
     if recipe.schedule.warmup_steps > recipe.total_steps:
-        raise DstrainError(f"{file}: schedule.warmup_steps={recipe.schedule.warmup_steps} exceeds the run's {recipe.total_steps} steps")
+        raise DstrainError(
+            f"{file}: schedule.warmup_steps={recipe.schedule.warmup_steps} exceeds the run's {recipe.total_steps} steps"
+        )
 
 
 def to_dict(recipe: Recipe) -> dict:

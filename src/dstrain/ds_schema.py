@@ -6,6 +6,7 @@ and its pydantic sections) reads the config through a dict that records every ke
 key nobody asked for is a misspelling (DeepSpeed's code is the list of valid keys). Sections handed to a
 pydantic model are checked by the model itself (``extra="forbid"``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -22,8 +23,15 @@ DSTRAIN_KEYS = {"seed"}
 OPEN_SECTIONS = ("optimizer.params",)
 # "pipeline": DeepSpeed's keys (runtime/config.py get_pipeline_config copies the whole section, so the
 # recorder cannot see which it uses) and partition_method, which dstrain's engine.py reads.
-PIPELINE_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
-                 "grad_partitioned", "partition_method"}
+PIPELINE_KEYS = {
+    "stages",
+    "partition",
+    "seed_layers",
+    "activation_checkpoint_interval",
+    "pipe_partitioned",
+    "grad_partitioned",
+    "partition_method",
+}
 
 
 class _Recorder(dict):
@@ -95,7 +103,8 @@ def validate_ds_config(config: dict, ds_file: str) -> None:
     # strategy.resolve checked the batch arithmetic for the launch's world size; DeepSpeed would check it for the
     # world it sees here (one, or a process group of another test or command), so it derives the product instead.
     del trial["train_batch_size"]
-    asked, whole = [], set()
+    asked: list[str] = []
+    whole: set[str] = set()
     logger = logging.getLogger("DeepSpeed")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -125,7 +134,7 @@ def _check_unknown_keys(config: dict, asked: set, whole: set, ds_file: str) -> N
             known = asked | DSTRAIN_KEYS
         if path in known:
             continue
-        siblings = sorted({k[len(where):] for k in known if k.startswith(where) and "." not in k[len(where):]})
+        siblings = sorted({k[len(where) :] for k in known if k.startswith(where) and "." not in k[len(where) :]})
         close = difflib.get_close_matches(key, siblings, n=1)
         hint = f'did you mean "{where}{close[0]}"?' if close else "DeepSpeed does not read it; remove it"
         raise DstrainError(f'{ds_file}: unknown key "{path}"; {hint}')
@@ -137,12 +146,18 @@ def _check_optimizer(config: dict, ds_file: str) -> None:
 
     name = str(config.get("optimizer", {}).get("type", "AdamW"))
     # The engine's rule (runtime/engine.py _configure_basic_optimizer): DeepSpeed's own, else torch.optim.<name>.
-    torch_optimizers = [n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)]
+    torch_optimizers = [
+        n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+    ]
     if name.lower() in DEEPSPEED_OPTIMIZERS or name in torch_optimizers:
         return
     names = {n.lower(): n for n in [*DEEPSPEED_OPTIMIZERS, *torch_optimizers]}
     close = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.6)
-    hint = f'did you mean "{names[close[0]]}"?' if close else f"use one of {', '.join(DEEPSPEED_OPTIMIZERS)} or a torch.optim class"
+    hint = (
+        f'did you mean "{names[close[0]]}"?'
+        if close
+        else f"use one of {', '.join(DEEPSPEED_OPTIMIZERS)} or a torch.optim class"
+    )
     raise DstrainError(f'{ds_file}: optimizer.type "{name}" is neither a DeepSpeed nor a torch.optim optimizer; {hint}')
 
 

@@ -1,5 +1,6 @@
 """The one exception type users see as a one-line message (see cli.main), and an argument parser whose
 errors are one line too."""
+
 import argparse
 import sys
 

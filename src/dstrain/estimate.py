@@ -3,6 +3,7 @@ cheapest shipped ds_config that fits. The memory model, and its formulas, are ds
 
     dstrain estimate --recipe recipes/llama-7b.yaml --deepspeed_config ds_configs/zero3_bf16.json --nodes 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,11 +20,25 @@ from dstrain.memory import Estimate, estimate_file
 def cost(est: Estimate) -> tuple:
     """Cheapest = least communication and offload: ZeRO-0 < 1 < 2 < 3 < model parallelism < offload (CPU < NVMe)."""
     offload = max({None: 0, "cpu": 1, "nvme": 2}[x] for x in (est.offload_optimizer, est.offload_param))
-    return offload, est.tp_size * est.pp_stages > 1, est.zero_stage, est.tp_size * est.pp_stages, Path(est.ds_config).name
+    return (
+        offload,
+        est.tp_size * est.pp_stages > 1,
+        est.zero_stage,
+        est.tp_size * est.pp_stages,
+        Path(est.ds_config).name,
+    )
 
 
-def cheapest_fitting(recipe: Recipe, recipe_file: str | Path, configs_dir: Path, precision: str, nodes: int,
-                     gpus_per_node: int, device_memory_gib: float, reserve_gib: float) -> Estimate | None:
+def cheapest_fitting(
+    recipe: Recipe,
+    recipe_file: str | Path,
+    configs_dir: Path,
+    precision: str,
+    nodes: int,
+    gpus_per_node: int,
+    device_memory_gib: float,
+    reserve_gib: float,
+) -> Estimate | None:
     """The cheapest ds_config in configs_dir that fits, preferring the given precision; None if none fits."""
     fitting = []
     for path in sorted(configs_dir.glob("*.json")):
@@ -47,20 +62,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="ds_config JSON (the strategy)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
     parser.add_argument("--gpus-per-node", "--gpus_per_node", type=int, default=8, help="devices per node (default: 8)")
-    parser.add_argument("--device-memory", type=float, default=80.0, metavar="GiB", help="memory per device (default: 80)")
-    parser.add_argument("--reserve", type=float, default=1.0, metavar="GiB",
-                        help="kept free for the CUDA context, communicator buffers and fragmentation (default: 1)")
-    parser.add_argument("--configs-dir", type=Path, default=None, help="where to look for a config that fits (default: ds_configs/)")
+    parser.add_argument(
+        "--device-memory", type=float, default=80.0, metavar="GiB", help="memory per device (default: 80)"
+    )
+    parser.add_argument(
+        "--reserve",
+        type=float,
+        default=1.0,
+        metavar="GiB",
+        help="kept free for the CUDA context, communicator buffers and fragmentation (default: 1)",
+    )
+    parser.add_argument(
+        "--configs-dir", type=Path, default=None, help="where to look for a config that fits (default: ds_configs/)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. data.seq_len=2048 model.vocab_size=50304")
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted recipe overrides, e.g. data.seq_len=2048 model.vocab_size=50304"
+    )
 
 
 def check_arguments(args: argparse.Namespace) -> None:
     if args.device_memory <= 0:
         raise DstrainError(f"--device-memory {args.device_memory:g}: must be the positive GiB of one device, e.g. 80")
     if not 0 <= args.reserve < args.device_memory:
-        raise DstrainError(f"--reserve {args.reserve:g}: must be at least 0 and below --device-memory "
-                           f"{args.device_memory:g}")
+        raise DstrainError(
+            f"--reserve {args.reserve:g}: must be at least 0 and below --device-memory {args.device_memory:g}"
+        )
     if args.configs_dir is not None and not args.configs_dir.is_dir():
         raise DstrainError(f"--configs-dir {args.configs_dir}: no such folder; name a folder of ds_config files")
 
@@ -75,10 +102,19 @@ def main(args: argparse.Namespace) -> int:
         raise DstrainError(f"{e}{hint}") from None
     # DeepSpeed announces its accelerator on stdout the first time it is asked; keep stdout for the estimate.
     with contextlib.redirect_stdout(sys.stderr):
-        est = estimate_file(recipe, args.recipe, args.deepspeed_config, args.nodes, args.gpus_per_node,
-                            args.device_memory, args.reserve)
-        suggestion = cheapest_fitting(recipe, args.recipe, args.configs_dir or default_configs_dir(), est.precision,
-                                      args.nodes, args.gpus_per_node, args.device_memory, args.reserve)
+        est = estimate_file(
+            recipe, args.recipe, args.deepspeed_config, args.nodes, args.gpus_per_node, args.device_memory, args.reserve
+        )
+        suggestion = cheapest_fitting(
+            recipe,
+            args.recipe,
+            args.configs_dir or default_configs_dir(),
+            est.precision,
+            args.nodes,
+            args.gpus_per_node,
+            args.device_memory,
+            args.reserve,
+        )
     if args.json:
         data = est.to_json()
         data["cheapest_fitting"] = suggestion.ds_config if suggestion else None

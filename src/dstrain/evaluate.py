@@ -11,6 +11,7 @@ run it prints the numbers the trainer logged. With several data sources each is 
 (``--samples`` per source) under ``sources``, and ``loss`` is their data.sources-weighted mean, as the
 trainer's ``valid`` record. Rank 0 prints one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a run directory or a Hugging Face model folder")
     parser.add_argument("--data", help="a prepared folder (default for a run: its recipe's data.sources)")
     parser.add_argument("--split", default="valid", choices=("valid", "train"), help="default: valid")
-    parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the run's data.seq_len, or the "
-                                                    "Hugging Face model's maximum length)")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per sample (default: the run's data.seq_len, or the Hugging Face model's maximum length)",
+    )
     parser.add_argument("--micro-batch", type=int, help="samples per forward (default: the run's micro-batch, else 4)")
-    parser.add_argument("--samples", type=int, help="evaluate only the first N samples of each source, as a "
-                                                    "run with train.eval_samples=N does (default: the whole split)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        help="evaluate only the first N samples of each source, as a "
+        "run with train.eval_samples=N does (default: the whole split)",
+    )
     parser.add_argument("--seed", type=int, help="the data split's seed (default: the run's seed, else 1234)")
     parser.add_argument("--valid-fraction", type=float, help="default: the run's data.valid_fraction, else 0.01")
     parser.add_argument("--tag", help="checkpoint tag of a run (default: the newest complete)")
@@ -49,9 +57,9 @@ def main(args: argparse.Namespace) -> int:
 def evaluate(args: argparse.Namespace) -> dict:
     from dstrain.config import DataConfig, Recipe
     from dstrain.data.dataset import build_valid_sets
-    from dstrain.train.checkpoint import load_model_source
     from dstrain.model.gpt import GPT
     from dstrain.train import distributed
+    from dstrain.train.checkpoint import load_model_source
 
     if args.data and (Path(args.model) / "recipe.yaml").is_file():  # before the checkpoint is read
         from dstrain.config import load_recipe
@@ -61,8 +69,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     if recipe is None and not args.data:
         raise DstrainError(f"{args.model} is a Hugging Face model folder; name the prepared data with --data DIR")
     seed = _first(args.seed, recipe and recipe.seed, _default(Recipe, "seed"))
-    valid_fraction = _first(args.valid_fraction, recipe and recipe.data.valid_fraction,
-                            _default(DataConfig, "valid_fraction"))
+    valid_fraction = _first(
+        args.valid_fraction, recipe and recipe.data.valid_fraction, _default(DataConfig, "valid_fraction")
+    )
     seq_len = _first(args.seq_len, recipe and recipe.data.seq_len, config.max_seq_len)
     micro = _first(args.micro_batch, recipe and _run_micro_batch(Path(args.model)), DEFAULT_MICRO_BATCH)
     if args.data:
@@ -88,10 +97,22 @@ def evaluate(args: argparse.Namespace) -> dict:
     for name, weight, data in sets:
         n = len(data) if args.samples is None else min(len(data), args.samples)
         loss, tokens = _mean_loss(model, data, n, micro, device)
-        results[name] = {"weight": weight, "samples": n, "tokens": tokens, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
+        results[name] = {
+            "weight": weight,
+            "samples": n,
+            "tokens": tokens,
+            "loss": loss,
+            "ppl": math.exp(min(loss, 50.0)),
+        }
     loss = sum(r["weight"] * r["loss"] for r in results.values()) / sum(r["weight"] for r in results.values())
-    result = {"model": str(args.model), "split": args.split, "samples": sum(r["samples"] for r in results.values()),
-              "tokens": sum(r["tokens"] for r in results.values()), "loss": loss, "ppl": math.exp(min(loss, 50.0))}
+    result = {
+        "model": str(args.model),
+        "split": args.split,
+        "samples": sum(r["samples"] for r in results.values()),
+        "tokens": sum(r["tokens"] for r in results.values()),
+        "loss": loss,
+        "ppl": math.exp(min(loss, 50.0)),
+    }
     return {**result, "sources": results} if len(results) > 1 else result
 
 
@@ -105,7 +126,7 @@ def _mean_loss(model, data, n: int, micro: int, device) -> tuple[float, int]:
     mine = list(range(rank, n, world))
     sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss x tokens, tokens
     for start in range(0, len(mine), micro):
-        batch = {k: v.to(device) for k, v in collate([data[i] for i in mine[start:start + micro]]).items()}
+        batch = {k: v.to(device) for k, v in collate([data[i] for i in mine[start : start + micro]]).items()}
         position_ids = batch["position_ids"] if model.config.doc_masking else None
         tokens = batch["labels"].numel()
         loss = lm_loss(model(batch["input_ids"], position_ids), batch["labels"]).item()
@@ -122,8 +143,10 @@ def _check_data(folder: str, model: str, config, recipe) -> None:
 
     vocab = read_manifest(folder)["vocab_size"]
     if vocab > config.vocab_size:
-        raise DstrainError(f"--data {folder} has {vocab} token ids, the model {model} only {config.vocab_size}; "
-                           f"pass data prepared with the model's tokenizer")
+        raise DstrainError(
+            f"--data {folder} has {vocab} token ids, the model {model} only {config.vocab_size}; "
+            f"pass data prepared with the model's tokenizer"
+        )
     if recipe is None and (Path(model) / "tokenizer_config.json").is_file():
         verify_tokenizer(folder, model)
 
@@ -136,8 +159,10 @@ def _check_run_tokenizer(folder: str, run: str, recipe) -> None:
     trained = recipe.data.sources[0].path
     if Path(trained, "manifest.json").is_file():
         if read_manifest(trained)["tokenizer"]["hash"] != read_manifest(folder)["tokenizer"]["hash"]:
-            raise DstrainError(f"--data {folder} was prepared with another tokenizer than the run {run} was trained "
-                               f"on ({trained}); prepare it with --tokenizer {Path(trained) / 'tokenizer'}")
+            raise DstrainError(
+                f"--data {folder} was prepared with another tokenizer than the run {run} was trained "
+                f"on ({trained}); prepare it with --tokenizer {Path(trained) / 'tokenizer'}"
+            )
     elif recipe.data.tokenizer:  # the run's data is gone: its recipe may still name the tokenizer
         verify_tokenizer(folder, recipe.data.tokenizer)
 

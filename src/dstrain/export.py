@@ -10,6 +10,7 @@ partitions), else the module's own (fp32 runs); `--dtype bf16` writes them round
 become LlamaForCausalLM, gpt2-flavour ones GPT2LMHeadModel (dstrain.model.hf), so
 `AutoModelForCausalLM.from_pretrained(folder)` computes what our GPT computed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,10 +23,16 @@ from dstrain.errors import DstrainError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run directory (holds recipe.yaml and checkpoints/)")
-    parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step200 (default: the newest complete)")
+    parser.add_argument(
+        "--tag", default=None, help="checkpoint tag, e.g. global_step200 (default: the newest complete)"
+    )
     parser.add_argument("--out", required=True, help="new folder for the Hugging Face model (must not hold files)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                        help="weights written: fp32 (the masters, default) or bf16 (half the size)")
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="weights written: fp32 (the masters, default) or bf16 (half the size)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -48,6 +55,8 @@ def main(args: argparse.Namespace) -> int:
     tokenizer.save_pretrained(tmp)
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)  # replaces an empty folder, never a full one
-    print(f"{out}: {type(model).__name__} from {tag_dir} ({args.dtype} safetensors of the {weights_kind(tag_dir)} "
-          f"weights, tokenizer)")
+    print(
+        f"{out}: {type(model).__name__} from {tag_dir} ({args.dtype} safetensors of the {weights_kind(tag_dir)} "
+        f"weights, tokenizer)"
+    )
     return 0

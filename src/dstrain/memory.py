@@ -44,6 +44,7 @@ bytes, T = micro-batch x seq_len, h d_model, kv the key/value width, f the MLP w
 Buffers: ZeRO-1/2 reduce buckets (two with overlap_comm), ZeRO-0's flattened all-reduce bucket, ZeRO-3's
 bucket, prefetch bucket and largest layer gathered with its gradient, offload staging of the largest parameter.
 """
+
 from __future__ import annotations
 
 import collections
@@ -76,8 +77,9 @@ class ParamCounts:
     largest_layer: int  # most parameters owned directly by one module (DeepSpeed's "largest layer")
 
 
-def count_params(model: GPTConfig, tp: int = 1, pp: int = 1, persistence_threshold: int = 0,
-                 partition_method: str = "parameters") -> ParamCounts:
+def count_params(
+    model: GPTConfig, tp: int = 1, pp: int = 1, persistence_threshold: int = 0, partition_method: str = "parameters"
+) -> ParamCounts:
     """Count on a meta-device model: no memory, a 70B recipe in seconds; checked against num_params."""
     named = _meta_params(astuple(model))
     total = sum(numel for _, numel in named)
@@ -85,7 +87,7 @@ def count_params(model: GPTConfig, tp: int = 1, pp: int = 1, persistence_thresho
         raise AssertionError(f"meta-device count {total} != num_params {num_params(model)} for {model}")
     sharded = sum(numel for name, numel in named if any(f".{s}." in name for s in TP_SHARDED))
     per_tp = total - sharded + math.ceil(sharded / tp)
-    layers = collections.Counter()
+    layers: collections.Counter[str] = collections.Counter()
     for name, numel in named:
         layers[name.rsplit(".", 1)[0]] += numel
     return ParamCounts(
@@ -106,8 +108,11 @@ def _worst_stage(named, model: GPTConfig, tp: int, pp: int, method: str) -> int:
     from dstrain.model.pipe import layer_prefixes
 
     def layer_count(prefix: str, sharded_by: int = 1) -> int:
-        return sum(math.ceil(n / sharded_by) if any(f".{s}." in name for s in TP_SHARDED) else n
-                   for name, n in named if name.startswith(prefix))
+        return sum(
+            math.ceil(n / sharded_by) if any(f".{s}." in name for s in TP_SHARDED) else n
+            for name, n in named
+            if name.startswith(prefix)
+        )
 
     prefixes = [p[0] if p else "embed." for p in layer_prefixes(model)]  # None: the tied head, the embedding
     whole = [layer_count(p) for p in prefixes]
@@ -118,7 +123,7 @@ def _worst_stage(named, model: GPTConfig, tp: int, pp: int, method: str) -> int:
     else:  # "type:Block": balance the blocks
         bounds = partition_balanced([int(p.startswith("blocks.")) for p in prefixes], pp)
     held = [layer_count(p, tp) for p in prefixes]
-    return max(sum(held[bounds[i]:bounds[i + 1]]) for i in range(pp))
+    return max(sum(held[bounds[i] : bounds[i + 1]]) for i in range(pp))
 
 
 @functools.lru_cache(maxsize=8)
@@ -187,32 +192,67 @@ class Estimate:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        data.update(peak_phase=self.peak_phase, device_peak=self.peak("device"), fits=self.fits,
-                    cpu_per_node=self.peak("cpu") * self.gpus_per_node, nvme_per_node=self.peak("nvme") * self.gpus_per_node,
-                    model_states=self.model_states())
+        data.update(
+            peak_phase=self.peak_phase,
+            device_peak=self.peak("device"),
+            fits=self.fits,
+            cpu_per_node=self.peak("cpu") * self.gpus_per_node,
+            nvme_per_node=self.peak("nvme") * self.gpus_per_node,
+            model_states=self.model_states(),
+        )
         return data
 
 
-def estimate(recipe: Recipe, strategy: Strategy, nodes: int, gpus_per_node: int,
-             device_memory_gib: float = 80.0, reserve_gib: float = 1.0) -> Estimate:
+def estimate(
+    recipe: Recipe,
+    strategy: Strategy,
+    nodes: int,
+    gpus_per_node: int,
+    device_memory_gib: float = 80.0,
+    reserve_gib: float = 1.0,
+) -> Estimate:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     zero = DeepSpeedZeroConfig(**strategy.ds_config.get("zero_optimization", {}))  # DeepSpeed's own defaults
     stage, n = strategy.zero_stage, strategy.dp_size
     if (strategy.offload_optimizer or strategy.offload_param) and stage == 0:
-        raise DstrainError(f"{strategy.source}: zero_optimization.offload_* needs ZeRO stage 1, 2 or 3; "
-                           f"set zero_optimization.stage")
+        raise DstrainError(
+            f"{strategy.source}: zero_optimization.offload_* needs ZeRO stage 1, 2 or 3; set zero_optimization.stage"
+        )
     method = str(strategy.ds_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
-    counts = count_params(recipe.model, strategy.tp_size, strategy.pp_stages,
-                          zero.param_persistence_threshold if stage == 3 else 0, method)
-    est = Estimate(recipe.name, strategy.source, nodes, gpus_per_node, stage, strategy.precision, strategy.micro_batch,
-                   strategy.grad_accum, n, strategy.tp_size, strategy.pp_stages, strategy.offload_optimizer,
-                   strategy.offload_param, counts.total, counts.per_rank, int(device_memory_gib * GIB), int(reserve_gib * GIB))
+    counts = count_params(
+        recipe.model,
+        strategy.tp_size,
+        strategy.pp_stages,
+        zero.param_persistence_threshold if stage == 3 else 0,
+        method,
+    )
+    est = Estimate(
+        recipe.name,
+        strategy.source,
+        nodes,
+        gpus_per_node,
+        stage,
+        strategy.precision,
+        strategy.micro_batch,
+        strategy.grad_accum,
+        n,
+        strategy.tp_size,
+        strategy.pp_stages,
+        strategy.offload_optimizer,
+        strategy.offload_param,
+        counts.total,
+        counts.per_rank,
+        int(device_memory_gib * GIB),
+        int(reserve_gib * GIB),
+    )
     persistent = min(counts.persistent, zero.model_persistence_threshold // n) if stage == 3 else 0
     est.parts = model_state_parts(strategy, counts.per_rank, persistent)
     saved, transient = activation_bytes(recipe, strategy)
-    est.parts += [Part("activations", "saved for backward", "device", saved, 0, "see module docstring"),
-                  Part("activations", "logits gradient (backward start)", "device", transient, 0, "(4 + a)·T·V")]
+    est.parts += [
+        Part("activations", "saved for backward", "device", saved, 0, "see module docstring"),
+        Part("activations", "logits gradient (backward start)", "device", transient, 0, "(4 + a)·T·V"),
+    ]
     est.parts += buffer_parts(strategy, zero, counts)
     est.deepspeed_reference = deepspeed_reference(counts, est)
     return est
@@ -228,17 +268,22 @@ def model_state_parts(strategy: Strategy, psi: int, persistent: int) -> list[Par
     if s < 3:
         parts.append(Part("parameters", f"parameters ({dtype})", "device", b * psi, b * psi, f"{b}Ψ"))
     else:
-        parts.append(Part("parameters", f"parameters ({dtype}), 1/{n} partition", par or "device", b * part, b * part,
-                          f"{b}Ψ/N"))
-        parts.append(Part("parameters", "persistent parameters, whole", "device", b * persistent, 0,
-                          f"{b}P (backward only)"))
+        parts.append(
+            Part("parameters", f"parameters ({dtype}), 1/{n} partition", par or "device", b * part, b * part, f"{b}Ψ/N")
+        )
+        parts.append(
+            Part("parameters", "persistent parameters, whole", "device", b * persistent, 0, f"{b}P (backward only)")
+        )
     parts += gradient_parts(strategy, psi)
     if opt and s < 3:
-        parts.append(Part("parameters", f"{dtype} staging of the updated partition", "cpu", b * part, b * part,
-                          f"{b}Ψ/N"))
+        parts.append(
+            Part("parameters", f"{dtype} staging of the updated partition", "cpu", b * part, b * part, f"{b}Ψ/N")
+        )
     share, label = (psi, "Ψ") if s == 0 and not bf16_optimizer(strategy) else (part, "Ψ/N")
     if s > 0 or b != 4:  # only ZeRO-0 fp32 updates the module's own weights
-        parts.append(Part("optimizer states", "fp32 master weights", opt or "device", 4 * share, 4 * share, f"4{label}"))
+        parts.append(
+            Part("optimizer states", "fp32 master weights", opt or "device", 4 * share, 4 * share, f"4{label}")
+        )
     parts.append(Part("optimizer states", "Adam moments (fp32)", opt or "device", 8 * share, 8 * share, f"8{label}"))
     return parts
 
@@ -248,8 +293,11 @@ def bf16_optimizer(strategy: Strategy) -> bool:
     accumulating in fp32 without offload, or a ZeRO-0 bf16 pipeline (engine._do_optimizer_sanity_check)."""
     if strategy.precision != "bf16" or strategy.offload_optimizer:
         return False
-    return strategy.zero_stage == 1 and accumulates_in_fp32(strategy) or (
-        strategy.zero_stage == 0 and strategy.pp_stages > 1)
+    return (
+        strategy.zero_stage == 1
+        and accumulates_in_fp32(strategy)
+        or (strategy.zero_stage == 0 and strategy.pp_stages > 1)
+    )
 
 
 def accumulates_in_fp32(strategy: Strategy) -> bool:
@@ -263,8 +311,10 @@ def gradient_parts(strategy: Strategy, psi: int) -> list[Part]:
     g = 4 if accumulates_in_fp32(strategy) else b  # bytes of an accumulated gradient
     part = math.ceil(psi / n)
     if bf16_optimizer(strategy):
-        return [Part("gradients", "gradients (bf16), whole", "device", 2 * psi, 2 * psi, "2Ψ"),
-                Part("gradients", "fp32 accumulation buffer, whole", "device", 4 * psi, 4 * psi, "4Ψ")]
+        return [
+            Part("gradients", "gradients (bf16), whole", "device", 2 * psi, 2 * psi, "2Ψ"),
+            Part("gradients", "fp32 accumulation buffer, whole", "device", 4 * psi, 4 * psi, "4Ψ"),
+        ]
     if s == 0:  # torch's optimizer reads param.grad; mixed precision first copies it to fp32 (16-bit grads freed)
         whole = [Part("gradients", f"gradients ({dtype})", "device", b * psi, b * psi if b == 4 else 0, f"{b}Ψ")]
         copy = [Part("gradients", "gradients (fp32 copy for the optimizer)", "device", 0, 4 * psi, "4Ψ at the step")]
@@ -278,9 +328,10 @@ def gradient_parts(strategy: Strategy, psi: int) -> list[Part]:
         else:
             parts = []
     elif s == 1:
-        parts = [Part("gradients", f"gradients ({dtype}), accumulated whole", "device", b * psi, 0, f"{b}Ψ (backward)"),
-                 Part("gradients", f"gradients ({dtype}), reduced 1/{n} partition", "device", 0, b * part,
-                      f"{b}Ψ/N (step)")]
+        parts = [
+            Part("gradients", f"gradients ({dtype}), accumulated whole", "device", b * psi, 0, f"{b}Ψ (backward)"),
+            Part("gradients", f"gradients ({dtype}), reduced 1/{n} partition", "device", 0, b * part, f"{b}Ψ/N (step)"),
+        ]
     else:
         parts = [Part("gradients", f"{name}, 1/{n} partition", "device", g * part, g * part, f"{g}Ψ/N")]
     if s == 2 and g == 4 and b == 2 and not opt:
@@ -289,8 +340,16 @@ def gradient_parts(strategy: Strategy, psi: int) -> list[Part]:
     copied = min(part, int(strategy.ds_config["zero_optimization"].get("sub_group_size", 1e9))) if s == 3 else part
     keep = 4 * part if opt else 0  # offload keeps the pinned fp32 gradient partition allocated
     formula = "4·min(Ψ/N, sub_group_size) at the step" if s == 3 else "4Ψ/N at the step"
-    return parts + [Part("gradients", "gradients (fp32 copy for the optimizer)", "cpu" if opt else "device",
-                         keep, 4 * copied, formula)]
+    return parts + [
+        Part(
+            "gradients",
+            "gradients (fp32 copy for the optimizer)",
+            "cpu" if opt else "device",
+            keep,
+            4 * copied,
+            formula,
+        )
+    ]
 
 
 def buffer_parts(strategy: Strategy, zero: DeepSpeedZeroConfig, counts: ParamCounts) -> list[Part]:
@@ -311,20 +370,39 @@ def buffer_parts(strategy: Strategy, zero: DeepSpeedZeroConfig, counts: ParamCou
         size = b * zero.reduce_bucket_size
         parts.append(Part("buffers", "reduce bucket", "device", size, size, "b·reduce_bucket_size"))
         gathered = b * zero.prefetch_bucket_size + 2 * b * counts.largest_layer
-        parts.append(Part("buffers", "prefetch bucket + largest layer, gathered", "device", gathered, 0,
-                          "b·prefetch_bucket_size + 2b·largest layer"))
+        parts.append(
+            Part(
+                "buffers",
+                "prefetch bucket + largest layer, gathered",
+                "device",
+                gathered,
+                0,
+                "b·prefetch_bucket_size + 2b·largest layer",
+            )
+        )
     if par == "nvme":
         pinned = zero.offload_param.buffer_count * zero.offload_param.buffer_size * b
-        parts.append(Part("buffers", "NVMe parameter swap buffers (pinned)", "cpu", pinned, pinned,
-                          "buffer_count·buffer_size·b"))
+        parts.append(
+            Part("buffers", "NVMe parameter swap buffers (pinned)", "cpu", pinned, pinned, "buffer_count·buffer_size·b")
+        )
     if opt == "nvme":
         pinned = zero.offload_optimizer.buffer_count * min(zero.sub_group_size, math.ceil(psi / strategy.dp_size)) * 4
-        parts.append(Part("buffers", "NVMe optimizer swap buffers (pinned)", "cpu", pinned, pinned,
-                          "buffer_count·min(sub_group_size, Ψ/N)·4"))
+        parts.append(
+            Part(
+                "buffers",
+                "NVMe optimizer swap buffers (pinned)",
+                "cpu",
+                pinned,
+                pinned,
+                "buffer_count·min(sub_group_size, Ψ/N)·4",
+            )
+        )
     if opt and s < 3:
         size = b * counts.largest_param
-        parts += [Part("buffers", "offload staging (largest parameter)", where, size, size, "b·largest")
-                  for where in ("device", "cpu")]
+        parts += [
+            Part("buffers", "offload staging (largest parameter)", where, size, size, "b·largest")
+            for where in ("device", "cpu")
+        ]
     return parts
 
 
@@ -362,21 +440,40 @@ def deepspeed_reference(counts: ParamCounts, est: Estimate) -> dict | None:
     if est.zero_stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-        cpu, gpu = estimate_zero2_model_states_mem_needs(counts.total, est.gpus_per_node, est.nodes,
-                                                         cpu_offload=bool(est.offload_optimizer), additional_buffer_factor=1.0)
+        cpu, gpu = estimate_zero2_model_states_mem_needs(
+            counts.total,
+            est.gpus_per_node,
+            est.nodes,
+            cpu_offload=bool(est.offload_optimizer),
+            additional_buffer_factor=1.0,
+        )
         name = "stage_1_and_2.estimate_zero2_model_states_mem_needs"
     else:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
-            counts.total, counts.largest_layer, est.gpus_per_node, est.nodes, cpu_offload=bool(est.offload_optimizer),
-            cpu_offload_params=bool(est.offload_param), zero_init=True, additional_buffer_factor=1.0)
+            counts.total,
+            counts.largest_layer,
+            est.gpus_per_node,
+            est.nodes,
+            cpu_offload=bool(est.offload_optimizer),
+            cpu_offload_params=bool(est.offload_param),
+            zero_init=True,
+            additional_buffer_factor=1.0,
+        )
         name = "stage3.estimate_zero3_model_states_mem_needs"
     return {"function": name, "device": int(gpu), "cpu_per_node": int(cpu)}
 
 
-def estimate_file(recipe: Recipe, recipe_file: str | Path, ds_file: str | Path, nodes: int, gpus_per_node: int,
-                  device_memory_gib: float = 80.0, reserve_gib: float = 1.0) -> Estimate:
+def estimate_file(
+    recipe: Recipe,
+    recipe_file: str | Path,
+    ds_file: str | Path,
+    nodes: int,
+    gpus_per_node: int,
+    device_memory_gib: float = 80.0,
+    reserve_gib: float = 1.0,
+) -> Estimate:
     """Resolve ``ds_file`` against the recipe for nodes x gpus_per_node ranks, then estimate."""
     if nodes < 1 or gpus_per_node < 1:
         raise DstrainError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: both must be at least 1")

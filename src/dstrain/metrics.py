@@ -7,6 +7,7 @@ that times tokens/s over the number of devices; tokens/s counts training time on
 dense peak for the run's precision, looked up by device name and memory size in
 ``DEVICE_PEAKS`` (or set DSTRAIN_PEAK_TFLOPS), and is null where it is unknown.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
+
 
 @dataclass(frozen=True)
 class DevicePeak:
@@ -80,11 +82,11 @@ def device_peak(precision: str) -> tuple[float | None, str]:
     if props is None:
         return None, f"MFU not logged: no known peak for {accelerator.device_name()} devices; set DSTRAIN_PEAK_TFLOPS"
     device = props(accelerator.current_device())
-    variant, tflops = lookup_peak(device.name, device.total_memory, precision)
+    variant, peak = lookup_peak(device.name, device.total_memory, precision)
     memory = f"{device.name}, {device.total_memory / 2**30:.0f} GiB"
-    if tflops is None:
+    if peak is None:
         return None, f"MFU not logged: no known dense {precision} peak for {memory}; set DSTRAIN_PEAK_TFLOPS"
-    return tflops, f"MFU against {variant} dense {precision} peak {tflops:g} TFLOP/s ({memory})"
+    return peak, f"MFU against {variant} dense {precision} peak {peak:g} TFLOP/s ({memory})"
 
 
 class IntervalClock:
@@ -111,8 +113,10 @@ class IntervalClock:
     def lap(self) -> dict:
         """The interval since the previous lap: ``train_s``, ``eval_s``, ``checkpoint_s``; starts the next one."""
         now = self.now()
-        record = {"train_s": now - self.start - sum(self.pauses.values()),
-                  **{f"{kind}_s": seconds for kind, seconds in self.pauses.items()}}
+        record = {
+            "train_s": now - self.start - sum(self.pauses.values()),
+            **{f"{kind}_s": seconds for kind, seconds in self.pauses.items()},
+        }
         self.start, self.pauses = now, dict.fromkeys(self.KINDS, 0.0)
         return record
 
@@ -133,7 +137,7 @@ class MetricsLog:
         self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
 
     def write(self, record: dict) -> None:
-        if not self.enabled:
+        if self.file is None:  # not rank 0
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
@@ -141,7 +145,9 @@ class MetricsLog:
             step = record["step"]
             split = record.get("split")  # "valid", or "valid/<source>" -> eval/<source>/loss
             prefix = "train" if split is None else "eval" + split.removeprefix("valid")
-            events = [(f"{prefix}/{k}", v, step) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"]
+            events = [
+                (f"{prefix}/{k}", v, step) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"
+            ]
             self.monitor.write_events(events)
 
     def print_step(self, record: dict, start_step: int) -> None:
@@ -159,7 +165,10 @@ class MetricsLog:
 
     def print_eval(self, record: dict) -> None:
         if self.enabled:
-            print(f"eval step {record['step']} | {record['split']} loss {record['loss']:.4f} | ppl {record['ppl']:.2f}", flush=True)
+            print(
+                f"eval step {record['step']} | {record['split']} loss {record['loss']:.4f} | ppl {record['ppl']:.2f}",
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.file:

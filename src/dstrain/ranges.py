@@ -3,6 +3,7 @@
 ``config.parse`` checks every annotated value as it reads a recipe, so a value outside its range is one
 line naming the file and the key, before any work (a 0 that would divide, a negative learning rate).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,12 +17,19 @@ class Range:
     lt: float | None = None  # value < lt
 
     def contains(self, value: float) -> bool:
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
 
     def __str__(self) -> str:
-        bounds = [f"{op} {bound:g}" for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
-                  if bound is not None]
+        bounds = [
+            f"{op} {bound:g}"
+            for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+            if bound is not None
+        ]
         return " and ".join(bounds)
 
 

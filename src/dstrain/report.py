@@ -1,4 +1,5 @@
 """What `dstrain compare` and `dstrain estimate` show: markdown, CSV, PNG plots and console tables."""
+
 from __future__ import annotations
 
 import csv
@@ -10,7 +11,6 @@ from dstrain.memory import GIB
 
 if TYPE_CHECKING:
     from dstrain.memory import Estimate
-
 
 
 @dataclass
@@ -46,17 +46,28 @@ class Row:
 
 CSV_FIELDS = [f.name for f in fields(Row) if f.name != "curve"]
 COLUMNS = [  # markdown header, Row attribute, format
-    ("config", "config", "`{}`"), ("ZeRO", "zero_stage", "{}"), ("PP", "pp_stages", "{}"), ("TP", "tp_size", "{}"),
-    ("precision", "precision", "{}"), ("offload", "offload", "{}"), ("micro × accum", None, None),
-    ("tokens/s", "tokens_per_s", "{:,.0f}"), ("TFLOP/s/device", "tflops_per_device", "{:.3g}"), ("MFU", "mfu", "{:.1%}"),
-    ("peak mem GiB", "mem_peak_gib", "{:.2f}"), ("est. mem GiB", "est_mem_gib", "{:.2f}"),
-    ("final loss", "final_loss", "{:.4f}"), ("Δ loss", "loss_diff", "{:+.2e}"), ("valid loss", "valid_loss", "{:.4f}"),
-    ("status", "status", "{}"), ("reason", "reason", "{}"),
+    ("config", "config", "`{}`"),
+    ("ZeRO", "zero_stage", "{}"),
+    ("PP", "pp_stages", "{}"),
+    ("TP", "tp_size", "{}"),
+    ("precision", "precision", "{}"),
+    ("offload", "offload", "{}"),
+    ("micro × accum", None, None),
+    ("tokens/s", "tokens_per_s", "{:,.0f}"),
+    ("TFLOP/s/device", "tflops_per_device", "{:.3g}"),
+    ("MFU", "mfu", "{:.1%}"),
+    ("peak mem GiB", "mem_peak_gib", "{:.2f}"),
+    ("est. mem GiB", "est_mem_gib", "{:.2f}"),
+    ("final loss", "final_loss", "{:.4f}"),
+    ("Δ loss", "loss_diff", "{:+.2e}"),
+    ("valid loss", "valid_loss", "{:.4f}"),
+    ("status", "status", "{}"),
+    ("reason", "reason", "{}"),
 ]
 
 
 def cell(row: Row, attr: str | None, fmt: str | None) -> str:
-    if attr is None:
+    if attr is None or fmt is None:
         return "—" if row.micro_batch is None else f"{row.micro_batch} × {row.grad_accum if row.grad_accum else '?'}"
     value = getattr(row, attr)
     if value is None or value == "":
@@ -101,8 +112,16 @@ def plot_losses(rows: list[Row], path: Path) -> None:
     drawn = [row for row in rows if row.curve]
     for i, row in enumerate(drawn):  # equal curves lie on top of each other: thinner lines and other dashes on top
         steps, losses = zip(*row.curve)
-        ax.plot(steps, losses, linestyle=styles[i % len(styles)], marker=markers[i % len(markers)], markersize=4,
-                linewidth=2.5 - 1.5 * i / max(1, len(drawn)), label=f"{row.config} ({row.status})", alpha=0.9)
+        ax.plot(
+            steps,
+            losses,
+            linestyle=styles[i % len(styles)],
+            marker=markers[i % len(markers)],
+            markersize=4,
+            linewidth=2.5 - 1.5 * i / max(1, len(drawn)),
+            label=f"{row.config} ({row.status})",
+            alpha=0.9,
+        )
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
@@ -119,8 +138,17 @@ def _bar_labels(ax, rows: list[Row]) -> None:
     ax.set_xticks(range(len(rows)), [r.config for r in rows], rotation=20, ha="right", fontsize=8)
     for i, row in enumerate(rows):
         if not row.ok:
-            ax.annotate(row.status, (i, 0), ha="center", va="bottom", color="firebrick", fontsize=8, rotation=90,
-                        xytext=(0, 4), textcoords="offset points")
+            ax.annotate(
+                row.status,
+                (i, 0),
+                ha="center",
+                va="bottom",
+                color="firebrick",
+                fontsize=8,
+                rotation=90,
+                xytext=(0, 4),
+                textcoords="offset points",
+            )
 
 
 def plot_throughput(rows: list[Row], path: Path) -> None:
@@ -157,6 +185,7 @@ def plot_memory(rows: list[Row], path: Path) -> None:
 
 # --- dstrain estimate's console table -------------------------------------------------------------------
 
+
 def gib(n: float) -> str:
     return f"{n / GIB:,.2f} GiB"
 
@@ -172,11 +201,15 @@ def print_estimate(est: Estimate, suggestion: Estimate | None) -> None:
     ranks = est.nodes * est.gpus_per_node
     offloads = [("optimizer", est.offload_optimizer), ("parameter", est.offload_param)]
     offload = ", ".join(f"{k} offload to {v}" for k, v in offloads if v)
-    console.print(f"[bold]{est.recipe}[/] under [bold]{est.ds_config}[/]: {est.nodes} node(s) x {est.gpus_per_node} devices "
-                  f"= {ranks} ranks (data-parallel {est.dp_size} x tensor {est.tp_size} x pipeline {est.pp_stages})")
-    console.print(f"ZeRO-{est.zero_stage}, {est.precision}, micro-batch {est.micro_batch} x accumulation {est.grad_accum}"
-                  f"{', ' + offload if offload else ''}; {est.params_total:,} parameters (meta-device count = num_params), "
-                  f"{est.params_per_rank:,} per model-parallel rank")
+    console.print(
+        f"[bold]{est.recipe}[/] under [bold]{est.ds_config}[/]: {est.nodes} node(s) x {est.gpus_per_node} devices "
+        f"= {ranks} ranks (data-parallel {est.dp_size} x tensor {est.tp_size} x pipeline {est.pp_stages})"
+    )
+    console.print(
+        f"ZeRO-{est.zero_stage}, {est.precision}, micro-batch {est.micro_batch} x accumulation {est.grad_accum}"
+        f"{', ' + offload if offload else ''}; {est.params_total:,} parameters (meta-device count = num_params), "
+        f"{est.params_per_rank:,} per model-parallel rank"
+    )
     table = Table(title="memory per rank", title_justify="left")
     for name in ["group", "component", "where", "backward", "optimizer step", "formula"]:
         table.add_column(name, justify="right" if name in ("backward", "optimizer step") else "left")
@@ -189,19 +222,27 @@ def print_estimate(est: Estimate, suggestion: Estimate | None) -> None:
             table.add_row(f"[bold]total {where}[/]", "", where, backward, step, "", end_section=where == "device")
     console.print(table)
     verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
-    console.print(f"{verdict}: peak {gib(est.peak())} ({est.peak_phase}) + {gib(est.reserve)} reserve "
-                  f"against {gib(est.device_memory)} per device")
+    console.print(
+        f"{verdict}: peak {gib(est.peak())} ({est.peak_phase}) + {gib(est.reserve)} reserve "
+        f"against {gib(est.device_memory)} per device"
+    )
     if est.peak("cpu"):
         console.print(f"CPU memory per node ({est.gpus_per_node} ranks): {gib(est.peak('cpu') * est.gpus_per_node)}")
     if est.peak("nvme"):
         console.print(f"NVMe per node: {gib(est.peak('nvme') * est.gpus_per_node)}")
     ref = est.deepspeed_reference
     if ref:
-        console.print(f"DeepSpeed's {ref['function']}: {gib(ref['device'])} model states per device, "
-                      f"{gib(ref['cpu_per_node'])} CPU per node (mixed precision, no activations; "
-                      f"ours: {gib(est.model_states())} per rank)")
+        console.print(
+            f"DeepSpeed's {ref['function']}: {gib(ref['device'])} model states per device, "
+            f"{gib(ref['cpu_per_node'])} CPU per node (mixed precision, no activations; "
+            f"ours: {gib(est.model_states())} per rank)"
+        )
     if suggestion is not None and suggestion.ds_config != est.ds_config:
-        console.print(f"cheapest config that fits: [bold]{suggestion.ds_config}[/] (ZeRO-{suggestion.zero_stage}, "
-                      f"{suggestion.precision}, peak {gib(suggestion.peak())})")
+        console.print(
+            f"cheapest config that fits: [bold]{suggestion.ds_config}[/] (ZeRO-{suggestion.zero_stage}, "
+            f"{suggestion.precision}, peak {gib(suggestion.peak())})"
+        )
     elif suggestion is None:
-        console.print("no config in the configs folder fits; add nodes, raise the stage or offload, or shorten the sequence")
+        console.print(
+            "no config in the configs folder fits; add nodes, raise the stage or offload, or shorten the sequence"
+        )

@@ -9,6 +9,7 @@ override. Parallel sizes and gradient accumulation are derived here too:
     data-parallel size  = world size / (tensor-parallel size x pipeline stages)
     accumulation steps  = global batch / (micro-batch x data-parallel size)
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,10 +55,14 @@ class Topology:
     def from_engine(cls, engine) -> Topology:
         import torch
 
-        return cls(world_size=torch.distributed.get_world_size(), zero_stage=int(engine.zero_optimization_stage()),
-                   dp_size=int(engine.dp_world_size), tp_size=max(1, int(engine.autotp_size() or 1)),
-                   pp_stages=int(getattr(engine, "num_stages", 1)),
-                   precision="bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32")
+        return cls(
+            world_size=torch.distributed.get_world_size(),
+            zero_stage=int(engine.zero_optimization_stage()),
+            dp_size=int(engine.dp_world_size),
+            tp_size=max(1, int(engine.autotp_size() or 1)),
+            pp_stages=int(getattr(engine, "num_stages", 1)),
+            precision="bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
+        )
 
     @classmethod
     def from_record(cls, record: dict) -> Topology:
@@ -68,7 +73,10 @@ class Topology:
         return asdict(self)
 
     def describe(self) -> str:
-        parts = [f"ZeRO-{self.zero_stage} {self.precision}", f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"]
+        parts = [
+            f"ZeRO-{self.zero_stage} {self.precision}",
+            f"{self.world_size} rank{'s' if self.world_size > 1 else ''}",
+        ]
         if self.tp_size > 1:
             parts.append(f"tensor-parallel {self.tp_size}")
         if self.pp_stages > 1:
@@ -96,8 +104,14 @@ class Strategy:
 
     @property
     def topology(self) -> Topology:
-        return Topology(world_size=self.dp_size * self.tp_size * self.pp_stages, zero_stage=self.zero_stage,
-                        dp_size=self.dp_size, tp_size=self.tp_size, pp_stages=self.pp_stages, precision=self.precision)
+        return Topology(
+            world_size=self.dp_size * self.tp_size * self.pp_stages,
+            zero_stage=self.zero_stage,
+            dp_size=self.dp_size,
+            tp_size=self.tp_size,
+            pp_stages=self.pp_stages,
+            precision=self.precision,
+        )
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -114,7 +128,9 @@ def load_ds_config(path: str | Path) -> dict:
     except FileNotFoundError:
         raise DstrainError(f"{path}: no such ds_config file; see ds_configs/ for the shipped strategies") from None
     except OSError as e:
-        raise DstrainError(f"{path}: cannot read the ds_config ({e.strerror}); pass a JSON file, e.g. ds_configs/zero1.json") from None
+        raise DstrainError(
+            f"{path}: cannot read the ds_config ({e.strerror}); pass a JSON file, e.g. ds_configs/zero1.json"
+        ) from None
     except json.JSONDecodeError as e:
         raise DstrainError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     if not isinstance(config, dict):
@@ -122,14 +138,22 @@ def load_ds_config(path: str | Path) -> dict:
     return config
 
 
-def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: str | Path, world_size: int,
-            check_device: bool = True) -> Strategy:
+def resolve(
+    recipe: Recipe,
+    recipe_file: str | Path,
+    ds_config: dict,
+    ds_file: str | Path,
+    world_size: int,
+    check_device: bool = True,
+) -> Strategy:
     """Fill every "auto" from the recipe and check the ds_config against it; ``check_device=False`` when
     resolving for another machine (an estimate for a GPU cluster, made on a CPU login node)."""
     config = copy.deepcopy(ds_config)
     ds_file, recipe_file = str(ds_file), str(recipe_file)
     if "scheduler" in config:
-        raise DstrainError(f"{ds_file}: remove the 'scheduler' section; the LR schedule belongs to the recipe (schedule.*)")
+        raise DstrainError(
+            f"{ds_file}: remove the 'scheduler' section; the LR schedule belongs to the recipe (schedule.*)"
+        )
     precision = _precision(config, ds_file, check_device)
     zero = config.setdefault("zero_optimization", {})
     stage = zero.get("stage", 0)
@@ -144,10 +168,19 @@ def resolve(recipe: Recipe, recipe_file: str | Path, ds_config: dict, ds_file: s
     if leftover:
         raise DstrainError(f'{ds_file}: "auto" is not supported for {leftover}; set a value')
     validate_ds_config(config, ds_file)  # DeepSpeed's own parser, now rather than inside deepspeed.initialize
-    return Strategy(ds_config=config, source=ds_file, zero_stage=stage, precision=precision, micro_batch=micro,
-                    grad_accum=grad_accum, dp_size=dp_size, tp_size=tp_size, pp_stages=pp_stages,
-                    offload_optimizer=offload_of(config, "offload_optimizer"),
-                    offload_param=offload_of(config, "offload_param"))
+    return Strategy(
+        ds_config=config,
+        source=ds_file,
+        zero_stage=stage,
+        precision=precision,
+        micro_batch=micro,
+        grad_accum=grad_accum,
+        dp_size=dp_size,
+        tp_size=tp_size,
+        pp_stages=pp_stages,
+        offload_optimizer=offload_of(config, "offload_optimizer"),
+        offload_param=offload_of(config, "offload_param"),
+    )
 
 
 def _fill(section: dict, key: str, value: Any, owner: str, ds_file: str, recipe_file: str) -> None:
@@ -161,7 +194,9 @@ def _fill(section: dict, key: str, value: Any, owner: str, ds_file: str, recipe_
     section[key] = value
 
 
-def _parallel_sizes(config: dict, recipe: Recipe, recipe_file: str, ds_file: str, world_size: int) -> tuple[int, int, int]:
+def _parallel_sizes(
+    config: dict, recipe: Recipe, recipe_file: str, ds_file: str, world_size: int
+) -> tuple[int, int, int]:
     """(tensor-parallel size, pipeline stages, data-parallel size), each checked against the model and the world."""
     stage = config["zero_optimization"].get("stage", 0)
     tp_size = int(config.get("tensor_parallel", {}).get("autotp_size", 1))
@@ -174,7 +209,8 @@ def _parallel_sizes(config: dict, recipe: Recipe, recipe_file: str, ds_file: str
         )
     if pp_stages > 1 and stage > 1:
         raise DstrainError(
-            f"{ds_file}: pipeline parallelism works with ZeRO stage 0 or 1, not {stage}; set zero_optimization.stage to 1"
+            f"{ds_file}: pipeline parallelism works with ZeRO stage 0 or 1, not {stage}; "
+            f"set zero_optimization.stage to 1"
         )
     if pp_stages > recipe.model.n_layer:
         raise DstrainError(
@@ -187,12 +223,15 @@ def _parallel_sizes(config: dict, recipe: Recipe, recipe_file: str, ds_file: str
     return tp_size, pp_stages, world_size // model_parallel
 
 
-def _batch(config: dict, recipe: Recipe, recipe_file: str, ds_file: str, world_size: int, dp_size: int,
-           pp_stages: int) -> tuple[int, int]:
+def _batch(
+    config: dict, recipe: Recipe, recipe_file: str, ds_file: str, world_size: int, dp_size: int, pp_stages: int
+) -> tuple[int, int]:
     """(micro-batch, accumulation steps): the ds_config's micro-batch must split the recipe's global batch."""
     micro = config.get("train_micro_batch_size_per_gpu")
     if not isinstance(micro, int) or isinstance(micro, bool) or micro <= 0:
-        raise DstrainError(f"{ds_file}: set train_micro_batch_size_per_gpu to a positive integer (the strategy owns it)")
+        raise DstrainError(
+            f"{ds_file}: set train_micro_batch_size_per_gpu to a positive integer (the strategy owns it)"
+        )
     global_batch = recipe.train.global_batch
     if global_batch % (micro * dp_size):
         valid = valid_micro_batches(global_batch, dp_size)
@@ -215,8 +254,12 @@ def _fill_recipe_values(config: dict, recipe: Recipe, recipe_file: str, ds_file:
     o = recipe.optim
     _fill(config, "gradient_clipping", o.grad_clip, "optim.grad_clip", ds_file, recipe_file)
     params = config.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})
-    for key, value, owner in [("lr", o.lr, "optim.lr"), ("betas", list(o.betas), "optim.betas"),
-                              ("eps", o.eps, "optim.eps"), ("weight_decay", o.weight_decay, "optim.weight_decay")]:
+    for key, value, owner in [
+        ("lr", o.lr, "optim.lr"),
+        ("betas", list(o.betas), "optim.betas"),
+        ("eps", o.eps, "optim.eps"),
+        ("weight_decay", o.weight_decay, "optim.weight_decay"),
+    ]:
         _fill(params, key, value, owner, ds_file, recipe_file)
     config.setdefault("steps_per_print", 10**9)  # the loop prints its own progress line
     _fill(config, "seed", recipe.seed, "seed", ds_file, recipe_file)  # a record only: DeepSpeed does not read it
@@ -224,8 +267,15 @@ def _fill_recipe_values(config: dict, recipe: Recipe, recipe_file: str, ds_file:
 
 
 # What AutoTP must do to each projection of a block (gpt2 has no gate_proj; nothing else is sharded).
-TP_LAYOUT = {"self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
-             "mlp.gate_proj": "column", "mlp.up_proj": "column", "self_attn.o_proj": "row", "mlp.down_proj": "row"}
+TP_LAYOUT = {
+    "self_attn.q_proj": "column",
+    "self_attn.k_proj": "column",
+    "self_attn.v_proj": "column",
+    "mlp.gate_proj": "column",
+    "mlp.up_proj": "column",
+    "self_attn.o_proj": "row",
+    "mlp.down_proj": "row",
+}
 
 
 def _check_pipeline(pipeline: dict, ds_file: str) -> None:
@@ -236,7 +286,9 @@ def _check_pipeline(pipeline: dict, ds_file: str) -> None:
         )
     interval = pipeline.get("activation_checkpoint_interval", 0)
     if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
-        raise DstrainError(f"{ds_file}: pipeline.activation_checkpoint_interval={interval!r}; use 0 (off) or a positive integer")
+        raise DstrainError(
+            f"{ds_file}: pipeline.activation_checkpoint_interval={interval!r}; use 0 (off) or a positive integer"
+        )
 
 
 def _check_tensor_parallel(tp: dict, recipe: Recipe, recipe_file, ds_file: str, pp_stages: int) -> None:
@@ -259,8 +311,14 @@ def _check_tensor_parallel(tp: dict, recipe: Recipe, recipe_file, ds_file: str, 
         name = f"blocks.0.{module}.weight"
         # AutoTP takes the first spec whose pattern re.match-es the weight's name (model_types never match: our
         # config has no HF model_type).
-        found = next((str(spec.get("partition_type", "column")).lower() for spec in specs
-                      if not spec.get("model_types") and any(re.match(p, name) for p in spec.get("patterns", []))), None)
+        found = next(
+            (
+                str(spec.get("partition_type", "column")).lower()
+                for spec in specs
+                if not spec.get("model_types") and any(re.match(p, name) for p in spec.get("patterns", []))
+            ),
+            None,
+        )
         if found != kind:
             raise DstrainError(
                 f"{ds_file}: tensor_parallel.partition_config must split {module} {kind}-wise (it says {found}); "

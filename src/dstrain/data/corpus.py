@@ -11,6 +11,7 @@ without a download. Documents, in a fixed order:
 
 Run ``python -m dstrain.data.corpus OUT.jsonl [--max-docs N]``.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -6,6 +6,7 @@
 samples share one token), plus position ids that restart at every document start.
 Everything is deterministic in the seed; sample ``i`` never depends on ``num_samples``.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,16 @@ from dstrain.errors import DstrainError
 SPLITS = ("train", "valid")
 CACHE_DIR_NAME = "index_cache"
 
-__all__ = ["read_manifest", "build_dataset", "build_valid_sets", "source_names", "collate", "PackedDataset", "BlendedDataset", "PreparedTokens"]
+__all__ = [
+    "read_manifest",
+    "build_dataset",
+    "build_valid_sets",
+    "source_names",
+    "collate",
+    "PackedDataset",
+    "BlendedDataset",
+    "PreparedTokens",
+]
 
 
 class PreparedTokens:
@@ -56,16 +66,32 @@ class PreparedTokens:
 class PackedDataset:
     """Samples of one prepared folder's split; see the module docstring."""
 
-    def __init__(self, folder: str | os.PathLike, split: str, seq_len: int, seed: int,
-                 num_samples: int | None, valid_fraction: float, cache_dir: str | os.PathLike):
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        split: str,
+        seq_len: int,
+        seed: int,
+        num_samples: int | None,
+        valid_fraction: float,
+        cache_dir: str | os.PathLike,
+    ):
         self._arguments = (str(folder), split, seq_len, seed, num_samples, valid_fraction, str(cache_dir))
         self.tokens = tokens = PreparedTokens(folder)
         cache_dir = Path(cache_dir)
         self.seq_len = seq_len
-        split_key = {"kind": "split", "data": tokens.hash, "split": split, "seed": seed,
-                     "valid_fraction": valid_fraction}
-        docs = index_lib.cached_arrays(cache_dir, split_key, lambda: {"docs": index_lib.split_documents(
-            tokens.num_docs, split, valid_fraction, seed)})["docs"]
+        split_key = {
+            "kind": "split",
+            "data": tokens.hash,
+            "split": split,
+            "seed": seed,
+            "valid_fraction": valid_fraction,
+        }
+        docs = index_lib.cached_arrays(
+            cache_dir,
+            split_key,
+            lambda: {"docs": index_lib.split_documents(tokens.num_docs, split, valid_fraction, seed)},
+        )["docs"]
         sizes = tokens.sizes()
         self.samples_per_epoch = index_lib.samples_per_epoch(int(sizes[docs].sum(dtype=np.int64)), seq_len)
         if self.samples_per_epoch < 1:
@@ -77,7 +103,8 @@ class PackedDataset:
         num_epochs = max(1, math.ceil(self.num_samples / self.samples_per_epoch))
         epochs_key = {**split_key, "kind": "epochs", "seq_len": seq_len, "num_epochs": num_epochs}
         arrays = index_lib.cached_arrays(
-            cache_dir, epochs_key, lambda: index_lib.build_epochs(sizes, np.asarray(docs), seq_len, seed, num_epochs))
+            cache_dir, epochs_key, lambda: index_lib.build_epochs(sizes, np.asarray(docs), seq_len, seed, num_epochs)
+        )
         self.docs_per_epoch = docs.size
         self.doc_order = arrays["doc_order"]
         self.sample_starts = arrays["sample_starts"]
@@ -154,9 +181,15 @@ def _check_arguments(sources, split, seq_len, num_samples, valid_fraction) -> No
         raise DstrainError("split 'valid' with valid_fraction 0 is empty; set valid_fraction > 0 (e.g. 0.01)")
 
 
-def build_dataset(sources: list[tuple[str, float]], split: str, seq_len: int, seed: int,
-                  num_samples: int | None, valid_fraction: float,
-                  cache_dir: str | os.PathLike | None = None) -> PackedDataset | BlendedDataset:
+def build_dataset(
+    sources: list[tuple[str, float]],
+    split: str,
+    seq_len: int,
+    seed: int,
+    num_samples: int | None,
+    valid_fraction: float,
+    cache_dir: str | os.PathLike | None = None,
+) -> PackedDataset | BlendedDataset:
     """The ``split`` of prepared folders blended by weight; see the module docstring.
 
     ``num_samples=None``: exactly one epoch of every source. Index arrays are cached in
@@ -180,13 +213,22 @@ def build_dataset(sources: list[tuple[str, float]], split: str, seq_len: int, se
     if len(prepared) == 1:
         return packed(prepared[0], num_samples)
     weights = [float(weight) for _, weight in sources]
-    key = {"kind": "blend", "data": [p.hash for p in prepared], "weights": weights, "split": split,
-           "seq_len": seq_len, "seed": seed, "valid_fraction": valid_fraction, "num_samples": num_samples}
+    key = {
+        "kind": "blend",
+        "data": [p.hash for p in prepared],
+        "weights": weights,
+        "split": split,
+        "seq_len": seq_len,
+        "seed": seed,
+        "valid_fraction": valid_fraction,
+        "num_samples": num_samples,
+    }
     if num_samples is None:
         datasets = [packed(p, None) for p in prepared]
         counts = [len(d) for d in datasets]
         blend = index_lib.cached_arrays(
-            cache_of(prepared[0]), key, lambda: index_lib.build_blend(weights, None, counts))
+            cache_of(prepared[0]), key, lambda: index_lib.build_blend(weights, None, counts)
+        )
     else:
         blend = index_lib.cached_arrays(cache_of(prepared[0]), key, lambda: index_lib.build_blend(weights, num_samples))
         counts = np.bincount(blend["source"], minlength=len(prepared)).tolist()
@@ -201,12 +243,15 @@ def source_names(folders: list[str]) -> list[str]:
     return names if len(set(names)) == len(names) else [str(folder) for folder in folders]
 
 
-def build_valid_sets(sources: list[tuple[str, float]], seq_len: int, seed: int, valid_fraction: float,
-                     split: str = "valid") -> list[tuple[str, float, PackedDataset]]:
+def build_valid_sets(
+    sources: list[tuple[str, float]], seq_len: int, seed: int, valid_fraction: float, split: str = "valid"
+) -> list[tuple[str, float, PackedDataset | BlendedDataset]]:
     """(name, weight, dataset) of each source's whole ``split``: evaluated one by one, whatever the blend."""
     names = source_names([folder for folder, _ in sources])
-    return [(name, float(weight), build_dataset([(folder, 1.0)], split, seq_len, seed, None, valid_fraction))
-            for name, (folder, weight) in zip(names, sources)]
+    return [
+        (name, float(weight), build_dataset([(folder, 1.0)], split, seq_len, seed, None, valid_fraction))
+        for name, (folder, weight) in zip(names, sources)
+    ]
 
 
 def collate(samples: list[dict[str, np.ndarray]]) -> dict:

@@ -7,6 +7,7 @@ cache (a second copy of the corpus on disk) and does not parallelise streaming d
 and rather than ``multiprocessing.Pool.imap`` because its feeder thread reads the whole
 input ahead, so memory would grow with the corpus.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -57,7 +58,7 @@ class ParallelEncoder:
         self._init_args = (tokenizer_json, int(eos_id), np.dtype(dtype).str)
         self._pool: ProcessPoolExecutor | None = None
 
-    def __enter__(self) -> "ParallelEncoder":
+    def __enter__(self) -> ParallelEncoder:
         if self.num_proc > 1:
             # forkserver, not fork: the parent holds datasets/arrow threads and maybe a used
             # Rust thread pool, which a forked child could inherit mid-lock.

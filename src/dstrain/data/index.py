@@ -13,6 +13,7 @@ Arrays (all int64):
   sample_order   per epoch: a permutation of its samples
   blend          (source, sample within source) of each blended sample
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -56,8 +57,9 @@ def samples_per_epoch(split_tokens: int, seq_len: int) -> int:
     return max(0, (split_tokens - 1) // seq_len)
 
 
-def build_epochs(sizes: np.ndarray, docs: np.ndarray, seq_len: int, seed: int,
-                 num_epochs: int) -> dict[str, np.ndarray]:
+def build_epochs(
+    sizes: np.ndarray, docs: np.ndarray, seq_len: int, seed: int, num_epochs: int
+) -> dict[str, np.ndarray]:
     """doc_order, sample_starts and sample_order of epochs ``0 .. num_epochs-1``.
 
     ``sizes``: tokens of every document of the source; ``docs``: the split's documents.
@@ -81,8 +83,9 @@ def build_epochs(sizes: np.ndarray, docs: np.ndarray, seq_len: int, seed: int,
     }
 
 
-def build_blend(weights: list[float], num_samples: int | None,
-                counts: list[int] | None = None) -> dict[str, np.ndarray]:
+def build_blend(
+    weights: list[float], num_samples: int | None, counts: list[int] | None = None
+) -> dict[str, np.ndarray]:
     """Interleave sources by weight: source s's k-th sample is due at time (k + 0.5) / w_s,
     and samples are taken in order of due time (ties: lower source first).
 

@@ -11,6 +11,7 @@ Its presence means every shard it lists is complete. Keys::
     source                     {"dataset", "config", "split", "text_field", "fingerprint"}
     command                    the equivalent `dstrain prepare ...` command line
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,8 +40,7 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
     path = Path(folder) / MANIFEST_NAME
     if not path.is_file():
         raise DstrainError(
-            f"{path}: no manifest, so {folder} holds no prepared data; "
-            f"run `dstrain prepare --out {folder} ...` first"
+            f"{path}: no manifest, so {folder} holds no prepared data; run `dstrain prepare --out {folder} ...` first"
         )
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))

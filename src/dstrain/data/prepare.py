@@ -11,6 +11,7 @@ Shard k starts where shard k-1 ends and closes before the first document that wo
 overflow it, so shard boundaries depend only on the inputs. A re-run with the same
 inputs keeps every complete shard and writes only the missing ones.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +31,12 @@ from dstrain.data.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, write_j
 from dstrain.data.shards import ShardReader, ShardWriter, shard_paths, token_dtype
 from dstrain.data.sources import Source, SourceSpec, describe, open_source, text_batches
 from dstrain.data.tokenizer import (
-    TOKENIZER_DIR, load_tokenizer, save_tokenizer, tokenizer_hash, train_bpe_tokenizer, verify_tokenizer,
+    TOKENIZER_DIR,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_hash,
+    train_bpe_tokenizer,
+    verify_tokenizer,
 )
 from dstrain.errors import DstrainError
 
@@ -139,8 +146,14 @@ class _Progress:
         from tqdm import tqdm
 
         interactive = sys.stderr.isatty()
-        self.bar = tqdm(total=total, unit="doc", disable=not enabled, mininterval=0.5 if interactive else 30,
-                        desc="prepare", dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total,
+            unit="doc",
+            disable=not enabled,
+            mininterval=0.5 if interactive else 30,
+            desc="prepare",
+            dynamic_ncols=True,
+        )
         self.tokens = 0
         self.start = time.perf_counter()
 
@@ -151,8 +164,16 @@ class _Progress:
         self.bar.update(documents)
 
 
-def _write_segment(out: Path, index: int, doc: int, source: Source, encoder: ParallelEncoder,
-                   dtype: np.dtype, shard_tokens: int, progress: _Progress) -> tuple[list[dict], int, bool]:
+def _write_segment(
+    out: Path,
+    index: int,
+    doc: int,
+    source: Source,
+    encoder: ParallelEncoder,
+    dtype: np.dtype,
+    shard_tokens: int,
+    progress: _Progress,
+) -> tuple[list[dict], int, bool]:
     """Write shards ``index, index+1, ...`` from document ``doc`` until the data ends or the
     next shard already exists. Returns (shard records, next document, data exhausted)."""
     written: list[dict] = []
@@ -193,8 +214,9 @@ def _write_segment(out: Path, index: int, doc: int, source: Source, encoder: Par
             writer.abort()
 
 
-def _write_shards(out: Path, source: Source, encoder: ParallelEncoder, dtype: np.dtype,
-                  shard_tokens: int, progress: _Progress) -> list[dict]:
+def _write_shards(
+    out: Path, source: Source, encoder: ParallelEncoder, dtype: np.dtype, shard_tokens: int, progress: _Progress
+) -> list[dict]:
     shards: list[dict] = []
     index = doc = 0
     with encoder:
@@ -252,10 +274,14 @@ def _trained_tokenizer(opts: PrepareOptions, source, saved, earlier_hash: str | 
     """--train-tokenizer: the one an interrupted run trained and saved if it is there, else train one."""
     if earlier_hash and saved is not None and tokenizer_hash(saved) == earlier_hash:
         return saved
-    tokenizer = train_bpe_tokenizer(text_batches(source, 0, BATCH_DOCS), opts.train_tokenizer, source.num_docs,
-                                    opts.progress)
+    assert opts.train_tokenizer is not None  # _check_options: --tokenizer or --train-tokenizer
+    tokenizer = train_bpe_tokenizer(
+        text_batches(source, 0, BATCH_DOCS), opts.train_tokenizer, source.num_docs, opts.progress
+    )
     if earlier_hash and tokenizer_hash(tokenizer) != earlier_hash:
-        raise _refuse(Path(opts.out), f"a tokenizer trained earlier (hash {earlier_hash}) that retraining did not reproduce")
+        raise _refuse(
+            Path(opts.out), f"a tokenizer trained earlier (hash {earlier_hash}) that retraining did not reproduce"
+        )
     return tokenizer
 
 
@@ -269,7 +295,7 @@ def run(opts: PrepareOptions) -> dict:
     spec = SourceSpec(opts.dataset, opts.dataset_config, opts.split, opts.text_field, opts.streaming)
     source = open_source(spec)
     tokenizer = load_tokenizer(opts.tokenizer) if opts.tokenizer is not None else None
-    inputs = {
+    inputs: dict[str, Any] = {
         "source": {**describe(spec), "fingerprint": source.fingerprint},
         "tokenizer": {
             "name": opts.tokenizer if tokenizer is not None else f"byte-level BPE trained on {spec.dataset}",
@@ -328,21 +354,34 @@ def _tokenize(out: Path, source, tokenizer, opts: PrepareOptions) -> tuple[list[
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("source")
-    source.add_argument("--dataset", required=True,
-                        help="Hub id, save_to_disk folder, data folder, "
-                             "or json/jsonl(.gz)/parquet/csv/txt file(s) or glob")
+    source.add_argument(
+        "--dataset",
+        required=True,
+        help="Hub id, save_to_disk folder, data folder, or json/jsonl(.gz)/parquet/csv/txt file(s) or glob",
+    )
     source.add_argument("--dataset-config", default=None, help="dataset configuration name")
     source.add_argument("--split", default="train", help="split to tokenize (default: train)")
     source.add_argument("--text-field", default="text", help="column holding the text (default: text)")
-    source.add_argument("--streaming", action="store_true",
-                        help="stream the dataset instead of downloading/converting it first (corpora larger than disk)")
+    source.add_argument(
+        "--streaming",
+        action="store_true",
+        help="stream the dataset instead of downloading/converting it first (corpora larger than disk)",
+    )
     tok = parser.add_mutually_exclusive_group(required=True)
     tok.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="Hugging Face fast tokenizer (name or folder)")
-    tok.add_argument("--train-tokenizer", metavar="VOCAB_SIZE", type=int,
-                     help="train a byte-level BPE of this vocabulary size on the data")
+    tok.add_argument(
+        "--train-tokenizer",
+        metavar="VOCAB_SIZE",
+        type=int,
+        help="train a byte-level BPE of this vocabulary size on the data",
+    )
     parser.add_argument("--out", required=True, help="output folder (shards, tokenizer/, manifest.json)")
-    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
-                        help=f"at most this many tokens per shard (default: {DEFAULT_SHARD_TOKENS:,})")
+    parser.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=DEFAULT_SHARD_TOKENS,
+        help=f"at most this many tokens per shard (default: {DEFAULT_SHARD_TOKENS:,})",
+    )
     parser.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: all cores)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -352,7 +391,9 @@ def main(args: argparse.Namespace) -> int:
     options = {f.name: getattr(args, f.name) for f in fields(PrepareOptions) if f.name != "progress"}
     manifest = run(PrepareOptions(**options, progress=not args.no_progress))
     seconds = time.perf_counter() - start
-    print(f"{args.out}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
-          f"in {len(manifest['shards'])} shard(s), {manifest['dtype']}, vocab {manifest['vocab_size']:,} "
-          f"({seconds:.1f} s)")
+    print(
+        f"{args.out}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
+        f"in {len(manifest['shards'])} shard(s), {manifest['dtype']}, vocab {manifest['vocab_size']:,} "
+        f"({seconds:.1f} s)"
+    )
     return 0

@@ -6,6 +6,7 @@ micro-batches in order. So the k-th global batch holds the same samples for any
 data-parallel size, micro-batch size or gradient accumulation, and a run resumed at
 ``consumed_samples`` continues exactly where it stopped.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -19,8 +20,9 @@ def valid_micro_batches(global_batch: int, dp_size: int) -> list[int]:
     return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
 
 
-def micro_batches(consumed_samples: int, global_batch: int, micro_batch: int,
-                  dp_rank: int, dp_size: int) -> Iterator[list[int]]:
+def micro_batches(
+    consumed_samples: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
+) -> Iterator[list[int]]:
     """Endless micro-batches (lists of sample indices) of rank ``dp_rank``, from ``consumed_samples``."""
     if global_batch < 1 or micro_batch < 1 or dp_size < 1:
         raise DstrainError(
@@ -48,8 +50,9 @@ def micro_batches(consumed_samples: int, global_batch: int, micro_batch: int,
     return _rank_micro_batches(consumed_samples // global_batch, global_batch, per_rank, micro_batch, dp_rank)
 
 
-def _rank_micro_batches(batch: int, global_batch: int, per_rank: int, micro_batch: int,
-                        dp_rank: int) -> Iterator[list[int]]:
+def _rank_micro_batches(
+    batch: int, global_batch: int, per_rank: int, micro_batch: int, dp_rank: int
+) -> Iterator[list[int]]:
     while True:
         first = batch * global_batch + dp_rank * per_rank
         for start in range(first, first + per_rank, micro_batch):

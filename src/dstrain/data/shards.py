@@ -17,6 +17,7 @@ One sequence is one document here, so doc_idx is 0..n. Files are written under a
 temporary name and renamed when complete (``.bin`` first, ``.idx`` last), so a
 shard whose ``.idx`` exists is whole.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,14 @@ from dstrain.errors import DstrainError
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES: dict[int, type[np.generic]] = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
-    5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
 }
 CODE_OF_DTYPE = {np.dtype(t): code for code, t in DTYPE_CODES.items()}
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, num sequences, len(doc_idx)
@@ -122,7 +129,7 @@ class ShardReader:
     doc_idx: np.ndarray
 
     @classmethod
-    def open(cls, prefix: str | os.PathLike) -> "ShardReader":
+    def open(cls, prefix: str | os.PathLike) -> ShardReader:
         bin_path, idx_path = shard_paths(prefix)
         rerun = "re-run `dstrain prepare` with the same options to rebuild it"
         for path in (idx_path, bin_path):

@@ -4,6 +4,7 @@
 files/globs (json, jsonl, csv, txt, parquet, arrow; optionally .gz/.bz2/.xz/.zst).
 Every bad input becomes a one-line DstrainError before anything is written.
 """
+
 from __future__ import annotations
 
 import bz2
@@ -17,14 +18,20 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dstrain.errors import DstrainError
 
 # File extension -> the datasets builder that reads it.
 BUILDER_OF_EXTENSION = {
-    ".json": "json", ".jsonl": "json", ".ndjson": "json",
-    ".csv": "csv", ".txt": "text", ".text": "text",
-    ".parquet": "parquet", ".arrow": "arrow",
+    ".json": "json",
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".csv": "csv",
+    ".txt": "text",
+    ".text": "text",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
 }
 TEXT_BUILDERS = {"json", "csv", "text"}
 OPENER_OF_COMPRESSION = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open, ".zst": None}
@@ -47,7 +54,7 @@ class Source:
     """An opened, validated source: ``rows`` has only the text column."""
 
     spec: SourceSpec
-    rows: object  # datasets.Dataset or datasets.IterableDataset
+    rows: Any  # datasets.Dataset or datasets.IterableDataset
     num_docs: int | None  # None when streaming (unknown until read)
     fingerprint: str  # identifies the content; equal fingerprints mean the same documents
     announced_docs: int | None = None  # when streaming: the row count the dataset's info gives, if any
@@ -164,12 +171,12 @@ def _open_rows(spec: SourceSpec):
                 f"({', '.join(BUILDER_OF_EXTENSION)}, optionally compressed); got {sorted(map(str, builders))}"
             )
         builder = builders.pop()
-        fingerprint = _hash_files(files, check_utf8=builder in TEXT_BUILDERS)
+        assert builder is not None  # None was refused above
         rows = _load(builder, spec, data_files={spec.split: files})
-        return rows, fingerprint
+        return rows, _hash_files(files, check_utf8=builder in TEXT_BUILDERS)
     rows = _load(spec.dataset, spec)
-    fingerprint = getattr(rows, "_fingerprint", None)
-    return rows, f"hub:{fingerprint}" if fingerprint else f"hub:{spec.dataset}:{spec.config}:{spec.split}"
+    hub_fingerprint = getattr(rows, "_fingerprint", None)
+    return rows, f"hub:{hub_fingerprint}" if hub_fingerprint else f"hub:{spec.dataset}:{spec.config}:{spec.split}"
 
 
 def _check_text_field(spec: SourceSpec, columns: list[str]) -> None:
@@ -246,4 +253,3 @@ def describe(spec: SourceSpec) -> dict:
     local = Path(spec.dataset).exists() or any(c in spec.dataset for c in "*?[")
     dataset = os.path.abspath(spec.dataset) if local else spec.dataset
     return {"dataset": dataset, "config": spec.config, "split": spec.split, "text_field": spec.text_field}
-

@@ -4,6 +4,7 @@ Either way the tokenizer is saved next to the shards (``OUT/tokenizer/``) and
 identified by a content hash, so the trainer can check that a recipe's tokenizer is
 the one the data was made with (``verify_tokenizer``).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -13,8 +14,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from dstrain.errors import DstrainError
 from dstrain.data.manifest import read_manifest
+from dstrain.errors import DstrainError
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_DIR = "tokenizer"
@@ -53,8 +54,9 @@ def load_tokenizer(name_or_dir: str, flag: str = "--tokenizer"):
     return tokenizer
 
 
-def train_bpe_tokenizer(text_batches: Iterator[list[str]], vocab_size: int, num_docs: int | None,
-                        show_progress: bool = False):
+def train_bpe_tokenizer(
+    text_batches: Iterator[list[str]], vocab_size: int, num_docs: int | None, show_progress: bool = False
+):
     """Train a GPT-2-style byte-level BPE with ``<|endoftext|>`` as EOS (id 0)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -75,9 +77,7 @@ def train_bpe_tokenizer(text_batches: Iterator[list[str]], vocab_size: int, num_
         show_progress=show_progress,
     )
     backend.train_from_iterator(text_batches, trainer, length=num_docs)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=EOS_TOKEN, clean_up_tokenization_spaces=False
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, clean_up_tokenization_spaces=False)
 
 
 def tokenizer_hash(tokenizer) -> str:

@@ -1,5 +1,6 @@
 """The GPT's configuration and the arithmetic on it, without torch: a recipe, `dstrain estimate` and the
 commands' argument checks read it without importing the model (dstrain.model.gpt builds it)."""
+
 from __future__ import annotations
 
 import math
@@ -16,16 +17,24 @@ FLAVOURS = ("gpt2", "llama")
 class GPTConfig:
     flavour: str = "gpt2"  # architecture family: "gpt2" or "llama" (see module docstring)
     vocab_size: Annotated[int, Range(ge=1)] = 50304  # rows of the token embedding / columns of the logits
-    max_seq_len: Annotated[int, Range(ge=1)] = 1024  # longest sequence; size of gpt2's position table, HF max_position_embeddings
+    max_seq_len: Annotated[int, Range(ge=1)] = (
+        1024  # longest sequence; size of gpt2's position table, HF max_position_embeddings
+    )
     n_layer: Annotated[int, Range(ge=1)] = 12  # number of transformer blocks
     n_head: Annotated[int, Range(ge=1)] = 12  # query heads; must divide d_model
-    n_kv_head: Annotated[int, Range(ge=1)] | None = None  # key/value heads (grouped-query attention, llama only); None = n_head
+    n_kv_head: Annotated[int, Range(ge=1)] | None = (
+        None  # key/value heads (grouped-query attention, llama only); None = n_head
+    )
     d_model: Annotated[int, Range(ge=1)] = 768  # residual stream width
-    d_ff: Annotated[int, Range(ge=1)] | None = None  # MLP hidden width; None = 4*d_model (gpt2), 8/3*d_model up to a multiple of 64 (llama)
+    d_ff: Annotated[int, Range(ge=1)] | None = (
+        None  # MLP hidden width; None = 4*d_model (gpt2), 8/3*d_model up to a multiple of 64 (llama)
+    )
     tie_embeddings: bool | None = None  # share lm_head.weight with the token embedding; None = gpt2 yes, llama no
     norm_eps: Annotated[float, Range(gt=0)] = 1e-5  # epsilon of LayerNorm (gpt2) / RMSNorm (llama)
     rope_theta: Annotated[float, Range(gt=0)] = 10000.0  # RoPE base wavelength (llama only)
-    init_std: Annotated[float, Range(gt=0)] = 0.02  # std of the normal init; o_proj/down_proj use init_std / sqrt(2 * n_layer)
+    init_std: Annotated[float, Range(gt=0)] = (
+        0.02  # std of the normal init; o_proj/down_proj use init_std / sqrt(2 * n_layer)
+    )
     doc_masking: bool = False  # attend only within the current document (segments start where position_ids == 0)
 
     def __post_init__(self) -> None:
@@ -42,8 +51,9 @@ class GPTConfig:
         if self.n_kv_head is not None and (self.n_kv_head <= 0 or self.n_head % self.n_kv_head):
             raise bad("n_kv_head", f"{self.n_kv_head} does not divide n_head={self.n_head}", "pick a divisor of n_head")
         if self.flavour == "gpt2" and self.kv_heads != self.n_head:
-            raise bad("n_kv_head", "grouped-query attention needs flavour 'llama'",
-                      "remove n_kv_head or set it to n_head")
+            raise bad(
+                "n_kv_head", "grouped-query attention needs flavour 'llama'", "remove n_kv_head or set it to n_head"
+            )
         if self.flavour == "llama" and self.head_dim % 2:
             raise bad("n_head", f"RoPE needs an even head size, got d_model/n_head={self.head_dim}", "change n_head")
         if self.d_ff is not None and self.d_ff <= 0:

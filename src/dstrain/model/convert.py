@@ -14,10 +14,10 @@ Layouts DeepSpeed writes in a tag folder:
 Weights only, as saved: a bf16 run's layer files / TP shards hold bf16 weights (the fp32 masters stay in the
 optimizer partitions). `dstrain export` (dstrain.export) writes the result as a Hugging Face folder.
 """
+
 from __future__ import annotations
 
 import dataclasses
-
 import re
 from pathlib import Path
 
@@ -44,7 +44,7 @@ def pipeline_to_plain(layers: dict[int, StateDict], config: GPTConfig) -> StateD
         plain, own = prefixes
         if index not in layers:
             raise DstrainError(f"pipeline layer {index} ({plain}*) is missing from the checkpoint")
-        state.update({plain + key[len(own):]: value for key, value in layers[index].items()})
+        state.update({plain + key[len(own) :]: value for key, value in layers[index].items()})
     if config.tied:
         state["lm_head.weight"] = state["embed.tok.weight"]
     return state
@@ -56,7 +56,7 @@ def plain_to_pipeline(state: StateDict, config: GPTConfig) -> dict[int, StateDic
     for index, prefixes in enumerate(layer_prefixes(config)):
         if prefixes is not None:
             plain, own = prefixes
-            layers[index] = {own + key[len(plain):]: value for key, value in state.items() if key.startswith(plain)}
+            layers[index] = {own + key[len(plain) :]: value for key, value in state.items() if key.startswith(plain)}
     return layers
 
 
@@ -86,8 +86,11 @@ def consolidate_tensor_parallel(shards: list[StateDict], tensor_parallel: dict) 
         module, _, kind = name.rpartition(".")
         spec = specs.find_matching_spec(f"{module}.weight")
         pieces = [shard[name] for shard in shards]
-        if spec is None or spec.partition_type == PartitionType.SKIP or (
-                spec.partition_type == PartitionType.ROW and kind == "bias"):
+        if (
+            spec is None
+            or spec.partition_type == PartitionType.SKIP
+            or (spec.partition_type == PartitionType.ROW and kind == "bias")
+        ):
             state[name] = first  # replicated (a row-parallel bias is added once, after the all-reduce)
         elif spec.shape is not None:
             raise DstrainError(f"{name}: consolidating fused AutoTP weights (a layer_spec 'shape') is not supported")

@@ -18,6 +18,7 @@ Initialisation happens inside the constructor of the module that owns each param
 are partitioned as soon as its `__init__` returns, so a parent-level `apply(init_fn)` would only see
 empty shards and silently leave the weights at their constructor values.
 """
+
 from __future__ import annotations
 
 import math
@@ -227,7 +228,7 @@ class GPT(nn.Module):
             x = self.run_block(block, x, position_ids)
         return self.lm_head(self.norm(x))
 
-    def run_block(self, block: Block, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    def run_block(self, block: nn.Module, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         if self.checkpoint_fn is not None and self.training:
             # No None argument: DeepSpeed 0.19.8's partition_activations mangles non-tensor arguments in the backward
             # (checkpointing.get_partitioned_activations_for_backward pairs each with a None size).

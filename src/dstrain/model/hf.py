@@ -7,6 +7,7 @@ The llama flavour maps onto LlamaForCausalLM almost name for name (both use the 
 convention). The gpt2 flavour maps onto GPT2LMHeadModel, whose Conv1D layers store weights as
 (in, out), i.e. transposed, and whose attention fuses q/k/v into one `c_attn` of width 3*d.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,7 +47,7 @@ def to_hf(
     With tied embeddings lm_head.weight is the embedding tensor itself.
     """
     if config.flavour == "gpt2":
-        hf_config = transformers.GPT2Config(
+        hf_config: transformers.PretrainedConfig = transformers.GPT2Config(
             vocab_size=config.vocab_size,
             n_positions=config.max_seq_len,
             n_embd=config.d_model,
@@ -106,17 +107,16 @@ def from_hf(hf_model_or_dir: transformers.PreTrainedModel | str | os.PathLike) -
     supported = [a for a in architectures if a in ARCHITECTURES]
     if not supported:
         raise DstrainError(
-            f"{source}: architectures={architectures} cannot be converted; "
-            f"dstrain supports {', '.join(ARCHITECTURES)}"
+            f"{source}: architectures={architectures} cannot be converted; dstrain supports {', '.join(ARCHITECTURES)}"
         )
     if model is None:
         model_class = getattr(transformers, supported[0])
         model = model_class.from_pretrained(folder, local_files_only=True, dtype="auto")
     hf_state = model.state_dict()
     if ARCHITECTURES[supported[0]] == "gpt2":
-        config = _gpt2_config_from_hf(model.config, source)
+        config = _gpt2_config_from_hf(model.config, source)  # type: ignore[arg-type]  # a GPT2Config here
         return config, _gpt2_from_hf(config, hf_state, source)
-    config = _llama_config_from_hf(model.config, source)
+    config = _llama_config_from_hf(model.config, source)  # type: ignore[arg-type]  # a LlamaConfig here
     return config, _llama_from_hf(config, hf_state, source)
 
 
@@ -127,8 +127,10 @@ def config_from_hf(folder: str | os.PathLike) -> GPTConfig:
     hf_config, architecture = _read_config(folder)
     weights = [p for pattern in ("*.safetensors", "pytorch_model*.bin") for p in folder.glob(pattern)]
     if not weights:
-        raise DstrainError(f"{folder}: no weights (*.safetensors or pytorch_model.bin); pass a folder written by "
-                           f"save_pretrained or dstrain export")
+        raise DstrainError(
+            f"{folder}: no weights (*.safetensors or pytorch_model.bin); pass a folder written by "
+            f"save_pretrained or dstrain export"
+        )
     if ARCHITECTURES[architecture] == "gpt2":
         return _gpt2_config_from_hf(hf_config, str(folder / "config.json"))
     return _llama_config_from_hf(hf_config, str(folder / "config.json"))
@@ -146,8 +148,9 @@ def _read_config(folder: Path):
     architectures = hf_config.architectures or [f"<none, model_type={hf_config.model_type}>"]
     supported = [a for a in architectures if a in ARCHITECTURES]
     if not supported:
-        raise DstrainError(f"{source}: architectures={architectures} cannot be converted; "
-                           f"dstrain supports {', '.join(ARCHITECTURES)}")
+        raise DstrainError(
+            f"{source}: architectures={architectures} cannot be converted; dstrain supports {', '.join(ARCHITECTURES)}"
+        )
     return hf_config, supported[0]
 
 
@@ -179,8 +182,11 @@ def _gpt2_to_hf(config: GPTConfig, sd: StateDict) -> StateDict:
         # Conv1D weights are (in, out): transpose each nn.Linear (out, in) weight.
         out[f"{hf}attn.c_attn.weight"] = torch.cat([sd[f"{p}.weight"] for p in qkv], dim=0).t().contiguous()
         out[f"{hf}attn.c_attn.bias"] = torch.cat([sd[f"{p}.bias"] for p in qkv], dim=0)
-        for hf_name, our_name in (("attn.c_proj", "self_attn.o_proj"), ("mlp.c_fc", "mlp.up_proj"),
-                                  ("mlp.c_proj", "mlp.down_proj")):
+        for hf_name, our_name in (
+            ("attn.c_proj", "self_attn.o_proj"),
+            ("mlp.c_fc", "mlp.up_proj"),
+            ("mlp.c_proj", "mlp.down_proj"),
+        ):
             out[f"{hf}{hf_name}.weight"] = sd[f"{ours}{our_name}.weight"].t().contiguous()
             out[f"{hf}{hf_name}.bias"] = sd[f"{ours}{our_name}.bias"]
     out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = sd["norm.weight"], sd["norm.bias"]
@@ -189,13 +195,28 @@ def _gpt2_to_hf(config: GPTConfig, sd: StateDict) -> StateDict:
 
 
 def _gpt2_config_from_hf(hf: transformers.GPT2Config, source: str) -> GPTConfig:
-    _require(hf.activation_function in GPT2_ACTIVATIONS, source, "activation_function", hf.activation_function,
-             f"dstrain's gpt2 flavour uses {GPT2_ACTIVATIONS[0]}")
+    _require(
+        hf.activation_function in GPT2_ACTIVATIONS,
+        source,
+        "activation_function",
+        hf.activation_function,
+        f"dstrain's gpt2 flavour uses {GPT2_ACTIVATIONS[0]}",
+    )
     _require(hf.scale_attn_weights, source, "scale_attn_weights", hf.scale_attn_weights, "only true converts")
-    _require(not hf.scale_attn_by_inverse_layer_idx, source, "scale_attn_by_inverse_layer_idx",
-             hf.scale_attn_by_inverse_layer_idx, "only false converts")
-    _require(not hf.add_cross_attention, source, "add_cross_attention", hf.add_cross_attention,
-             "only decoder-only models convert")
+    _require(
+        not hf.scale_attn_by_inverse_layer_idx,
+        source,
+        "scale_attn_by_inverse_layer_idx",
+        hf.scale_attn_by_inverse_layer_idx,
+        "only false converts",
+    )
+    _require(
+        not hf.add_cross_attention,
+        source,
+        "add_cross_attention",
+        hf.add_cross_attention,
+        "only decoder-only models convert",
+    )
     return GPTConfig(
         flavour="gpt2",
         vocab_size=hf.vocab_size,
@@ -253,14 +274,24 @@ def _llama_to_hf(config: GPTConfig, sd: StateDict) -> StateDict:
 
 def _llama_config_from_hf(hf: transformers.LlamaConfig, source: str) -> GPTConfig:
     rope = hf.rope_parameters or {}
-    _require(rope.get("rope_type", "default") == "default", source, "rope_parameters.rope_type",
-             rope.get("rope_type"), "only 'default' RoPE (no scaling) converts")
+    _require(
+        rope.get("rope_type", "default") == "default",
+        source,
+        "rope_parameters.rope_type",
+        rope.get("rope_type"),
+        "only 'default' RoPE (no scaling) converts",
+    )
     _require(hf.hidden_act == "silu", source, "hidden_act", hf.hidden_act, "dstrain's llama flavour uses silu")
     _require(not hf.attention_bias, source, "attention_bias", hf.attention_bias, "only false converts")
     _require(not hf.mlp_bias, source, "mlp_bias", hf.mlp_bias, "only false converts")
     head_dim = hf.head_dim or hf.hidden_size // hf.num_attention_heads
-    _require(head_dim * hf.num_attention_heads == hf.hidden_size, source, "head_dim", head_dim,
-             "dstrain needs head_dim * num_attention_heads == hidden_size")
+    _require(
+        head_dim * hf.num_attention_heads == hf.hidden_size,
+        source,
+        "head_dim",
+        head_dim,
+        "dstrain needs head_dim * num_attention_heads == hidden_size",
+    )
     return GPTConfig(
         flavour="llama",
         vocab_size=hf.vocab_size,
@@ -272,7 +303,7 @@ def _llama_config_from_hf(hf: transformers.LlamaConfig, source: str) -> GPTConfi
         d_ff=hf.intermediate_size,
         tie_embeddings=hf.tie_word_embeddings,
         norm_eps=hf.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_theta=float(rope.get("rope_theta") or 10000.0),
         init_std=hf.initializer_range,
     )
 
@@ -323,6 +354,6 @@ def to_hf_model(config, state: dict[str, torch.Tensor], tokenizer=None):
     """A transformers model (eval mode, fp32) holding our weights; the tokenizer gives its BOS/EOS ids."""
     bos, eos = (tokenizer.bos_token_id, tokenizer.eos_token_id) if tokenizer is not None else (None, None)
     hf_config, hf_state = to_hf(config, state, bos_token_id=bos, eos_token_id=eos)
-    model = getattr(transformers, hf_config.architectures[0])(hf_config)
+    model = getattr(transformers, (hf_config.architectures or ["?"])[0])(hf_config)
     model.load_state_dict(hf_state, strict=True)
     return model.eval()

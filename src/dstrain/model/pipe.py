@@ -14,6 +14,7 @@ one at a time), so a stage that builds only its own layers still draws exactly t
 numbers. `layer_prefixes` names where each layer's parameters live in the plain state dict; the
 converter in `dstrain.model.convert` uses it in both directions.
 """
+
 from __future__ import annotations
 
 import torch
@@ -111,8 +112,13 @@ def layer_prefixes(config: GPTConfig) -> list[tuple[str, str] | None]:
     return [("embed.", ""), *((f"blocks.{i}.", "") for i in range(config.n_layer)), ("norm.", "norm."), head]
 
 
-def build_pipeline(config: GPTConfig, seed: int, stages: int, partition_method: str = "parameters",
-                   activation_checkpoint_interval: int = 0) -> PipelineModule:
+def build_pipeline(
+    config: GPTConfig,
+    seed: int,
+    stages: int,
+    partition_method: str = "parameters",
+    activation_checkpoint_interval: int = 0,
+) -> PipelineModule:
     """GPT(config) as a PipelineModule of `stages` stages, with lm_loss as its loss."""
     return PipelineModule(
         layers=layer_specs(config, seed),
@@ -125,5 +131,13 @@ def build_pipeline(config: GPTConfig, seed: int, stages: int, partition_method: 
     )
 
 
-__all__ = ["build_pipeline", "layer_prefixes", "layer_specs", "EmbeddingPipe", "BlockPipe", "FinalNormPipe",
-           "HeadPipe", "tied_head"]
+__all__ = [
+    "build_pipeline",
+    "layer_prefixes",
+    "layer_specs",
+    "EmbeddingPipe",
+    "BlockPipe",
+    "FinalNormPipe",
+    "HeadPipe",
+    "tied_head",
+]

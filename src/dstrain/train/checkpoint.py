@@ -14,6 +14,7 @@ Each checkpoint also records the topology it was saved under (ZeRO stage, world,
 tensor-parallel and pipeline sizes, precision) and DeepSpeed's universal-checkpoint info, so that a run
 can resume under another one (dstrain.train.topology).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,8 @@ def published_tags(checkpoint_dir: Path) -> list[str]:
     """Published tags, oldest save first (tags without a save number, from before it was recorded, by step)."""
     if not checkpoint_dir.is_dir():
         return []
-    tags = [p.name for p in checkpoint_dir.iterdir() if p.is_dir() and TAG.match(p.name)]
-    return sorted(tags, key=lambda t: (save_seq(checkpoint_dir / t), int(TAG.match(t).group(1))))
+    steps = {p.name: int(m.group(1)) for p in checkpoint_dir.iterdir() if p.is_dir() and (m := TAG.match(p.name))}
+    return sorted(steps, key=lambda t: (save_seq(checkpoint_dir / t), steps[t]))
 
 
 def read_record(tag_dir: Path) -> dict | None:
@@ -84,14 +85,19 @@ def newest_complete(checkpoint_dir: Path) -> str | None:
     return None
 
 
-def save(engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last: int, identity: dict | None = None) -> str:
+def save(
+    engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last: int, identity: dict | None = None
+) -> str:
     """Save on every rank, publish on rank 0, then drop the oldest saves beyond ``keep_last``, never this one.
 
     ``identity`` (what makes the checkpoint meaningless for another experiment) goes into the record, where a
     resume compares it with its recipe before writing anything."""
     from deepspeed.checkpoint.constants import (
-        PIPELINE_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
-        UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+        PIPELINE_REPLICATED_PARAMETER_PATTERNS,
+        UNIVERSAL_CHECKPOINT_INFO,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    )
 
     tag = tag_for(step)
     partial = tag + PARTIAL
@@ -102,8 +108,10 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last:
         # What Megatron-DeepSpeed records for ds_to_universal. Our parameters need no TP/vocab patterns; a
         # pipeline's tied embedding module is kept on the first and the last stage, and only the first stage's
         # copy is whole (the last stage never updates gpt2's position table), so the converter must take that one.
-        client_state[UNIVERSAL_CHECKPOINT_INFO] = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-                                                   PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\."]}
+        client_state[UNIVERSAL_CHECKPOINT_INFO] = {
+            UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+            PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\."],
+        }
     if is_writer:
         shutil.rmtree(checkpoint_dir / partial, ignore_errors=True)  # left by a save that was killed
     torch.distributed.barrier()
@@ -119,7 +127,7 @@ def save(engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last:
         os.replace(folder, checkpoint_dir / tag)
         _write_atomic(checkpoint_dir / "latest", tag)
         older = [t for t in published_tags(checkpoint_dir) if t != tag]
-        for old in older[:max(0, len(older) - (max(1, keep_last) - 1))]:
+        for old in older[: max(0, len(older) - (max(1, keep_last) - 1))]:
             shutil.rmtree(checkpoint_dir / old, ignore_errors=True)
     torch.distributed.barrier()
     return tag
@@ -195,7 +203,9 @@ def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
         # prints would land in `dstrain generate`'s output.
         with contextlib.redirect_stdout(io.StringIO()):
             return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-    return topology.read_pt(tag_dir / topology.ZERO12_MODEL_FILE)["module"]  # ZeRO-0 and BF16_Optimizer: the whole model
+    return topology.read_pt(tag_dir / topology.ZERO12_MODEL_FILE)[
+        "module"
+    ]  # ZeRO-0 and BF16_Optimizer: the whole model
 
 
 # --- a model to evaluate or sample from: a run's checkpoint or a Hugging Face folder ---

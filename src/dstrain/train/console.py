@@ -10,6 +10,7 @@ Until the run folder is claimed the log is kept in memory; a rank that fails bef
 ``start`` must run before ``import deepspeed`` to catch the accelerator line DeepSpeed logs while importing
 (``python -m dstrain.train`` does so in ``__main__``); it imports neither torch nor DeepSpeed.
 """
+
 from __future__ import annotations
 
 import logging

@@ -4,6 +4,7 @@ The `deepspeed` launcher, torchrun and `accelerate launch` export RANK / WORLD_S
 LOCAL_RANK / MASTER_ADDR / MASTER_PORT; `srun` exports SLURM_* instead; a plain
 `python -m dstrain.train` exports nothing and runs as a world of one.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -30,7 +31,10 @@ def _slurm_env() -> dict[str, str]:
     }
     if "MASTER_ADDR" not in os.environ:
         hosts = subprocess.run(
-            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True, text=True, check=True
+            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         env["MASTER_ADDR"] = hosts.stdout.split()[0]
     if "MASTER_PORT" not in os.environ:
@@ -72,8 +76,10 @@ def init() -> None:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
     # torchrun/accelerate export LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE, srun e.g. "2(x2)".
-    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ.get("SLURM_TASKS_PER_NODE")
-    local_world = int(re.match(r"\d+", per_node or os.environ["WORLD_SIZE"]).group())
+    per_node = (
+        os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ.get("SLURM_TASKS_PER_NODE")
+    )
+    local_world = int(re.findall(r"\d+", per_node or os.environ["WORLD_SIZE"])[0])
     if "OMP_NUM_THREADS" not in os.environ:
         # Ranks on one node must not oversubscribe its cores (on GPUs this only affects host-side work).
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))

@@ -1,5 +1,6 @@
 """Building the DeepSpeed engine: the model (plain, under zero.Init for ZeRO-3, or as pipeline stages),
 parameter groups, schedule, and where this rank sits in DeepSpeed's data-parallel groups."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,8 @@ from dstrain.train.schedule import build_scheduler
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only; norms, biases (1-D tensors) are not decayed."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             # zero.Init leaves partitioned parameters 1-D (shape [0]); ds_shape is their real shape.
@@ -43,7 +45,9 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
         # The ds_config's activation_checkpointing section alone means every block, as for the plain model.
         interval = pipeline.get("activation_checkpoint_interval", 0) or int(strategy.activation_checkpointing)
         return build_pipeline(
-            recipe.model, recipe.seed, strategy.pp_stages,
+            recipe.model,
+            recipe.seed,
+            strategy.pp_stages,
             partition_method=pipeline.get("partition_method", "parameters"),
             activation_checkpoint_interval=interval,
         )
@@ -85,8 +89,11 @@ def warn_stale_build_locks() -> list[Path]:
             continue
         if age > STALE_BUILD_LOCK_S:
             stale.append(lock)
-            warnings.warn(f"{lock} is {age / 60:.0f} minutes old: a killed build of a DeepSpeed op left it, and a run "
-                          f"that needs that op will wait on it forever; if nothing is compiling, remove it", stacklevel=2)
+            warnings.warn(
+                f"{lock} is {age / 60:.0f} minutes old: a killed build of a DeepSpeed op left it, and a run "
+                f"that needs that op will wait on it forever; if nothing is compiling, remove it",
+                stacklevel=2,
+            )
     return stale
 
 
@@ -134,7 +141,8 @@ def configure_activation_checkpointing(engine, strategy: Strategy) -> None:
     """deepspeed.checkpointing reads its options (partition_activations, cpu_checkpointing, ...) from module
     globals, set here from the ds_config's section. Partitioning splits each saved block input over the
     tensor-parallel group, which holds it replicated; without one there is nothing to partition over (a pipeline's
-    grid is no such group, and DeepSpeed 0.19.8's configure() fails on it: it has no get_tensor_model_parallel_group)."""
+    grid is no such group, and DeepSpeed 0.19.8's configure() fails on it: it has no
+    get_tensor_model_parallel_group)."""
     from deepspeed.runtime.activation_checkpointing import checkpointing
 
     checkpointing.mpu = None  # configure() keeps a previous engine's grid when given none (DeepSpeed 0.19.8)
@@ -148,7 +156,9 @@ def configure_activation_checkpointing(engine, strategy: Strategy) -> None:
         contiguous_checkpointing=tensor_parallel and section.get("contiguous_memory_optimization", False),
         checkpoint_in_cpu=tensor_parallel and section.get("cpu_checkpointing", False),
         num_checkpoints=section.get("number_checkpoints"),
-        synchronize=section.get("synchronize_checkpoint_boundary", False), profile=section.get("profile", False))
+        synchronize=section.get("synchronize_checkpoint_boundary", False),
+        profile=section.get("profile", False),
+    )
 
 
 def apply_recipe_to_optimizer(engine, recipe: Recipe) -> None:
@@ -162,7 +172,9 @@ def apply_recipe_to_optimizer(engine, recipe: Recipe) -> None:
     backup = getattr(wrapper, "backup_optimizer", None)  # ZeRO-3 partial offload's GPU-side AdamW
     for group_list in [groups] + ([backup.param_groups] if backup is not None else []):
         for index, group in enumerate(group_list):  # engine.param_groups: matrices (decayed) first, then the rest
-            group.update(weight_decay=optim.weight_decay if index == 0 else 0.0, betas=tuple(optim.betas), eps=optim.eps)
+            group.update(
+                weight_decay=optim.weight_decay if index == 0 else 0.0, betas=tuple(optim.betas), eps=optim.eps
+            )
     while wrapper is not None:
         if hasattr(wrapper, "clip_grad"):
             wrapper.clip_grad = optim.grad_clip
@@ -194,7 +206,9 @@ def data_parallel_rank(engine, strategy: Strategy) -> int:
     else:
         rank, size = engine.mpu.get_data_parallel_rank(), engine.mpu.get_data_parallel_world_size()
     if size != strategy.dp_size:
-        raise RuntimeError(f"DeepSpeed built {size} data-parallel replicas, strategy.resolve expected {strategy.dp_size}")
+        raise RuntimeError(
+            f"DeepSpeed built {size} data-parallel replicas, strategy.resolve expected {strategy.dp_size}"
+        )
     return rank
 
 
@@ -209,8 +223,10 @@ def load_init_from(model: torch.nn.Module, recipe, recipe_file: str | os.PathLik
     config, state = from_hf(recipe.init_from)
     differ = [f"model.{k}={ours!r} vs {theirs!r}" for k, ours, theirs in architecture_diff(recipe.model, config)]
     if differ:
-        raise DstrainError(f"{recipe_file}: init_from {recipe.init_from} has another architecture ({'; '.join(differ)}); "
-                           f"set those model fields to the Hugging Face values")
+        raise DstrainError(
+            f"{recipe_file}: init_from {recipe.init_from} has another architecture ({'; '.join(differ)}); "
+            f"set those model fields to the Hugging Face values"
+        )
     if not isinstance(model, GPT):  # a PipelineModule: this rank's stage only
         from dstrain.model.convert import load_into_pipeline
 

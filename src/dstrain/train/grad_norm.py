@@ -14,6 +14,7 @@ later pipeline stages and tensor-parallel replicas skipped —, summed over the 
 clips by it with DeepSpeed's coefficient ``min(1, clip / (norm + 1e-6))``, and keeps it where
 ``get_global_grad_norm`` reads it.
 """
+
 from __future__ import annotations
 
 import types
@@ -25,8 +26,12 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 def takes_the_clip_fp32_path(engine) -> bool:
     """The engines whose step DeepSpeed clips with ``clip_fp32_gradients`` and keeps no norm for."""
-    return not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()
-                or getattr(engine, "torch_autocast_z0_gradscaler", None))
+    return not (
+        engine.fp16_enabled()
+        or engine.bfloat16_enabled()
+        or engine.zero_optimization()
+        or getattr(engine, "torch_autocast_z0_gradscaler", None)
+    )
 
 
 def global_grad_norm(engine) -> torch.Tensor:

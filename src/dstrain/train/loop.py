@@ -10,6 +10,7 @@ by micro-batch. The data-parallel rank comes from DeepSpeed's own groups
 (`dstrain.train.engine.data_parallel_rank`): the ranks of one tensor-parallel group or of one
 pipeline read the same samples.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,11 @@ class Progress:
 def rng_state() -> dict:
     """Tensors, ints and tuples only, so that the checkpoint's client state loads with weights_only=True."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss),
-            "torch": torch.get_rng_state()}
+    return {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(np.array(keys)), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+    }
 
 
 def set_rng_state(state: dict) -> None:
@@ -81,8 +85,9 @@ def recipe_changes(old: dict, new: dict, prefix: str = "") -> dict:
 
 
 class Trainer:
-    def __init__(self, recipe, strategy, engine, train_data, valid_sets, run_dir: Path, data_fingerprint,
-                 identity=None):
+    def __init__(
+        self, recipe, strategy, engine, train_data, valid_sets, run_dir: Path, data_fingerprint, identity=None
+    ):
         """``valid_sets``: (name, weight, dataset) per data source (``dstrain.data.dataset.build_valid_sets``)."""
         self.recipe, self.strategy, self.engine = recipe, strategy, engine
         self.train_data, self.valid_sets = train_data, valid_sets
@@ -108,8 +113,11 @@ class Trainer:
 
     def _batches(self):
         indices = micro_batches(
-            self.progress.consumed_samples, self.recipe.train.global_batch, self.strategy.micro_batch,
-            self.dp_rank, self.strategy.dp_size,
+            self.progress.consumed_samples,
+            self.recipe.train.global_batch,
+            self.strategy.micro_batch,
+            self.dp_rank,
+            self.strategy.dp_size,
         )
         for samples in indices:
             yield self._to_device(samples, self.train_data)
@@ -138,8 +146,9 @@ class Trainer:
         """One micro-batch through the pipeline; its mean loss on the last stage, None on the others."""
         self._resize_pipe(batch["labels"].shape[0])
         with monitor_paused(self.engine):
-            losses = self.engine.eval_batch(iter([self._pipe_item(batch)]), num_micro_batches=1,
-                                            reduce_output=None, bcast_loss=False)
+            losses = self.engine.eval_batch(
+                iter([self._pipe_item(batch)]), num_micro_batches=1, reduce_output=None, bcast_loss=False
+            )
         return None if losses is None else losses[0].item()
 
     # --- one optimizer step ------------------------------------------------------------
@@ -165,13 +174,20 @@ class Trainer:
         if self.pipeline:
             self._resize_pipe(self.strategy.micro_batch)
         self.engine.train()
-        records = [self._eval_record(f"valid/{name}", loss, n) for name, _, loss, n in losses] if len(losses) > 1 else []
+        records = (
+            [self._eval_record(f"valid/{name}", loss, n) for name, _, loss, n in losses] if len(losses) > 1 else []
+        )
         total = sum(weight * loss for _, weight, loss, _ in losses) / sum(weight for _, weight, _, _ in losses)
         return [*records, self._eval_record("valid", total, sum(n for *_, n in losses))]
 
     def _eval_record(self, split: str, loss: float, samples: int) -> dict:
-        return {"step": self.progress.step, "split": split, "loss": loss, "ppl": math.exp(min(loss, 50.0)),
-                "samples": samples}
+        return {
+            "step": self.progress.step,
+            "split": split,
+            "loss": loss,
+            "ppl": math.exp(min(loss, 50.0)),
+            "samples": samples,
+        }
 
     def _mean_loss(self, data) -> tuple[float, int]:
         """Token-weighted mean loss over the first ``train.eval_samples`` samples of ``data``, and their count."""
@@ -181,7 +197,7 @@ class Trainer:
         mine = list(range(self.dp_rank, n, self.strategy.dp_size))
         sums = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss x tokens, tokens
         micro = self.strategy.micro_batch
-        chunks = [mine[start:start + micro] for start in range(0, len(mine), micro)]
+        chunks = [mine[start : start + micro] for start in range(0, len(mine), micro)]
         # Every rank makes the same number of forward calls (ZeRO-3 gathers and the pipeline's eval_batch barrier
         # are collectives); a replica with fewer samples repeats its last chunk and ignores the result.
         calls = math.ceil(math.ceil(n / self.strategy.dp_size) / micro)
@@ -205,14 +221,21 @@ class Trainer:
             "world_size": self.world,
             "strategy": self.strategy.name,
         }
-        checkpoint.save(self.engine, self.run_dir / "checkpoints", self.progress.step, client_state,
-                        self.recipe.train.keep_last, self.identity)
+        checkpoint.save(
+            self.engine,
+            self.run_dir / "checkpoints",
+            self.progress.step,
+            client_state,
+            self.recipe.train.keep_last,
+            self.identity,
+        )
 
     def resume(self, tag: str) -> None:
         state = checkpoint.load(self.engine, self.run_dir / "checkpoints", tag)
         if state.get("data_fingerprint") != self.data_fingerprint:
             raise DstrainError(
-                f"{self.run_dir / 'checkpoints' / tag} was trained on other data; use a new run_dir or restore data.sources"
+                f"{self.run_dir / 'checkpoints' / tag} was trained on other data; "
+                f"use a new run_dir or restore data.sources"
             )
         self.progress.step = self.engine.global_steps
         self.progress.consumed_samples = state["consumed_samples"]
@@ -220,10 +243,16 @@ class Trainer:
         apply_recipe_to_optimizer(self.engine, self.recipe)
         changed = recipe_changes(state.get("recipe") or {}, to_dict(self.recipe))
         if self.is_rank0:
-            print(f"resumed from {tag}: step {self.progress.step}, {self.progress.consumed_samples} samples consumed", flush=True)
+            print(
+                f"resumed from {tag}: step {self.progress.step}, {self.progress.consumed_samples} samples consumed",
+                flush=True,
+            )
             if changed:
-                print("the recipe changed since the checkpoint, the current one applies: "
-                      + ", ".join(f"{k} {old} → {new}" for k, (old, new) in changed.items()), flush=True)
+                print(
+                    "the recipe changed since the checkpoint, the current one applies: "
+                    + ", ".join(f"{k} {old} → {new}" for k, (old, new) in changed.items()),
+                    flush=True,
+                )
         self.log.write({"step": self.progress.step, "event": "resume", "tag": tag, "changed": changed})
 
     # --- the loop ---------------------------------------------------------------------
@@ -253,7 +282,8 @@ class Trainer:
             consecutive_skips = consecutive_skips + 1 if skipped else 0
             if consecutive_skips > t.max_skipped_steps:
                 raise DstrainError(
-                    f"{consecutive_skips} consecutive fp16 overflow steps (train.max_skipped_steps={t.max_skipped_steps}); "
+                    f"{consecutive_skips} consecutive fp16 overflow steps "
+                    f"(train.max_skipped_steps={t.max_skipped_steps}); "
                     f"lower optim.lr or use a bf16 ds_config"
                 )
             if not math.isfinite(step_loss) and self.strategy.precision != "fp16":

@@ -1,4 +1,5 @@
 """run_dir/loss.png: the train and valid loss and the learning rate of a run, drawn from its metrics.jsonl."""
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 
 Everything here only reads: a refused run leaves the user's files as they were.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,8 +12,21 @@ from dstrain.errors import DstrainError
 
 # What a run leaves in its folder (run.claim_run_dir, the loop, checkpoints, DeepSpeed's monitors), and what
 # launchers put there first: slurm/train.sbatch its hostfile and a link to the job's log, compare launcher.log.
-RUN_FILES = {"recipe.yaml", "ds_config.json", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "checkpoints",
-             "tensorboard", "csv", "wandb", "hostfile", "logs", "loss.png", "previous"}
+RUN_FILES = {
+    "recipe.yaml",
+    "ds_config.json",
+    "metrics.jsonl",
+    "metrics.jsonl.tmp",
+    "summary.json",
+    "checkpoints",
+    "tensorboard",
+    "csv",
+    "wandb",
+    "hostfile",
+    "logs",
+    "loss.png",
+    "previous",
+}
 LOG_SUFFIXES = (".log", ".out", ".err")
 
 
@@ -34,7 +48,9 @@ def check_run_dir_path(run_dir: Path) -> None:
     if not run_dir.is_dir():
         return
     if (run_dir / MANIFEST_NAME).exists():
-        raise DstrainError(f"run_dir {run_dir} is a folder prepared by dstrain prepare (it holds {MANIFEST_NAME}); {fix}")
+        raise DstrainError(
+            f"run_dir {run_dir} is a folder prepared by dstrain prepare (it holds {MANIFEST_NAME}); {fix}"
+        )
     if (run_dir / "recipe.yaml").exists():
         return  # an earlier run's folder: run.check_run_dir compares the recipes
     try:
@@ -51,14 +67,19 @@ def check_init_from(recipe: Recipe, recipe_file: str) -> None:
     """init_from is a Hugging Face model folder of the recipe's architecture (read from config.json only)."""
     from dstrain.model.hf import architecture_diff, config_from_hf
 
+    assert recipe.init_from is not None
     if (Path(recipe.init_from) / "recipe.yaml").is_file():
-        raise DstrainError(f"{recipe_file}: init_from {recipe.init_from} is a dstrain run, not a Hugging Face folder; "
-                           f"export it first (dstrain export {recipe.init_from} --out <folder>), or train in it to resume")
+        raise DstrainError(
+            f"{recipe_file}: init_from {recipe.init_from} is a dstrain run, not a Hugging Face folder; "
+            f"export it first (dstrain export {recipe.init_from} --out <folder>), or train in it to resume"
+        )
     try:
         config = config_from_hf(recipe.init_from)
     except DstrainError as e:
         raise DstrainError(f"{recipe_file}: init_from: {e}") from None
     differ = [f"model.{k}={ours!r} vs {theirs!r}" for k, ours, theirs in architecture_diff(recipe.model, config)]
     if differ:
-        raise DstrainError(f"{recipe_file}: init_from {recipe.init_from} has another architecture ({'; '.join(differ)}); "
-                           f"set those model fields to the Hugging Face values")
+        raise DstrainError(
+            f"{recipe_file}: init_from {recipe.init_from} has another architecture ({'; '.join(differ)}); "
+            f"set those model fields to the Hugging Face values"
+        )

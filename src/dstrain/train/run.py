@@ -3,6 +3,7 @@
 Everything that can be wrong with the inputs is checked before the process group
 starts, so a bad recipe or ds_config fails in a second with one line, on every launcher.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,19 +29,35 @@ from dstrain.train import console, plot, preflight
 IDENTITY_KEYS = ("model", "seq_len", "valid_fraction", "data", "seed")
 # What a run leaves in its run_dir, moved into run_dir/previous/<UTC time>/ by a fresh start; DeepSpeed's monitors
 # write into tensorboard/ and csv/. The logs of the launch itself (compare's launcher.log, the Slurm job's link) stay.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "recipe.yaml", "ds_config.json", "logs", "loss.png",
-             "tensorboard", "csv")
+RUN_FILES = (
+    "checkpoints",
+    "metrics.jsonl",
+    "summary.json",
+    "recipe.yaml",
+    "ds_config.json",
+    "logs",
+    "loss.png",
+    "tensorboard",
+    "csv",
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = OneLineArgumentParser(prog="dstrain.train", description="Train a recipe under a ds_config.")
     parser.add_argument("--recipe", required=True, help="recipe YAML (the experiment)")
     parser.add_argument("--deepspeed_config", "--deepspeed-config", required=True, help="ds_config JSON (the strategy)")
-    parser.add_argument("--resume", default="auto", help="auto: newest complete checkpoint in run_dir; none: start fresh; or a tag")
-    parser.add_argument("--verbose", action="store_true",
-                        help=f"DeepSpeed's and other libraries' lines on the console too (or {console.VERBOSE_ENV}=1); "
-                             "they always go to run_dir/logs/rank<r>.log")
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    parser.add_argument(
+        "--resume", default="auto", help="auto: newest complete checkpoint in run_dir; none: start fresh; or a tag"
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help=f"DeepSpeed's and other libraries' lines on the console too (or {console.VERBOSE_ENV}=1); "
+        "they always go to run_dir/logs/rank<r>.log",
+    )
+    parser.add_argument(
+        "--local_rank", type=int, default=None, help=argparse.SUPPRESS
+    )  # passed by the deepspeed launcher
     parser.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. train.steps=100 optim.lr=1e-3")
     return parser.parse_intermixed_args(argv)  # options may follow the overrides
 
@@ -57,12 +74,18 @@ def identity(recipe: Recipe, data_fingerprint: str) -> dict:
 
 def _identity(recipe: dict, data) -> dict:
     model = {k: v for k, v in recipe["model"].items() if k != "activation_checkpointing"}  # the ds_config's now
-    return {"model": model, "seq_len": recipe["data"]["seq_len"], "valid_fraction": recipe["data"].get("valid_fraction"),
-            "data": data, "seed": recipe["seed"]}
+    return {
+        "model": model,
+        "seq_len": recipe["data"]["seq_len"],
+        "valid_fraction": recipe["data"].get("valid_fraction"),
+        "data": data,
+        "seed": recipe["seed"],
+    }
 
 
-def check_run_dir(recipe: Recipe, recipe_file: str, run_dir: Path, tag: str | None, resume: str,
-                  data_fingerprint: str) -> None:
+def check_run_dir(
+    recipe: Recipe, recipe_file: str, run_dir: Path, tag: str | None, resume: str, data_fingerprint: str
+) -> None:
     """Refuse to continue a checkpoint of another experiment: its own record, not run_dir's recipe.yaml, says
     what it is. Without a checkpoint that records it (none yet, or one from before), run_dir's recipe.yaml does,
     unless --resume none starts over (and moves that run aside)."""
@@ -76,7 +99,10 @@ def check_run_dir(recipe: Recipe, recipe_file: str, run_dir: Path, tag: str | No
             return
         where = run_dir / "recipe.yaml"
         old = yaml.safe_load(where.read_text())
-        saved, new = _identity(old, old["data"]["sources"]), _identity(to_dict(recipe), to_dict(recipe)["data"]["sources"])
+        saved, new = (
+            _identity(old, old["data"]["sources"]),
+            _identity(to_dict(recipe), to_dict(recipe)["data"]["sources"]),
+        )
     changed = [k for k in IDENTITY_KEYS if saved.get(k) != new[k]]
     if changed:
         raise DstrainError(
@@ -160,17 +186,23 @@ def check_disk(run_dir: Path, recipe: Recipe) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise DstrainError(f"run_dir {run_dir} is not writable ({e.strerror}); set run_dir=<a writable folder>") from None
+        raise DstrainError(
+            f"run_dir {run_dir} is not writable ({e.strerror}); set run_dir=<a writable folder>"
+        ) from None
     # fp32 master weights + two Adam moments + the model's own copy: at most 16 bytes per parameter.
     checkpoint_bytes = 16 * num_params(recipe.model)
     free = shutil.disk_usage(run_dir).free
     if free < checkpoint_bytes:
         raise DstrainError(
-            f"run_dir {run_dir} has {free / 2**30:.1f} GiB free, one checkpoint needs ~{checkpoint_bytes / 2**30:.1f} GiB; "
+            f"run_dir {run_dir} has {free / 2**30:.1f} GiB free, "
+            f"one checkpoint needs ~{checkpoint_bytes / 2**30:.1f} GiB; "
             f"free space or set run_dir=<a larger filesystem>"
         )
     if free < (recipe.train.keep_last + 1) * checkpoint_bytes:
-        warnings.warn(f"run_dir {run_dir}: {free / 2**30:.1f} GiB free holds fewer than train.keep_last+1 checkpoints")
+        warnings.warn(
+            f"run_dir {run_dir}: {free / 2**30:.1f} GiB free holds fewer than train.keep_last+1 checkpoints",
+            stacklevel=2,
+        )
 
 
 def claim_run_dir(run_dir: Path, recipe: Recipe, strategy: Strategy, tag: str | None):
@@ -179,7 +211,9 @@ def claim_run_dir(run_dir: Path, recipe: Recipe, strategy: Strategy, tag: str | 
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DstrainError(f"run_dir {run_dir} cannot be created ({e.strerror}); set run_dir=<a writable folder>") from None
+        raise DstrainError(
+            f"run_dir {run_dir} cannot be created ({e.strerror}); set run_dir=<a writable folder>"
+        ) from None
     check_disk(run_dir, recipe)
     lock = lock_run_dir(run_dir)
     if tag is None:
@@ -227,8 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as e:
         # Name the rank: in a 64-rank job the first failure is the one worth reading.
-        print(f"dstrain: rank {rank} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-              file=sys.stderr, flush=True)
+        print(
+            f"dstrain: rank {rank} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
         error = traceback.format_exc()
         raise
     finally:
@@ -237,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
-    strategy = resolve(recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, world_size_from_env())
+    strategy = resolve(
+        recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, world_size_from_env()
+    )
     preflight.check(recipe, args.recipe)
     fingerprint = check_data(recipe, args.recipe)
     run_dir = recipe.output_dir
@@ -254,7 +293,9 @@ def train(args: argparse.Namespace) -> int:
     # Index arrays are built under a file lock by whichever rank comes first; broken shards fail here.
     sources = [(s.path, s.weight) for s in recipe.data.sources]
     d = recipe.data
-    train_data = build_dataset(sources, "train", d.seq_len, recipe.seed, recipe.total_steps * recipe.train.global_batch, d.valid_fraction)
+    train_data = build_dataset(
+        sources, "train", d.seq_len, recipe.seed, recipe.total_steps * recipe.train.global_batch, d.valid_fraction
+    )
     valid_sets = build_valid_sets(sources, d.seq_len, recipe.seed, d.valid_fraction)
 
     distributed.init()
@@ -278,8 +319,16 @@ def train(args: argparse.Namespace) -> int:
     if recipe.init_from and not tag:  # continued pretraining starts from a Hugging Face model, once
         load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)
     engine = build_engine(recipe, strategy, model)
-    trainer = Trainer(recipe, strategy, engine, train_data, valid_sets, run_dir,
-                      data_fingerprint=fingerprint, identity=identity(recipe, fingerprint))
+    trainer = Trainer(
+        recipe,
+        strategy,
+        engine,
+        train_data,
+        valid_sets,
+        run_dir,
+        data_fingerprint=fingerprint,
+        identity=identity(recipe, fingerprint),
+    )
     if tag:
         trainer.resume(tag)
     result = trainer.fit()

@@ -20,6 +20,7 @@ and every kind uses the convention of ``transformers`` and Megatron-LM:
 
 tests/test_schedule.py checks every kind value for value against those functions.
 """
+
 from __future__ import annotations
 
 import math

@@ -10,6 +10,7 @@ signal after that is a deliberate second request and exits at once (128 + signal
 
 A rank whose launcher died can learn of it no other way than by watching: LauncherWatch.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,8 +55,7 @@ class StopSignal:
 
 
 # Processes whose command line names one of these started this rank and own its lifetime.
-LAUNCHERS = ("deepspeed.launcher.launch", "torchrun", "torch.distributed.run", "torch.distributed.launch",
-             "accelerate")
+LAUNCHERS = ("deepspeed.launcher.launch", "torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate")
 
 
 class LauncherWatch(threading.Thread):

@@ -16,6 +16,7 @@ translated by ``_universal_from_zero0`` / ``_zero0_from_universal``; pipeline pa
 ``_pipeline_names``. tests/test_topology.py fails when a DeepSpeed upgrade changes any behaviour worked
 around here. Refused: fp16 runs (dynamic loss scale), ZeRO-0 bf16 and ZeRO-0 pipeline runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -104,10 +105,15 @@ def load_source(engine, tag_dir: Path) -> tuple[Path, str]:
 def check_convertible(tag_dir: Path, old: Topology, new: Topology) -> None:
     """Refuse, in one line, what no converter here handles."""
     for t in (old, new):
-        what = ("fp16 (dynamic loss scale)" if t.precision == "fp16" else
-                "ZeRO-0 bf16 (DeepSpeed's BF16_Optimizer)" if t.zero_stage == 0 and t.precision == "bf16" else
-                "ZeRO-0 pipeline (optimizer state kept per stage)" if t.zero_stage == 0 and t.pp_stages > 1 else
-                None)
+        what = (
+            "fp16 (dynamic loss scale)"
+            if t.precision == "fp16"
+            else "ZeRO-0 bf16 (DeepSpeed's BF16_Optimizer)"
+            if t.zero_stage == 0 and t.precision == "bf16"
+            else "ZeRO-0 pipeline (optimizer state kept per stage)"
+            if t.zero_stage == 0 and t.pp_stages > 1
+            else None
+        )
         if what:
             raise DstrainError(
                 f"{tag_dir}: a {what} run cannot change topology here ({old.describe()} -> {new.describe()}); "
@@ -150,15 +156,24 @@ def convert(tag_dir: Path, old: Topology, new: Topology, model_config, weight_de
 def _ds_to_universal(tag_dir: Path, out: Path) -> None:
     from deepspeed.checkpoint import ds_to_universal
 
-    args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    args = argparse.Namespace(
+        input_folder=str(tag_dir),
+        output_folder=str(out),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             ds_to_universal.main(args)
     except Exception as e:
-        raise DstrainError(f"{tag_dir}: DeepSpeed's universal-checkpoint conversion failed: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}; resume with the saved ds_config and rank count")
+        raise DstrainError(
+            f"{tag_dir}: DeepSpeed's universal-checkpoint conversion failed: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}; resume with the saved ds_config and rank count"
+        ) from None
 
 
 def _bridge_deepspeed_gaps(universal: Path) -> None:
@@ -311,9 +326,14 @@ def _universal_from_zero0(tag_dir: Path, out: Path, model_config, weight_decay: 
                 torch.save({"param": state[key]}, folder / f"{key}.pt")
             torch.save(state["step"], folder / "step.pt")
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []} for g in optimizer["param_groups"]]
-    torch.save({"param_groups": groups, "ds_version": model_state["ds_version"],
-                "clip_grad": model_state["ds_config"].get("gradient_clipping", 0.0)},
-               out / "zero" / "optimizer_state.pt")
+    torch.save(
+        {
+            "param_groups": groups,
+            "ds_version": model_state["ds_version"],
+            "clip_grad": model_state["ds_config"].get("gradient_clipping", 0.0),
+        },
+        out / "zero" / "optimizer_state.pt",
+    )
     model_state.update(module=None, optimizer=None)
     torch.save(model_state, out / ZERO12_MODEL_FILE)
 
@@ -353,7 +373,14 @@ def read_pt(path: Path):
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    allowed = [np.ndarray, np.dtype, np.dtypes.UInt32DType, np._core.multiarray._reconstruct,
-               ZeroStageEnum, LossScaler, fragment_address]
+    allowed = [
+        np.ndarray,
+        np.dtype,
+        np.dtypes.UInt32DType,
+        np._core.multiarray._reconstruct,  # type: ignore[attr-defined]  # where numpy 2 pickles arrays from
+        ZeroStageEnum,
+        LossScaler,
+        fragment_address,
+    ]
     with torch.serialization.safe_globals(allowed):
         return torch.load(path, map_location="cpu", weights_only=True)
