@@ -27,9 +27,10 @@ from pathlib import Path
 
 from dstrain.errors import DstrainError
 from dstrain.report import GIB, Row, plot_losses, plot_memory, plot_throughput, write_csv, write_markdown
+from dstrain.run_dir import RunDir
 
 LOG_NAME = "launcher.log"
-RUN_FILES = ("metrics.jsonl", "summary.json", "ds_config.json", LOG_NAME)
+RUN_FILES = ("metrics.jsonl", "summary.json", "ds_config.json", LOG_NAME)  # any of them: a config's run was here
 OOM = re.compile(r"OutOfMemoryError|out of memory|CUBLAS_STATUS_ALLOC_FAILED", re.IGNORECASE)
 ERROR_LINE = re.compile(r"\b[\w.]*(?:Error|Exception)\b:?.*")  # "torch.OutOfMemoryError: CUDA out of memory. ..."
 THROUGHPUT_NOTE = (
@@ -179,7 +180,8 @@ def strategy_columns(ds: dict) -> dict:
     world = None
     batch, micro, accumulation = ints
     if isinstance(batch, int) and isinstance(micro, int) and isinstance(accumulation, int) and micro * accumulation > 0:
-        world = batch // (micro * accumulation) * (pp if pp > 1 else 1)  # pipeline engines count the data-parallel world
+        # pipeline engines count the data-parallel world
+        world = batch // (micro * accumulation) * (pp if pp > 1 else 1)
     return dict(
         zero_stage=zero.get("stage", 0),
         pp_stages=pp,
@@ -216,14 +218,15 @@ def read_records(path: Path) -> list[dict]:
 def read_run(run_dir: Path, ds_file: str | None = None) -> Row:
     """One row from whatever the run left: metrics.jsonl, summary.json, ds_config.json, its log."""
     row = Row(config=run_dir.name, status="incomplete")
-    ds_path = run_dir / "ds_config.json" if (run_dir / "ds_config.json").is_file() else ds_file
+    files = RunDir(run_dir)
+    ds_path = files.ds_config if files.ds_config.is_file() else ds_file
     if ds_path and Path(ds_path).is_file():
         try:
             for key, value in strategy_columns(json.loads(Path(ds_path).read_text())).items():
                 setattr(row, key, value)
         except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
             pass  # a malformed config: the run's log says why
-    records = read_records(run_dir / "metrics.jsonl")
+    records = read_records(files.metrics)
     # a requeued Slurm task resumes from its checkpoint and logs those steps again: keep the latest of each
     train = sorted({r["step"]: r for r in records if "split" not in r}.values(), key=lambda r: r["step"])
     evals = [r for r in records if r.get("split") == "valid"]  # the weighted total, not a source's valid/<name>
@@ -237,7 +240,7 @@ def read_run(run_dir: Path, ds_file: str | None = None) -> Row:
         row.mem_peak_gib = max(peaks) / GIB if peaks else None
     if evals:
         row.valid_loss = evals[-1]["loss"]
-    summary = run_dir / "summary.json"
+    summary = files.summary
     if summary.is_file():
         row.status = json.loads(summary.read_text()).get("status", "incomplete")
     log = find_log(run_dir)
@@ -265,8 +268,9 @@ def add_estimates(
     for row in rows:
         run = out / row.config
         try:
-            if (run / "recipe.yaml").is_file() and (run / "ds_config.json").is_file() and row.world_size:
-                recipe_path, ds_path, world = run / "recipe.yaml", run / "ds_config.json", row.world_size
+            files = RunDir(run)
+            if files.recipe.is_file() and files.ds_config.is_file() and row.world_size:
+                recipe_path, ds_path, world = files.recipe, files.ds_config, row.world_size
                 recipe = load_recipe(recipe_path)
             elif recipe_file and row.config in sources and nproc:
                 recipe_path, ds_path, world = Path(recipe_file), Path(sources[row.config]), nproc

@@ -15,9 +15,9 @@ import difflib
 import json
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import yaml

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dstrain.errors import DstrainError
+from dstrain.run_dir import RunDir
 
 DEFAULT_MICRO_BATCH = 4
 
@@ -61,10 +62,11 @@ def evaluate(args: argparse.Namespace) -> dict:
     from dstrain.train import distributed
     from dstrain.train.checkpoint import load_model_source
 
-    if args.data and (Path(args.model) / "recipe.yaml").is_file():  # before the checkpoint is read
+    run = RunDir(Path(args.model))
+    if args.data and run.recipe.is_file():  # before the checkpoint is read
         from dstrain.config import load_recipe
 
-        _check_run_tokenizer(args.data, args.model, load_recipe(Path(args.model) / "recipe.yaml"))
+        _check_run_tokenizer(args.data, args.model, load_recipe(run.recipe))
     config, state, recipe = load_model_source(args.model, args.tag)
     if recipe is None and not args.data:
         raise DstrainError(f"{args.model} is a Hugging Face model folder; name the prepared data with --data DIR")
@@ -169,7 +171,7 @@ def _check_run_tokenizer(folder: str, run: str, recipe) -> None:
 
 def _run_micro_batch(run_dir: Path) -> int | None:
     try:
-        return json.loads((run_dir / "ds_config.json").read_text())["train_micro_batch_size_per_gpu"]
+        return json.loads(RunDir(run_dir).ds_config.read_text())["train_micro_batch_size_per_gpu"]
     except (OSError, ValueError, KeyError):
         return None
 

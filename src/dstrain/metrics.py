@@ -22,6 +22,8 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 
+from dstrain.run_dir import RunDir
+
 
 @dataclass(frozen=True)
 class DevicePeak:
@@ -134,7 +136,7 @@ class MetricsLog:
         self.total_steps = total_steps
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self.start = time.time()
-        self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self.file = RunDir(run_dir).metrics.open("a") if enabled else None
 
     def write(self, record: dict) -> None:
         if self.file is None:  # not rank 0

@@ -21,7 +21,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -29,16 +28,12 @@ from pathlib import Path
 import torch
 
 from dstrain.errors import DstrainError
+from dstrain.run_dir import TAG, RunDir, tag_for
 from dstrain.strategy import Topology
 from dstrain.train import topology
 
 PARTIAL = ".partial"
 RECORD = "dstrain_checkpoint.json"
-TAG = re.compile(r"^global_step(\d+)$")
-
-
-def tag_for(step: int) -> str:
-    return f"global_step{step}"
 
 
 def published_tags(checkpoint_dir: Path) -> list[str]:
@@ -160,12 +155,11 @@ def load_run(run_dir: str | os.PathLike, tag: str | None):
     """(recipe, tag folder) of a run directory; tag None = the newest complete checkpoint."""
     from dstrain.config import load_recipe
 
-    run_dir = Path(run_dir)
-    recipe_file = run_dir / "recipe.yaml"
-    if not recipe_file.is_file():
-        raise DstrainError(f"{recipe_file}: no such file; pass a run directory written by dstrain.train")
-    recipe = load_recipe(recipe_file)
-    checkpoints = run_dir / "checkpoints"
+    files = RunDir(Path(run_dir))
+    if not files.recipe.is_file():
+        raise DstrainError(f"{files.recipe}: no such file; pass a run directory written by dstrain.train")
+    recipe = load_recipe(files.recipe)
+    checkpoints = files.checkpoints
     tag = tag or newest_complete(checkpoints)
     if tag is None:
         raise DstrainError(f"{checkpoints}: no complete checkpoint; train the run first or pass --tag")
@@ -221,7 +215,7 @@ def load_model_source(path: str | os.PathLike, tag: str | None = None):
             raise DstrainError(f"--tag {tag}: {path} is a Hugging Face model folder, which has no checkpoints")
         config, state = from_hf(path)
         return config, {k: v.float() for k, v in state.items()}, None
-    if (path / "recipe.yaml").is_file():
+    if RunDir(path).recipe.is_file():
         recipe, tag_dir = load_run(path, tag)
         return recipe.model, consolidated_state_dict(tag_dir, recipe.model), recipe
     raise DstrainError(f"{path}: neither a run directory (recipe.yaml) nor a Hugging Face model folder (config.json)")

@@ -20,6 +20,8 @@ import time
 import warnings
 from pathlib import Path
 
+from dstrain.run_dir import RunDir
+
 VERBOSE_ENV = "DSTRAIN_VERBOSE"
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # a warning raised in here is dstrain's own
 # Loggers that print through handlers of their own instead of propagating to the root logger (torch._logging's).
@@ -160,7 +162,7 @@ def open_log(run_dir: Path, rank: int) -> Path | None:
     """Once the run folder is claimed: the log so far, and all that follows, into run_dir/logs/rank<r>.log."""
     if _session is None:
         return None
-    path = run_dir / "logs" / f"rank{rank}.log"
+    path = RunDir(run_dir).log(rank)
     _session.adopt_handlers()
     _session.log.open(path)
     return path

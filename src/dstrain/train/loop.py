@@ -30,6 +30,7 @@ from dstrain.errors import DstrainError
 from dstrain.metrics import IntervalClock, MetricsLog, device_peak, peak_memory_bytes
 from dstrain.model.config import flops_per_token
 from dstrain.model.gpt import lm_loss
+from dstrain.run_dir import RunDir
 from dstrain.train import checkpoint
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
 from dstrain.train.stop import StopSignal
@@ -223,7 +224,7 @@ class Trainer:
         }
         checkpoint.save(
             self.engine,
-            self.run_dir / "checkpoints",
+            RunDir(self.run_dir).checkpoints,
             self.progress.step,
             client_state,
             self.recipe.train.keep_last,
@@ -231,7 +232,7 @@ class Trainer:
         )
 
     def resume(self, tag: str) -> None:
-        state = checkpoint.load(self.engine, self.run_dir / "checkpoints", tag)
+        state = checkpoint.load(self.engine, RunDir(self.run_dir).checkpoints, tag)
         if state.get("data_fingerprint") != self.data_fingerprint:
             raise DstrainError(
                 f"{self.run_dir / 'checkpoints' / tag} was trained on other data; "
@@ -289,12 +290,14 @@ class Trainer:
             if not math.isfinite(step_loss) and self.strategy.precision != "fp16":
                 raise DstrainError(
                     f"loss became {step_loss} at step {self.progress.step}; stopping, the last checkpoint in "
-                    f"{self.run_dir / 'checkpoints'} is kept; lower optim.lr or raise schedule.warmup_steps"
+                    f"{RunDir(self.run_dir).checkpoints} is kept; lower optim.lr or raise schedule.warmup_steps"
                 )
             interval_loss += step_loss
             interval_steps += 1
             if self.progress.step % t.log_interval == 0 or self.progress.step == total:
-                record = self._train_record(interval_loss / interval_steps, lr, interval_steps, self.clock.lap())
+                record = self._train_record_of_all_ranks(
+                    interval_loss / interval_steps, lr, interval_steps, self.clock.lap()
+                )
                 self.log.write(record)
                 self.log.print_step(record, start_step)
                 interval_loss, interval_steps = 0.0, 0
@@ -310,6 +313,7 @@ class Trainer:
             self._eval_and_log()
         self.save()
         self.log.close()
+        stop.release()
         return {"status": status, "step": self.progress.step, "final_eval": self.progress.last_eval}
 
     def _eval_and_log(self) -> None:
@@ -328,8 +332,9 @@ class Trainer:
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
         return int(peak.item())
 
-    def _train_record(self, loss: float, lr: float, steps: int, seconds: dict) -> dict:
-        """``seconds``: the interval's ``IntervalClock.lap()``; throughput counts its training time only."""
+    def _train_record_of_all_ranks(self, loss: float, lr: float, steps: int, seconds: dict) -> dict:
+        """A collective (every rank calls it: the memory peak is the largest of all ranks). ``seconds``: the
+        interval's ``IntervalClock.lap()``; throughput counts its training time only."""
         tokens_per_s = steps * self.tokens_per_step / max(seconds["train_s"], 1e-9)
         tflops = tokens_per_s * self.flops_per_token / self.world / 1e12
         grad_norm = self.engine.get_global_grad_norm()

@@ -6,6 +6,8 @@ import json
 import warnings
 from pathlib import Path
 
+from dstrain.run_dir import RunDir
+
 
 def read_curves(metrics: Path) -> dict[str, list[tuple[float, float]]]:
     """(step, value) lists: ``train`` loss, ``valid`` loss, ``lr``; event records and cut-short lines are skipped."""
@@ -29,7 +31,7 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     """Write run_dir/loss.png from run_dir/metrics.jsonl and return its path."""
     from matplotlib.figure import Figure  # without pyplot: no display backend, a third of the import time
 
-    curves = read_curves(run_dir / "metrics.jsonl")
+    curves = read_curves(RunDir(run_dir).metrics)
     fig = Figure(figsize=(8, 5.5))
     loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
     for name, style in (("train", ".-"), ("valid", "o-")):  # markers: a run of one logged step still shows
@@ -47,7 +49,7 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     lr_ax.xaxis.get_major_locator().set_params(integer=True)
     lr_ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = run_dir / "loss.png"
+    path = RunDir(run_dir).loss_plot
     fig.savefig(path, dpi=100)  # the Agg canvas, chosen by the file name
     return path
 

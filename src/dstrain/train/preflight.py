@@ -9,24 +9,9 @@ from pathlib import Path
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
+from dstrain.run_dir import RunDir
 
-# What a run leaves in its folder (run.claim_run_dir, the loop, checkpoints, DeepSpeed's monitors), and what
-# launchers put there first: slurm/train.sbatch its hostfile and a link to the job's log, compare launcher.log.
-RUN_FILES = {
-    "recipe.yaml",
-    "ds_config.json",
-    "metrics.jsonl",
-    "metrics.jsonl.tmp",
-    "summary.json",
-    "checkpoints",
-    "tensorboard",
-    "csv",
-    "wandb",
-    "hostfile",
-    "logs",
-    "loss.png",
-    "previous",
-}
+# Besides RunDir.ALLOWED: the launch's own logs (a link to the Slurm job's log, compare's launcher.log).
 LOG_SUFFIXES = (".log", ".out", ".err")
 
 
@@ -51,13 +36,15 @@ def check_run_dir_path(run_dir: Path) -> None:
         raise DstrainError(
             f"run_dir {run_dir} is a folder prepared by dstrain prepare (it holds {MANIFEST_NAME}); {fix}"
         )
-    if (run_dir / "recipe.yaml").exists():
+    if RunDir(run_dir).recipe.exists():
         return  # an earlier run's folder: run.check_run_dir compares the recipes
     try:
         names = [p.name for p in run_dir.iterdir()]
     except OSError:
         return  # unreadable: run.check_disk reports it
-    foreign = sorted(n for n in names if n not in RUN_FILES and not n.startswith(".") and not n.endswith(LOG_SUFFIXES))
+    foreign = sorted(
+        n for n in names if n not in RunDir.ALLOWED and not n.startswith(".") and not n.endswith(LOG_SUFFIXES)
+    )
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise DstrainError(f"run_dir {run_dir} holds files that no run wrote ({shown}); {fix}")
@@ -68,7 +55,7 @@ def check_init_from(recipe: Recipe, recipe_file: str) -> None:
     from dstrain.model.hf import architecture_diff, config_from_hf
 
     assert recipe.init_from is not None
-    if (Path(recipe.init_from) / "recipe.yaml").is_file():
+    if RunDir(Path(recipe.init_from)).recipe.is_file():
         raise DstrainError(
             f"{recipe_file}: init_from {recipe.init_from} is a dstrain run, not a Hugging Face folder; "
             f"export it first (dstrain export {recipe.init_from} --out <folder>), or train in it to resume"

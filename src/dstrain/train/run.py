@@ -21,25 +21,13 @@ import yaml
 
 from dstrain.config import Recipe, load_recipe, to_dict
 from dstrain.errors import DstrainError, OneLineArgumentParser
+from dstrain.run_dir import RunDir, step_of
 from dstrain.strategy import Strategy, load_ds_config, resolve
 from dstrain.train import console, plot, preflight
 
 # What makes a checkpoint meaningless for another run: the model, what it reads, and the seed. The rest of the
 # recipe (optimizer, schedule, length, cadence) may change on resume, and the current recipe's values apply.
 IDENTITY_KEYS = ("model", "seq_len", "valid_fraction", "data", "seed")
-# What a run leaves in its run_dir, moved into run_dir/previous/<UTC time>/ by a fresh start; DeepSpeed's monitors
-# write into tensorboard/ and csv/. The logs of the launch itself (compare's launcher.log, the Slurm job's link) stay.
-RUN_FILES = (
-    "checkpoints",
-    "metrics.jsonl",
-    "summary.json",
-    "recipe.yaml",
-    "ds_config.json",
-    "logs",
-    "loss.png",
-    "tensorboard",
-    "csv",
-)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,13 +79,14 @@ def check_run_dir(
     unless --resume none starts over (and moves that run aside)."""
     from dstrain.train import checkpoint
 
-    where = run_dir / "checkpoints" / tag if tag else run_dir / "recipe.yaml"
+    files = RunDir(run_dir)
+    where = files.checkpoints / tag if tag else files.recipe
     saved = (checkpoint.read_record(where) or {}).get("identity") if tag else None
     new = identity(recipe, data_fingerprint)
     if saved is None:
-        if resume == "none" or not (run_dir / "recipe.yaml").exists():
+        if resume == "none" or not files.recipe.exists():
             return
-        where = run_dir / "recipe.yaml"
+        where = files.recipe
         old = yaml.safe_load(where.read_text())
         saved, new = (
             _identity(old, old["data"]["sources"]),
@@ -111,7 +100,7 @@ def check_run_dir(
         )
 
 
-def check_data(recipe: Recipe, recipe_file: str) -> str:
+def fingerprint_of_checked_data(recipe: Recipe, recipe_file: str) -> str:
     """Every source prepared with one tokenizer that the model can embed; returns the data's fingerprint."""
     from dstrain.data.manifest import manifest_hash, read_manifest
     from dstrain.data.tokenizer import verify_tokenizer
@@ -162,14 +151,15 @@ def move_previous_run(run_dir: Path) -> Path | None:
     """A fresh start in a run_dir that holds a run: move that run's files into previous/<UTC time>/, delete nothing."""
     import datetime
 
-    leftovers = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    files = RunDir(run_dir)
+    leftovers = files.written()
     if not leftovers:
         return None
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    dest = run_dir / "previous" / stamp
+    dest = files.previous / stamp
     suffix = 1
     while dest.exists():
-        dest, suffix = run_dir / "previous" / f"{stamp}-{suffix}", suffix + 1
+        dest, suffix = files.previous / f"{stamp}-{suffix}", suffix + 1
     dest.mkdir(parents=True)
     for path in leftovers:
         os.replace(path, dest / path.name)
@@ -218,11 +208,12 @@ def claim_run_dir(run_dir: Path, recipe: Recipe, strategy: Strategy, tag: str | 
     lock = lock_run_dir(run_dir)
     if tag is None:
         move_previous_run(run_dir)
-    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
-    (run_dir / "ds_config.json").write_text(json.dumps(strategy.ds_config, indent=2) + "\n")
-    metrics = run_dir / "metrics.jsonl"
+    files = RunDir(run_dir)
+    files.recipe.write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
+    files.ds_config.write_text(json.dumps(strategy.ds_config, indent=2) + "\n")
+    metrics = files.metrics
     if metrics.exists():
-        resumed_step = int(tag.removeprefix("global_step")) if tag else 0
+        resumed_step = step_of(tag) if tag else 0
         kept = [line for line in metrics.read_text().splitlines() if _logged_step(line) <= resumed_step]
         tmp = metrics.with_name("metrics.jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
@@ -241,7 +232,7 @@ def _logged_step(line: str) -> float:
 def write_summary(run_dir: Path, result: dict, recipe: Recipe, strategy: Strategy) -> None:
     """Rank 0, at the end of a finished or interrupted run: summary.json, loss.png, and where they are."""
     summary = {**result, "recipe": recipe.name, "strategy": strategy.name, "run_dir": str(run_dir)}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
     status, step = result["status"], result["step"]
     picture = plot.try_plot_run(run_dir, f"{recipe.name} under {strategy.name}: {status} at step {step}")
     print(f"{status}: step {step}; results in {run_dir}/ (metrics.jsonl, summary.json, checkpoints/, logs/)")
@@ -278,9 +269,9 @@ def train(args: argparse.Namespace) -> int:
         recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, world_size_from_env()
     )
     preflight.check(recipe, args.recipe)
-    fingerprint = check_data(recipe, args.recipe)
+    fingerprint = fingerprint_of_checked_data(recipe, args.recipe)
     run_dir = recipe.output_dir
-    tag = resume_tag(run_dir / "checkpoints", args.resume)
+    tag = resume_tag(RunDir(run_dir).checkpoints, args.resume)
     check_run_dir(recipe, args.recipe, run_dir, tag, args.resume, fingerprint)
 
     import torch
@@ -314,7 +305,7 @@ def train(args: argparse.Namespace) -> int:
     if tag:  # saved under another world size or ZeRO stage? rank 0 converts it, the others wait
         from dstrain.train import topology
 
-        topology.prepare_resume(run_dir / "checkpoints", tag, strategy, recipe.model, recipe.optim.weight_decay)
+        topology.prepare_resume(RunDir(run_dir).checkpoints, tag, strategy, recipe.model, recipe.optim.weight_decay)
     model = build_model(recipe, strategy)
     if recipe.init_from and not tag:  # continued pretraining starts from a Hugging Face model, once
         load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)

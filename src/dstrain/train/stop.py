@@ -35,8 +35,7 @@ class StopSignal:
     def __init__(self, watch: bool = True):
         self.received: int | None = None
         self.received_at = 0.0
-        for sig in SIGNALS:
-            signal.signal(sig, self._handle)
+        self.replaced = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         StopSignal.active = self
         if watch:
             LauncherWatch(self).start()
@@ -47,6 +46,13 @@ class StopSignal:
             self.received, self.received_at = signum, now
         elif now - self.received_at > REPEAT_WINDOW_S:
             raise SystemExit(128 + signum)
+
+    def release(self) -> None:
+        """Give the signals back to the handlers they had before (the loop is over; its checkpoint is written)."""
+        for sig, handler in self.replaced.items():
+            signal.signal(sig, handler)
+        if StopSignal.active is self:
+            StopSignal.active = None  # ends the launcher watch
 
     def request(self) -> None:
         """A stop request that is not a signal (the launcher died); never an "exit at once"."""
