@@ -25,9 +25,9 @@ import torch
 
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
+from dstrain.model.gpt import StateDict
 from dstrain.model.pipe import TIED_KEY, layer_prefixes
 
-StateDict = dict[str, torch.Tensor]
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
 MP_RANK_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 

@@ -29,6 +29,8 @@ from torch import nn
 
 from dstrain.model.config import GPTConfig
 
+StateDict = dict[str, torch.Tensor]  # a model's weights by parameter name
+
 # --- leaf modules that initialise their own parameters (see the module docstring) ---
 
 

@@ -19,8 +19,7 @@ import transformers
 
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
-
-StateDict = dict[str, torch.Tensor]
+from dstrain.model.gpt import StateDict
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are GELU's tanh approximation

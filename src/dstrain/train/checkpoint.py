@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from dstrain.data.manifest import write_text_atomic
 from dstrain.errors import DstrainError
 from dstrain.run_dir import TAG, RunDir, tag_for
 from dstrain.strategy import Topology
@@ -117,10 +118,10 @@ def save(
         files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
         seq = 1 + max((save_seq(checkpoint_dir / t) for t in published_tags(checkpoint_dir)), default=0)
         record = {"step": step, "save_seq": seq, "files": files, "topology": shape, "identity": identity}
-        _write_atomic(folder / RECORD, json.dumps(record, indent=1))
+        write_text_atomic(folder / RECORD, json.dumps(record, indent=1))
         shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # a re-save of the same step after a resume
         os.replace(folder, checkpoint_dir / tag)
-        _write_atomic(checkpoint_dir / "latest", tag)
+        write_text_atomic(checkpoint_dir / "latest", tag)
         older = [t for t in published_tags(checkpoint_dir) if t != tag]
         for old in older[: max(0, len(older) - (max(1, keep_last) - 1))]:
             shutil.rmtree(checkpoint_dir / old, ignore_errors=True)
@@ -140,12 +141,6 @@ def load(engine, checkpoint_dir: Path, tag: str) -> dict:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint_dir / tag}")
     topology.repair_after_load(engine, checkpoint_dir / tag)
     return client_state
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # --- reading: a tag of any strategy as one plain state dict --------------------------------------------------------
