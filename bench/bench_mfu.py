@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from gpu_check import ensure_data  # noqa: E402
+
 DATA = ROOT / "data" / "pydocs"
 # recipe: (ds_config, overrides that shorten a step, MFU target in % on H100 or None)
 PLAN = {
@@ -29,27 +33,6 @@ PLAN = {
     "gpt-1.3b": ("zero1_bf16.json", ["train.global_batch=16"], 50),
     "llama-7b": ("zero3_bf16.json", ["train.global_batch=16"], 45),
 }
-
-
-def ensure_data() -> None:
-    if not (DATA / "manifest.json").exists():
-        raw = ROOT / "data" / "raw" / "pydocs.jsonl"
-        subprocess.run([sys.executable, "-m", "dstrain.data.corpus", str(raw)], check=True)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "dstrain",
-                "prepare",
-                "--dataset",
-                str(raw),
-                "--train-tokenizer",
-                "4096",
-                "--out",
-                str(DATA),
-            ],
-            check=True,
-        )
 
 
 def run(recipe: str, nproc: int | None, steps: int, out: Path) -> dict:
@@ -97,7 +80,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / f"bench-mfu-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
-    ensure_data()
+    ensure_data(DATA, dict(os.environ))  # bench/gpu_check.py's: the demo corpus, prepared if missing
     rows = [(recipe, run(recipe, args.nproc, args.steps, args.out / recipe)) for recipe in args.recipes]
     print(
         f"\n{'recipe':<10} {'ds_config':<16} {'ranks':>5} {'tokens/s':>10} {'TFLOP/s/dev':>11} {'MFU':>6} "
