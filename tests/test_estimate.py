@@ -10,8 +10,9 @@ import yaml
 
 from dstrain.config import load_recipe
 from dstrain.errors import DstrainError
-from dstrain.memory import GIB, count_params, estimate, estimate_file
+from dstrain.memory import GIB, estimate, estimate_file
 from dstrain.model.config import GPTConfig, num_params
+from dstrain.parallel import count_params
 from dstrain.strategy import load_ds_config, resolve
 
 from ranks import run_ranks

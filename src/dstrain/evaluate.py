@@ -95,17 +95,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     model = GPT(config)
     model.load_state_dict(state, strict=True)
     model.to(device).eval()
-    results = {}
-    for name, weight, data in sets:
-        n = len(data) if args.samples is None else min(len(data), args.samples)
-        loss, tokens = _mean_loss(model, data, n, micro, device)
-        results[name] = {
-            "weight": weight,
-            "samples": n,
-            "tokens": tokens,
-            "loss": loss,
-            "ppl": math.exp(min(loss, 50.0)),
-        }
+    results = _per_source(model, sets, args.samples, micro, device)
     loss = sum(r["weight"] * r["loss"] for r in results.values()) / sum(r["weight"] for r in results.values())
     result = {
         "model": str(args.model),
@@ -116,6 +106,16 @@ def evaluate(args: argparse.Namespace) -> dict:
         "ppl": math.exp(min(loss, 50.0)),
     }
     return {**result, "sources": results} if len(results) > 1 else result
+
+
+def _per_source(model, sets, samples: int | None, micro: int, device) -> dict[str, dict]:
+    """Loss and perplexity of each source's split (its first ``samples`` samples, or all)."""
+    results = {}
+    for name, weight, data in sets:
+        n = len(data) if samples is None else min(len(data), samples)
+        loss, tokens = _mean_loss(model, data, n, micro, device)
+        results[name] = {"weight": weight, "samples": n, "tokens": tokens, "loss": loss, "ppl": math.exp(min(loss, 50))}
+    return results
 
 
 @torch.no_grad()

@@ -1,8 +1,8 @@
 """The memory model behind ``dstrain estimate``: what each rank holds under a ds_config, per phase of a step.
 
-Model states, per rank, with Ψ the parameters this rank's model-parallel slice holds, N the
-data-parallel size and b the bytes of the model's dtype (4 fp32, 2 bf16/fp16). These are the tensors
-DeepSpeed 0.19.8 really keeps; tests/test_estimate.py counts them on 2 ranks and checks the totals:
+Model states, per rank, with Ψ the parameters this rank's model-parallel slice holds, N the data-parallel size and b
+the bytes of the model's dtype (4 fp32, 2 bf16/fp16). These are the tensors DeepSpeed 0.19.8 really keeps;
+tests/test_estimate.py counts them on 2 ranks and checks the totals:
 
     stage  parameters          gradients (backward | step)          fp32 master   Adam moments
     0      bΨ                  bΨ | bΨ (fp32), 4Ψ (fp16)            0 / 4Ψ fp16   8Ψ
@@ -15,48 +15,31 @@ DeepSpeed 0.19.8 really keeps; tests/test_estimate.py counts them on 2 ranks and
     2      2Ψ                  4Ψ/N (the fp32 partition the optimizer reads)                4Ψ/N   8Ψ/N
     3      2(Ψ/N + P) | 2Ψ/N   4Ψ/N | 4Ψ/N + 4·min(Ψ/N, S)                                 4Ψ/N   8Ψ/N
 
-"backward" is the last backward of a step, "step" the optimizer step: the reduced gradient partition
-is copied to fp32 for the optimizer (even in fp32, where the copy is a second fp32 buffer); ZeRO-3 copies
-one sub-group of S = zero_optimization.sub_group_size elements at a time. ZeRO-1
-accumulates full gradients in ``param.grad`` between steps; ZeRO-1/2/3 keep an fp32 master
-partition even for fp32 models (only ZeRO-0 fp32 updates the module's own weights). P are ZeRO-3's
-persistent parameters (numel <= stage3_param_persistence_threshold), whole on every rank during the
-backward. DeepSpeed's own ``estimate_zero2_model_states_mem_needs`` and
-``estimate_zero3_model_states_mem_needs`` assume 16-bit gradients (and omit the fp32 copy, as does the ZeRO
-paper's (2+2+12)Ψ/N); both are reported next to ours. Optimizer offload moves the master
-partition, the Adam moments and the fp32 gradient partition (plus a 16-bit staging copy, and a
-16-bit accumulation buffer when accumulating) to the CPU; parameter offload moves ZeRO-3's partitions.
+"backward" is the last backward of a step, "step" the optimizer step: the reduced gradient partition is copied to
+fp32 for the optimizer (even in fp32, where the copy is a second fp32 buffer); ZeRO-3 copies one sub-group of S =
+zero_optimization.sub_group_size elements at a time. ZeRO-1 accumulates full gradients in ``param.grad`` between
+steps; ZeRO-1/2/3 keep an fp32 master partition even for fp32 models (only ZeRO-0 fp32 updates the module's own
+weights). P are ZeRO-3's persistent parameters (numel <= stage3_param_persistence_threshold), whole on every rank
+during the backward. DeepSpeed's own ``estimate_zero2_model_states_mem_needs`` and
+``estimate_zero3_model_states_mem_needs`` assume 16-bit gradients (and omit the fp32 copy, as does the ZeRO paper's
+(2+2+12)Ψ/N); both are reported next to ours. Optimizer offload moves the master partition, the Adam moments and the
+fp32 gradient partition (plus a 16-bit staging copy, and a 16-bit accumulation buffer when accumulating) to the CPU;
+parameter offload moves ZeRO-3's partitions.
 
-Activations per rank (what autograd saves; the tests check it with saved-tensor hooks), with a the activation
-bytes, T = micro-batch x seq_len, h d_model, kv the key/value width, f the MLP width, V the vocabulary, t the TP size:
-
-    per block and token   2·norm + a(2h + inner/t) + 4·heads/t (linear inputs, attention log-sum-exp)
-                          llama: norm = 8h + 4 (torch's RMSNorm keeps fp32 input and output copies and
-                          rstd; a fused CUDA kernel keeps less, so this errs high), inner = 2h + 2kv + 4f,
-                          plus RoPE's cos/sin (2·seq·head_dim·a per block and micro-batch);
-                          gpt2: norm = a(h + 2) (input, mean, rstd), inner = 2h + 2kv + 2f
-    checkpointed block    a·h per token, plus one block recomputed in full during the backward
-    head                  norm + a·h + 4V + 8 per token (final norm, lm_head input, fp32 log-probabilities,
-                          labels); at the start of the backward the logits' gradient (4 + a)V per token too
-    pipeline              a stage holds ceil(layers/stages) blocks; the first stage has
-                          min(stages, accumulation) micro-batches in flight (1F1B), the last the head.
-
-Buffers: ZeRO-1/2 reduce buckets (two with overlap_comm), ZeRO-0's flattened all-reduce bucket, ZeRO-3's
-bucket, prefetch bucket and largest layer gathered with its gradient, offload staging of the largest parameter.
+Activations per rank: what autograd saves for the backward (tests/test_estimate.py checks it with saved-tensor
+hooks), term by term in activation_bytes.
 """
 
 from __future__ import annotations
 
-import collections
-import functools
 import math
-from dataclasses import asdict, astuple, dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
-from dstrain.model.config import GPTConfig, num_params
+from dstrain.parallel import ParamCounts, count_params
 from dstrain.strategy import Strategy, load_ds_config, resolve
 
 if TYPE_CHECKING:
@@ -64,78 +47,6 @@ if TYPE_CHECKING:
 
 GIB = 2**30
 PHASES = ("backward", "step")
-# Tensor-parallel (AutoTP) shards these linear layers; embeddings, norms and the head are replicated.
-TP_SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    total: int  # unique parameters of GPT(config), counted on the meta device
-    per_rank: int  # held by one model-parallel rank (worst pipeline stage, TP-sharded linears)
-    persistent: int  # ZeRO-3: parameters whole on every rank (numel <= persistence threshold)
-    largest_param: int  # elements of the largest tensor (offload staging buffers)
-    largest_layer: int  # most parameters owned directly by one module (DeepSpeed's "largest layer")
-
-
-def count_params(
-    model: GPTConfig, tp: int = 1, pp: int = 1, persistence_threshold: int = 0, partition_method: str = "parameters"
-) -> ParamCounts:
-    """Count on a meta-device model: no memory, a 70B recipe in seconds; checked against num_params."""
-    named = _meta_params(astuple(model))
-    total = sum(numel for _, numel in named)
-    if total != num_params(model):
-        raise AssertionError(f"meta-device count {total} != num_params {num_params(model)} for {model}")
-    sharded = sum(numel for name, numel in named if any(f".{s}." in name for s in TP_SHARDED))
-    per_tp = total - sharded + math.ceil(sharded / tp)
-    layers: collections.Counter[str] = collections.Counter()
-    for name, numel in named:
-        layers[name.rsplit(".", 1)[0]] += numel
-    return ParamCounts(
-        total=total,
-        per_rank=_worst_stage(named, model, tp, pp, partition_method) if pp > 1 else per_tp,
-        persistent=sum(numel for _, numel in named if numel <= persistence_threshold),
-        largest_param=max(numel for _, numel in named),
-        largest_layer=max(layers.values()),
-    )
-
-
-def _worst_stage(named, model: GPTConfig, tp: int, pp: int, method: str) -> int:
-    """Parameters of the largest pipeline stage, cut as DeepSpeed's PipelineModule cuts dstrain.model.pipe's layers
-    (embedding, blocks, final norm, head): whole layers per stage, and a tied head is a second copy of the
-    embedding on the last stage, which DeepSpeed also counts when it balances the stages."""
-    from deepspeed.runtime.utils import partition_balanced, partition_uniform
-
-    from dstrain.model.pipe import layer_prefixes
-
-    def layer_count(prefix: str, sharded_by: int = 1) -> int:
-        return sum(
-            math.ceil(n / sharded_by) if any(f".{s}." in name for s in TP_SHARDED) else n
-            for name, n in named
-            if name.startswith(prefix)
-        )
-
-    prefixes = [p[0] if p else "embed." for p in layer_prefixes(model)]  # None: the tied head, the embedding
-    whole = [layer_count(p) for p in prefixes]
-    if method == "parameters":
-        bounds = partition_balanced(whole, pp)
-    elif method == "uniform":
-        bounds = partition_uniform(len(whole), pp)
-    else:  # "type:Block": balance the blocks
-        bounds = partition_balanced([int(p.startswith("blocks.")) for p in prefixes], pp)
-    held = [layer_count(p, tp) for p in prefixes]
-    return max(sum(held[bounds[i] : bounds[i + 1]]) for i in range(pp))
-
-
-@functools.lru_cache(maxsize=8)
-def _meta_params(fields: tuple) -> tuple[tuple[str, int], ...]:
-    """(name, numel) of GPT(config)'s parameters, built on the meta device (a tied matrix appears once)."""
-    import torch
-
-    from dstrain.model.gpt import GPT
-
-    with torch.device("meta"):
-        gpt = GPT(GPTConfig(*fields))
-    return tuple((name, p.numel()) for name, p in gpt.named_parameters())
 
 
 @dataclass
@@ -407,7 +318,8 @@ def buffer_parts(strategy: Strategy, zero: DeepSpeedZeroConfig, counts: ParamCou
 
 
 def activation_bytes(recipe: Recipe, strategy: Strategy) -> tuple[int, int]:
-    """(saved for backward, logits gradient) per rank; the formula is in the module docstring."""
+    """(saved for backward, logits gradient) per rank. torch's RMSNorm keeps fp32 copies (a fused CUDA kernel keeps
+    less, so this errs high); a pipeline's first stage holds min(stages, accumulation) micro-batches (1F1B)."""
     m, t = recipe.model, strategy.tp_size
     a = 4 if strategy.precision == "fp32" else 2
     tokens, seq = strategy.micro_batch * recipe.data.seq_len, recipe.data.seq_len

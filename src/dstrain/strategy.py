@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from dstrain.config import Recipe
 from dstrain.data.sampler import valid_micro_batches
 from dstrain.ds_schema import validate_ds_config
 from dstrain.errors import DstrainError
+from dstrain.parallel import check_pipeline, check_tensor_parallel
 
 AUTO = "auto"
 
@@ -217,9 +217,9 @@ def _parallel_sizes(
             f"{ds_file}: pipeline.stages={pp_stages} exceeds the model's {recipe.model.n_layer} blocks in {recipe_file}"
         )
     if pp_stages > 1:
-        _check_pipeline(config["pipeline"], ds_file)
+        check_pipeline(config["pipeline"], ds_file)
     if tp_size > 1:
-        _check_tensor_parallel(config["tensor_parallel"], recipe, recipe_file, ds_file, pp_stages)
+        check_tensor_parallel(config["tensor_parallel"], recipe, recipe_file, ds_file, pp_stages)
     return tp_size, pp_stages, world_size // model_parallel
 
 
@@ -264,66 +264,6 @@ def _fill_recipe_values(config: dict, recipe: Recipe, recipe_file: str, ds_file:
     config.setdefault("steps_per_print", 10**9)  # the loop prints its own progress line
     _fill(config, "seed", recipe.seed, "seed", ds_file, recipe_file)  # a record only: DeepSpeed does not read it
     _fill_monitor_paths(config, recipe)
-
-
-# What AutoTP must do to each projection of a block (gpt2 has no gate_proj; nothing else is sharded).
-TP_LAYOUT = {
-    "self_attn.q_proj": "column",
-    "self_attn.k_proj": "column",
-    "self_attn.v_proj": "column",
-    "mlp.gate_proj": "column",
-    "mlp.up_proj": "column",
-    "self_attn.o_proj": "row",
-    "mlp.down_proj": "row",
-}
-
-
-def _check_pipeline(pipeline: dict, ds_file: str) -> None:
-    method = str(pipeline.get("partition_method", "parameters"))
-    if method not in ("parameters", "uniform") and not method.startswith("type:"):
-        raise DstrainError(
-            f'{ds_file}: pipeline.partition_method={method!r}; use "parameters", "uniform" or "type:Block"'
-        )
-    interval = pipeline.get("activation_checkpoint_interval", 0)
-    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
-        raise DstrainError(
-            f"{ds_file}: pipeline.activation_checkpoint_interval={interval!r}; use 0 (off) or a positive integer"
-        )
-
-
-def _check_tensor_parallel(tp: dict, recipe: Recipe, recipe_file, ds_file: str, pp_stages: int) -> None:
-    size = int(tp["autotp_size"])
-    if pp_stages > 1:
-        # DeepSpeed 0.19.8: AutoTP swaps the pipeline engine's grid for its own data x tensor mesh, which ignores the
-        # stages, so the engine broadcasts weights between stages and dies (tests/test_parallel.py pins the cause).
-        raise DstrainError(
-            f"{ds_file}: tensor_parallel with pipeline.stages > 1 is not supported by DeepSpeed's pipeline engine; "
-            f"use ds_configs/tp2_zero1.json or ds_configs/pp2_zero1.json"
-        )
-    model = recipe.model
-    if model.kv_heads % size:
-        raise DstrainError(
-            f"{ds_file}: tensor_parallel.autotp_size={size} does not divide the {model.kv_heads} key/value heads of "
-            f"{recipe_file} (model.n_kv_head / model.n_head); pick an autotp_size that divides them"
-        )
-    specs = (tp.get("partition_config") or {}).get("layer_specs") or []
-    for module, kind in TP_LAYOUT.items():
-        name = f"blocks.0.{module}.weight"
-        # AutoTP takes the first spec whose pattern re.match-es the weight's name (model_types never match: our
-        # config has no HF model_type).
-        found = next(
-            (
-                str(spec.get("partition_type", "column")).lower()
-                for spec in specs
-                if not spec.get("model_types") and any(re.match(p, name) for p in spec.get("patterns", []))
-            ),
-            None,
-        )
-        if found != kind:
-            raise DstrainError(
-                f"{ds_file}: tensor_parallel.partition_config must split {module} {kind}-wise (it says {found}); "
-                f"use the layer_specs of ds_configs/tp2_zero1.json"
-            )
 
 
 def _precision(config: dict, ds_file: str, check_device: bool) -> str:

@@ -19,6 +19,7 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from dstrain.errors import DstrainError
 from dstrain.train import console
 
 
@@ -109,6 +110,20 @@ def all_ok(ok: bool) -> bool:
     flag = torch.tensor([1.0 if ok else 0.0], device=get_accelerator().current_device_name())
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def on_rank0(action, what: str):
+    """``action()`` on global rank 0 while the others wait; a refusal there (DstrainError) is raised on every rank,
+    so all stop together with rank 0's line. Returns what rank 0's action returned (None elsewhere)."""
+    result, error = None, None
+    if rank() == 0:
+        try:
+            result = action()
+        except DstrainError as e:
+            error = e
+    if not all_ok(error is None):
+        raise error or DstrainError(f"rank 0 could not {what}; see its message")
+    return result
 
 
 def rank() -> int:

@@ -291,15 +291,7 @@ def train(args: argparse.Namespace) -> int:
 
     distributed.init()
     rank = distributed.rank()
-    lock = None
-    refusal = None
-    if rank == 0:
-        try:
-            lock = claim_run_dir(run_dir, recipe, strategy, tag)
-        except DstrainError as e:
-            refusal = e
-    if not distributed.all_ok(refusal is None):
-        raise refusal or DstrainError(f"rank 0 could not use {run_dir}; see its message")
+    lock = distributed.on_rank0(lambda: claim_run_dir(run_dir, recipe, strategy, tag), f"use {run_dir}")
     console.open_log(run_dir, rank)
 
     if tag:  # saved under another world size or ZeRO stage? rank 0 converts it, the others wait
@@ -311,14 +303,7 @@ def train(args: argparse.Namespace) -> int:
         load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)
     engine = build_engine(recipe, strategy, model)
     trainer = Trainer(
-        recipe,
-        strategy,
-        engine,
-        train_data,
-        valid_sets,
-        run_dir,
-        data_fingerprint=fingerprint,
-        identity=identity(recipe, fingerprint),
+        recipe, strategy, engine, train_data, valid_sets, run_dir, fingerprint, identity(recipe, fingerprint)
     )
     if tag:
         trainer.resume(tag)

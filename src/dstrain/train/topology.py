@@ -77,16 +77,13 @@ def prepare_resume(checkpoint_dir: Path, tag: str, strategy, model_config, weigh
     old, new = saved(tag_dir), strategy.topology
     if old is None or not needs_conversion(old, new):
         return False
-    error = None
-    if distributed.rank() == 0:
-        try:
-            check_convertible(tag_dir, old, new)
-            print(f"{tag} was saved under {old.describe()}; converting it for {new.describe()}", flush=True)
-            convert(tag_dir, old, new, model_config, weight_decay)
-        except DstrainError as e:
-            error = e
-    if not distributed.all_ok(error is None):
-        raise error or DstrainError(f"rank 0 could not convert {tag_dir}; see its message")
+
+    def convert_once() -> None:
+        check_convertible(tag_dir, old, new)
+        print(f"{tag} was saved under {old.describe()}; converting it for {new.describe()}", flush=True)
+        convert(tag_dir, old, new, model_config, weight_decay)
+
+    distributed.on_rank0(convert_once, f"convert {tag_dir}")
     if new.zero_stage > 0:  # ZeRO-0 loads the plain checkpoint written into zero0/
         strategy.ds_config["checkpoint"] = {**strategy.ds_config.get("checkpoint", {}), "load_universal": True}
     return True

@@ -1,0 +1,148 @@
+"""The parallel layout of the GPT: how its parameters fall onto ranks (counted on the meta device, TP-sharded,
+cut into pipeline stages as DeepSpeed cuts them), and the ds_config sections that choose the layout, checked
+against the model before anything runs. strategy.py resolves with the checks; memory.py counts with the rest."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import re
+from dataclasses import astuple, dataclass
+
+from dstrain.config import Recipe
+from dstrain.errors import DstrainError
+from dstrain.model.config import GPTConfig, num_params
+
+# Tensor-parallel (AutoTP) shards these linear layers; embeddings, norms and the head are replicated.
+TP_SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int  # unique parameters of GPT(config), counted on the meta device
+    per_rank: int  # held by one model-parallel rank (worst pipeline stage, TP-sharded linears)
+    persistent: int  # ZeRO-3: parameters whole on every rank (numel <= persistence threshold)
+    largest_param: int  # elements of the largest tensor (offload staging buffers)
+    largest_layer: int  # most parameters owned directly by one module (DeepSpeed's "largest layer")
+
+
+def count_params(
+    model: GPTConfig, tp: int = 1, pp: int = 1, persistence_threshold: int = 0, partition_method: str = "parameters"
+) -> ParamCounts:
+    """Count on a meta-device model: no memory, a 70B recipe in seconds; checked against num_params."""
+    named = _meta_params(astuple(model))
+    total = sum(numel for _, numel in named)
+    if total != num_params(model):
+        raise AssertionError(f"meta-device count {total} != num_params {num_params(model)} for {model}")
+    sharded = sum(numel for name, numel in named if any(f".{s}." in name for s in TP_SHARDED))
+    per_tp = total - sharded + math.ceil(sharded / tp)
+    layers: collections.Counter[str] = collections.Counter()
+    for name, numel in named:
+        layers[name.rsplit(".", 1)[0]] += numel
+    return ParamCounts(
+        total=total,
+        per_rank=_worst_stage(named, model, tp, pp, partition_method) if pp > 1 else per_tp,
+        persistent=sum(numel for _, numel in named if numel <= persistence_threshold),
+        largest_param=max(numel for _, numel in named),
+        largest_layer=max(layers.values()),
+    )
+
+
+def _worst_stage(named, model: GPTConfig, tp: int, pp: int, method: str) -> int:
+    """Parameters of the largest pipeline stage, cut as DeepSpeed's PipelineModule cuts dstrain.model.pipe's layers
+    (embedding, blocks, final norm, head): whole layers per stage, and a tied head is a second copy of the
+    embedding on the last stage, which DeepSpeed also counts when it balances the stages."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    from dstrain.model.pipe import layer_prefixes
+
+    def layer_count(prefix: str, sharded_by: int = 1) -> int:
+        return sum(
+            math.ceil(n / sharded_by) if any(f".{s}." in name for s in TP_SHARDED) else n
+            for name, n in named
+            if name.startswith(prefix)
+        )
+
+    prefixes = [p[0] if p else "embed." for p in layer_prefixes(model)]  # None: the tied head, the embedding
+    whole = [layer_count(p) for p in prefixes]
+    if method == "parameters":
+        bounds = partition_balanced(whole, pp)
+    elif method == "uniform":
+        bounds = partition_uniform(len(whole), pp)
+    else:  # "type:Block": balance the blocks
+        bounds = partition_balanced([int(p.startswith("blocks.")) for p in prefixes], pp)
+    held = [layer_count(p, tp) for p in prefixes]
+    return max(sum(held[bounds[i] : bounds[i + 1]]) for i in range(pp))
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_params(fields: tuple) -> tuple[tuple[str, int], ...]:
+    """(name, numel) of GPT(config)'s parameters, built on the meta device (a tied matrix appears once)."""
+    import torch
+
+    from dstrain.model.gpt import GPT
+
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(*fields))
+    return tuple((name, p.numel()) for name, p in gpt.named_parameters())
+
+
+# What AutoTP must do to each projection of a block (gpt2 has no gate_proj; nothing else is sharded).
+TP_LAYOUT = {
+    "self_attn.q_proj": "column",
+    "self_attn.k_proj": "column",
+    "self_attn.v_proj": "column",
+    "mlp.gate_proj": "column",
+    "mlp.up_proj": "column",
+    "self_attn.o_proj": "row",
+    "mlp.down_proj": "row",
+}
+
+
+def check_pipeline(pipeline: dict, ds_file: str) -> None:
+    method = str(pipeline.get("partition_method", "parameters"))
+    if method not in ("parameters", "uniform") and not method.startswith("type:"):
+        raise DstrainError(
+            f'{ds_file}: pipeline.partition_method={method!r}; use "parameters", "uniform" or "type:Block"'
+        )
+    interval = pipeline.get("activation_checkpoint_interval", 0)
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+        raise DstrainError(
+            f"{ds_file}: pipeline.activation_checkpoint_interval={interval!r}; use 0 (off) or a positive integer"
+        )
+
+
+def check_tensor_parallel(tp: dict, recipe: Recipe, recipe_file, ds_file: str, pp_stages: int) -> None:
+    size = int(tp["autotp_size"])
+    if pp_stages > 1:
+        # DeepSpeed 0.19.8: AutoTP swaps the pipeline engine's grid for its own data x tensor mesh, which ignores the
+        # stages, so the engine broadcasts weights between stages and dies (tests/test_parallel.py pins the cause).
+        raise DstrainError(
+            f"{ds_file}: tensor_parallel with pipeline.stages > 1 is not supported by DeepSpeed's pipeline engine; "
+            f"use ds_configs/tp2_zero1.json or ds_configs/pp2_zero1.json"
+        )
+    model = recipe.model
+    if model.kv_heads % size:
+        raise DstrainError(
+            f"{ds_file}: tensor_parallel.autotp_size={size} does not divide the {model.kv_heads} key/value heads of "
+            f"{recipe_file} (model.n_kv_head / model.n_head); pick an autotp_size that divides them"
+        )
+    specs = (tp.get("partition_config") or {}).get("layer_specs") or []
+    for module, kind in TP_LAYOUT.items():
+        name = f"blocks.0.{module}.weight"
+        # AutoTP takes the first spec whose pattern re.match-es the weight's name (model_types never match: our
+        # config has no HF model_type).
+        found = next(
+            (
+                str(spec.get("partition_type", "column")).lower()
+                for spec in specs
+                if not spec.get("model_types") and any(re.match(p, name) for p in spec.get("patterns", []))
+            ),
+            None,
+        )
+        if found != kind:
+            raise DstrainError(
+                f"{ds_file}: tensor_parallel.partition_config must split {module} {kind}-wise (it says {found}); "
+                f"use the layer_specs of ds_configs/tp2_zero1.json"
+            )
