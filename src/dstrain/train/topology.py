@@ -60,7 +60,8 @@ def needs_conversion(old: Topology, new: Topology) -> bool:
 
 
 def _partitioned(t: Topology) -> bool:
-    # ZeRO-0 with bf16 runs DeepSpeed's BF16_Optimizer, which partitions its fp32 state like ZeRO-1.
+    # ZeRO-0 bf16 is refused for new runs (strategy.py: DeepSpeed cannot accumulate it in fp32); a checkpoint
+    # of one made before that refusal is treated as partitioned, and check_convertible refuses to convert it.
     return t.zero_stage > 0 or t.precision == "bf16"
 
 
