@@ -136,3 +136,27 @@ def test_only_every_layer_llama_moe_exports():
     config = dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, every=2))
     with pytest.raises(DstrainError, match="moe.every 1 exports to MixtralForCausalLM"):
         to_hf(config, GPT(config).state_dict())
+
+
+def test_a_moe_checkpoint_does_not_change_topology(tmp_path):
+    from dstrain.strategy import Topology
+    from dstrain.train.topology import check_convertible, needs_conversion
+
+    ep2 = Topology(world_size=2, zero_stage=1, dp_size=2, tp_size=1, pp_stages=1, precision="fp32", ep_size=2)
+    ep1 = dataclasses.replace(ep2, ep_size=1)
+    assert needs_conversion(ep2, ep1) and needs_conversion(ep1, ep2) and not needs_conversion(ep2, ep2)
+    with pytest.raises(DstrainError, match="an MoE run cannot change topology .*expert-parallel 2 -> ZeRO-1"):
+        check_convertible(tmp_path, ep2, ep1, moe=True)
+    record = ep1.to_record()
+    del record["ep_size"]  # a checkpoint from before expert parallelism
+    assert Topology.from_record(record) == ep1
+
+
+def test_parameter_line_shows_total_and_active():
+    from dstrain.model.config import describe_params
+
+    line = describe_params(CONFIG)
+    assert f"{num_params(CONFIG) / 1e6:,.2f}M total" in line
+    assert (
+        f"{num_params(CONFIG, active=True) / 1e6:,.2f}M active per token (top 2 of 4 experts in 2 MoE layers)" in line
+    )

@@ -161,6 +161,17 @@ def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool
     return total if exclude_embeddings else total + embeddings
 
 
+def describe_params(config: GPTConfig) -> str:
+    """The parameter line a run starts with: total, and with MoE the active parameters per token."""
+    line = f"parameters: {num_params(config) / 1e6:,.2f}M"
+    if config.moe is None:
+        return line
+    return (
+        f"{line} total, {num_params(config, active=True) / 1e6:,.2f}M active per token "
+        f"(top {config.moe.top_k} of {config.moe.num_experts} experts in {config.n_moe_layers} MoE layers)"
+    )
+
+
 def flops_per_token(config: GPTConfig, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward): 6*N + 12*n_layer*d_model*seq_len.
 

@@ -28,7 +28,7 @@ from dstrain.data.dataset import collate
 from dstrain.data.sampler import micro_batches
 from dstrain.errors import DstrainError
 from dstrain.metrics import IntervalClock, MetricsLog, device_peak, peak_memory_bytes
-from dstrain.model.config import flops_per_token
+from dstrain.model.config import describe_params, flops_per_token
 from dstrain.model.gpt import lm_loss
 from dstrain.run_dir import RunDir
 from dstrain.train import checkpoint
@@ -267,6 +267,7 @@ class Trainer:
         start_step = self.progress.step
         interval_loss, interval_steps = 0.0, 0
         if self.is_rank0:
+            print(describe_params(self.recipe.model), flush=True)
             print(self.peak_line, flush=True)
         self.clock = IntervalClock()
         consecutive_skips, last_skipped = 0, self.engine.skipped_steps
