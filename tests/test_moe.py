@@ -71,6 +71,11 @@ def runs(tmp_path_factory, corpus):
     ]
     results = run_ranks(2, run_all, calls)
     assert results == [[0] * len(calls)] * 2
+    # 4 ranks: EP2 x expert-data-parallel 2 against EP1, micro-batch 2 (the global batch of 8 over 4 replicas)
+    four = {"zero1_dp4": ds_config(tmp, "zero1", train_micro_batch_size_per_gpu=2)}
+    four["ep2_dp4"] = ds_config(tmp, "ep2_zero1", train_micro_batch_size_per_gpu=2)
+    d.update({name: tmp / name for name in four})
+    assert run_ranks(4, run_all, [("train", [train_argv(recipe, c, d[n])]) for n, c in four.items()]) == [[0, 0]] * 4
     return d
 
 
@@ -78,7 +83,9 @@ def train_records(run_dir) -> list[dict]:
     return [r for r in read_metrics(run_dir) if "split" not in r and "event" not in r]
 
 
-@pytest.mark.parametrize("run, reference", [("ep2_zero1", "zero1"), ("ep2_zero2", "zero2"), ("zero2", "zero1")])
+@pytest.mark.parametrize(
+    "run, reference", [("ep2_zero1", "zero1"), ("ep2_zero2", "zero2"), ("zero2", "zero1"), ("ep2_dp4", "zero1_dp4")]
+)
 def test_expert_parallel_gives_the_same_losses_and_gradients(runs, run, reference):
     ours, theirs = train_records(runs[run]), train_records(runs[reference])
     assert len(ours) == len(theirs) == 10
