@@ -67,6 +67,11 @@ def check_expert_parallel(
             f"{ds_file}: ZeRO-3 cannot train {recipe_file}'s model.moe (DeepSpeed 0.19.8 supports its MoE layer with "
             f"ZeRO stage 0-2 only); use ds_configs/ep2_zero2_bf16.json or zero2_bf16.json"
         )
+    if moe is not None and "activation_checkpointing" in config:
+        raise DstrainError(
+            f"{ds_file}: activation_checkpointing with model.moe would train the router without its aux and z losses "
+            f"(a checkpointed block's first forward runs without autograd); remove the activation_checkpointing section"
+        )
     if moe is not None and pp_stages > 1:
         raise DstrainError(
             f"{ds_file}: model.moe with pipeline.stages > 1 is not supported (dstrain's pipeline stages carry no "
