@@ -4,6 +4,7 @@ DeepSpeed's MoE layer against a token-by-token computation, parameter counts, an
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 
@@ -160,3 +161,25 @@ def test_parameter_line_shows_total_and_active():
     assert (
         f"{num_params(CONFIG, active=True) / 1e6:,.2f}M active per token (top 2 of 4 experts in 2 MoE layers)" in line
     )
+
+
+def test_estimate_splits_the_experts_over_the_expert_parallel_ranks():
+    from pathlib import Path
+
+    from dstrain.config import load_recipe
+    from dstrain.memory import estimate_file
+    from dstrain.parallel import EXPERTS, _meta_params
+
+    root = Path(__file__).resolve().parents[1]
+    recipe_file = root / "recipes" / "moe-1b.yaml"
+    recipe = load_recipe(recipe_file)
+    ep1 = estimate_file(recipe, recipe_file, root / "ds_configs" / "zero2_bf16.json", 1, 8)
+    ep2 = estimate_file(recipe, recipe_file, root / "ds_configs" / "ep2_zero2_bf16.json", 1, 8)
+    experts = sum(n for name, n in _meta_params(json.dumps(dataclasses.asdict(recipe.model))) if EXPERTS in name)
+    assert ep1.params_per_rank == ep1.params_total
+    assert ep2.params_per_rank == ep1.params_total - experts // 2
+    assert ep2.params_active == num_params(recipe.model, active=True) < 0.25 * ep2.params_total
+    parts = {p.name: p for p in ep2.parts}
+    # the ZeRO-2 partitions stay total/N: each expert is partitioned over the N/ep expert-data-parallel ranks
+    assert parts["Adam moments (fp32)"].step == {p.name: p for p in ep1.parts}["Adam moments (fp32)"].step
+    assert parts["MoE experts and all-to-all buffers"].backward > 0

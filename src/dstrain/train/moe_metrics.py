@@ -1,8 +1,9 @@
 """The router losses a step adds to the LM loss, and what metrics.jsonl records about the experts.
 
 Per log interval: moe_aux_loss and moe_z_loss (means over micro-batches, ranks and MoE layers, before their
-coefficients), and per MoE layer the share of routed tokens each expert received (min, max, and the entropy of the
-shares in nats; log(num_experts) is perfectly balanced). Dispatch is dropless, so no token is ever dropped.
+coefficients), and per MoE layer i the share of routed tokens each expert received: moe_layer<i>_share_min,
+_share_max and _share_entropy (nats; ln(num_experts) is perfectly balanced). Dispatch is dropless: no token is
+ever dropped, so there is no dropped-token count.
 """
 
 from __future__ import annotations
@@ -50,9 +51,8 @@ class MoEMeter:
             offset += router.num_experts
             share = share / share.sum().clamp(min=1)
             entropy = -sum(p * math.log(p) for p in share.tolist() if p > 0)
-            record[f"moe_layer{layer}"] = {
-                "share_min": share.min().item(),
-                "share_max": share.max().item(),
-                "share_entropy": entropy,
-            }
+            # Flat scalars, which DeepSpeed's monitors (TensorBoard, CSV, W&B) also receive.
+            record[f"moe_layer{layer}_share_min"] = share.min().item()
+            record[f"moe_layer{layer}_share_max"] = share.max().item()
+            record[f"moe_layer{layer}_share_entropy"] = entropy
         return record
