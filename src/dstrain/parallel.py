@@ -20,6 +20,19 @@ EXPERTS = ".deepspeed_experts."  # in the names of expert parameters (DeepSpeed'
 TP_SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _expert_parallel_size(section: dict | None, ds_file: str) -> int:
+    size = 1 if section is None or not section.get("enabled", False) else section.get("autoep_size", 1)
+    extra = sorted(set(section or {}) - {"enabled", "autoep_size"})
+    if extra:
+        raise DstrainError(
+            f'{ds_file}: expert_parallel.{extra[0]} is an AutoEP option dstrain does not use; keep only "enabled" '
+            f'and "autoep_size"'
+        )
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise DstrainError(f"{ds_file}: expert_parallel.autoep_size={size!r}; use a positive integer")
+    return size
+
+
 MOE_FORMULA = "n_moe·k·T·(4·h + 4·f_e)·a − n_moe·T·4·f·a"
 
 
@@ -46,20 +59,7 @@ def check_expert_parallel(
     parallelism (AutoEP), so dstrain reads the size there and removes the section before deepspeed.initialize,
     which would otherwise look for AutoEP-replaceable layers.
     """
-    section = config.pop("expert_parallel", None)
-    moe = recipe.model.moe
-    if section is None:
-        size = 1
-    else:
-        size = section.get("autoep_size", 1) if section.get("enabled", False) else 1
-        extra = sorted(set(section) - {"enabled", "autoep_size"})
-        if extra:
-            raise DstrainError(
-                f"{ds_file}: expert_parallel.{extra[0]} is an AutoEP option dstrain does not use; "
-                f'keep only "enabled" and "autoep_size"'
-            )
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise DstrainError(f"{ds_file}: expert_parallel.autoep_size={size!r}; use a positive integer")
+    size, moe = _expert_parallel_size(config.pop("expert_parallel", None), ds_file), recipe.model.moe
     stage = config["zero_optimization"].get("stage", 0)
     if moe is not None and stage == 3:
         # deepspeed/runtime/engine.py: "Native DeepSpeed MoE is not supported with ZeRO Stage 3".
