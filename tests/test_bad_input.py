@@ -379,6 +379,46 @@ CASES = {
         ),
         ["init_from", "no weights"],
     ),
+    "MoE top_k above num_experts": (
+        lambda t, c: (
+            small_recipe(t, c, model={"moe": {"num_experts": 2, "top_k": 3}}),
+            ROOT / "ds_configs/zero1.json",
+            [],
+        ),
+        ["model.moe.top_k: 3 exceeds num_experts=2", "set top_k <= num_experts"],
+    ),
+    "experts not divisible by the expert-parallel size": (
+        lambda t, c: (
+            small_recipe(t, c, model={"moe": {"num_experts": 3, "top_k": 2}}),
+            ROOT / "ds_configs/ep2_zero1.json",
+            [],
+        ),
+        ["expert_parallel.autoep_size=2 does not divide model.moe.num_experts=3", "pick a divisor"],
+    ),
+    "expert parallelism with pipeline stages": (
+        lambda t, c: (
+            small_recipe(t, c, model={"moe": {"num_experts": 4}}),
+            ds_config(t, "pp2_zero1", expert_parallel={"enabled": True, "autoep_size": 2}),
+            [],
+        ),
+        ["model.moe with pipeline.stages > 1 is not supported", "ep2_zero1.json"],
+    ),
+    "MoE under ZeRO-3": (
+        lambda t, c: (small_recipe(t, c, model={"moe": {"num_experts": 4}}), ROOT / "ds_configs/zero3.json", []),
+        ["ZeRO-3 cannot train", "model.moe", "ZeRO stage 0-2 only"],
+    ),
+    "MoE with activation checkpointing": (
+        lambda t, c: (
+            small_recipe(t, c, model={"moe": {"num_experts": 4}}),
+            ds_config(t, "zero1", activation_checkpointing={"partition_activations": False}),
+            [],
+        ),
+        ["activation_checkpointing with model.moe", "remove the activation_checkpointing section"],
+    ),
+    "expert parallelism without experts": (
+        lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/ep2_zero1.json", []),
+        ["expert_parallel needs model.moe"],
+    ),
     "init_from another architecture": (
         lambda t, c: (
             small_recipe(t, c, init_from=str(_hf_config(t, weights=True))),

@@ -75,6 +75,8 @@ def test_every_shipped_ds_config_resolves_or_refuses_clearly(tmp_path, config, m
         one_line_error(lambda: strategy_for(tmp_path, ds), "fp16 is not supported", "bf16")
         return
     recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4}, "train": {"global_batch": 32, "steps": 4}}
+    if "expert_parallel" in ds:  # expert parallelism needs a mixture of experts
+        recipe["model"]["moe"] = {"num_experts": 4}
     stages = ds.get("pipeline", {}).get("stages", 1) * ds.get("tensor_parallel", {}).get("autotp_size", 1)
     s = strategy_for(tmp_path, ds, world=2 * stages, recipe=recipe)
     assert s.micro_batch * s.grad_accum * s.dp_size == 32
@@ -86,10 +88,12 @@ def test_every_shipped_ds_config_passes_deepspeeds_own_parser(tmp_path, monkeypa
 
     fake_fp16(monkeypatch, True)
     recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4}, "train": {"global_batch": 32, "steps": 4}}
+    moe_recipe = {**recipe, "model": {**recipe["model"], "moe": {"num_experts": 4}}}
     for config in SHIPPED:
         ds = json.loads((ROOT / "ds_configs" / config).read_text())
         stages = ds.get("pipeline", {}).get("stages", 1) * ds.get("tensor_parallel", {}).get("autotp_size", 1)
-        validate_ds_config(strategy_for(tmp_path, ds, world=2 * stages, recipe=recipe).ds_config, config)
+        model = moe_recipe if "expert_parallel" in ds else recipe
+        validate_ds_config(strategy_for(tmp_path, ds, world=2 * stages, recipe=model).ds_config, config)
 
 
 def test_deepspeed_sections_dstrain_does_not_read_are_accepted(tmp_path):

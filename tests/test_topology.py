@@ -117,6 +117,7 @@ def test_checkpoints_record_their_topology(uninterrupted):
         "tp_size": 1,
         "pp_stages": 1,
         "precision": "fp32",
+        "ep_size": 1,
     }
     client_state = topology.read_pt(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     assert client_state["topology"] == topology.saved(tag).to_record()

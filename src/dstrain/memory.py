@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
-from dstrain.parallel import ParamCounts, count_params
+from dstrain.model.config import num_params
+from dstrain.parallel import MOE_FORMULA, ParamCounts, count_params, moe_activation_bytes
 from dstrain.strategy import Strategy, load_ds_config, resolve
 
 if TYPE_CHECKING:
@@ -80,6 +81,8 @@ class Estimate:
     reserve: int  # bytes kept free for the CUDA context, communicator buffers and fragmentation
     parts: list[Part] = field(default_factory=list)
     deepspeed_reference: dict | None = None  # DeepSpeed's own estimator, for comparison
+    ep_size: int = 1  # expert-parallel size: each rank holds 1/ep_size of every MoE layer's experts
+    params_active: int | None = None  # MoE: parameters a token runs through (router and top_k experts per layer)
 
     def total(self, where: str, phase: str, groups: tuple[str, ...] | None = None) -> int:
         return sum(getattr(p, phase) for p in self.parts if p.where == where and (groups is None or p.group in groups))
@@ -131,50 +134,38 @@ def estimate(
             f"{strategy.source}: zero_optimization.offload_* needs ZeRO stage 1, 2 or 3; set zero_optimization.stage"
         )
     method = str(strategy.ds_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
-    counts = count_params(
-        recipe.model,
-        strategy.tp_size,
-        strategy.pp_stages,
-        zero.param_persistence_threshold if stage == 3 else 0,
-        method,
-    )
+    threshold = zero.param_persistence_threshold if stage == 3 else 0
+    counts = count_params(recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size)
     est = Estimate(
-        recipe.name,
-        strategy.source,
-        nodes,
-        gpus_per_node,
-        stage,
-        strategy.precision,
-        strategy.micro_batch,
-        strategy.grad_accum,
-        n,
-        strategy.tp_size,
-        strategy.pp_stages,
-        strategy.offload_optimizer,
-        strategy.offload_param,
-        counts.total,
-        counts.per_rank,
-        int(device_memory_gib * GIB),
-        int(reserve_gib * GIB),
+        *(recipe.name, strategy.source, nodes, gpus_per_node, stage, strategy.precision, strategy.micro_batch),
+        *(strategy.grad_accum, n, strategy.tp_size, strategy.pp_stages, strategy.offload_optimizer),
+        *(strategy.offload_param, counts.total, counts.per_rank, int(device_memory_gib * GIB), int(reserve_gib * GIB)),
+        ep_size=strategy.ep_size,
+        params_active=num_params(recipe.model, active=True) if recipe.model.moe is not None else None,
     )
     persistent = min(counts.persistent, zero.model_persistence_threshold // n) if stage == 3 else 0
-    est.parts = model_state_parts(strategy, counts.per_rank, persistent)
+    # Expert parallelism: E/ep experts held, partitioned over N/ep expert-data-parallel ranks: the share is total/N.
+    part = math.ceil(counts.total / n) if strategy.ep_size > 1 else None
+    est.parts = model_state_parts(strategy, counts.per_rank, persistent, part)
     saved, transient = activation_bytes(recipe, strategy)
     est.parts += [
         Part("activations", "saved for backward", "device", saved, 0, "see module docstring"),
         Part("activations", "logits gradient (backward start)", "device", transient, 0, "(4 + a)·T·V"),
     ]
+    if recipe.model.moe is not None:
+        moe_bytes = moe_activation_bytes(recipe.model, strategy.micro_batch * recipe.data.seq_len, strategy.precision)
+        est.parts.append(Part("activations", "MoE experts and all-to-all buffers", "device", moe_bytes, 0, MOE_FORMULA))
     est.parts += buffer_parts(strategy, zero, counts)
     est.deepspeed_reference = deepspeed_reference(counts, est)
     return est
 
 
-def model_state_parts(strategy: Strategy, psi: int, persistent: int) -> list[Part]:
-    """Parameters, gradients and optimizer states per rank, as tabled in the module docstring."""
+def model_state_parts(strategy: Strategy, psi: int, persistent: int, part: int | None = None) -> list[Part]:
+    """Parameters, gradients and optimizer states per rank (module docstring); ``part``: a ZeRO share other than Ψ/N."""
     s, n, dtype = strategy.zero_stage, strategy.dp_size, strategy.precision
     b = 4 if dtype == "fp32" else 2
     opt, par = strategy.offload_optimizer, strategy.offload_param
-    part = math.ceil(psi / n)
+    part = part or math.ceil(psi / n)
     parts: list[Part] = []
     if s < 3:
         parts.append(Part("parameters", f"parameters ({dtype})", "device", b * psi, b * psi, f"{b}Ψ"))
@@ -185,7 +176,7 @@ def model_state_parts(strategy: Strategy, psi: int, persistent: int) -> list[Par
         parts.append(
             Part("parameters", "persistent parameters, whole", "device", b * persistent, 0, f"{b}P (backward only)")
         )
-    parts += gradient_parts(strategy, psi)
+    parts += gradient_parts(strategy, psi, part)
     if opt and s < 3:
         parts.append(
             Part("parameters", f"{dtype} staging of the updated partition", "cpu", b * part, b * part, f"{b}Ψ/N")
@@ -215,12 +206,12 @@ def accumulates_in_fp32(strategy: Strategy) -> bool:
     return strategy.ds_config.get("data_types", {}).get("grad_accum_dtype") == "fp32"
 
 
-def gradient_parts(strategy: Strategy, psi: int) -> list[Part]:
+def gradient_parts(strategy: Strategy, psi: int, part: int | None = None) -> list[Part]:
     """Gradients per rank; "backward" is the last backward of a step, "step" the optimizer step."""
     s, n, dtype, opt = strategy.zero_stage, strategy.dp_size, strategy.precision, strategy.offload_optimizer
     b = 4 if dtype == "fp32" else 2
     g = 4 if accumulates_in_fp32(strategy) else b  # bytes of an accumulated gradient
-    part = math.ceil(psi / n)
+    part = part or math.ceil(psi / n)
     if bf16_optimizer(strategy):
         return [
             Part("gradients", "gradients (bf16), whole", "device", 2 * psi, 2 * psi, "2Ψ"),

@@ -6,16 +6,97 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 import math
 import re
-from dataclasses import astuple, dataclass
+from dataclasses import asdict, dataclass
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
-from dstrain.model.config import GPTConfig, num_params
+from dstrain.model.config import GPTConfig, MoEConfig, num_params
 
+EXPERTS = ".deepspeed_experts."  # in the names of expert parameters (DeepSpeed's MoE layer)
 # Tensor-parallel (AutoTP) shards these linear layers; embeddings, norms and the head are replicated.
 TP_SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _expert_parallel_size(section: dict | None, ds_file: str) -> int:
+    size = 1 if section is None or not section.get("enabled", False) else section.get("autoep_size", 1)
+    extra = sorted(set(section or {}) - {"enabled", "autoep_size"})
+    if extra:
+        raise DstrainError(
+            f'{ds_file}: expert_parallel.{extra[0]} is an AutoEP option dstrain does not use; keep only "enabled" '
+            f'and "autoep_size"'
+        )
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise DstrainError(f"{ds_file}: expert_parallel.autoep_size={size!r}; use a positive integer")
+    return size
+
+
+MOE_FORMULA = "n_moe·k·T·(4·h + 4·f_e)·a − n_moe·T·4·f·a"
+
+
+def moe_activation_bytes(model: GPTConfig, tokens: int, precision: str) -> int:
+    """What a rank's MoE layers save for backward beyond the dense model's MLPs (counted in memory.activation_bytes):
+    each of the k·T routed copies of a token passes through DeepSpeed's dispatch buffer and the expert's output,
+    both before and after their all-to-all (4·h), and through an expert of width f_e (gate, up, silu(gate), product:
+    4·f_e, llama); the dense MLP's 4·f per token is not there. Balanced routing; dropless dispatch pads every
+    expert's buffer to the busiest expert's count, which can add up to the whole buffer again."""
+    assert model.moe is not None
+    a = 4 if precision == "fp32" else 2
+    routed = tokens * model.moe.top_k
+    extra = routed * (4 * model.d_model + 4 * model.expert_dim) * a - tokens * 4 * model.ff_dim * a
+    return max(0, model.n_moe_layers * extra)
+
+
+def check_expert_parallel(
+    config: dict, recipe: Recipe, recipe_file: str, ds_file: str, dp_size: int, pp_stages: int, tp_size: int
+) -> int:
+    """The expert-parallel size: the ds_config's "expert_parallel.autoep_size", checked against the recipe.
+
+    DeepSpeed 0.19.8's classic MoE layer (the one dstrain uses, see dstrain/model/moe.py) takes its ep_size as a
+    constructor argument and has no ds_config key; "expert_parallel" is the section DeepSpeed documents for expert
+    parallelism (AutoEP), so dstrain reads the size there and removes the section before deepspeed.initialize,
+    which would otherwise look for AutoEP-replaceable layers.
+    """
+    size, moe = _expert_parallel_size(config.pop("expert_parallel", None), ds_file), recipe.model.moe
+    stage = config["zero_optimization"].get("stage", 0)
+    if moe is not None and stage == 3:
+        # deepspeed/runtime/engine.py: "Native DeepSpeed MoE is not supported with ZeRO Stage 3".
+        raise DstrainError(
+            f"{ds_file}: ZeRO-3 cannot train {recipe_file}'s model.moe (DeepSpeed 0.19.8 supports its MoE layer with "
+            f"ZeRO stage 0-2 only); use ds_configs/ep2_zero2_bf16.json or zero2_bf16.json"
+        )
+    if moe is not None and "activation_checkpointing" in config:
+        raise DstrainError(
+            f"{ds_file}: activation_checkpointing with model.moe would train the router without its aux and z losses "
+            f"(a checkpointed block's first forward runs without autograd); remove the activation_checkpointing section"
+        )
+    if moe is not None and pp_stages > 1:
+        raise DstrainError(
+            f"{ds_file}: model.moe with pipeline.stages > 1 is not supported (dstrain's pipeline stages carry no "
+            f"DeepSpeed MoE layer); use ds_configs/ep2_zero1.json"
+        )
+    if moe is not None and tp_size > 1:
+        raise DstrainError(
+            f"{ds_file}: model.moe with tensor_parallel is not supported (untested in dstrain); "
+            f"use ds_configs/ep2_zero1.json"
+        )
+    if size == 1:
+        return 1
+    if moe is None:
+        raise DstrainError(f"{ds_file}: expert_parallel needs model.moe in {recipe_file}; remove expert_parallel")
+    if moe.num_experts % size:
+        raise DstrainError(
+            f"{ds_file}: expert_parallel.autoep_size={size} does not divide model.moe.num_experts={moe.num_experts} "
+            f"of {recipe_file}; pick a divisor of num_experts"
+        )
+    if dp_size % size:
+        raise DstrainError(
+            f"{ds_file}: expert_parallel.autoep_size={size} does not divide the data-parallel size {dp_size}; "
+            f"launch a multiple of {size} ranks"
+        )
+    return size
 
 
 @dataclass(frozen=True)
@@ -28,15 +109,22 @@ class ParamCounts:
 
 
 def count_params(
-    model: GPTConfig, tp: int = 1, pp: int = 1, persistence_threshold: int = 0, partition_method: str = "parameters"
+    model: GPTConfig,
+    tp: int = 1,
+    pp: int = 1,
+    persistence_threshold: int = 0,
+    partition_method: str = "parameters",
+    ep: int = 1,
 ) -> ParamCounts:
-    """Count on a meta-device model: no memory, a 70B recipe in seconds; checked against num_params."""
-    named = _meta_params(astuple(model))
+    """Count on a meta-device model: no memory, a 70B recipe in seconds; checked against num_params.
+    Expert parallelism `ep` divides each MoE layer's experts over `ep` ranks."""
+    named = _meta_params(json.dumps(asdict(model)))
     total = sum(numel for _, numel in named)
     if total != num_params(model):
         raise AssertionError(f"meta-device count {total} != num_params {num_params(model)} for {model}")
     sharded = sum(numel for name, numel in named if any(f".{s}." in name for s in TP_SHARDED))
-    per_tp = total - sharded + math.ceil(sharded / tp)
+    experts = sum(numel for name, numel in named if EXPERTS in name)
+    per_tp = total - sharded + math.ceil(sharded / tp) - experts + experts // ep
     layers: collections.Counter[str] = collections.Counter()
     for name, numel in named:
         layers[name.rsplit(".", 1)[0]] += numel
@@ -77,14 +165,17 @@ def _worst_stage(named, model: GPTConfig, tp: int, pp: int, method: str) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_params(fields: tuple) -> tuple[tuple[str, int], ...]:
+def _meta_params(config_json: str) -> tuple[tuple[str, int], ...]:
     """(name, numel) of GPT(config)'s parameters, built on the meta device (a tied matrix appears once)."""
     import torch
 
     from dstrain.model.gpt import GPT
 
+    fields = json.loads(config_json)
+    if fields.get("moe") is not None:
+        fields["moe"] = MoEConfig(**fields["moe"])
     with torch.device("meta"):
-        gpt = GPT(GPTConfig(*fields))
+        gpt = GPT(GPTConfig(**fields))
     return tuple((name, p.numel()) for name, p in gpt.named_parameters())
 
 

@@ -210,6 +210,12 @@ def print_estimate(est: Estimate, suggestion: Estimate | None) -> None:
         f"{', ' + offload if offload else ''}; {est.params_total:,} parameters (meta-device count = num_params), "
         f"{est.params_per_rank:,} per model-parallel rank"
     )
+    if est.params_active is not None:
+        console.print(
+            f"mixture of experts: {est.params_active:,} active parameters per token of {est.params_total:,}; "
+            f"expert-parallel {est.ep_size} (each rank holds 1/{est.ep_size} of the experts, "
+            f"expert-data-parallel {est.dp_size // est.ep_size})"
+        )
     table = Table(title="memory per rank", title_justify="left")
     for name in ["group", "component", "where", "backward", "optimizer step", "formula"]:
         table.add_column(name, justify="right" if name in ("backward", "optimizer step") else "left")

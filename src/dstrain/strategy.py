@@ -7,6 +7,7 @@ one place; a ds_config that pins a different value is an error, never a silent
 override. Parallel sizes and gradient accumulation are derived here too:
 
     data-parallel size  = world size / (tensor-parallel size x pipeline stages)
+    expert-data-parallel size = data-parallel size / expert-parallel size  (replicas of each expert)
     accumulation steps  = global batch / (micro-batch x data-parallel size)
 """
 
@@ -22,7 +23,7 @@ from dstrain.config import Recipe
 from dstrain.data.sampler import valid_micro_batches
 from dstrain.ds_schema import validate_ds_config
 from dstrain.errors import DstrainError
-from dstrain.parallel import check_pipeline, check_tensor_parallel
+from dstrain.parallel import check_expert_parallel, check_pipeline, check_tensor_parallel
 
 AUTO = "auto"
 
@@ -50,10 +51,12 @@ class Topology:
     tp_size: int  # AutoTP degree
     pp_stages: int  # pipeline stages
     precision: str  # "fp32", "bf16" or "fp16"
+    ep_size: int = 1  # expert-parallel degree: each MoE layer's experts split over this many ranks
 
     @classmethod
     def from_engine(cls, engine) -> Topology:
         import torch
+        from deepspeed.moe.layer import MoE
 
         return cls(
             world_size=torch.distributed.get_world_size(),
@@ -62,12 +65,13 @@ class Topology:
             tp_size=max(1, int(engine.autotp_size() or 1)),
             pp_stages=int(getattr(engine, "num_stages", 1)),
             precision="bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
+            ep_size=max([m.ep_size for m in engine.module.modules() if isinstance(m, MoE)], default=1),
         )
 
     @classmethod
     def from_record(cls, record: dict) -> Topology:
-        """From a checkpoint's record (``to_record``)."""
-        return cls(**{f.name: record[f.name] for f in fields(cls)})
+        """From a checkpoint's record (``to_record``); a record from before expert parallelism has ep_size 1."""
+        return cls(**{f.name: record.get(f.name, f.default) for f in fields(cls)})
 
     def to_record(self) -> dict:
         return asdict(self)
@@ -81,6 +85,8 @@ class Topology:
             parts.append(f"tensor-parallel {self.tp_size}")
         if self.pp_stages > 1:
             parts.append(f"{self.pp_stages} pipeline stages")
+        if self.ep_size > 1:
+            parts.append(f"expert-parallel {self.ep_size}")
         return ", ".join(parts)
 
 
@@ -97,6 +103,17 @@ class Strategy:
     pp_stages: int  # pipeline stages (ds_config "pipeline.stages")
     offload_optimizer: str | None  # "cpu", "nvme" or None
     offload_param: str | None
+    ep_size: int = 1  # expert-parallel degree (ds_config "expert_parallel.autoep_size"; see check_expert_parallel)
+
+    @property
+    def edp_size(self) -> int:
+        """Replicas of each expert: the data-parallel ranks that hold the same experts and average their gradients."""
+        return self.dp_size // self.ep_size
+
+    def ep_rank(self, rank: int) -> int:
+        """The index of global `rank` in its expert-parallel group: DeepSpeed groups consecutive ranks
+        (deepspeed.utils.groups._create_expert_and_data_parallel, data-before-expert-parallel off)."""
+        return rank % self.ep_size
 
     @property
     def name(self) -> str:
@@ -111,6 +128,7 @@ class Strategy:
             tp_size=self.tp_size,
             pp_stages=self.pp_stages,
             precision=self.precision,
+            ep_size=self.ep_size,
         )
 
     @property
@@ -162,6 +180,7 @@ def resolve(
     if precision == "bf16":
         _check_bf16_sums_in_fp32(config, ds_file, stage)
     tp_size, pp_stages, dp_size = _parallel_sizes(config, recipe, recipe_file, ds_file, world_size)
+    ep_size = check_expert_parallel(config, recipe, recipe_file, ds_file, dp_size, pp_stages, tp_size)
     micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages)
     _fill_recipe_values(config, recipe, recipe_file, ds_file)
     leftover = _find_auto(config)
@@ -180,6 +199,7 @@ def resolve(
         pp_stages=pp_stages,
         offload_optimizer=offload_of(config, "offload_optimizer"),
         offload_param=offload_of(config, "offload_param"),
+        ep_size=ep_size,
     )
 
 

@@ -14,6 +14,32 @@ FLAVOURS = ("gpt2", "llama")
 
 
 @dataclass
+class MoEConfig:
+    """A mixture of experts in place of the MLP of every `every`-th block (model.moe in a recipe).
+
+    Router: Mixtral's, exactly (HF MixtralTopKRouter): logits = x @ router, softmax over all experts in fp32, the
+    top_k largest probabilities renormalised to sum to 1 weigh the chosen experts' outputs. Dropless: every token
+    reaches its top_k experts (DeepSpeed's dispatch buffer is sized to the busiest expert), so nothing is dropped.
+    Each expert is the flavour's own MLP (SwiGLU for llama) of width d_expert.
+    """
+
+    num_experts: Annotated[int, Range(ge=2)] = 8  # experts per MoE layer
+    top_k: Annotated[int, Range(ge=1)] = 2  # experts each token is sent to (must not exceed num_experts)
+    every: Annotated[int, Range(ge=1)] = 1  # blocks every-1, 2*every-1, ... are MoE (1 = all; Mixtral export needs 1)
+    d_expert: Annotated[int, Range(ge=1)] | None = None  # hidden width of each expert's MLP; None = the flavour's d_ff
+    aux_loss_coef: Annotated[float, Range(ge=0)] = (
+        0.01  # weight of the load-balancing loss (HF Mixtral's router_aux_loss_coef), mean over MoE layers
+    )
+    z_loss_coef: Annotated[float, Range(ge=0)] = 0.001  # weight of the router z-loss mean(logsumexp(logits)^2)
+
+    def __post_init__(self) -> None:
+        if self.top_k > self.num_experts:
+            raise DstrainError(
+                f"model.moe.top_k: {self.top_k} exceeds num_experts={self.num_experts}; set top_k <= num_experts"
+            )
+
+
+@dataclass
 class GPTConfig:
     flavour: str = "gpt2"  # architecture family: "gpt2" or "llama" (see module docstring)
     vocab_size: Annotated[int, Range(ge=1)] = 50304  # rows of the token embedding / columns of the logits
@@ -36,6 +62,20 @@ class GPTConfig:
         0.02  # std of the normal init; o_proj/down_proj use init_std / sqrt(2 * n_layer)
     )
     doc_masking: bool = False  # attend only within the current document (segments start where position_ids == 0)
+    moe: MoEConfig | None = None  # mixture of experts in place of the MLPs (see MoEConfig); None = dense
+
+    def is_moe_block(self, index: int) -> bool:
+        """Block `index` (0-based) holds a mixture of experts: every moe.every-th block, the last of each run."""
+        return self.moe is not None and (index + 1) % self.moe.every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_block(i) for i in range(self.n_layer))
+
+    @property
+    def expert_dim(self) -> int:
+        """moe.d_expert with None resolved to the flavour's MLP width."""
+        return self.ff_dim if self.moe is None or self.moe.d_expert is None else self.moe.d_expert
 
     def __post_init__(self) -> None:
         def bad(key: str, problem: str, fix: str) -> DstrainError:
@@ -58,6 +98,8 @@ class GPTConfig:
             raise bad("n_head", f"RoPE needs an even head size, got d_model/n_head={self.head_dim}", "change n_head")
         if self.d_ff is not None and self.d_ff <= 0:
             raise bad("d_ff", f"{self.d_ff} is not positive", "set a positive integer or remove it")
+        if self.moe is not None and self.n_moe_layers == 0:
+            raise bad("moe.every", f"{self.moe.every} exceeds n_layer={self.n_layer}", "set every <= n_layer")
 
     @property
     def head_dim(self) -> int:
@@ -91,34 +133,55 @@ class GPTConfig:
 # --- arithmetic on the config (no model built) ---
 
 
-def num_params(config: GPTConfig, exclude_embeddings: bool = False) -> int:
+def mlp_params(config: GPTConfig, width: int) -> int:
+    """Parameters of one MLP of the flavour with hidden width `width` (an expert is one)."""
+    d = config.d_model
+    return d * width + width + width * d + d if config.flavour == "gpt2" else 3 * d * width
+
+
+def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool = False) -> int:
     """Parameter count of GPT(config), a tied matrix counted once.
 
     exclude_embeddings drops the token (and position) tables; an untied lm_head is still counted.
+    active counts, in each MoE layer, the router and the top_k experts a token runs through (not all experts).
     """
-    d, ff, v = config.d_model, config.ff_dim, config.vocab_size
+    d, v = config.d_model, config.vocab_size
     q_out, kv_out = config.n_head * config.head_dim, config.kv_heads * config.head_dim
     attention = d * q_out + 2 * d * kv_out + q_out * d
     if config.flavour == "gpt2":
         attention += q_out + 2 * kv_out + d
-        mlp = d * ff + ff + ff * d + d
-        norm = 2 * d
-    else:
-        mlp = 3 * d * ff
-        norm = d
-    block = attention + mlp + 2 * norm
+    norm = 2 * d if config.flavour == "gpt2" else d
+    dense_block = attention + mlp_params(config, config.ff_dim) + 2 * norm
+    total = (config.n_layer - config.n_moe_layers) * dense_block + norm + (0 if config.tied else v * d)
+    if config.moe is not None:
+        experts = config.moe.top_k if active else config.moe.num_experts
+        moe_block = attention + 2 * norm + d * config.moe.num_experts + experts * mlp_params(config, config.expert_dim)
+        total += config.n_moe_layers * moe_block
     embeddings = v * d + (config.max_seq_len * d if config.flavour == "gpt2" else 0)
-    total = config.n_layer * block + norm + (0 if config.tied else v * d)
     return total if exclude_embeddings else total + embeddings
+
+
+def describe_params(config: GPTConfig) -> str:
+    """The parameter line a run starts with: total, and with MoE the active parameters per token."""
+    line = f"parameters: {num_params(config) / 1e6:,.2f}M"
+    if config.moe is None:
+        return line
+    return (
+        f"{line} total, {num_params(config, active=True) / 1e6:,.2f}M active per token "
+        f"(top {config.moe.top_k} of {config.moe.num_experts} experts in {config.n_moe_layers} MoE layers)"
+    )
 
 
 def flops_per_token(config: GPTConfig, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward): 6*N + 12*n_layer*d_model*seq_len.
 
-    N = non-embedding parameters plus the vocab_size*d_model output projection, counted whether or
-    not it is tied (the logits matmul runs either way); the position table and embedding lookups cost
-    no matmul FLOPs. The second term is the attention scores and weighted sum (QK^T and AV), counted
-    over the full L x L square as in Kaplan et al. / PaLM, ignoring the causal half.
+    N = the ACTIVE non-embedding parameters (with MoE: the router and the top_k experts of each MoE layer)
+    plus the vocab_size*d_model output projection, counted whether or not it is tied (the logits matmul
+    runs either way); the position table and embedding lookups cost no matmul FLOPs. The second term is
+    the attention scores and weighted sum (QK^T and AV), counted over the full L x L square as in
+    Kaplan et al. / PaLM, ignoring the causal half.
     """
-    n = num_params(config, exclude_embeddings=True) + (config.vocab_size * config.d_model if config.tied else 0)
+    n = num_params(config, exclude_embeddings=True, active=True) + (
+        config.vocab_size * config.d_model if config.tied else 0
+    )
     return 6 * n + 12 * config.n_layer * config.d_model * seq_len

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dstrain.model.config import GPTConfig
+from dstrain.model.moe import MoEMLP
 
 StateDict = dict[str, torch.Tensor]  # a model's weights by parameter name
 
@@ -154,9 +155,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, width: int | None = None) -> None:
         super().__init__()
-        d, ff, std = config.d_model, config.ff_dim, config.init_std
+        d, ff, std = config.d_model, width or config.ff_dim, config.init_std
         self.swiglu = config.flavour == "llama"
         bias = not self.swiglu
         if self.swiglu:
@@ -171,14 +172,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a mixture of experts
+    (dstrain.model.moe) in the blocks model.moe names, holding this rank's share of the experts."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0, ep_size: int = 1, ep_rank: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(config)
         self.self_attn = Attention(config)
         self.mlp_norm = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = MoEMLP(config, ep_size, ep_rank) if config.is_moe_block(index) else MLP(config)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.attn_norm(x), position_ids)
@@ -205,11 +207,13 @@ class Embedding(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, ep_size: int = 1, ep_rank: int = 0) -> None:
+        """ep_size, ep_rank: which experts of each MoE layer this rank holds (the expert-parallel layout comes from
+        the ds_config; DeepSpeed's MoE layer moves the tokens between the ranks)."""
         super().__init__()
         self.config = config
         self.embed = Embedding(config)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, i, ep_size, ep_rank) for i in range(config.n_layer))
         self.norm = make_norm(config)
         # A tied head skips its own init (std=None) so it can never overwrite the embedding.
         head_std = None if config.tied else config.init_std

@@ -21,7 +21,7 @@ from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 from dstrain.model.gpt import StateDict
 
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama"}
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are GELU's tanh approximation
 # Non-parameter entries some transformers versions keep in state_dict (attention-mask and RoPE buffers).
 IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -45,6 +45,10 @@ def to_hf(
     same when given position_ids without attention_mask or cache (its packed-sequence detection).
     With tied embeddings lm_head.weight is the embedding tensor itself.
     """
+    if config.moe is not None:
+        from dstrain.model.hf_mixtral import to_mixtral
+
+        return to_mixtral(config, state_dict, bos_token_id, eos_token_id)
     if config.flavour == "gpt2":
         hf_config: transformers.PretrainedConfig = transformers.GPT2Config(
             vocab_size=config.vocab_size,
@@ -116,6 +120,11 @@ def from_hf(hf_model_or_dir: transformers.PreTrainedModel | str | os.PathLike) -
         config = _gpt2_config_from_hf(model.config, source)  # type: ignore[arg-type]  # a GPT2Config here
         return config, _gpt2_from_hf(config, hf_state, source)
     config = _llama_config_from_hf(model.config, source)  # type: ignore[arg-type]  # a LlamaConfig here
+    if supported[0] == "MixtralForCausalLM":
+        from dstrain.model.hf_mixtral import from_mixtral, mixtral_config_from_hf
+
+        config = mixtral_config_from_hf(model.config, config, source)  # type: ignore[arg-type]
+        return config, from_mixtral(config, _WeightTaker(hf_state, source))
     return config, _llama_from_hf(config, hf_state, source)
 
 
@@ -132,7 +141,12 @@ def config_from_hf(folder: str | os.PathLike) -> GPTConfig:
         )
     if ARCHITECTURES[architecture] == "gpt2":
         return _gpt2_config_from_hf(hf_config, str(folder / "config.json"))
-    return _llama_config_from_hf(hf_config, str(folder / "config.json"))
+    config = _llama_config_from_hf(hf_config, str(folder / "config.json"))
+    if architecture == "MixtralForCausalLM":
+        from dstrain.model.hf_mixtral import mixtral_config_from_hf
+
+        return mixtral_config_from_hf(hf_config, config, str(folder / "config.json"))
+    return config
 
 
 def _read_config(folder: Path):
@@ -164,7 +178,13 @@ def architecture_diff(ours: GPTConfig, theirs: GPTConfig) -> list[tuple[str, obj
     if ours.flavour != "llama" or theirs.flavour != "llama":
         fields.remove("rope_theta")  # gpt2 has no RoPE
     values = [(k, getattr(ours, resolved.get(k, k)), getattr(theirs, resolved.get(k, k))) for k in fields]
+    values = [(k, _moe_shape(a), _moe_shape(b)) if k == "moe" else (k, a, b) for k, a, b in values]
     return [(k, a, b) for k, a, b in values if a != b]
+
+
+def _moe_shape(moe) -> object:
+    """The architecture of model.moe (its loss coefficients are training choices)."""
+    return None if moe is None else (moe.num_experts, moe.top_k, moe.every, moe.d_expert)
 
 
 # --- gpt2 ---
@@ -281,8 +301,9 @@ def _llama_config_from_hf(hf: transformers.LlamaConfig, source: str) -> GPTConfi
         "only 'default' RoPE (no scaling) converts",
     )
     _require(hf.hidden_act == "silu", source, "hidden_act", hf.hidden_act, "dstrain's llama flavour uses silu")
-    _require(not hf.attention_bias, source, "attention_bias", hf.attention_bias, "only false converts")
-    _require(not hf.mlp_bias, source, "mlp_bias", hf.mlp_bias, "only false converts")
+    bias = getattr(hf, "attention_bias", False), getattr(hf, "mlp_bias", False)  # Mixtral has neither key
+    _require(not bias[0], source, "attention_bias", bias[0], "only false converts")
+    _require(not bias[1], source, "mlp_bias", bias[1], "only false converts")
     head_dim = hf.head_dim or hf.hidden_size // hf.num_attention_heads
     _require(
         head_dim * hf.num_attention_heads == hf.hidden_size,

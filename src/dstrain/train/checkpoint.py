@@ -100,7 +100,9 @@ def save(
     is_writer = torch.distributed.get_rank() == 0
     shape = Topology.from_engine(engine).to_record()
     client_state = {**client_state, "topology": shape}
-    if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None:  # AutoTP engines record their own
+    # AutoTP engines record their own; DeepSpeed's MoE save refuses the key in client_state (and dstrain converts
+    # no MoE checkpoint: train/topology.check_convertible).
+    if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None and not engine.has_moe_layers:
         # What Megatron-DeepSpeed records for ds_to_universal. Our parameters need no TP/vocab patterns; a
         # pipeline's tied embedding module is kept on the first and the last stage, and only the first stage's
         # copy is whole (the last stage never updates gpt2's position table), so the converter must take that one.
@@ -163,10 +165,15 @@ def load_run(run_dir: str | os.PathLike, tag: str | None):
     return recipe, checkpoints / tag
 
 
+EXPERT_FILES = "layer_*_expert_*_mp_rank_*_model_states.pt"  # DeepSpeed MoE: one file per layer and expert
+
+
 def weights_kind(tag_dir: Path) -> str:
     """ "fp32 master" for a bf16 run, whose checkpoint keeps them apart from its bf16 module weights (ZeRO and fp16
     runs read through zero_to_fp32 get their masters too), else "module"."""
     saved = topology.saved(tag_dir)
+    if any(tag_dir.glob(EXPERT_FILES)):  # MoE: the masters sit in expert-data-parallel partitions; the module's own
+        return "module"
     return "fp32 master" if saved and saved.precision == "bf16" else "module"
 
 
@@ -180,6 +187,12 @@ def consolidated_state_dict(tag_dir: Path, model_config) -> dict[str, torch.Tens
 
 def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
     """The module's weights in the checkpoint, in the model's dtype (fp32 masters for ZeRO, read by zero_to_fp32)."""
+    if any(tag_dir.glob(EXPERT_FILES)):
+        # DeepSpeed's MoE checkpoint: the dense weights, then one file per expert named by its global index.
+        state = topology.read_pt(tag_dir / topology.ZERO12_MODEL_FILE)["module"]
+        for path in sorted(tag_dir.glob(EXPERT_FILES)):
+            state.update(torch.load(path, map_location="cpu", weights_only=True))
+        return state
     if any(tag_dir.glob("layer_*-model_states.pt")) or any(tag_dir.glob("mp_rank_01_model_states.pt")):
         # Pipeline layer files / AutoTP shards: the model-parallel converter of dstrain.model consolidates them.
         from dstrain.model.convert import read_checkpoint

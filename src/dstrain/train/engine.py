@@ -21,14 +21,21 @@ from dstrain.train.schedule import build_scheduler
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only; norms, biases (1-D tensors) are not decayed."""
+    """Decay matrices only; norms, biases (1-D tensors) are not decayed.
+
+    Named, and flagged "decay": with MoE layers DeepSpeed splits each group by name into dense and expert groups
+    (deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer), renaming the expert ones; the
+    flag survives the split and the checkpoint, and tells apply_recipe_to_optimizer which groups decay."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             # zero.Init leaves partitioned parameters 1-D (shape [0]); ds_shape is their real shape.
             (decay if len(getattr(param, "ds_shape", param.shape)) >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay", "decay": True},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay", "decay": False},
+    ]
 
 
 def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
@@ -57,8 +64,9 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
         if strategy.zero_stage == 3
         else contextlib.nullcontext()
     )
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     with init:
-        model = GPT(recipe.model)
+        model = GPT(recipe.model, strategy.ep_size, strategy.ep_rank(rank))
     if strategy.activation_checkpointing:
         model.checkpoint_fn = deepspeed.checkpointing.checkpoint  # configured per engine in build_engine
     return model
@@ -129,12 +137,28 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
     )
     if strategy.activation_checkpointing:
         configure_activation_checkpointing(engine, strategy)
+    check_expert_groups(engine, strategy)
     if "compile" in strategy.ds_config:
         # DeepSpeed 0.19.8 reads the "compile" section but leaves engine.compile() to the caller: here the
         # section's presence is the switch, so torch.compile is one ds_config swap like every other strategy.
         engine.compile()
     grad_norm.install(engine)  # ZeRO-0 fp32: DeepSpeed keeps no norm (and pipelines clip by the wrong one)
     return engine
+
+
+def check_expert_groups(engine, strategy: Strategy) -> None:
+    """The experts build_model gave this rank are those of its place in DeepSpeed's expert-parallel group."""
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups
+
+    for module in engine.module.modules():
+        if isinstance(module, MoE) and module.ep_size > 1:
+            placed = groups._get_expert_parallel_rank(module.expert_group_name)
+            if placed != strategy.ep_rank(torch.distributed.get_rank()):
+                raise RuntimeError(
+                    f"DeepSpeed placed this rank at expert-parallel index {placed}, build_model assumed "
+                    f"{strategy.ep_rank(torch.distributed.get_rank())}"
+                )
 
 
 def configure_activation_checkpointing(engine, strategy: Strategy) -> None:
@@ -172,9 +196,8 @@ def apply_recipe_to_optimizer(engine, recipe: Recipe) -> None:
     backup = getattr(wrapper, "backup_optimizer", None)  # ZeRO-3 partial offload's GPU-side AdamW
     for group_list in [groups] + ([backup.param_groups] if backup is not None else []):
         for index, group in enumerate(group_list):  # engine.param_groups: matrices (decayed) first, then the rest
-            group.update(
-                weight_decay=optim.weight_decay if index == 0 else 0.0, betas=tuple(optim.betas), eps=optim.eps
-            )
+            decay = group.get("decay", index == 0)  # checkpoints from before the flag: the first group decays
+            group.update(weight_decay=optim.weight_decay if decay else 0.0, betas=tuple(optim.betas), eps=optim.eps)
     while wrapper is not None:
         if hasattr(wrapper, "clip_grad"):
             wrapper.clip_grad = optim.grad_clip

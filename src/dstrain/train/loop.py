@@ -28,11 +28,12 @@ from dstrain.data.dataset import collate
 from dstrain.data.sampler import micro_batches
 from dstrain.errors import DstrainError
 from dstrain.metrics import IntervalClock, MetricsLog, device_peak, peak_memory_bytes
-from dstrain.model.config import flops_per_token
+from dstrain.model.config import describe_params, flops_per_token
 from dstrain.model.gpt import lm_loss
 from dstrain.run_dir import RunDir
 from dstrain.train import checkpoint
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
+from dstrain.train.moe_metrics import MoEMeter
 from dstrain.train.stop import StopSignal
 
 
@@ -106,6 +107,7 @@ class Trainer:
         self.peak_tflops, self.peak_line = device_peak(strategy.precision)
         self.clock = IntervalClock()
         self.log = MetricsLog(run_dir, self.is_rank0, recipe.total_steps, getattr(engine, "monitor", None))
+        self.moe = MoEMeter(engine.module, recipe.model, self.device)
 
     # --- data -------------------------------------------------------------------------
     def _to_device(self, samples: list[int], data) -> dict:
@@ -160,8 +162,8 @@ class Trainer:
             return self.engine.train_batch(self._pipe_micro_batches(batches, self.strategy.grad_accum))
         total = torch.zeros((), device=self.device)
         for _ in range(self.strategy.grad_accum):
-            loss = self._forward_loss(next(batches))
-            self.engine.backward(loss)
+            loss = self._forward_loss(next(batches))  # the LM loss, what is logged and compared
+            self.engine.backward(loss + self.moe.losses() if self.moe.enabled else loss)
             self.engine.step()
             total += loss.detach().float()
         return total / self.strategy.grad_accum
@@ -265,6 +267,7 @@ class Trainer:
         start_step = self.progress.step
         interval_loss, interval_steps = 0.0, 0
         if self.is_rank0:
+            print(describe_params(self.recipe.model), flush=True)
             print(self.peak_line, flush=True)
         self.clock = IntervalClock()
         consecutive_skips, last_skipped = 0, self.engine.skipped_steps
@@ -354,4 +357,5 @@ class Trainer:
             "mem_peak_bytes": self._largest_peak_memory(),
             "elapsed_s": time.time() - self.log.start,
             **seconds,
+            **(self.moe.record() if self.moe.enabled else {}),
         }

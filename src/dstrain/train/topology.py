@@ -54,7 +54,12 @@ def saved(tag_dir: Path) -> Topology | None:
 def needs_conversion(old: Topology, new: Topology) -> bool:
     """Replicated state (ZeRO-0 fp32) loads at any world size; partitioned state needs the same data-parallel
     size and precision (ZeRO names its bf16 partition files differently)."""
-    if (old.zero_stage, old.tp_size, old.pp_stages) != (new.zero_stage, new.tp_size, new.pp_stages):
+    if (old.zero_stage, old.tp_size, old.pp_stages, old.ep_size) != (
+        new.zero_stage,
+        new.tp_size,
+        new.pp_stages,
+        new.ep_size,
+    ):
         return True
     return (_partitioned(old) or _partitioned(new)) and (old.dp_size, old.precision) != (new.dp_size, new.precision)
 
@@ -80,7 +85,7 @@ def prepare_resume(checkpoint_dir: Path, tag: str, strategy, model_config, weigh
         return False
 
     def convert_once() -> None:
-        check_convertible(tag_dir, old, new)
+        check_convertible(tag_dir, old, new, moe=model_config.moe is not None)
         print(f"{tag} was saved under {old.describe()}; converting it for {new.describe()}", flush=True)
         convert(tag_dir, old, new, model_config, weight_decay)
 
@@ -100,8 +105,16 @@ def load_source(engine, tag_dir: Path) -> tuple[Path, str]:
     return tag_dir.parent, tag_dir.name
 
 
-def check_convertible(tag_dir: Path, old: Topology, new: Topology) -> None:
+def check_convertible(tag_dir: Path, old: Topology, new: Topology, moe: bool = False) -> None:
     """Refuse, in one line, what no converter here handles."""
+    if moe:
+        # DeepSpeed 0.19.8's ds_to_universal knows AutoEP experts only: classic MoE layers keep their experts in
+        # per-expert files and their optimizer state in expert-data-parallel partitions, which it does not read.
+        raise DstrainError(
+            f"{tag_dir}: an MoE run cannot change topology ({old.describe()} -> {new.describe()}): DeepSpeed's "
+            f"universal checkpoint does not convert its expert optimizer partitions; resume with the saved "
+            f"ds_config and rank count, or continue from the weights (dstrain export, then init_from)"
+        )
     for t in (old, new):
         what = (
             "fp16 (dynamic loss scale)"

@@ -1,0 +1,145 @@
+"""The mixture-of-experts MLP: Mixtral's router in DeepSpeed's MoE layer.
+
+    MoEMLP.moe          deepspeed.moe.layer.MoE (the engine finds it: expert parameter groups, expert checkpoints)
+      .deepspeed_moe.gate     Router (wg: the router matrix), replacing DeepSpeed's TopKGate
+      .deepspeed_moe.experts  this rank's experts, each the flavour's own MLP (dstrain.model.gpt.MLP)
+
+Why DeepSpeed's classic MoE layer with our own gate (and not AutoEP, nor a hand-written layer): its dispatch,
+all-to-all and expert-data-parallel groups are DeepSpeed's, ZeRO-1/2 reduce expert gradients over the right group
+and checkpoints store one file per expert; AutoEP (DeepSpeed 0.19.8) rejects any load-balancing coefficient
+(auxiliary-loss-free routing only) and replaces the router with its own, so neither our aux/z losses nor Mixtral's
+exact routing survive it. DeepSpeed's TopKGate is not Mixtral's router (its top-2 samples the second expert, its
+aux loss counts first choices only), so the gate is ours: MOELayer takes any gate returning the sparse routes.
+
+Expert parallelism is chosen by the ds_config, outside the model: GPT(config, ep_size, ep_rank) keeps experts
+ep_rank * E/ep_size ... of each layer; every rank draws the initial weights of all experts in the same order, so
+the weights of expert e are the same whatever the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dstrain.model.config import GPTConfig
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mixtral's routing of (tokens, experts) logits: (probabilities in fp32, top-k weights, top-k experts).
+
+    As transformers' MixtralTopKRouter: softmax over all experts in fp32, top_k largest, renormalised to sum to 1.
+    """
+    probs = F.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    return probs, weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """HF Mixtral's load_balancing_loss_func for one layer: E * sum_e f_e * P_e, with f_e the share of tokens routed
+    to expert e (each of its top_k choices counts; sums to top_k) and P_e the mean router probability of e.
+    Equals top_k when routing is uniform."""
+    num_experts = probs.shape[-1]
+    chosen = F.one_hot(experts, num_experts).float()  # (tokens, top_k, E)
+    tokens_per_expert = chosen.mean(dim=0)  # (top_k, E)
+    return (tokens_per_expert * probs.mean(dim=0)).sum() * num_experts
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2 (keeps the logits small)."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class Router(nn.Module):
+    """A gate for DeepSpeed's MOELayer with Mixtral's routing, dropless.
+
+    Returns the sparse routes MOELayer dispatches; keeps this forward's losses (aux_loss, z_loss, differentiable)
+    and adds the token counts per expert to `counts` (read and reset by the metrics).
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        from dstrain.model.gpt import Linear
+
+        assert config.moe is not None
+        self.top_k, self.num_experts = config.moe.top_k, config.moe.num_experts
+        self.wg = Linear(config.d_model, self.num_experts, bias=False, std=config.init_std)
+        self.ep_group = None  # set by DeepSpeed (MOELayer._set_ep_group) once the engine made the groups
+        self.aux_loss = self.z_loss = torch.zeros(())
+        # Tokens per expert since the metrics last read them; not a buffer, which a bf16 engine would round.
+        self.counts: torch.Tensor | None = None
+
+    def _set_ep_group(self, ep_group) -> None:
+        self.ep_group = ep_group
+
+    def forward(self, x: torch.Tensor, used_token=None, sparse_routes: bool = True, use_tutel: bool = False):
+        """x: (tokens, d_model) -> (aux loss, capacity, E, experts, slots, weights, counts) as MOELayer reads them:
+        experts, slots (position in the expert's buffer) and weights are (top_k, tokens)."""
+        if used_token is not None or not sparse_routes or use_tutel:
+            raise NotImplementedError("dstrain's Router serves MOELayer's sparse routes only")
+        logits = self.wg(x)  # in the model's dtype, as HF's router
+        probs, weights, experts = route(logits, self.top_k)
+        self.aux_loss, self.z_loss = load_balancing_loss(probs, experts), z_loss(logits)
+        routes = experts.t().reshape(-1)  # first choices of all tokens, then second choices, ...
+        one_hot = F.one_hot(routes, self.num_experts)
+        slots = ((one_hot.cumsum(dim=0) - 1) * one_hot).sum(dim=-1).view(self.top_k, -1)
+        counts = one_hot.sum(dim=0)
+        if self.training:
+            counted = counts.detach().to(torch.float64)
+            self.counts = counted if self.counts is None else self.counts + counted
+        # Dropless: the buffer holds the busiest expert's tokens on any rank of the expert-parallel group.
+        capacity = counts.max().detach()
+        if self.ep_group is not None and torch.distributed.get_world_size(self.ep_group) > 1:
+            torch.distributed.all_reduce(capacity, op=torch.distributed.ReduceOp.MAX, group=self.ep_group)
+        return (
+            self.aux_loss,
+            capacity,
+            self.num_experts,
+            experts.t().to(torch.int32),
+            slots.to(torch.int32),
+            weights.t(),
+            counts.detach(),
+        )
+
+
+class MoEMLP(nn.Module):
+    """The MLP of an MoE block: num_experts experts of the flavour's MLP, top_k of them per token."""
+
+    def __init__(self, config: GPTConfig, ep_size: int = 1, ep_rank: int = 0) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        from dstrain.model.gpt import MLP
+
+        assert config.moe is not None
+        num_experts = config.moe.num_experts
+        router = Router(config)  # drawn first, then the experts in order
+        drawn = [MLP(config, config.expert_dim) for _ in range(num_experts)]
+        local = num_experts // ep_size
+        # DeepSpeed copies the template once per local expert (and flags the copies as expert parameters);
+        # each copy then takes the weights drawn for its global index. drop_tokens=False: capacity is ours.
+        self.moe = MoE(config.d_model, drawn[0], num_experts, ep_size, k=config.moe.top_k, drop_tokens=False)
+        self.moe.deepspeed_moe.gate = router
+        experts = self.moe.deepspeed_moe.experts.deepspeed_experts
+        for index, expert in enumerate(experts):
+            expert.load_state_dict(drawn[ep_rank * local + index].state_dict())
+
+    @property
+    def router(self) -> Router:
+        return self.moe.deepspeed_moe.gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)[0]
+
+
+def moe_routers(model: nn.Module) -> list[Router]:
+    return [m for m in model.modules() if isinstance(m, Router)]
+
+
+def router_losses(model: nn.Module, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weighted sum to add to the LM loss, mean load-balancing loss, mean z-loss) of the last forward."""
+    routers = moe_routers(model)
+    aux = torch.stack([r.aux_loss for r in routers]).mean()
+    z = torch.stack([r.z_loss for r in routers]).mean()
+    assert config.moe is not None
+    return config.moe.aux_loss_coef * aux + config.moe.z_loss_coef * z, aux, z

@@ -1,0 +1,58 @@
+"""The router losses a step adds to the LM loss, and what metrics.jsonl records about the experts.
+
+Per log interval: moe_aux_loss and moe_z_loss (means over micro-batches, ranks and MoE layers, before their
+coefficients), and per MoE layer i the share of routed tokens each expert received: moe_layer<i>_share_min,
+_share_max and _share_entropy (nats; ln(num_experts) is perfectly balanced). Dispatch is dropless: no token is
+ever dropped, so there is no dropped-token count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dstrain.model.config import GPTConfig
+from dstrain.model.moe import moe_routers, router_losses
+
+
+class MoEMeter:
+    def __init__(self, module: torch.nn.Module, config: GPTConfig, device) -> None:
+        self.module, self.config, self.device = module, config, device
+        self.routers = moe_routers(module)
+        self.layers = [i for i in range(config.n_layer) if config.is_moe_block(i)]
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # aux, z, micro-batches
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.routers)
+
+    def losses(self) -> torch.Tensor:
+        """What the last forward's routers add to the LM loss (coefficients applied); counted for the metrics."""
+        extra, aux, z = router_losses(self.module, self.config)
+        self.sums += torch.stack([aux.detach().double(), z.detach().double(), torch.ones((), dtype=torch.float64)])
+        return extra
+
+    def record(self) -> dict:
+        """A collective: the interval's aux/z means over all ranks and the token shares per layer; then reset."""
+        counts = [
+            r.counts if r.counts is not None else torch.zeros(r.num_experts, dtype=torch.float64) for r in self.routers
+        ]
+        packed = torch.cat([self.sums, *[c.to(self.device) for c in counts]])
+        torch.distributed.all_reduce(packed)
+        self.sums.zero_()
+        for r in self.routers:
+            r.counts = None
+        aux, z, n = packed[:3].tolist()
+        record: dict = {"moe_aux_loss": aux / max(n, 1), "moe_z_loss": z / max(n, 1)}
+        offset = 3
+        for layer, router in zip(self.layers, self.routers):
+            share = packed[offset : offset + router.num_experts]
+            offset += router.num_experts
+            share = share / share.sum().clamp(min=1)
+            entropy = -sum(p * math.log(p) for p in share.tolist() if p > 0)
+            # Flat scalars, which DeepSpeed's monitors (TensorBoard, CSV, W&B) also receive.
+            record[f"moe_layer{layer}_share_min"] = share.min().item()
+            record[f"moe_layer{layer}_share_max"] = share.max().item()
+            record[f"moe_layer{layer}_share_entropy"] = entropy
+        return record

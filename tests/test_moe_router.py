@@ -1,0 +1,185 @@
+"""The MoE block on one process: Mixtral's routing, the router losses by their formulas, the dispatch through
+DeepSpeed's MoE layer against a token-by-token computation, parameter counts, and the MixtralForCausalLM export."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dstrain.errors import DstrainError  # noqa: E402
+from dstrain.model.config import GPTConfig, MoEConfig, flops_per_token, num_params  # noqa: E402
+from dstrain.model.gpt import GPT  # noqa: E402
+from dstrain.model.moe import load_balancing_loss, route, z_loss  # noqa: E402
+
+CONFIG = GPTConfig(
+    flavour="llama",
+    vocab_size=97,
+    max_seq_len=32,
+    n_layer=2,
+    n_head=4,
+    n_kv_head=2,
+    d_model=32,
+    moe=MoEConfig(num_experts=4, top_k=2, d_expert=48),
+)
+
+
+def test_route_is_softmax_then_top_k_renormalised():
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [0.5, 0.0, -2.0, 4.0]])
+    probs, weights, experts = route(logits, 2)
+    assert experts.tolist() == [[1, 2], [3, 0]]
+    e = logits.exp()
+    p = e / e.sum(-1, keepdim=True)
+    assert torch.allclose(probs, p)
+    expected = torch.stack([p[0, [1, 2]] / p[0, [1, 2]].sum(), p[1, [3, 0]] / p[1, [3, 0]].sum()])
+    assert torch.allclose(weights, expected, atol=1e-7)
+    # renormalised top-k of a softmax = softmax over the chosen logits
+    assert torch.allclose(weights[0], torch.softmax(logits[0, [1, 2]], -1), atol=1e-7)
+
+
+def test_load_balancing_loss_equals_its_formula_on_a_hand_made_example():
+    # 2 tokens, 4 experts, top-2: token 0 -> experts 0, 1; token 1 -> experts 0, 2
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.5, 0.1, 0.3, 0.1]])
+    experts = torch.tensor([[0, 1], [0, 2]])
+    # f = share of the 2 tokens routed to each expert (each choice counts): [2, 1, 1, 0] / 2; P = mean probs
+    # 4 * (1 * 0.45 + 0.5 * 0.2 + 0.5 * 0.25 + 0 * 0.1) = 2.7
+    assert load_balancing_loss(probs, experts).item() == pytest.approx(2.7, rel=1e-6)
+    # HF Mixtral's own function (one layer; softmax of log-probabilities gives the probabilities back)
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    assert load_balancing_loss_func((probs.log(),), 4, 2).item() == pytest.approx(2.7, rel=1e-6)
+    uniform = torch.full((4, 4), 0.25)
+    balanced = torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]])
+    assert load_balancing_loss(uniform, balanced).item() == pytest.approx(2.0)  # = top_k when balanced
+    logits = torch.tensor([[0.0, math.log(3.0)]])
+    assert z_loss(logits).item() == pytest.approx(math.log(4.0) ** 2, rel=1e-6)
+
+
+def test_moe_block_equals_a_token_by_token_computation():
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval()
+    mlp = model.blocks[0].mlp
+    x = torch.randn(3, 5, CONFIG.d_model)
+    with torch.no_grad():
+        out = mlp(x)
+        logits = mlp.router.wg(x.reshape(-1, CONFIG.d_model))
+        _, weights, chosen = route(logits, 2)
+        experts = mlp.moe.deepspeed_moe.experts.deepspeed_experts
+        expected = torch.stack(
+            [
+                sum(w * experts[int(e)](token) for w, e in zip(weights[t], chosen[t]))
+                for t, token in enumerate(x.reshape(-1, CONFIG.d_model))
+            ]
+        )
+    assert torch.allclose(out.reshape(-1, CONFIG.d_model), expected, atol=1e-6)
+    counts = mlp.router.counts
+    assert counts is None  # eval forwards are not counted in the training shares
+
+
+def test_param_counts_total_and_active():
+    model = GPT(CONFIG)
+    total = sum(p.numel() for p in model.parameters())
+    assert num_params(CONFIG) == total
+    expert = 3 * CONFIG.d_model * 48
+    assert num_params(CONFIG) - num_params(CONFIG, active=True) == CONFIG.n_layer * 2 * expert
+    dense_equivalent = flops_per_token(CONFIG, 32) - 6 * CONFIG.n_layer * 2 * expert
+    assert dense_equivalent > 0
+
+
+def test_experts_have_the_same_weights_under_every_expert_parallel_layout():
+    torch.manual_seed(3)
+    whole = GPT(CONFIG).state_dict()
+    for rank in range(2):
+        torch.manual_seed(3)
+        half = GPT(CONFIG, ep_size=2, ep_rank=rank).state_dict()
+        for name, tensor in half.items():
+            global_name = name
+            if ".deepspeed_experts." in name:
+                head, tail = name.split(".deepspeed_experts.")
+                local, rest = tail.split(".", 1)
+                global_name = f"{head}.deepspeed_experts.{rank * 2 + int(local)}.{rest}"
+            assert torch.equal(tensor, whole[global_name]), name
+
+
+def test_mixtral_export_gives_our_logits_and_imports_back_identical(tmp_path):
+    import transformers
+
+    from dstrain.model.hf import architecture_diff, config_from_hf, from_hf, to_hf_model
+
+    torch.manual_seed(1)
+    model = GPT(CONFIG).eval()
+    hf = to_hf_model(CONFIG, model.state_dict())
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff < 1e-4
+    hf.save_pretrained(tmp_path)
+    config, state = from_hf(tmp_path)
+    assert config_from_hf(tmp_path) == config
+    assert architecture_diff(CONFIG, config) == []
+    assert config.moe == CONFIG.moe  # z_loss_coef is not in HF's config: it comes back as the (same) default
+    ours = model.state_dict()
+    assert state.keys() == ours.keys()
+    assert all(torch.equal(state[k], ours[k]) for k in ours)
+    assert isinstance(transformers.AutoConfig.from_pretrained(tmp_path), transformers.MixtralConfig)
+
+
+def test_only_every_layer_llama_moe_exports():
+    from dstrain.model.hf import to_hf
+
+    config = dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, every=2))
+    with pytest.raises(DstrainError, match="moe.every 1 exports to MixtralForCausalLM"):
+        to_hf(config, GPT(config).state_dict())
+
+
+def test_a_moe_checkpoint_does_not_change_topology(tmp_path):
+    from dstrain.strategy import Topology
+    from dstrain.train.topology import check_convertible, needs_conversion
+
+    ep2 = Topology(world_size=2, zero_stage=1, dp_size=2, tp_size=1, pp_stages=1, precision="fp32", ep_size=2)
+    ep1 = dataclasses.replace(ep2, ep_size=1)
+    assert needs_conversion(ep2, ep1) and needs_conversion(ep1, ep2) and not needs_conversion(ep2, ep2)
+    with pytest.raises(DstrainError, match="an MoE run cannot change topology .*expert-parallel 2 -> ZeRO-1"):
+        check_convertible(tmp_path, ep2, ep1, moe=True)
+    record = ep1.to_record()
+    del record["ep_size"]  # a checkpoint from before expert parallelism
+    assert Topology.from_record(record) == ep1
+
+
+def test_parameter_line_shows_total_and_active():
+    from dstrain.model.config import describe_params
+
+    line = describe_params(CONFIG)
+    assert f"{num_params(CONFIG) / 1e6:,.2f}M total" in line
+    assert (
+        f"{num_params(CONFIG, active=True) / 1e6:,.2f}M active per token (top 2 of 4 experts in 2 MoE layers)" in line
+    )
+
+
+def test_estimate_splits_the_experts_over_the_expert_parallel_ranks():
+    from pathlib import Path
+
+    from dstrain.config import load_recipe
+    from dstrain.memory import estimate_file
+    from dstrain.parallel import EXPERTS, _meta_params
+
+    root = Path(__file__).resolve().parents[1]
+    recipe_file = root / "recipes" / "moe-1b.yaml"
+    recipe = load_recipe(recipe_file)
+    ep1 = estimate_file(recipe, recipe_file, root / "ds_configs" / "zero2_bf16.json", 1, 8)
+    ep2 = estimate_file(recipe, recipe_file, root / "ds_configs" / "ep2_zero2_bf16.json", 1, 8)
+    experts = sum(n for name, n in _meta_params(json.dumps(dataclasses.asdict(recipe.model))) if EXPERTS in name)
+    assert ep1.params_per_rank == ep1.params_total
+    assert ep2.params_per_rank == ep1.params_total - experts // 2
+    assert ep2.params_active == num_params(recipe.model, active=True) < 0.25 * ep2.params_total
+    parts = {p.name: p for p in ep2.parts}
+    # the ZeRO-2 partitions stay total/N: each expert is partitioned over the N/ep expert-data-parallel ranks
+    assert parts["Adam moments (fp32)"].step == {p.name: p for p in ep1.parts}["Adam moments (fp32)"].step
+    assert parts["MoE experts and all-to-all buffers"].backward > 0
