@@ -6,7 +6,7 @@ the experiment owns appear as ``"auto"`` and are filled from the recipe here, in
 one place; a ds_config that pins a different value is an error, never a silent
 override. Parallel sizes and gradient accumulation are derived here too:
 
-    data-parallel size  = world size / (tensor-parallel size x pipeline stages)
+    data-parallel size  = world size / (tensor-parallel size x pipeline stages x sequence-parallel size)
     accumulation steps  = global batch / (micro-batch x data-parallel size)
 """
 
@@ -22,7 +22,7 @@ from dstrain.config import Recipe
 from dstrain.data.sampler import valid_micro_batches
 from dstrain.ds_schema import validate_ds_config
 from dstrain.errors import DstrainError
-from dstrain.parallel import check_pipeline, check_tensor_parallel
+from dstrain.parallel import check_pipeline, check_sequence_parallel, check_tensor_parallel
 
 AUTO = "auto"
 
@@ -46,28 +46,36 @@ class Topology:
 
     world_size: int
     zero_stage: int
-    dp_size: int  # data-parallel replicas: world / (tp x pp)
+    dp_size: int  # data-parallel replicas: world / (tp x pp x sp)
     tp_size: int  # AutoTP degree
     pp_stages: int  # pipeline stages
     precision: str  # "fp32", "bf16" or "fp16"
+    sp_size: int = 1  # sequence-parallel (Ulysses) degree; records from before it have none: 1
 
     @classmethod
     def from_engine(cls, engine) -> Topology:
         import torch
+        from deepspeed.utils import groups
 
+        world = torch.distributed.get_world_size()
+        tp_size = max(1, int(engine.autotp_size() or 1))
+        pp_stages = int(getattr(engine, "num_stages", 1))
+        sp_size = int(groups._get_sequence_parallel_world_size())
         return cls(
-            world_size=torch.distributed.get_world_size(),
+            world_size=world,
             zero_stage=int(engine.zero_optimization_stage()),
-            dp_size=int(engine.dp_world_size),
-            tp_size=max(1, int(engine.autotp_size() or 1)),
-            pp_stages=int(getattr(engine, "num_stages", 1)),
+            # engine.dp_world_size is None under an SP mpu (DeepSpeed 0.19.8): the replicas are what is left.
+            dp_size=world // (tp_size * pp_stages * sp_size),
+            tp_size=tp_size,
+            pp_stages=pp_stages,
             precision="bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
+            sp_size=sp_size,
         )
 
     @classmethod
     def from_record(cls, record: dict) -> Topology:
         """From a checkpoint's record (``to_record``)."""
-        return cls(**{f.name: record[f.name] for f in fields(cls)})
+        return cls(**{f.name: record[f.name] for f in fields(cls) if f.name in record})
 
     def to_record(self) -> dict:
         return asdict(self)
@@ -81,6 +89,8 @@ class Topology:
             parts.append(f"tensor-parallel {self.tp_size}")
         if self.pp_stages > 1:
             parts.append(f"{self.pp_stages} pipeline stages")
+        if self.sp_size > 1:
+            parts.append(f"sequence-parallel {self.sp_size}")
         return ", ".join(parts)
 
 
@@ -92,11 +102,13 @@ class Strategy:
     precision: str  # "fp32", "bf16" or "fp16"
     micro_batch: int  # samples per rank per forward/backward
     grad_accum: int  # micro-batches per optimizer step on each rank
-    dp_size: int  # data-parallel replicas: world / (tp x pp)
+    dp_size: int  # data-parallel replicas: world / (tp x pp x sp)
     tp_size: int  # AutoTP degree (ds_config "tensor_parallel.autotp_size")
     pp_stages: int  # pipeline stages (ds_config "pipeline.stages")
     offload_optimizer: str | None  # "cpu", "nvme" or None
     offload_param: str | None
+    sp_size: int = 1  # Ulysses sequence-parallel degree (ds_config "sequence_parallel_size"); Range: divides the
+    # query and key/value heads and data.seq_len
 
     @property
     def name(self) -> str:
@@ -105,12 +117,13 @@ class Strategy:
     @property
     def topology(self) -> Topology:
         return Topology(
-            world_size=self.dp_size * self.tp_size * self.pp_stages,
+            world_size=self.dp_size * self.tp_size * self.pp_stages * self.sp_size,
             zero_stage=self.zero_stage,
             dp_size=self.dp_size,
             tp_size=self.tp_size,
             pp_stages=self.pp_stages,
             precision=self.precision,
+            sp_size=self.sp_size,
         )
 
     @property
@@ -161,8 +174,8 @@ def resolve(
         raise DstrainError(f"{ds_file}: zero_optimization.stage={stage!r}; use 0, 1, 2 or 3")
     if precision == "bf16":
         _check_bf16_sums_in_fp32(config, ds_file, stage)
-    tp_size, pp_stages, dp_size = _parallel_sizes(config, recipe, recipe_file, ds_file, world_size)
-    micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages)
+    tp_size, pp_stages, sp_size, dp_size = _parallel_sizes(config, recipe, recipe_file, ds_file, world_size)
+    micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages > 1 or sp_size > 1)
     _fill_recipe_values(config, recipe, recipe_file, ds_file)
     leftover = _find_auto(config)
     if leftover:
@@ -180,6 +193,7 @@ def resolve(
         pp_stages=pp_stages,
         offload_optimizer=offload_of(config, "offload_optimizer"),
         offload_param=offload_of(config, "offload_param"),
+        sp_size=sp_size,
     )
 
 
@@ -196,16 +210,18 @@ def _fill(section: dict, key: str, value: Any, owner: str, ds_file: str, recipe_
 
 def _parallel_sizes(
     config: dict, recipe: Recipe, recipe_file: str, ds_file: str, world_size: int
-) -> tuple[int, int, int]:
-    """(tensor-parallel size, pipeline stages, data-parallel size), each checked against the model and the world."""
+) -> tuple[int, int, int, int]:
+    """(tensor-parallel size, pipeline stages, sequence-parallel size, data-parallel size), each checked against the
+    model and the world."""
     stage = config["zero_optimization"].get("stage", 0)
     tp_size = int(config.get("tensor_parallel", {}).get("autotp_size", 1))
     pp_stages = int(config.get("pipeline", {}).get("stages", 1))
-    model_parallel = tp_size * pp_stages
+    sp_size = check_sequence_parallel(config, recipe, recipe_file, ds_file, tp_size, pp_stages)
+    model_parallel = tp_size * pp_stages * sp_size
     if world_size % model_parallel:
         raise DstrainError(
-            f"{ds_file}: world size {world_size} is not divisible by tensor-parallel {tp_size} x pipeline {pp_stages}; "
-            f"launch a multiple of {model_parallel} ranks"
+            f"{ds_file}: world size {world_size} is not divisible by tensor-parallel {tp_size} x pipeline {pp_stages} "
+            f"x sequence-parallel {sp_size}; launch a multiple of {model_parallel} ranks"
         )
     if pp_stages > 1 and stage > 1:
         raise DstrainError(
@@ -220,11 +236,11 @@ def _parallel_sizes(
         check_pipeline(config["pipeline"], ds_file)
     if tp_size > 1:
         check_tensor_parallel(config["tensor_parallel"], recipe, recipe_file, ds_file, pp_stages)
-    return tp_size, pp_stages, world_size // model_parallel
+    return tp_size, pp_stages, sp_size, world_size // model_parallel
 
 
 def _batch(
-    config: dict, recipe: Recipe, recipe_file: str, ds_file: str, world_size: int, dp_size: int, pp_stages: int
+    config: dict, recipe: Recipe, recipe_file: str, ds_file: str, world_size: int, dp_size: int, counts_dp: bool
 ) -> tuple[int, int]:
     """(micro-batch, accumulation steps): the ds_config's micro-batch must split the recipe's global batch."""
     micro = config.get("train_micro_batch_size_per_gpu")
@@ -243,8 +259,9 @@ def _batch(
     grad_accum = global_batch // (micro * dp_size)
     _fill(config, "gradient_accumulation_steps", grad_accum, "train.global_batch", ds_file, recipe_file)
     # DeepSpeed checks train_batch_size = micro x accumulation x the world it counts: the data-parallel
-    # world for pipeline engines (their grid is passed as mpu), the whole world otherwise, AutoTP included.
-    counted_world = dp_size if pp_stages > 1 else world_size
+    # world for pipeline engines (their grid is passed as mpu) and under sequence parallelism (world / sp), the whole
+    # world otherwise, AutoTP included.
+    counted_world = dp_size if counts_dp else world_size
     _fill(config, "train_batch_size", micro * grad_accum * counted_world, "train.global_batch", ds_file, recipe_file)
     return micro, grad_accum
 

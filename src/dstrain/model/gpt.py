@@ -119,6 +119,33 @@ def doc_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
 # --- the transformer ---
 
 
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v, causal and, with doc masking, within each document.
+
+    q, k, v: (B, L, heads, head_dim), the result too. A module of its own, without parameters, so that sequence
+    parallelism can wrap it from outside (dstrain.train.sequence) without changing any parameter name.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        grouped = k.shape[1] != q.shape[1]
+        if self.config.doc_masking and position_ids is not None:
+            # Fused SDPA kernels with an explicit mask do not all take enable_gqa, so expand k/v here.
+            if grouped:
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=doc_causal_mask(position_ids))
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        return y.transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -130,6 +157,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(d, self.n_kv_head * self.head_dim, bias, std)
         self.v_proj = Linear(d, self.n_kv_head * self.head_dim, bias, std)
         self.o_proj = Linear(self.n_head * self.head_dim, d, bias, std / math.sqrt(2 * config.n_layer))
+        self.core = CoreAttention(config)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -141,16 +169,9 @@ class Attention(nn.Module):
             positions = position_ids if position_ids is not None else torch.arange(length, device=x.device)[None]
             cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        grouped = self.n_kv_head != self.n_head
-        if self.config.doc_masking and position_ids is not None:
-            # Fused SDPA kernels with an explicit mask do not all take enable_gqa, so expand k/v here.
-            if grouped:
-                k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
-                v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=doc_causal_mask(position_ids))
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
-        return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
+        # (B, L, heads, head_dim) in and out of the core: the layout sequence parallelism exchanges.
+        y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), position_ids)
+        return self.o_proj(y.reshape(batch, length, -1))
 
 
 class MLP(nn.Module):

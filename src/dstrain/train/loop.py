@@ -31,7 +31,7 @@ from dstrain.metrics import IntervalClock, MetricsLog, device_peak, peak_memory_
 from dstrain.model.config import flops_per_token
 from dstrain.model.gpt import lm_loss
 from dstrain.run_dir import RunDir
-from dstrain.train import checkpoint
+from dstrain.train import checkpoint, sequence
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
 from dstrain.train.stop import StopSignal
 
@@ -95,6 +95,11 @@ class Trainer:
         # Only DeepSpeed's groups know the pipeline/TP layout, so the data-parallel rank comes from them.
         self.run_dir, self.dp_rank = run_dir, data_parallel_rank(engine, strategy)
         self.pipeline = is_pipeline(engine)
+        # Sequence parallelism: this rank's slice of every sample (dstrain.train.sequence).
+        self.sp_size = strategy.sp_size
+        self.sp_group = engine.mpu.get_sequence_parallel_group() if self.sp_size > 1 else None
+        self.sp_rank = engine.mpu.get_sequence_parallel_rank() if self.sp_size > 1 else 0
+        self.backward_factor = sequence.backward_factor(strategy.zero_stage, self.sp_size)
         self.pipe_batch_size = strategy.micro_batch  # the micro-batch size the pipeline's p2p buffers are sized for
         self.data_fingerprint, self.identity = data_fingerprint, identity or {}
         self.device = engine.device
@@ -124,6 +129,12 @@ class Trainer:
             yield self._to_device(samples, self.train_data)
 
     def _forward_loss(self, batch: dict) -> torch.Tensor:
+        """The micro-batch's mean loss; under sequence parallelism this rank's share of it (the SP group's shares
+        add up to the mean)."""
+        if self.sp_group is not None:
+            mine = sequence.shard(batch, self.sp_rank, self.sp_size, self.recipe.model.doc_masking)
+            logits = self.engine(mine["input_ids"], mine["position_ids"])
+            return sequence.loss_share(logits, mine["labels"], self.sp_group)
         position_ids = batch["position_ids"] if self.recipe.model.doc_masking else None
         return lm_loss(self.engine(batch["input_ids"], position_ids), batch["labels"])
 
@@ -161,7 +172,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for _ in range(self.strategy.grad_accum):
             loss = self._forward_loss(next(batches))
-            self.engine.backward(loss)
+            self.engine.backward(loss * self.backward_factor if self.backward_factor != 1.0 else loss)
             self.engine.step()
             total += loss.detach().float()
         return total / self.strategy.grad_accum
@@ -207,7 +218,8 @@ class Trainer:
             loss = self._pipe_eval_loss(batch) if self.pipeline else self._forward_loss(batch).item()
             if loss is not None and i < len(chunks):
                 tokens = batch["labels"].numel()
-                sums += torch.tensor([loss * tokens, tokens], device=self.device, dtype=torch.float64)
+                # An SP rank's loss is a share of the mean: its group adds up to (mean x tokens, tokens).
+                sums += torch.tensor([loss * tokens, tokens / self.sp_size], device=self.device, dtype=torch.float64)
         # Model-parallel replicas add equal shares to both sums (TP), or only the last stage adds (pipeline).
         torch.distributed.all_reduce(sums)
         return (sums[0] / sums[1]).item(), n
@@ -277,7 +289,7 @@ class Trainer:
             # One all-reduce per step carries the loss and any rank's stop request.
             flags = torch.stack([loss, torch.tensor(float(stop.received is not None), device=self.device)])
             torch.distributed.all_reduce(flags)
-            step_loss = flags[0].item() / self.world
+            step_loss = flags[0].item() * self.sp_size / self.world  # SP ranks hold shares of their replica's loss
             skipped = self.engine.skipped_steps - last_skipped
             last_skipped = self.engine.skipped_steps
             consecutive_skips = consecutive_skips + 1 if skipped else 0
