@@ -127,6 +127,12 @@ class Strategy:
         )
 
     @property
+    def zero_partitions(self) -> int:
+        """Ranks ZeRO partitions the model states over: the data-parallel replicas, and under sequence parallelism
+        their SP ranks too (DeepSpeed's sequence-data-parallel group)."""
+        return self.dp_size * self.sp_size
+
+    @property
     def activation_checkpointing(self) -> bool:
         """Blocks recompute their activations in the backward: the ds_config's activation_checkpointing section,
         or a pipeline's activation_checkpoint_interval."""
