@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dstrain.model.config import GPTConfig
+from dstrain.model.doc_attention import doc_attention
 
 StateDict = dict[str, torch.Tensor]  # a model's weights by parameter name
 
@@ -78,7 +79,7 @@ def make_norm(config: GPTConfig) -> nn.Module:
     return nn.RMSNorm(config.d_model, eps=config.norm_eps)
 
 
-# --- positions and masks ---
+# --- positions ---
 
 
 def rope_cos_sin(
@@ -107,15 +108,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def doc_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean (B, 1, L, L) mask, True = may attend: causal and within the same document."""
-    segment = torch.cumsum(position_ids == 0, dim=-1)
-    same_doc = segment[:, :, None] == segment[:, None, :]
-    length = position_ids.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    return (same_doc & causal).unsqueeze(1)
-
-
 # --- the transformer ---
 
 
@@ -134,15 +126,10 @@ class CoreAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None
     ) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        grouped = k.shape[1] != q.shape[1]
         if self.config.doc_masking and position_ids is not None:
-            # Fused SDPA kernels with an explicit mask do not all take enable_gqa, so expand k/v here.
-            if grouped:
-                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=doc_causal_mask(position_ids))
+            y = doc_attention(q, k, v, position_ids)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return y.transpose(1, 2)
 
 
