@@ -76,6 +76,7 @@ def runs(tmp_path_factory, tiny_corpus):
     tmp = tmp_path_factory.mktemp("sequence")
     llama = small_recipe(tmp, tiny_corpus, name="llama", model={"doc_masking": True})
     gpt2 = small_recipe(tmp, tiny_corpus, name="gpt2", model={"flavour": "gpt2", "n_kv_head": 4})
+    tiled = ds_config(tmp, "sp2_zero3", tiling={"loss": 4, "mlp": 2})  # memory, not math
     two = [
         ("train", [train_argv(llama, "zero0", tmp / "llama_zero0")]),
         ("train", [train_argv(llama, "sp2_zero1", tmp / "llama_sp2_zero1")]),
@@ -86,6 +87,7 @@ def runs(tmp_path_factory, tiny_corpus):
         ("train", [train_argv(llama, "zero1", tmp / "sp_then_plain")]),
         ("train_and_signal", [train_argv(llama, "zero0", tmp / "plain_then_sp"), 5]),
         ("train", [train_argv(llama, "sp2_zero3", tmp / "plain_then_sp")]),
+        ("train", [train_argv(llama, tiled, tmp / "llama_sp2_zero3_tiled")]),
         ("train_without_workaround", [train_argv(llama, "sp2_zero3", tmp / "defect", "train.steps=2")]),
     ]
     assert run_ranks(2, run_all, two) == [[0] * len(two)] * 2
@@ -105,6 +107,7 @@ def close(got: list[float], want: list[float]) -> bool:
     [
         ("llama_sp2_zero1", "llama_zero0"),
         ("llama_sp2_zero3", "llama_zero0"),
+        ("llama_sp2_zero3_tiled", "llama_zero0"),
         ("gpt2_sp2_zero3", "gpt2_zero0"),
         ("llama_sp2_dp2_zero3", "llama_zero0"),
     ],

@@ -109,6 +109,8 @@ class Strategy:
     offload_param: str | None
     sp_size: int = 1  # Ulysses sequence-parallel degree (ds_config "sequence_parallel_size"); Range: divides the
     # query and key/value heads and data.seq_len
+    loss_tiles: int = 1  # the loss in this many sequence tiles (ds_config "tiling.loss"); Range: 1 (off) .. seq_len
+    mlp_tiles: int = 1  # each MLP in this many sequence tiles (ds_config "tiling.mlp"); Range: 1 (off) .. seq_len
 
     @property
     def name(self) -> str:
@@ -181,6 +183,7 @@ def resolve(
     if precision == "bf16":
         _check_bf16_sums_in_fp32(config, ds_file, stage)
     tp_size, pp_stages, sp_size, dp_size = _parallel_sizes(config, recipe, recipe_file, ds_file, world_size)
+    loss_tiles, mlp_tiles = _tiling(config, recipe, ds_file, pp_stages)
     micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages > 1 or sp_size > 1)
     _fill_recipe_values(config, recipe, recipe_file, ds_file)
     leftover = _find_auto(config)
@@ -200,7 +203,23 @@ def resolve(
         offload_optimizer=offload_of(config, "offload_optimizer"),
         offload_param=offload_of(config, "offload_param"),
         sp_size=sp_size,
+        loss_tiles=loss_tiles,
+        mlp_tiles=mlp_tiles,
     )
+
+
+def _tiling(config: dict, recipe: Recipe, ds_file: str, pp_stages: int) -> tuple[int, int]:
+    """dstrain's own "tiling" section (dstrain.train.tiling): tiles of the loss and of each MLP, 1 = off."""
+    section = config.get("tiling", {})
+    tiles = [section.get(key, 1) for key in ("loss", "mlp")]
+    for key, value in zip(("loss", "mlp"), tiles):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= recipe.data.seq_len:
+            raise DstrainError(
+                f"{ds_file}: tiling.{key}={value!r}; use a number of sequence tiles from 1 (off) to data.seq_len"
+            )
+    if pp_stages > 1 and max(tiles) > 1:
+        raise DstrainError(f"{ds_file}: tiling with pipeline.stages > 1 is not supported; remove the tiling section")
+    return tiles[0], tiles[1]
 
 
 def _fill(section: dict, key: str, value: Any, owner: str, ds_file: str, recipe_file: str) -> None:

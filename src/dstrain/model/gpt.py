@@ -228,15 +228,18 @@ class GPT(nn.Module):
         # activation checkpointing (a memory strategy, set in the ds_config) from outside.
         self.checkpoint_fn = None
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, position_ids: (B, L) int64 -> logits (B, L, vocab_size).
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, head: bool = True
+    ) -> torch.Tensor:
+        """input_ids, position_ids: (B, L) int64 -> logits (B, L, vocab_size); head=False: the final norm's output
+        (B, L, d_model), for a loss that applies lm_head itself (tile by tile: dstrain.train.tiling).
 
         position_ids restart at 0 at each document start; None means 0..L-1 (one document).
         """
         x = self.embed(input_ids, position_ids)
         for block in self.blocks:
             x = self.run_block(block, x, position_ids)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x)) if head else self.norm(x)
 
     def run_block(self, block: nn.Module, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         if self.checkpoint_fn is not None and self.training:
@@ -253,3 +256,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     label -100 is ignored.
     """
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of the next-token cross-entropies in fp32 (label -100 not counted): lm_loss times the counted tokens."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")

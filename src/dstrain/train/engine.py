@@ -127,6 +127,10 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
 
         mpu = sequence.init_groups(strategy.sp_size)
         sequence.apply(model, mpu.get_sequence_parallel_group())
+    if strategy.mlp_tiles > 1:
+        from dstrain.train import tiling
+
+        tiling.tile_mlps(model, strategy.mlp_tiles)
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, recipe.optim.weight_decay),

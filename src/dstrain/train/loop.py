@@ -29,9 +29,9 @@ from dstrain.data.sampler import micro_batches
 from dstrain.errors import DstrainError
 from dstrain.metrics import IntervalClock, MetricsLog, device_peak, peak_memory_bytes
 from dstrain.model.config import flops_per_token
-from dstrain.model.gpt import lm_loss
+from dstrain.model.gpt import lm_loss, token_loss_sum
 from dstrain.run_dir import RunDir
-from dstrain.train import checkpoint, sequence
+from dstrain.train import checkpoint, sequence, tiling
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
 from dstrain.train.stop import StopSignal
 
@@ -131,12 +131,22 @@ class Trainer:
     def _forward_loss(self, batch: dict) -> torch.Tensor:
         """The micro-batch's mean loss; under sequence parallelism this rank's share of it (the SP group's shares
         add up to the mean)."""
+        if self.sp_group is None and self.strategy.loss_tiles == 1:
+            position_ids = batch["position_ids"] if self.recipe.model.doc_masking else None
+            return lm_loss(self.engine(batch["input_ids"], position_ids), batch["labels"])
         if self.sp_group is not None:
-            mine = sequence.shard(batch, self.sp_rank, self.sp_size, self.recipe.model.doc_masking)
-            logits = self.engine(mine["input_ids"], mine["position_ids"])
-            return sequence.loss_share(logits, mine["labels"], self.sp_group)
-        position_ids = batch["position_ids"] if self.recipe.model.doc_masking else None
-        return lm_loss(self.engine(batch["input_ids"], position_ids), batch["labels"])
+            batch = sequence.shard(batch, self.sp_rank, self.sp_size, self.recipe.model.doc_masking)
+        position_ids = batch["position_ids"] if self.sp_group is not None or self.recipe.model.doc_masking else None
+        labels, tiles = batch["labels"], self.strategy.loss_tiles
+        if tiles > 1:
+            hidden = self.engine(batch["input_ids"], position_ids, head=False)
+            losses = tiling.tiled_loss_sum(self.engine.module.lm_head, hidden, labels, tiles)
+        else:
+            losses = token_loss_sum(self.engine(batch["input_ids"], position_ids), labels)
+        count = (labels != -100).sum().to(losses.dtype)
+        if self.sp_group is not None:
+            torch.distributed.all_reduce(count, group=self.sp_group)  # the tokens of the whole sample
+        return losses / count.clamp(min=1)
 
     def _pipe_item(self, batch: dict) -> tuple:
         """(inputs, labels) as the first and last pipeline stages take them."""

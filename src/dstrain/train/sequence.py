@@ -9,7 +9,8 @@ turns (B, L/sp, heads, d) into (B, L, heads/sp, d), the model's own ``CoreAttent
 sequence for its heads, and a second all-to-all turns the result back. The core gets the full sequence's position
 ids (all-gathered once per forward) for the document mask.
 
-The loss of a slice is its share of the sample's mean: sum of its tokens' losses / the tokens of the whole SP group.
+The loss of a slice is its share of the sample's mean: sum of its tokens' losses / the tokens of the whole SP group
+(Trainer._forward_loss).
 The shares add up to the full-sequence mean, and the gradient of the mean is the SUM over the SP group of each
 rank's gradient, which is what DeepSpeed's reduction over its sequence-data-parallel group forms (it divides by the
 data-parallel size only) under ZeRO 0, 1 and 2. See ``backward_factor`` for ZeRO-3.
@@ -95,17 +96,6 @@ def shard(batch: dict, sp_rank: int, sp_size: int, doc_masking: bool) -> dict:
         "labels": batch["labels"][:, window].contiguous(),
         "position_ids": positions[:, window].contiguous(),
     }
-
-
-def loss_share(logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
-    """Sum of this slice's token losses (fp32) / the counted tokens of the whole sample over the SP group: the
-    shares of an SP group add up to the full sequence's mean loss (label -100 is not counted, as in lm_loss)."""
-    losses = torch.nn.functional.cross_entropy(
-        logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum"
-    )
-    count = (labels != -100).sum().to(losses.dtype)
-    torch.distributed.all_reduce(count, group=group)
-    return losses / count.clamp(min=1)
 
 
 def backward_factor(zero_stage: int, sp_size: int) -> float:
