@@ -149,6 +149,10 @@ CASES = {
         lambda t, c: (small_recipe(t, c), ds_config(t, "tp2_zero1", sequence_parallel_size=2), []),
         ["sequence_parallel_size with tensor_parallel", "ds_configs/tp2_zero1.json"],
     ),
+    "misspelled tiling key": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", tiling={"los": 4}), []),
+        ['unknown key "tiling.los"', '"loss" and "mlp"'],
+    ),
     "fp16 on a device without it": (
         lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1_fp16.json", []),
         ["fp16 is not supported on this device", "ds_configs/zero1_bf16.json"],

@@ -76,7 +76,9 @@ def runs(tmp_path_factory, tiny_corpus):
     tmp = tmp_path_factory.mktemp("sequence")
     llama = small_recipe(tmp, tiny_corpus, name="llama", model={"doc_masking": True})
     gpt2 = small_recipe(tmp, tiny_corpus, name="gpt2", model={"flavour": "gpt2", "n_kv_head": 4})
-    tiled = ds_config(tmp, "sp2_zero3", tiling={"loss": 4, "mlp": 2})  # memory, not math
+    # memory, not math: tiled loss and MLP, and activation checkpointing (each block's all-to-alls run again)
+    checkpointing = {"partition_activations": False}
+    tiled = ds_config(tmp, "sp2_zero3", tiling={"loss": 4, "mlp": 2}, activation_checkpointing=checkpointing)
     two = [
         ("train", [train_argv(llama, "zero0", tmp / "llama_zero0")]),
         ("train", [train_argv(llama, "sp2_zero1", tmp / "llama_sp2_zero1")]),

@@ -211,6 +211,9 @@ def resolve(
 def _tiling(config: dict, recipe: Recipe, ds_file: str, pp_stages: int) -> tuple[int, int]:
     """dstrain's own "tiling" section (dstrain.train.tiling): tiles of the loss and of each MLP, 1 = off."""
     section = config.get("tiling", {})
+    unknown = sorted(set(section) - {"loss", "mlp"}) if isinstance(section, dict) else ["(not an object)"]
+    if unknown:
+        raise DstrainError(f'{ds_file}: unknown key "tiling.{unknown[0]}"; the tiling section takes "loss" and "mlp"')
     tiles = [section.get(key, 1) for key in ("loss", "mlp")]
     for key, value in zip(("loss", "mlp"), tiles):
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= recipe.data.seq_len:
