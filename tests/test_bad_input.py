@@ -133,6 +133,26 @@ CASES = {
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero2", pipeline={"stages": 2}), []),
         ["pipeline parallelism works with ZeRO stage 0 or 1", "stage to 1"],
     ),
+    "sequence parallelism not dividing the heads": (
+        lambda t, c: (small_recipe(t, c, model={"n_kv_head": 1}), ROOT / "ds_configs/sp2_zero1.json", []),
+        ["sequence_parallel_size=2 does not divide the 1 heads", "model.n_kv_head"],
+    ),
+    "sequence parallelism not dividing seq_len": (
+        lambda t, c: (edit_recipe(small_recipe(t, c), "data", seq_len=33), ROOT / "ds_configs/sp2_zero1.json", []),
+        ["sequence_parallel_size=2 does not divide data.seq_len=33", "multiple of 2"],
+    ),
+    "sequence parallelism with pipeline stages": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "pp2_zero1", sequence_parallel_size=2), []),
+        ["sequence_parallel_size with pipeline.stages > 1", "ds_configs/sp2_zero1.json"],
+    ),
+    "sequence parallelism with tensor parallelism": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "tp2_zero1", sequence_parallel_size=2), []),
+        ["sequence_parallel_size with tensor_parallel", "ds_configs/tp2_zero1.json"],
+    ),
+    "misspelled tiling key": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", tiling={"los": 4}), []),
+        ['unknown key "tiling.los"', '"loss" and "mlp"'],
+    ),
     "fp16 on a device without it": (
         lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1_fp16.json", []),
         ["fp16 is not supported on this device", "ds_configs/zero1_bf16.json"],

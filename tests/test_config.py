@@ -67,6 +67,12 @@ def fake_fp16(monkeypatch, supported: bool) -> None:
 SHIPPED = sorted(p.name for p in (ROOT / "ds_configs").glob("*.json"))
 
 
+def model_parallel_size(ds: dict) -> int:
+    """Ranks of one model replica: pipeline stages x tensor-parallel x sequence-parallel."""
+    tp = ds.get("tensor_parallel", {}).get("autotp_size", 1)
+    return ds.get("pipeline", {}).get("stages", 1) * tp * ds.get("sequence_parallel_size", 1)
+
+
 @pytest.mark.parametrize("config", SHIPPED)
 def test_every_shipped_ds_config_resolves_or_refuses_clearly(tmp_path, config, monkeypatch):
     fake_fp16(monkeypatch, False)  # a device without fp16, whatever this machine has
@@ -74,10 +80,11 @@ def test_every_shipped_ds_config_resolves_or_refuses_clearly(tmp_path, config, m
     if ds.get("fp16", {}).get("enabled"):  # the refusal names a bf16 config
         one_line_error(lambda: strategy_for(tmp_path, ds), "fp16 is not supported", "bf16")
         return
-    recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4}, "train": {"global_batch": 32, "steps": 4}}
+    recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4, "n_head": 8, "d_model": 64}}
+    recipe["train"] = {"global_batch": 32, "steps": 4}
     if "expert_parallel" in ds:  # expert parallelism needs a mixture of experts
         recipe["model"]["moe"] = {"num_experts": 4}
-    stages = ds.get("pipeline", {}).get("stages", 1) * ds.get("tensor_parallel", {}).get("autotp_size", 1)
+    stages = model_parallel_size(ds)
     s = strategy_for(tmp_path, ds, world=2 * stages, recipe=recipe)
     assert s.micro_batch * s.grad_accum * s.dp_size == 32
 
@@ -87,11 +94,12 @@ def test_every_shipped_ds_config_passes_deepspeeds_own_parser(tmp_path, monkeypa
     from dstrain.ds_schema import validate_ds_config
 
     fake_fp16(monkeypatch, True)
-    recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4}, "train": {"global_batch": 32, "steps": 4}}
+    recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4, "n_head": 8, "d_model": 64}}
+    recipe["train"] = {"global_batch": 32, "steps": 4}
     moe_recipe = {**recipe, "model": {**recipe["model"], "moe": {"num_experts": 4}}}
     for config in SHIPPED:
         ds = json.loads((ROOT / "ds_configs" / config).read_text())
-        stages = ds.get("pipeline", {}).get("stages", 1) * ds.get("tensor_parallel", {}).get("autotp_size", 1)
+        stages = model_parallel_size(ds)
         model = moe_recipe if "expert_parallel" in ds else recipe
         validate_ds_config(strategy_for(tmp_path, ds, world=2 * stages, recipe=model).ds_config, config)
 

@@ -419,3 +419,39 @@ def test_pipeline_stages_hold_whole_layers_and_the_tied_head():
     assert count_params(recipe.model, pp=2).per_rank == 6 * block + norm + embed == 81_948_672  # the last stage
     assert count_params(recipe.model, pp=4).per_rank == 6 * block == 42_527_232  # embedding, 6, 6, norm + head
     assert count_params(recipe.model, pp=4, partition_method="uniform").per_rank == embed + 3 * block
+
+
+def test_sequence_parallel_divides_activations_and_partitions_over_every_rank():
+    """Ulysses on 8 GPUs: each rank holds 1/8 of every sample (activations, logits) and ZeRO partitions the model
+    states over all 8 ranks (DeepSpeed's sequence-data-parallel group), though there is one data-parallel replica."""
+    recipe_file = ROOT / "recipes" / "llama-1b-32k.yaml"
+    recipe = load_recipe(recipe_file)
+    plain = load_ds_config(ROOT / "ds_configs" / "zero3_bf16.json")
+    plain["train_micro_batch_size_per_gpu"] = 1  # the SP config's micro-batch: the same tokens per forward
+    base = estimate(recipe, resolve(recipe, recipe_file, plain, "zero3_bf16", 8, check_device=False), 1, 8)
+    sp = estimate_file(recipe, recipe_file, ROOT / "ds_configs" / "sp8_zero3_bf16.json", nodes=1, gpus_per_node=8)
+    assert (sp.dp_size, sp.sp_size, base.dp_size) == (1, 8, 8)
+    assert sp.model_states() == base.model_states()
+    act = {p.name: (p.backward, q.backward) for p, q in zip(sp.parts, base.parts) if p.group == "activations"}
+    saved, base_saved = act["saved for backward"]
+    assert act["logits gradient (backward start)"][0] * 8 == act["logits gradient (backward start)"][1]
+    assert abs(saved * 8 / base_saved - 1) < 0.02  # RoPE tables and ids are per slice too; nothing else grows
+    exchange = next(p for p in sp.parts if p.name == "Ulysses all-to-all (q, k, v)")
+    assert exchange.backward == 2 * 2 * 32768 // 8 * (2048 + 2 * 8 * 64)
+
+
+def test_llama_1b_32k_fits_8_gpus_only_with_sequence_parallelism():
+    """The long-context recipe: sp8_zero3_bf16 fits one node of 8 x 80 GiB; no shipped ds_config without SP does."""
+    recipe_file = ROOT / "recipes" / "llama-1b-32k.yaml"
+    recipe = load_recipe(recipe_file)
+    sp = estimate_file(recipe, recipe_file, ROOT / "ds_configs" / "sp8_zero3_bf16.json", nodes=1, gpus_per_node=8)
+    assert sp.fits and sp.peak() < 12 * GIB
+    for path in sorted((ROOT / "ds_configs").glob("*.json")):
+        ds = json.loads(path.read_text())
+        if ds.get("sequence_parallel_size", 1) > 1 or ds.get("fp16", {}).get("enabled"):
+            continue
+        try:
+            est = estimate_file(recipe, recipe_file, path, nodes=1, gpus_per_node=8)
+        except DstrainError:  # not valid for 8 ranks of this recipe
+            continue
+        assert not est.fits, path.name

@@ -80,3 +80,22 @@ def test_bf16_causal_attention_dispatches_a_fused_kernel(flavour):
         model(tokens)
     ops = {e.key for e in prof.key_averages() if "scaled_dot_product" in e.key}
     assert any("flash" in op or "cudnn" in op for op in ops), ops
+
+
+def test_flex_doc_attention_equals_the_dense_mask_on_cuda():
+    """Packed documents on a GPU take FlexAttention (compiled, block mask from position_ids): outputs and gradients
+    equal the dense-mask SDPA's to 1e-5 in fp32 (tests/test_doc_attention.py checks the forward on CPU)."""
+    from dstrain.model.doc_attention import dense_doc_attention, doc_attention, flex_supported
+
+    assert flex_supported("cuda")
+    torch.manual_seed(0)
+    length, cuts = 512, [0, 37, 300, 301, 512]
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cuts[:-1], cuts[1:])])[None].cuda()
+    inputs = [torch.randn(1, h, length, 64, device="cuda", requires_grad=True) for h in (8, 2, 2)]
+    results = []
+    for attend in (doc_attention, dense_doc_attention):
+        out = attend(*inputs, positions)
+        grads = torch.autograd.grad(out.square().sum(), inputs)
+        results.append((out, *grads))
+    for flex, dense in zip(*results):
+        torch.testing.assert_close(flex, dense, rtol=0, atol=1e-5)

@@ -177,15 +177,17 @@ def strategy_columns(ds: dict) -> dict:
     ints = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
     pp = int(ds.get("pipeline", {}).get("stages", 1))
     tp = int(ds.get("tensor_parallel", {}).get("autotp_size", 1))
+    sp = int(ds.get("sequence_parallel_size", 1))
     world = None
     batch, micro, accumulation = ints
     if isinstance(batch, int) and isinstance(micro, int) and isinstance(accumulation, int) and micro * accumulation > 0:
-        # pipeline engines count the data-parallel world
-        world = batch // (micro * accumulation) * (pp if pp > 1 else 1)
+        # pipeline engines and sequence parallelism count the data-parallel world
+        world = batch // (micro * accumulation) * pp * sp
     return dict(
         zero_stage=zero.get("stage", 0),
         pp_stages=pp,
         tp_size=tp,
+        sp_size=sp,
         precision=precision_of(ds),
         offload=", ".join(offload) or "none",
         micro_batch=ints[1],

@@ -22,9 +22,9 @@ def cost(est: Estimate) -> tuple:
     offload = max({None: 0, "cpu": 1, "nvme": 2}[x] for x in (est.offload_optimizer, est.offload_param))
     return (
         offload,
-        est.tp_size * est.pp_stages > 1,
+        est.tp_size * est.pp_stages * est.sp_size > 1,
         est.zero_stage,
-        est.tp_size * est.pp_stages,
+        est.tp_size * est.pp_stages * est.sp_size,
         Path(est.ds_config).name,
     )
 

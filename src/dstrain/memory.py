@@ -27,7 +27,8 @@ fp32 gradient partition (plus a 16-bit staging copy, and a 16-bit accumulation b
 parameter offload moves ZeRO-3's partitions.
 
 Activations per rank: what autograd saves for the backward (tests/test_estimate.py checks it with saved-tensor
-hooks), term by term in activation_bytes.
+hooks), term by term in dstrain.activations. Sequence parallelism (sp) divides them by sp (each rank holds L/sp tokens;
+attention holds L tokens of heads/sp heads) and partitions the model states over N = dp x sp ranks.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dstrain.activations import activation_bytes, sp_exchange_bytes
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.model.config import num_params
@@ -83,6 +85,7 @@ class Estimate:
     deepspeed_reference: dict | None = None  # DeepSpeed's own estimator, for comparison
     ep_size: int = 1  # expert-parallel size: each rank holds 1/ep_size of every MoE layer's experts
     params_active: int | None = None  # MoE: parameters a token runs through (router and top_k experts per layer)
+    sp_size: int = 1  # sequence-parallel degree
 
     def total(self, where: str, phase: str, groups: tuple[str, ...] | None = None) -> int:
         return sum(getattr(p, phase) for p in self.parts if p.where == where and (groups is None or p.group in groups))
@@ -128,7 +131,7 @@ def estimate(
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     zero = DeepSpeedZeroConfig(**strategy.ds_config.get("zero_optimization", {}))  # DeepSpeed's own defaults
-    stage, n = strategy.zero_stage, strategy.dp_size
+    stage, n = strategy.zero_stage, strategy.zero_partitions
     if (strategy.offload_optimizer or strategy.offload_param) and stage == 0:
         raise DstrainError(
             f"{strategy.source}: zero_optimization.offload_* needs ZeRO stage 1, 2 or 3; set zero_optimization.stage"
@@ -138,7 +141,7 @@ def estimate(
     counts = count_params(recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size)
     est = Estimate(
         *(recipe.name, strategy.source, nodes, gpus_per_node, stage, strategy.precision, strategy.micro_batch),
-        *(strategy.grad_accum, n, strategy.tp_size, strategy.pp_stages, strategy.offload_optimizer),
+        *(strategy.grad_accum, strategy.dp_size, strategy.tp_size, strategy.pp_stages, strategy.offload_optimizer),
         *(strategy.offload_param, counts.total, counts.per_rank, int(device_memory_gib * GIB), int(reserve_gib * GIB)),
         ep_size=strategy.ep_size,
         params_active=num_params(recipe.model, active=True) if recipe.model.moe is not None else None,
@@ -156,13 +159,17 @@ def estimate(
         moe_bytes = moe_activation_bytes(recipe.model, strategy.micro_batch * recipe.data.seq_len, strategy.precision)
         est.parts.append(Part("activations", "MoE experts and all-to-all buffers", "device", moe_bytes, 0, MOE_FORMULA))
     est.parts += buffer_parts(strategy, zero, counts)
+    if strategy.sp_size > 1:
+        size = sp_exchange_bytes(recipe, strategy)
+        est.parts.append(Part("buffers", "Ulysses all-to-all (q, k, v)", "device", size, 0, "2a·(T/sp)·(d + 2·kv)"))
+    est.sp_size = strategy.sp_size
     est.deepspeed_reference = deepspeed_reference(counts, est)
     return est
 
 
 def model_state_parts(strategy: Strategy, psi: int, persistent: int, part: int | None = None) -> list[Part]:
     """Parameters, gradients and optimizer states per rank (module docstring); ``part``: a ZeRO share other than Ψ/N."""
-    s, n, dtype = strategy.zero_stage, strategy.dp_size, strategy.precision
+    s, n, dtype = strategy.zero_stage, strategy.zero_partitions, strategy.precision
     b = 4 if dtype == "fp32" else 2
     opt, par = strategy.offload_optimizer, strategy.offload_param
     part = part or math.ceil(psi / n)
@@ -208,7 +215,7 @@ def accumulates_in_fp32(strategy: Strategy) -> bool:
 
 def gradient_parts(strategy: Strategy, psi: int, part: int | None = None) -> list[Part]:
     """Gradients per rank; "backward" is the last backward of a step, "step" the optimizer step."""
-    s, n, dtype, opt = strategy.zero_stage, strategy.dp_size, strategy.precision, strategy.offload_optimizer
+    s, n, dtype, opt = strategy.zero_stage, strategy.zero_partitions, strategy.precision, strategy.offload_optimizer
     b = 4 if dtype == "fp32" else 2
     g = 4 if accumulates_in_fp32(strategy) else b  # bytes of an accumulated gradient
     part = part or math.ceil(psi / n)
@@ -288,7 +295,11 @@ def buffer_parts(strategy: Strategy, zero: DeepSpeedZeroConfig, counts: ParamCou
             Part("buffers", "NVMe parameter swap buffers (pinned)", "cpu", pinned, pinned, "buffer_count·buffer_size·b")
         )
     if opt == "nvme":
-        pinned = zero.offload_optimizer.buffer_count * min(zero.sub_group_size, math.ceil(psi / strategy.dp_size)) * 4
+        pinned = (
+            zero.offload_optimizer.buffer_count
+            * min(zero.sub_group_size, math.ceil(psi / strategy.zero_partitions))
+            * 4
+        )
         parts.append(
             Part(
                 "buffers",
@@ -306,34 +317,6 @@ def buffer_parts(strategy: Strategy, zero: DeepSpeedZeroConfig, counts: ParamCou
             for where in ("device", "cpu")
         ]
     return parts
-
-
-def activation_bytes(recipe: Recipe, strategy: Strategy) -> tuple[int, int]:
-    """(saved for backward, logits gradient) per rank. torch's RMSNorm keeps fp32 copies (a fused CUDA kernel keeps
-    less, so this errs high); a pipeline's first stage holds min(stages, accumulation) micro-batches (1F1B)."""
-    m, t = recipe.model, strategy.tp_size
-    a = 4 if strategy.precision == "fp32" else 2
-    tokens, seq = strategy.micro_batch * recipe.data.seq_len, recipe.data.seq_len
-    h, kv, f, heads = m.d_model, m.kv_heads * m.head_dim, m.ff_dim, m.n_head
-    if m.flavour == "llama":
-        norm = 8 * h + 4  # torch's RMSNorm keeps fp32 copies of its input and output, and rstd
-        inner = 2 * h + 2 * kv + 4 * f  # q, k, v, attention output; gate, up, silu(gate), their product
-    else:
-        norm = a * (h + 2)  # LayerNorm keeps its input, mean and rstd
-        inner = 2 * h + 2 * kv + 2 * f  # q, k, v, attention output; up, gelu(up)
-    per_token = 2 * norm + a * (2 * h + inner / t) + 4 * heads / t  # + the linears' inputs, attention log-sum-exp
-    block = tokens * per_token + (2 * seq * m.head_dim * a if m.flavour == "llama" else 0)  # RoPE cos, sin
-    layers = math.ceil(m.n_layer / strategy.pp_stages)
-    if strategy.activation_checkpointing:
-        stage = layers * tokens * a * h + block  # block inputs, plus one block recomputed in the backward
-    else:
-        stage = layers * block
-    head = tokens * (norm + a * h + 4 * m.vocab_size + 8)  # final norm, lm_head input, fp32 log-probs, labels
-    ids, logits_grad = tokens * 8, int(tokens * (4 + a) * m.vocab_size)
-    if strategy.pp_stages == 1:
-        return int(stage + head + ids), logits_grad
-    in_flight = min(strategy.pp_stages, strategy.grad_accum)  # 1F1B: micro-batches the first stage holds
-    return int(max(in_flight * stage + ids, stage + head)), logits_grad  # first stage vs. last stage (the head)
 
 
 def deepspeed_reference(counts: ParamCounts, est: Estimate) -> dict | None:

@@ -175,3 +175,16 @@ class MetricsLog:
     def close(self) -> None:
         if self.file:
             self.file.close()
+
+
+def peak_tensor_bytes(fn, device_type: str) -> int:
+    """The most bytes of tensors alive at once on ``device_type`` while ``fn()`` runs, counted from the allocator's
+    events by torch's memory profiler (allocations before the call are not counted; works on a CPU, which keeps no
+    allocator statistics). Slow: for measurements, not for training."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(device_type)
+    return max((sum(categories) for categories in sizes), default=0)

@@ -50,7 +50,14 @@ def moe_activation_bytes(model: GPTConfig, tokens: int, precision: str) -> int:
 
 
 def check_expert_parallel(
-    config: dict, recipe: Recipe, recipe_file: str, ds_file: str, dp_size: int, pp_stages: int, tp_size: int
+    config: dict,
+    recipe: Recipe,
+    recipe_file: str,
+    ds_file: str,
+    dp_size: int,
+    pp_stages: int,
+    tp_size: int,
+    sp_size: int = 1,
 ) -> int:
     """The expert-parallel size: the ds_config's "expert_parallel.autoep_size", checked against the recipe.
 
@@ -81,6 +88,11 @@ def check_expert_parallel(
         raise DstrainError(
             f"{ds_file}: model.moe with tensor_parallel is not supported (untested in dstrain); "
             f"use ds_configs/ep2_zero1.json"
+        )
+    if moe is not None and sp_size > 1:
+        raise DstrainError(
+            f"{ds_file}: model.moe with sequence_parallel_size > 1 is not supported (the experts' all-to-all and "
+            f"Ulysses' are not combined in dstrain); remove sequence_parallel_size or model.moe"
         )
     if size == 1:
         return 1
@@ -237,3 +249,46 @@ def check_tensor_parallel(tp: dict, recipe: Recipe, recipe_file, ds_file: str, p
                 f"{ds_file}: tensor_parallel.partition_config must split {module} {kind}-wise (it says {found}); "
                 f"use the layer_specs of ds_configs/tp2_zero1.json"
             )
+
+
+def check_sequence_parallel(
+    config: dict, recipe: Recipe, recipe_file, ds_file: str, tp_size: int, pp_stages: int
+) -> int:
+    """The ds_config's ``sequence_parallel_size`` (Ulysses), checked against the model and the other layouts."""
+    size = config.get("sequence_parallel_size", 1)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise DstrainError(f"{ds_file}: sequence_parallel_size={size!r}; use a positive integer (1 = off)")
+    if size == 1:
+        return 1
+    if pp_stages > 1:
+        # DeepSpeed's pipeline engine takes its own grid as mpu; the SP groups are another mpu (one per engine).
+        raise DstrainError(
+            f"{ds_file}: sequence_parallel_size with pipeline.stages > 1 is not supported by DeepSpeed's pipeline "
+            f"engine; use ds_configs/sp2_zero1.json or ds_configs/pp2_zero1.json"
+        )
+    if tp_size > 1:
+        # AutoTP installs its own data x tensor mesh as the engine's mpu, which has no sequence dimension.
+        raise DstrainError(
+            f"{ds_file}: sequence_parallel_size with tensor_parallel is not supported by DeepSpeed 0.19's AutoTP; "
+            f"use ds_configs/sp2_zero1.json or ds_configs/tp2_zero1.json"
+        )
+    zero = config.get("zero_optimization", {})
+    if zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True) is False:
+        # dstrain.train.sequence.backward_factor corrects the one ZeRO-3 path that averages over the SP group.
+        raise DstrainError(
+            f"{ds_file}: sequence_parallel_size with ZeRO-3 needs zero_optimization.reduce_scatter on (its default); "
+            f"remove reduce_scatter: false"
+        )
+    model = recipe.model
+    for heads, key in [(model.n_head, "model.n_head"), (model.kv_heads, "model.n_kv_head")]:
+        if heads % size:
+            raise DstrainError(
+                f"{ds_file}: sequence_parallel_size={size} does not divide the {heads} heads of {recipe_file} "
+                f"({key}); each rank attends over whole heads: pick a size that divides them"
+            )
+    if recipe.data.seq_len % size:
+        raise DstrainError(
+            f"{ds_file}: sequence_parallel_size={size} does not divide data.seq_len={recipe.data.seq_len} of "
+            f"{recipe_file}; each rank holds an equal slice: pick a seq_len that is a multiple of {size}"
+        )
+    return size

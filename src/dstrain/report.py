@@ -23,6 +23,7 @@ class Row:
     zero_stage: int | None = None
     pp_stages: int | None = None
     tp_size: int | None = None
+    sp_size: int | None = None  # Ulysses sequence-parallel degree
     precision: str | None = None
     offload: str = "none"
     micro_batch: int | None = None
@@ -50,6 +51,7 @@ COLUMNS = [  # markdown header, Row attribute, format
     ("ZeRO", "zero_stage", "{}"),
     ("PP", "pp_stages", "{}"),
     ("TP", "tp_size", "{}"),
+    ("SP", "sp_size", "{}"),
     ("precision", "precision", "{}"),
     ("offload", "offload", "{}"),
     ("micro × accum", None, None),
@@ -203,7 +205,8 @@ def print_estimate(est: Estimate, suggestion: Estimate | None) -> None:
     offload = ", ".join(f"{k} offload to {v}" for k, v in offloads if v)
     console.print(
         f"[bold]{est.recipe}[/] under [bold]{est.ds_config}[/]: {est.nodes} node(s) x {est.gpus_per_node} devices "
-        f"= {ranks} ranks (data-parallel {est.dp_size} x tensor {est.tp_size} x pipeline {est.pp_stages})"
+        f"= {ranks} ranks (data-parallel {est.dp_size} x tensor {est.tp_size} x pipeline {est.pp_stages} "
+        f"x sequence {est.sp_size})"
     )
     console.print(
         f"ZeRO-{est.zero_stage}, {est.precision}, micro-batch {est.micro_batch} x accumulation {est.grad_accum}"

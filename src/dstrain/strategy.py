@@ -6,7 +6,7 @@ the experiment owns appear as ``"auto"`` and are filled from the recipe here, in
 one place; a ds_config that pins a different value is an error, never a silent
 override. Parallel sizes and gradient accumulation are derived here too:
 
-    data-parallel size  = world size / (tensor-parallel size x pipeline stages)
+    data-parallel size  = world size / (tensor-parallel size x pipeline stages x sequence-parallel size)
     expert-data-parallel size = data-parallel size / expert-parallel size  (replicas of each expert)
     accumulation steps  = global batch / (micro-batch x data-parallel size)
 """
@@ -23,7 +23,7 @@ from dstrain.config import Recipe
 from dstrain.data.sampler import valid_micro_batches
 from dstrain.ds_schema import validate_ds_config
 from dstrain.errors import DstrainError
-from dstrain.parallel import check_expert_parallel, check_pipeline, check_tensor_parallel
+from dstrain.parallel import check_expert_parallel, check_pipeline, check_sequence_parallel, check_tensor_parallel
 
 AUTO = "auto"
 
@@ -47,25 +47,33 @@ class Topology:
 
     world_size: int
     zero_stage: int
-    dp_size: int  # data-parallel replicas: world / (tp x pp)
+    dp_size: int  # data-parallel replicas: world / (tp x pp x sp)
     tp_size: int  # AutoTP degree
     pp_stages: int  # pipeline stages
     precision: str  # "fp32", "bf16" or "fp16"
     ep_size: int = 1  # expert-parallel degree: each MoE layer's experts split over this many ranks
+    sp_size: int = 1  # sequence-parallel (Ulysses) degree; records from before it have none: 1
 
     @classmethod
     def from_engine(cls, engine) -> Topology:
         import torch
         from deepspeed.moe.layer import MoE
+        from deepspeed.utils import groups
 
+        world = torch.distributed.get_world_size()
+        tp_size = max(1, int(engine.autotp_size() or 1))
+        pp_stages = int(getattr(engine, "num_stages", 1))
+        sp_size = int(groups._get_sequence_parallel_world_size())
         return cls(
-            world_size=torch.distributed.get_world_size(),
+            world_size=world,
             zero_stage=int(engine.zero_optimization_stage()),
-            dp_size=int(engine.dp_world_size),
-            tp_size=max(1, int(engine.autotp_size() or 1)),
-            pp_stages=int(getattr(engine, "num_stages", 1)),
+            # engine.dp_world_size is None under an SP mpu (DeepSpeed 0.19.8): the replicas are what is left.
+            dp_size=world // (tp_size * pp_stages * sp_size),
+            tp_size=tp_size,
+            pp_stages=pp_stages,
             precision="bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
             ep_size=max([m.ep_size for m in engine.module.modules() if isinstance(m, MoE)], default=1),
+            sp_size=sp_size,
         )
 
     @classmethod
@@ -87,6 +95,8 @@ class Topology:
             parts.append(f"{self.pp_stages} pipeline stages")
         if self.ep_size > 1:
             parts.append(f"expert-parallel {self.ep_size}")
+        if self.sp_size > 1:
+            parts.append(f"sequence-parallel {self.sp_size}")
         return ", ".join(parts)
 
 
@@ -98,7 +108,7 @@ class Strategy:
     precision: str  # "fp32", "bf16" or "fp16"
     micro_batch: int  # samples per rank per forward/backward
     grad_accum: int  # micro-batches per optimizer step on each rank
-    dp_size: int  # data-parallel replicas: world / (tp x pp)
+    dp_size: int  # data-parallel replicas: world / (tp x pp x sp)
     tp_size: int  # AutoTP degree (ds_config "tensor_parallel.autotp_size")
     pp_stages: int  # pipeline stages (ds_config "pipeline.stages")
     offload_optimizer: str | None  # "cpu", "nvme" or None
@@ -115,6 +125,11 @@ class Strategy:
         (deepspeed.utils.groups._create_expert_and_data_parallel, data-before-expert-parallel off)."""
         return rank % self.ep_size
 
+    sp_size: int = 1  # Ulysses sequence-parallel degree (ds_config "sequence_parallel_size"); Range: divides the
+    # query and key/value heads and data.seq_len
+    loss_tiles: int = 1  # the loss in this many sequence tiles (ds_config "tiling.loss"); Range: 1 (off) .. seq_len
+    mlp_tiles: int = 1  # each MLP in this many sequence tiles (ds_config "tiling.mlp"); Range: 1 (off) .. seq_len
+
     @property
     def name(self) -> str:
         return Path(self.source).stem
@@ -122,14 +137,21 @@ class Strategy:
     @property
     def topology(self) -> Topology:
         return Topology(
-            world_size=self.dp_size * self.tp_size * self.pp_stages,
+            world_size=self.dp_size * self.tp_size * self.pp_stages * self.sp_size,
             zero_stage=self.zero_stage,
             dp_size=self.dp_size,
             tp_size=self.tp_size,
             pp_stages=self.pp_stages,
             precision=self.precision,
             ep_size=self.ep_size,
+            sp_size=self.sp_size,
         )
+
+    @property
+    def zero_partitions(self) -> int:
+        """Ranks ZeRO partitions the model states over: the data-parallel replicas, and under sequence parallelism
+        their SP ranks too (DeepSpeed's sequence-data-parallel group)."""
+        return self.dp_size * self.sp_size
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -179,9 +201,10 @@ def resolve(
         raise DstrainError(f"{ds_file}: zero_optimization.stage={stage!r}; use 0, 1, 2 or 3")
     if precision == "bf16":
         _check_bf16_sums_in_fp32(config, ds_file, stage)
-    tp_size, pp_stages, dp_size = _parallel_sizes(config, recipe, recipe_file, ds_file, world_size)
-    ep_size = check_expert_parallel(config, recipe, recipe_file, ds_file, dp_size, pp_stages, tp_size)
-    micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages)
+    tp_size, pp_stages, sp_size, dp_size = _parallel_sizes(config, recipe, recipe_file, ds_file, world_size)
+    ep_size = check_expert_parallel(config, recipe, recipe_file, ds_file, dp_size, pp_stages, tp_size, sp_size)
+    loss_tiles, mlp_tiles = _tiling(config, recipe, ds_file, pp_stages)
+    micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages > 1 or sp_size > 1)
     _fill_recipe_values(config, recipe, recipe_file, ds_file)
     leftover = _find_auto(config)
     if leftover:
@@ -200,7 +223,27 @@ def resolve(
         offload_optimizer=offload_of(config, "offload_optimizer"),
         offload_param=offload_of(config, "offload_param"),
         ep_size=ep_size,
+        sp_size=sp_size,
+        loss_tiles=loss_tiles,
+        mlp_tiles=mlp_tiles,
     )
+
+
+def _tiling(config: dict, recipe: Recipe, ds_file: str, pp_stages: int) -> tuple[int, int]:
+    """dstrain's own "tiling" section (dstrain.train.tiling): tiles of the loss and of each MLP, 1 = off."""
+    section = config.get("tiling", {})
+    unknown = sorted(set(section) - {"loss", "mlp"}) if isinstance(section, dict) else ["(not an object)"]
+    if unknown:
+        raise DstrainError(f'{ds_file}: unknown key "tiling.{unknown[0]}"; the tiling section takes "loss" and "mlp"')
+    tiles = [section.get(key, 1) for key in ("loss", "mlp")]
+    for key, value in zip(("loss", "mlp"), tiles):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= recipe.data.seq_len:
+            raise DstrainError(
+                f"{ds_file}: tiling.{key}={value!r}; use a number of sequence tiles from 1 (off) to data.seq_len"
+            )
+    if pp_stages > 1 and max(tiles) > 1:
+        raise DstrainError(f"{ds_file}: tiling with pipeline.stages > 1 is not supported; remove the tiling section")
+    return tiles[0], tiles[1]
 
 
 def _fill(section: dict, key: str, value: Any, owner: str, ds_file: str, recipe_file: str) -> None:
@@ -216,16 +259,18 @@ def _fill(section: dict, key: str, value: Any, owner: str, ds_file: str, recipe_
 
 def _parallel_sizes(
     config: dict, recipe: Recipe, recipe_file: str, ds_file: str, world_size: int
-) -> tuple[int, int, int]:
-    """(tensor-parallel size, pipeline stages, data-parallel size), each checked against the model and the world."""
+) -> tuple[int, int, int, int]:
+    """(tensor-parallel size, pipeline stages, sequence-parallel size, data-parallel size), each checked against the
+    model and the world."""
     stage = config["zero_optimization"].get("stage", 0)
     tp_size = int(config.get("tensor_parallel", {}).get("autotp_size", 1))
     pp_stages = int(config.get("pipeline", {}).get("stages", 1))
-    model_parallel = tp_size * pp_stages
+    sp_size = check_sequence_parallel(config, recipe, recipe_file, ds_file, tp_size, pp_stages)
+    model_parallel = tp_size * pp_stages * sp_size
     if world_size % model_parallel:
         raise DstrainError(
-            f"{ds_file}: world size {world_size} is not divisible by tensor-parallel {tp_size} x pipeline {pp_stages}; "
-            f"launch a multiple of {model_parallel} ranks"
+            f"{ds_file}: world size {world_size} is not divisible by tensor-parallel {tp_size} x pipeline {pp_stages} "
+            f"x sequence-parallel {sp_size}; launch a multiple of {model_parallel} ranks"
         )
     if pp_stages > 1 and stage > 1:
         raise DstrainError(
@@ -240,11 +285,11 @@ def _parallel_sizes(
         check_pipeline(config["pipeline"], ds_file)
     if tp_size > 1:
         check_tensor_parallel(config["tensor_parallel"], recipe, recipe_file, ds_file, pp_stages)
-    return tp_size, pp_stages, world_size // model_parallel
+    return tp_size, pp_stages, sp_size, world_size // model_parallel
 
 
 def _batch(
-    config: dict, recipe: Recipe, recipe_file: str, ds_file: str, world_size: int, dp_size: int, pp_stages: int
+    config: dict, recipe: Recipe, recipe_file: str, ds_file: str, world_size: int, dp_size: int, counts_dp: bool
 ) -> tuple[int, int]:
     """(micro-batch, accumulation steps): the ds_config's micro-batch must split the recipe's global batch."""
     micro = config.get("train_micro_batch_size_per_gpu")
@@ -263,8 +308,9 @@ def _batch(
     grad_accum = global_batch // (micro * dp_size)
     _fill(config, "gradient_accumulation_steps", grad_accum, "train.global_batch", ds_file, recipe_file)
     # DeepSpeed checks train_batch_size = micro x accumulation x the world it counts: the data-parallel
-    # world for pipeline engines (their grid is passed as mpu), the whole world otherwise, AutoTP included.
-    counted_world = dp_size if pp_stages > 1 else world_size
+    # world for pipeline engines (their grid is passed as mpu) and under sequence parallelism (world / sp), the whole
+    # world otherwise, AutoTP included.
+    counted_world = dp_size if counts_dp else world_size
     _fill(config, "train_batch_size", micro * grad_accum * counted_world, "train.global_batch", ds_file, recipe_file)
     return micro, grad_accum
 

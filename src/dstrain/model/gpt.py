@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dstrain.model.config import GPTConfig
+from dstrain.model.doc_attention import doc_attention
 from dstrain.model.moe import MoEMLP
 
 StateDict = dict[str, torch.Tensor]  # a model's weights by parameter name
@@ -79,7 +80,7 @@ def make_norm(config: GPTConfig) -> nn.Module:
     return nn.RMSNorm(config.d_model, eps=config.norm_eps)
 
 
-# --- positions and masks ---
+# --- positions ---
 
 
 def rope_cos_sin(
@@ -108,16 +109,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def doc_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean (B, 1, L, L) mask, True = may attend: causal and within the same document."""
-    segment = torch.cumsum(position_ids == 0, dim=-1)
-    same_doc = segment[:, :, None] == segment[:, None, :]
-    length = position_ids.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    return (same_doc & causal).unsqueeze(1)
-
-
 # --- the transformer ---
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v, causal and, with doc masking, within each document.
+
+    q, k, v: (B, L, heads, head_dim), the result too. A module of its own, without parameters, so that sequence
+    parallelism can wrap it from outside (dstrain.train.sequence) without changing any parameter name.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.config.doc_masking and position_ids is not None:
+            y = doc_attention(q, k, v, position_ids)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return y.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -131,6 +145,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(d, self.n_kv_head * self.head_dim, bias, std)
         self.v_proj = Linear(d, self.n_kv_head * self.head_dim, bias, std)
         self.o_proj = Linear(self.n_head * self.head_dim, d, bias, std / math.sqrt(2 * config.n_layer))
+        self.core = CoreAttention(config)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -142,16 +157,9 @@ class Attention(nn.Module):
             positions = position_ids if position_ids is not None else torch.arange(length, device=x.device)[None]
             cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        grouped = self.n_kv_head != self.n_head
-        if self.config.doc_masking and position_ids is not None:
-            # Fused SDPA kernels with an explicit mask do not all take enable_gqa, so expand k/v here.
-            if grouped:
-                k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
-                v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=doc_causal_mask(position_ids))
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
-        return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
+        # (B, L, heads, head_dim) in and out of the core: the layout sequence parallelism exchanges.
+        y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), position_ids)
+        return self.o_proj(y.reshape(batch, length, -1))
 
 
 class MLP(nn.Module):
@@ -224,15 +232,18 @@ class GPT(nn.Module):
         # activation checkpointing (a memory strategy, set in the ds_config) from outside.
         self.checkpoint_fn = None
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, position_ids: (B, L) int64 -> logits (B, L, vocab_size).
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, head: bool = True
+    ) -> torch.Tensor:
+        """input_ids, position_ids: (B, L) int64 -> logits (B, L, vocab_size); head=False: the final norm's output
+        (B, L, d_model), for a loss that applies lm_head itself (tile by tile: dstrain.train.tiling).
 
         position_ids restart at 0 at each document start; None means 0..L-1 (one document).
         """
         x = self.embed(input_ids, position_ids)
         for block in self.blocks:
             x = self.run_block(block, x, position_ids)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x)) if head else self.norm(x)
 
     def run_block(self, block: nn.Module, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         if self.checkpoint_fn is not None and self.training:
@@ -249,3 +260,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     label -100 is ignored.
     """
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of the next-token cross-entropies in fp32 (label -100 not counted): lm_loss times the counted tokens."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")

@@ -129,11 +129,22 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
     # second run in one process (tests, notebooks) crashes or reduces over the wrong ranks. Engines that have a
     # grid set it again. tests/test_parallel.py::test_deepspeed_leaks_the_pipeline_grid notices a fix upstream.
     deepspeed.utils.groups.mpu = None
+    mpu = None
+    if strategy.sp_size > 1:  # Ulysses: attention wrapped from outside, DeepSpeed told the groups through mpu
+        from dstrain.train import sequence
+
+        mpu = sequence.init_groups(strategy.sp_size)
+        sequence.apply(model, mpu.get_sequence_parallel_group())
+    if strategy.mlp_tiles > 1:
+        from dstrain.train import tiling
+
+        tiling.tile_mlps(model, strategy.mlp_tiles)
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, recipe.optim.weight_decay),
         config=strategy.ds_config,
         lr_scheduler=lambda opt: build_scheduler(opt, recipe.total_steps, recipe.optim, recipe.schedule),
+        mpu=mpu,
     )
     if strategy.activation_checkpointing:
         configure_activation_checkpointing(engine, strategy)
@@ -222,9 +233,15 @@ def data_parallel_rank(engine, strategy: Strategy) -> int:
     """This rank's index among the data-parallel replicas, as DeepSpeed laid them out.
 
     The pipeline grid (engine.mpu for a PipelineEngine) and the AutoTP mesh (engine.mpu = deepspeed.utils.groups)
-    each own their layout; the ranks of one tensor-parallel group or one pipeline share an index.
+    each own their layout; the ranks of one tensor-parallel group or one pipeline share an index. DeepSpeed's
+    sequence-parallel groups (engine.mpu = parallel_state_sp) are consecutive ranks and know no data-parallel rank.
     """
-    if engine.mpu is None:
+    if strategy.sp_size > 1:
+        sp_rank, sp_size = engine.mpu.get_sequence_parallel_rank(), engine.mpu.get_sequence_parallel_world_size()
+        rank, size = torch.distributed.get_rank() // sp_size, torch.distributed.get_world_size() // sp_size
+        if torch.distributed.get_rank() % sp_size != sp_rank:
+            raise RuntimeError(f"DeepSpeed's sequence-parallel groups are not consecutive ranks (rank {sp_rank})")
+    elif engine.mpu is None:
         rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     else:
         rank, size = engine.mpu.get_data_parallel_rank(), engine.mpu.get_data_parallel_world_size()

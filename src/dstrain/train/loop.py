@@ -29,9 +29,9 @@ from dstrain.data.sampler import micro_batches
 from dstrain.errors import DstrainError
 from dstrain.metrics import IntervalClock, MetricsLog, device_peak, peak_memory_bytes
 from dstrain.model.config import describe_params, flops_per_token
-from dstrain.model.gpt import lm_loss
+from dstrain.model.gpt import lm_loss, token_loss_sum
 from dstrain.run_dir import RunDir
-from dstrain.train import checkpoint
+from dstrain.train import checkpoint, sequence, tiling
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
 from dstrain.train.moe_metrics import MoEMeter
 from dstrain.train.stop import StopSignal
@@ -96,6 +96,11 @@ class Trainer:
         # Only DeepSpeed's groups know the pipeline/TP layout, so the data-parallel rank comes from them.
         self.run_dir, self.dp_rank = run_dir, data_parallel_rank(engine, strategy)
         self.pipeline = is_pipeline(engine)
+        # Sequence parallelism: this rank's slice of every sample (dstrain.train.sequence).
+        self.sp_size = strategy.sp_size
+        self.sp_group = engine.mpu.get_sequence_parallel_group() if self.sp_size > 1 else None
+        self.sp_rank = engine.mpu.get_sequence_parallel_rank() if self.sp_size > 1 else 0
+        self.backward_factor = sequence.backward_factor(strategy.zero_stage, self.sp_size)
         self.pipe_batch_size = strategy.micro_batch  # the micro-batch size the pipeline's p2p buffers are sized for
         self.data_fingerprint, self.identity = data_fingerprint, identity or {}
         self.device = engine.device
@@ -126,8 +131,24 @@ class Trainer:
             yield self._to_device(samples, self.train_data)
 
     def _forward_loss(self, batch: dict) -> torch.Tensor:
-        position_ids = batch["position_ids"] if self.recipe.model.doc_masking else None
-        return lm_loss(self.engine(batch["input_ids"], position_ids), batch["labels"])
+        """The micro-batch's mean loss; under sequence parallelism this rank's share of it (the SP group's shares
+        add up to the mean)."""
+        if self.sp_group is None and self.strategy.loss_tiles == 1:
+            position_ids = batch["position_ids"] if self.recipe.model.doc_masking else None
+            return lm_loss(self.engine(batch["input_ids"], position_ids), batch["labels"])
+        if self.sp_group is not None:
+            batch = sequence.shard(batch, self.sp_rank, self.sp_size, self.recipe.model.doc_masking)
+        position_ids = batch["position_ids"] if self.sp_group is not None or self.recipe.model.doc_masking else None
+        labels, tiles = batch["labels"], self.strategy.loss_tiles
+        if tiles > 1:
+            hidden = self.engine(batch["input_ids"], position_ids, head=False)
+            losses = tiling.tiled_loss_sum(self.engine.module.lm_head, hidden, labels, tiles)
+        else:
+            losses = token_loss_sum(self.engine(batch["input_ids"], position_ids), labels)
+        count = (labels != -100).sum().to(losses.dtype)
+        if self.sp_group is not None:
+            torch.distributed.all_reduce(count, group=self.sp_group)  # the tokens of the whole sample
+        return losses / count.clamp(min=1)
 
     def _pipe_item(self, batch: dict) -> tuple:
         """(inputs, labels) as the first and last pipeline stages take them."""
@@ -163,7 +184,8 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for _ in range(self.strategy.grad_accum):
             loss = self._forward_loss(next(batches))  # the LM loss, what is logged and compared
-            self.engine.backward(loss + self.moe.losses() if self.moe.enabled else loss)
+            total = loss + self.moe.losses() if self.moe.enabled else loss
+            self.engine.backward(total * self.backward_factor if self.backward_factor != 1.0 else total)
             self.engine.step()
             total += loss.detach().float()
         return total / self.strategy.grad_accum
@@ -209,7 +231,8 @@ class Trainer:
             loss = self._pipe_eval_loss(batch) if self.pipeline else self._forward_loss(batch).item()
             if loss is not None and i < len(chunks):
                 tokens = batch["labels"].numel()
-                sums += torch.tensor([loss * tokens, tokens], device=self.device, dtype=torch.float64)
+                # An SP rank's loss is a share of the mean: its group adds up to (mean x tokens, tokens).
+                sums += torch.tensor([loss * tokens, tokens / self.sp_size], device=self.device, dtype=torch.float64)
         # Model-parallel replicas add equal shares to both sums (TP), or only the last stage adds (pipeline).
         torch.distributed.all_reduce(sums)
         return (sums[0] / sums[1]).item(), n
@@ -280,7 +303,7 @@ class Trainer:
             # One all-reduce per step carries the loss and any rank's stop request.
             flags = torch.stack([loss, torch.tensor(float(stop.received is not None), device=self.device)])
             torch.distributed.all_reduce(flags)
-            step_loss = flags[0].item() / self.world
+            step_loss = flags[0].item() * self.sp_size / self.world  # SP ranks hold shares of their replica's loss
             skipped = self.engine.skipped_steps - last_skipped
             last_skipped = self.engine.skipped_steps
             consecutive_skips = consecutive_skips + 1 if skipped else 0

@@ -52,8 +52,9 @@ def saved(tag_dir: Path) -> Topology | None:
 
 
 def needs_conversion(old: Topology, new: Topology) -> bool:
-    """Replicated state (ZeRO-0 fp32) loads at any world size; partitioned state needs the same data-parallel
-    size and precision (ZeRO names its bf16 partition files differently)."""
+    """Replicated state (ZeRO-0 fp32) loads at any world size; partitioned state needs the same partition count
+    and precision (ZeRO names its bf16 partition files differently). Under sequence parallelism ZeRO partitions
+    over the SP ranks too (DeepSpeed's sequence-data-parallel group): dp x sp partitions."""
     if (old.zero_stage, old.tp_size, old.pp_stages, old.ep_size) != (
         new.zero_stage,
         new.tp_size,
@@ -61,7 +62,8 @@ def needs_conversion(old: Topology, new: Topology) -> bool:
         new.ep_size,
     ):
         return True
-    return (_partitioned(old) or _partitioned(new)) and (old.dp_size, old.precision) != (new.dp_size, new.precision)
+    old_parts, new_parts = old.dp_size * old.sp_size, new.dp_size * new.sp_size
+    return (_partitioned(old) or _partitioned(new)) and (old_parts, old.precision) != (new_parts, new.precision)
 
 
 def _partitioned(t: Topology) -> bool:

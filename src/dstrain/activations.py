@@ -1,0 +1,46 @@
+"""Activation memory per rank: what autograd saves for the backward of one micro-batch (tests/test_estimate.py checks
+it with saved-tensor hooks), and the transient buffers of sequence parallelism. Used by dstrain.memory."""
+
+from __future__ import annotations
+
+import math
+
+from dstrain.config import Recipe
+from dstrain.strategy import Strategy
+
+
+def activation_bytes(recipe: Recipe, strategy: Strategy) -> tuple[int, int]:
+    """(saved for backward, logits gradient) per rank. torch's RMSNorm keeps fp32 copies (a fused CUDA kernel keeps
+    less, so this errs high); a pipeline's first stage holds min(stages, accumulation) micro-batches (1F1B)."""
+    m, t = recipe.model, strategy.tp_size
+    a = 4 if strategy.precision == "fp32" else 2
+    seq = recipe.data.seq_len // strategy.sp_size  # a sequence-parallel rank's slice of each sample
+    tokens = strategy.micro_batch * seq
+    h, kv, f, heads = m.d_model, m.kv_heads * m.head_dim, m.ff_dim, m.n_head
+    if m.flavour == "llama":
+        norm = 8 * h + 4  # torch's RMSNorm keeps fp32 copies of its input and output, and rstd
+        inner = 2 * h + 2 * kv + 4 * f  # q, k, v, attention output; gate, up, silu(gate), their product
+    else:
+        norm = a * (h + 2)  # LayerNorm keeps its input, mean and rstd
+        inner = 2 * h + 2 * kv + 2 * f  # q, k, v, attention output; up, gelu(up)
+    per_token = 2 * norm + a * (2 * h + inner / t) + 4 * heads / t  # + the linears' inputs, attention log-sum-exp
+    block = tokens * per_token + (2 * seq * m.head_dim * a if m.flavour == "llama" else 0)  # RoPE cos, sin
+    layers = math.ceil(m.n_layer / strategy.pp_stages)
+    if strategy.activation_checkpointing:
+        stage = layers * tokens * a * h + block  # block inputs, plus one block recomputed in the backward
+    else:
+        stage = layers * block
+    head = tokens * (norm + a * h + 4 * m.vocab_size + 8)  # final norm, lm_head input, fp32 log-probs, labels
+    ids, logits_grad = tokens * 8, int(tokens * (4 + a) * m.vocab_size)
+    if strategy.pp_stages == 1:
+        return int(stage + head + ids), logits_grad
+    in_flight = min(strategy.pp_stages, strategy.grad_accum)  # 1F1B: micro-batches the first stage holds
+    return int(max(in_flight * stage + ids, stage + head)), logits_grad  # first stage vs. last stage (the head)
+
+
+def sp_exchange_bytes(recipe: Recipe, strategy: Strategy) -> int:
+    """Ulysses' transient all-to-all buffers of one block: q, k and v each copied contiguous and received (the
+    context's exchange back is smaller); the tensors saved for the backward are counted in activation_bytes."""
+    m, a = recipe.model, 4 if strategy.precision == "fp32" else 2
+    tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
+    return 2 * a * tokens * (m.d_model + 2 * m.kv_heads * m.head_dim)
