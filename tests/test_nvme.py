@@ -7,6 +7,7 @@ wider than small_recipe's: 1.44M parameters, whose matrices (2.9 MB per rank) an
 """
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -146,17 +147,27 @@ def test_an_nvme_checkpoint_resumes_only_as_saved(nvme_runs, tmp_path, capfd, mo
     from dstrain.train.run import main
 
     recipe, config, nvme, zero3 = (nvme_runs[k] for k in ("recipe", "config", "nvme", "zero3"))
-    before = {p: p.stat().st_mtime_ns for p in (*nvme.rglob("*"), *zero3.rglob("*"))}
+    unrecorded = shutil.copytree(nvme, tmp_path / "unrecorded", symlinks=True)
+    tag_dir = unrecorded / "checkpoints" / "global_step10"
+    record = json.loads((tag_dir / "dstrain_checkpoint.json").read_text())
+    for layout in (tag_dir / "offloaded_tensors").glob("rank*/dstrain_subgroups.json"):
+        layout.unlink()  # as in a checkpoint saved before dstrain wrote them, complete without them
+        del record["files"][str(layout.relative_to(tag_dir))]
+    (tag_dir / "dstrain_checkpoint.json").write_text(json.dumps(record))
+    runs = (nvme, zero3, unrecorded)
+    before = {p: p.stat().st_mtime_ns for run in runs for p in run.rglob("*")}
+    saved_with = "resume with the ds_config and rank count it was saved with"
     cases = [
-        (train_argv(recipe, "zero3", nvme), "2", "only an NVMe ds_config loads"),
+        (train_argv(recipe, "zero3", nvme), "2", "only an NVMe ds_config loads; " + saved_with),
         (train_argv(recipe, config, nvme), "1", "DeepSpeed cannot repartition them (ZeRO-3 fp32, 2 ranks -> "),
-        (train_argv(recipe, config, zero3), "2", "the checkpoint has no NVMe swap files to load"),
+        (train_argv(recipe, config, zero3), "2", "the checkpoint has no NVMe swap files to load; " + saved_with),
+        (train_argv(recipe, config, unrecorded), "2", "no record of which swap file holds what"),
     ]
     for argv, world, why in cases:
         monkeypatch.setenv("WORLD_SIZE", world)
         capfd.readouterr()
         assert main([*argv, "train.steps=12"]) == 2
         err = capfd.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and why in err[0] and "resume with the ds_config and rank count it was saved" in err[0]
-    assert {p: p.stat().st_mtime_ns for p in (*nvme.rglob("*"), *zero3.rglob("*"))} == before
+        assert len(err) == 1 and why in err[0], err
+    assert {p: p.stat().st_mtime_ns for run in runs for p in run.rglob("*")} == before
     assert json.loads((nvme / "summary.json").read_text())["step"] == 10

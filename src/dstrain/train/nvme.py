@@ -43,8 +43,12 @@ def record_subgroups(engine, tag_dir: Path) -> None:
         }
         for i, flat in enumerate(optimizer.fp32_partitioned_groups_flat)
     ]
-    folder = rank_folder(tag_dir, engine.global_rank)
-    (folder / SUBGROUPS).write_text(json.dumps(groups))
+    (rank_folder(tag_dir, swap_rank(engine)) / SUBGROUPS).write_text(json.dumps(groups))
+
+
+def swap_rank(engine) -> int:
+    """The rank that names this rank's folder of swap files, as engine.save_checkpoint / load_checkpoint pick it."""
+    return engine.local_rank if engine.use_node_local_storage() else engine.global_rank
 
 
 def check_resume(tag_dir: Path, strategy) -> None:
@@ -54,9 +58,14 @@ def check_resume(tag_dir: Path, strategy) -> None:
 
     saved_topology = saved(tag_dir)
     nvme_now = strategy.offload_optimizer == "nvme"
-    if is_nvme_checkpoint(tag_dir) == nvme_now and (not nvme_now or saved_topology == strategy.topology):
+    recorded = all((folder / SUBGROUPS).is_file() for folder in (tag_dir / OFFLOADED).glob("rank*"))
+    if is_nvme_checkpoint(tag_dir) == nvme_now and (not nvme_now or (saved_topology == strategy.topology and recorded)):
         return
-    if nvme_now and not is_nvme_checkpoint(tag_dir):
+    fix = "resume with the ds_config and rank count it was saved with, or --resume none"
+    if nvme_now and is_nvme_checkpoint(tag_dir) and not recorded:
+        why = "it has no record of which swap file holds what (saved before dstrain wrote one) to resume it exactly"
+        fix = "--resume none starts over (the previous run is moved aside)"
+    elif nvme_now and not is_nvme_checkpoint(tag_dir):
         why = "this ds_config offloads the optimizer to NVMe and the checkpoint has no NVMe swap files to load"
     elif not nvme_now:
         why = "its optimizer state lives in NVMe swap files (offloaded_tensors/), which only an NVMe ds_config loads"
@@ -65,9 +74,7 @@ def check_resume(tag_dir: Path, strategy) -> None:
             f"its swap files are per rank and DeepSpeed cannot repartition them "
             f"({saved_topology.describe() if saved_topology else 'unrecorded'} -> {strategy.topology.describe()})"
         )
-    raise DstrainError(
-        f"{tag_dir}: {why}; resume with the ds_config and rank count it was saved with, or --resume none"
-    )
+    raise DstrainError(f"{tag_dir}: {why}; {fix}")
 
 
 def restore_what_deepspeed_skips(engine, load_dir: Path, tag: str) -> None:
@@ -87,7 +94,7 @@ def restore_what_deepspeed_skips(engine, load_dir: Path, tag: str) -> None:
 
     wrapper = engine.optimizer
     saved = read_pt(Path(engine._get_zero_ckpt_name(str(load_dir), tag)))[OPTIMIZER_STATE_DICT]
-    swap_files = rank_folder(Path(load_dir) / tag, engine.global_rank)
+    swap_files = rank_folder(Path(load_dir) / tag, swap_rank(engine))
     layout = json.loads((swap_files / SUBGROUPS).read_text())
     wrapper.checkpoint_event_prologue()  # partition every parameter before touching the partitions
     wrapper.loss_scaler = saved[LOSS_SCALER]
