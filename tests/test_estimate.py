@@ -455,3 +455,20 @@ def test_llama_1b_32k_fits_8_gpus_only_with_sequence_parallelism():
         except DstrainError:  # not valid for 8 ranks of this recipe
             continue
         assert not est.fits, path.name
+
+
+def test_nvme_offload_keeps_model_states_on_disk_and_pinned_buffers_on_the_host(capsys):
+    """ZeRO-Infinity, llama-7b on 8 ranks: the bf16 parameter partition, fp32 master, Adam moments and fp32 gradients
+    on disk (DeepSpeed swaps the gradients of each swapped sub-group too), the host holding only the pinned swap
+    buffers the ds_config sizes, and no optimizer state on the device."""
+    from dstrain.cli import main
+
+    config = ROOT / "ds_configs" / "zero3_offload_nvme_bf16.json"
+    est = estimate_file(load_recipe(LLAMA_7B), LLAMA_7B, config, 1, 8)
+    part = math.ceil(est.params_per_rank / 8)
+    assert est.peak("nvme") == (2 + 4 + 8 + 4) * part
+    assert est.peak("cpu") == 5 * 10**8 * 2 + 4 * min(10**9, part) * 4  # buffer_count x buffer_size (bf16) + optimizer
+    assert est.total("device", "step", ("optimizer states",)) == 0
+    assert main(["estimate", "--recipe", str(LLAMA_7B), "--deepspeed_config", str(config), "--nodes", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "total nvme" in table and "NVMe optimizer swap buffers (pinned)" in table and "NVMe per node" in table

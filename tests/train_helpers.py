@@ -40,6 +40,25 @@ def ds_config(folder: Path, base: str, **changes) -> Path:
     return path
 
 
+def nvme_config(folder: Path, name: str = "zero3_nvme") -> Path:
+    """fp32 ZeRO-Infinity for the tests: zero3.json with parameters and optimizer offloaded to ``folder/nvme``, and
+    swap buffers sized to the small model (4 x 2^18 fp32 elements = 4 MiB pinned for the parameters, 4 sub-groups of
+    at most 2^20 elements = 16 MiB for the optimizer) instead of the shipped config's 2 GB per rank."""
+    config = json.loads((ROOT / "ds_configs" / "zero3_offload_nvme_bf16.json").read_text())
+    config.pop("bf16")
+    config.pop("data_types")
+    config.pop("communication_data_type")
+    config.pop("activation_checkpointing")
+    zero = config["zero_optimization"]
+    nvme = str(folder / "nvme-swap")
+    zero["sub_group_size"] = 2**20
+    zero["offload_optimizer"].update(nvme_path=nvme, buffer_count=4)
+    zero["offload_param"].update(nvme_path=nvme, buffer_count=4, buffer_size=2**18)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
 def train_argv(recipe: Path, config: str | Path, run_dir: Path, *overrides: str) -> list[str]:
     """dstrain.train's arguments; ``config`` is a ds_config file or the name of a shipped one ("zero2")."""
     config = config if str(config).endswith(".json") else ROOT / "ds_configs" / f"{config}.json"

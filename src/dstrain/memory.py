@@ -245,6 +245,10 @@ def gradient_parts(strategy: Strategy, psi: int, part: int | None = None) -> lis
         parts = [Part("gradients", f"{name}, 1/{n} partition", "device", g * part, g * part, f"{g}Ψ/N")]
     if s == 2 and g == 4 and b == 2 and not opt:
         return parts  # the fp32 partition is what the optimizer reads: no copy
+    if opt == "nvme":  # ZeRO-Infinity writes the fp32 gradients to disk; the step reads them into its swap buffers
+        return parts + [
+            Part("gradients", "gradients (fp32), swapped for the optimizer", "nvme", 4 * part, 4 * part, "4Ψ/N")
+        ]
     # ZeRO-3 steps one sub-group (zero_optimization.sub_group_size elements) at a time, each with its fp32 copy.
     copied = min(part, int(strategy.ds_config["zero_optimization"].get("sub_group_size", 1e9))) if s == 3 else part
     keep = 4 * part if opt else 0  # offload keeps the pinned fp32 gradient partition allocated

@@ -22,6 +22,7 @@ import io
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from dstrain.data.manifest import write_text_atomic
 from dstrain.errors import DstrainError
 from dstrain.run_dir import TAG, RunDir, tag_for
 from dstrain.strategy import Topology
-from dstrain.train import topology
+from dstrain.train import nvme, topology
 
 PARTIAL = ".partial"
 RECORD = "dstrain_checkpoint.json"
@@ -114,6 +115,8 @@ def save(
         shutil.rmtree(checkpoint_dir / partial, ignore_errors=True)  # left by a save that was killed
     torch.distributed.barrier()
     engine.save_checkpoint(str(checkpoint_dir), tag=partial, client_state=client_state, save_latest=False)
+    if engine.zero_nvme_offload_optimizer():
+        nvme.record_subgroups(engine, checkpoint_dir / partial)
     torch.distributed.barrier()  # every rank's shards are on disk
     if is_writer:
         folder = checkpoint_dir / partial
@@ -141,6 +144,8 @@ def load(engine, checkpoint_dir: Path, tag: str) -> dict:
     )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint_dir / tag}")
+    if engine.zero_nvme_offload_optimizer():
+        nvme.restore_what_deepspeed_skips(engine, load_dir, load_tag)
     topology.repair_after_load(engine, checkpoint_dir / tag)
     return client_state
 
@@ -180,6 +185,8 @@ def weights_kind(tag_dir: Path) -> str:
 def consolidated_state_dict(tag_dir: Path, model_config) -> dict[str, torch.Tensor]:
     """fp32 weights of GPT(model_config), from a checkpoint of any strategy: the fp32 masters of a bf16 run (its
     module weights are a rounding of them), otherwise the module's own, widened to fp32."""
+    if nvme.is_nvme_checkpoint(tag_dir):  # ZeRO-3 with its masters partly in swap files: fp32 masters either way
+        return {name: tensor.float().contiguous() for name, tensor in module_state_dict(tag_dir).items()}
     if weights_kind(tag_dir) == "fp32 master":
         return topology.fp32_masters(tag_dir, model_config)
     return {name: tensor.float().contiguous() for name, tensor in module_state_dict(tag_dir).items()}
@@ -202,9 +209,11 @@ def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         # DeepSpeed's own consolidation (it loads its files with weights_only=False itself); its progress
-        # prints would land in `dstrain generate`'s output.
-        with contextlib.redirect_stdout(io.StringIO()):
-            return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        # prints would land in `dstrain generate`'s output. It reads only the optim_states files, which under NVMe
+        # offload lack the swapped masters: it reads a copy with them put back.
+        with contextlib.redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory(prefix="dstrain-nvme-") as tmp:
+            folder = nvme.spliced_copy(tag_dir, Path(tmp)) if nvme.is_nvme_checkpoint(tag_dir) else tag_dir
+            return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     return topology.read_pt(tag_dir / topology.ZERO12_MODEL_FILE)[
         "module"
     ]  # ZeRO-0 and BF16_Optimizer: the whole model

@@ -273,6 +273,10 @@ def train(args: argparse.Namespace) -> int:
     run_dir = recipe.output_dir
     tag = resume_tag(RunDir(run_dir).checkpoints, args.resume)
     check_run_dir(recipe, args.recipe, run_dir, tag, args.resume, fingerprint)
+    if tag:
+        from dstrain.train import nvme
+
+        nvme.check_resume(RunDir(run_dir).checkpoints / tag, strategy)
 
     import torch
 
