@@ -183,3 +183,24 @@ def train_with_fault(argv: list[str], step: int, fault: str, rank: int | None = 
 
         DeepSpeedEngine.save_checkpoint = save_then_die
     return main(argv)
+
+
+def train_with_poison(argv: list[str], first: int, end: int, factor: float = 10.0) -> int:
+    """Rank target: train with samples [first, end) of the train stream poisoned: the loss of a micro-batch that
+    holds one is multiplied by ``factor`` (and so are its gradients), wherever in the run that sample is read."""
+    from dstrain.train.loop import Trainer
+    from dstrain.train.run import main
+
+    to_device, forward_loss = Trainer._to_device, Trainer._forward_loss
+
+    def marked(self, samples, data):
+        batch = to_device(self, samples, data)
+        batch["poisoned"] = data is self.train_data and any(first <= i < end for i in samples)
+        return batch
+
+    def poisoned_loss(self, batch):
+        loss = forward_loss(self, batch)
+        return loss * factor if batch.get("poisoned") else loss
+
+    Trainer._to_device, Trainer._forward_loss = marked, poisoned_loss
+    return main(argv)

@@ -21,10 +21,12 @@ import contextlib
 import io
 import json
 import os
+import random
 import shutil
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dstrain.data.manifest import write_text_atomic
@@ -35,6 +37,23 @@ from dstrain.train import topology
 
 PARTIAL = ".partial"
 RECORD = "dstrain_checkpoint.json"
+
+
+def rng_state() -> dict:
+    """Tensors, ints and tuples only, so that the checkpoint's client state loads with weights_only=True."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(np.array(keys)), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
 
 
 def published_tags(checkpoint_dir: Path) -> list[str]:

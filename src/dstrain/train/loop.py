@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dstrain.config import to_dict
@@ -33,6 +31,7 @@ from dstrain.model.gpt import lm_loss
 from dstrain.run_dir import RunDir
 from dstrain.train import checkpoint
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
+from dstrain.train.heal import SpikeGuard, roll_back
 from dstrain.train.stop import StopSignal
 
 
@@ -41,23 +40,6 @@ class Progress:
     step: int = 0  # optimizer steps taken
     consumed_samples: int = 0  # samples of the train stream consumed, = step x global batch
     last_eval: dict = field(default_factory=dict)
-
-
-def rng_state() -> dict:
-    """Tensors, ints and tuples only, so that the checkpoint's client state loads with weights_only=True."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(np.array(keys)), pos, has_gauss, gauss),
-        "torch": torch.get_rng_state(),
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
 
 
 @contextlib.contextmanager
@@ -106,6 +88,7 @@ class Trainer:
         self.peak_tflops, self.peak_line = device_peak(strategy.precision)
         self.clock = IntervalClock()
         self.log = MetricsLog(run_dir, self.is_rank0, recipe.total_steps, getattr(engine, "monitor", None))
+        self.guard = SpikeGuard(recipe.train.spike_guard) if recipe.train.spike_guard.enabled else None
 
     # --- data -------------------------------------------------------------------------
     def _to_device(self, samples: list[int], data) -> dict:
@@ -120,8 +103,9 @@ class Trainer:
             self.dp_rank,
             self.strategy.dp_size,
         )
+        n = len(self.train_data)  # a skipped window moves the stream on: past its planned end, it wraps
         for samples in indices:
-            yield self._to_device(samples, self.train_data)
+            yield self._to_device([i % n for i in samples], self.train_data)
 
     def _forward_loss(self, batch: dict) -> torch.Tensor:
         position_ids = batch["position_ids"] if self.recipe.model.doc_masking else None
@@ -216,12 +200,14 @@ class Trainer:
     def save(self) -> None:
         client_state = {
             "consumed_samples": self.progress.consumed_samples,
-            "rng": rng_state(),
+            "rng": checkpoint.rng_state(),
             "recipe": to_dict(self.recipe),
             "data_fingerprint": self.data_fingerprint,
             "world_size": self.world,
             "strategy": self.strategy.name,
         }
+        if self.guard is not None:
+            client_state["spike_guard"] = self.guard.state_dict()
         checkpoint.save(
             self.engine,
             RunDir(self.run_dir).checkpoints,
@@ -231,7 +217,11 @@ class Trainer:
             self.identity,
         )
 
-    def resume(self, tag: str) -> None:
+    def finish_pending_save(self) -> None:
+        """Nothing to wait for with synchronous checkpoints."""
+
+    def restore(self, tag: str) -> dict:
+        """Model, optimizer, schedule, RNG, data position and spike guard of checkpoint ``tag``; its client state."""
         state = checkpoint.load(self.engine, RunDir(self.run_dir).checkpoints, tag)
         if state.get("data_fingerprint") != self.data_fingerprint:
             raise DstrainError(
@@ -240,8 +230,14 @@ class Trainer:
             )
         self.progress.step = self.engine.global_steps
         self.progress.consumed_samples = state["consumed_samples"]
-        set_rng_state(state["rng"])
+        checkpoint.set_rng_state(state["rng"])
         apply_recipe_to_optimizer(self.engine, self.recipe)
+        if self.guard is not None:
+            self.guard.load_state_dict(state.get("spike_guard"))
+        return state
+
+    def resume(self, tag: str) -> None:
+        state = self.restore(tag)
         changed = recipe_changes(state.get("recipe") or {}, to_dict(self.recipe))
         if self.is_rank0:
             print(
@@ -267,31 +263,21 @@ class Trainer:
         if self.is_rank0:
             print(self.peak_line, flush=True)
         self.clock = IntervalClock()
-        consecutive_skips, last_skipped = 0, self.engine.skipped_steps
+        self.last_skipped, self.consecutive_skips = self.engine.skipped_steps, 0
         status = "completed"
         while self.progress.step < total:
-            lr = self.engine.get_lr()[0]
-            loss = self.train_step(batches)
-            self.progress.step += 1
-            self.progress.consumed_samples += t.global_batch
-            # One all-reduce per step carries the loss and any rank's stop request.
-            flags = torch.stack([loss, torch.tensor(float(stop.received is not None), device=self.device)])
-            torch.distributed.all_reduce(flags)
-            step_loss = flags[0].item() / self.world
-            skipped = self.engine.skipped_steps - last_skipped
-            last_skipped = self.engine.skipped_steps
-            consecutive_skips = consecutive_skips + 1 if skipped else 0
-            if consecutive_skips > t.max_skipped_steps:
-                raise DstrainError(
-                    f"{consecutive_skips} consecutive fp16 overflow steps "
-                    f"(train.max_skipped_steps={t.max_skipped_steps}); "
-                    f"lower optim.lr or use a bf16 ds_config"
-                )
-            if not math.isfinite(step_loss) and self.strategy.precision != "fp16":
-                raise DstrainError(
-                    f"loss became {step_loss} at step {self.progress.step}; stopping, the last checkpoint in "
-                    f"{RunDir(self.run_dir).checkpoints} is kept; lower optim.lr or raise schedule.warmup_steps"
-                )
+            lr = self._lr_of_next_step()
+            step_loss, metric, stop_requested = self._step_of_all_ranks(batches, stop)
+            # fp16: an overflow's inf is the loss scaler's business, not a spike.
+            watched = math.isfinite(metric) or self.strategy.precision != "fp16"
+            limit = self.guard.observe(metric) if self.guard is not None and watched else None
+            if limit is not None and roll_back(self, metric, limit):
+                batches, interval_loss, interval_steps = self._batches(), 0.0, 0
+                if stop_requested:
+                    status = "interrupted"
+                    break
+                continue
+            self._check_health(step_loss)
             interval_loss += step_loss
             interval_steps += 1
             if self.progress.step % t.log_interval == 0 or self.progress.step == total:
@@ -303,7 +289,7 @@ class Trainer:
                 interval_loss, interval_steps = 0.0, 0
             if t.eval_interval and self.progress.step % t.eval_interval == 0 and self.progress.step < total:
                 self._eval_and_log()
-            if flags[1].item() > 0:
+            if stop_requested:
                 status = "interrupted"
                 break
             if t.checkpoint_interval and self.progress.step % t.checkpoint_interval == 0 and self.progress.step < total:
@@ -311,10 +297,54 @@ class Trainer:
                     self.save()
         if status == "completed":
             self._eval_and_log()
+        self.finish_pending_save()
         self.save()
         self.log.close()
         stop.release()
         return {"status": status, "step": self.progress.step, "final_eval": self.progress.last_eval}
+
+    def _lr_of_next_step(self) -> float:
+        """The schedule's lr, times the spike guard's factor during a lowered stretch. The scheduler sets each
+        group's lr afresh from its base after every step, so the factor applies to this step alone."""
+        scale = 1.0 if self.guard is None else self.guard.lr_scale(self.progress.step + 1)
+        if scale != 1.0:
+            for group in self.engine.optimizer.param_groups:
+                group["lr"] *= scale
+        return self.engine.get_lr()[0]
+
+    def _step_of_all_ranks(self, batches, stop: StopSignal) -> tuple[float, float, bool]:
+        """One optimizer step, then its one all-reduce: (mean loss, the spike guard's metric, any rank's stop)."""
+        loss = self.train_step(batches)
+        self.progress.step += 1
+        self.progress.consumed_samples += self.recipe.train.global_batch
+        grad_norm = self.engine.get_global_grad_norm() if self.guard is not None else None
+        flags = torch.tensor(
+            [0.0, 0.0 if grad_norm is None else float(grad_norm), float(stop.received is not None)],
+            device=self.device,
+        )
+        flags[0] = loss
+        torch.distributed.all_reduce(flags)
+        step_loss = flags[0].item() / self.world
+        metric = flags[1].item() / self.world if self.recipe.train.spike_guard.metric == "grad_norm" else step_loss
+        return step_loss, metric, flags[2].item() > 0
+
+    def _check_health(self, step_loss: float) -> None:
+        """Stop with one line on too many fp16 overflows in a row, or a loss that is not finite (fp32/bf16)."""
+        t = self.recipe.train
+        skipped = self.engine.skipped_steps - self.last_skipped
+        self.last_skipped = self.engine.skipped_steps
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        if self.consecutive_skips > t.max_skipped_steps:
+            raise DstrainError(
+                f"{self.consecutive_skips} consecutive fp16 overflow steps "
+                f"(train.max_skipped_steps={t.max_skipped_steps}); "
+                f"lower optim.lr or use a bf16 ds_config"
+            )
+        if not math.isfinite(step_loss) and self.strategy.precision != "fp16":
+            raise DstrainError(
+                f"loss became {step_loss} at step {self.progress.step}; stopping, the last checkpoint in "
+                f"{RunDir(self.run_dir).checkpoints} is kept; lower optim.lr or raise schedule.warmup_steps"
+            )
 
     def _eval_and_log(self) -> None:
         start = time.perf_counter()

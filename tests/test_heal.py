@@ -1,0 +1,101 @@
+"""Training that heals itself, on 2 CPU ranks: loss-spike rollback, the hang watchdog, background checkpoints."""
+
+import time
+
+import pytest
+
+from ranks import spawn_ranks, start_target_ranks
+from train_helpers import ROOT, read_events, read_metrics, small_recipe, train_argv, train_losses, train_with_poison
+
+CONFIG = ROOT / "ds_configs" / "zero1.json"
+GUARD = (
+    "train.spike_guard.enabled=true",
+    "train.spike_guard.window=3",
+    "train.spike_guard.lr_factor=0.5",
+    "train.spike_guard.lr_steps=2",
+)
+POISON = (48, 56)  # global batch 6 (8 samples each), read by step 7; checkpoints every 2 steps: back to step 6
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory, corpus):
+    return small_recipe(tmp_path_factory.mktemp("heal"), corpus, train={"checkpoint_interval": 2})
+
+
+@pytest.fixture(scope="module")
+def clean(recipe, tmp_path_factory):
+    """The un-poisoned run, guard on: nothing fires."""
+    run = tmp_path_factory.mktemp("clean") / "run"
+    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD), 0, 0) == [0, 0]
+    assert read_events(run) == []
+    return run
+
+
+@pytest.fixture(scope="module")
+def poisoned(recipe, tmp_path_factory):
+    run = tmp_path_factory.mktemp("poisoned") / "run"
+    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD), *POISON) == [0, 0]
+    return run
+
+
+def wait_for_record(run_dir, found, procs, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and any(found(r) for r in read_metrics(run_dir) + read_events(run_dir)):
+            return
+        assert all(p.exitcode is None for p in procs), "a rank exited early"
+        time.sleep(0.05)
+    raise AssertionError(f"no such record within {timeout} s")
+
+
+@pytest.mark.distributed
+def test_a_loss_spike_rolls_back_and_skips_exactly_its_window(poisoned, clean):
+    (event,) = read_events(poisoned)
+    assert event["spike_step"] == 7 and event["rolled_back_to"] == "global_step6" and event["step"] == 6
+    assert event["skipped_samples"] == list(POISON)
+    assert event["value"] > 5 * event["median"] and event["threshold"] == 2 * event["median"]
+    losses, records = train_losses(poisoned), [r for r in read_metrics(poisoned) if "split" not in r]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    clean_records = [r for r in read_metrics(clean) if "split" not in r]
+    assert [r["lr"] for r in records[6:9]] == [
+        clean_records[6]["lr"] / 2,
+        clean_records[7]["lr"] / 2,
+        clean_records[8]["lr"],
+    ]
+    clean = train_losses(clean)
+    assert losses[:6] == clean[:6]  # the guard changes nothing before the spike, to the bit
+    # After the rollback: other samples than the clean run's (the window is skipped), the same range (within 5%;
+    # the poisoned step's loss was 10x).
+    assert all(abs(a - b) / b < 0.05 for a, b in zip(losses[6:], clean[6:])), (losses, clean)
+    final = read_metrics(poisoned)[-2]
+    assert final["consumed_samples"] == 10 * 8 + 8  # the skipped global batch moved the stream on
+
+
+@pytest.mark.distributed
+def test_kill9_after_a_rollback_resumes_without_the_window_bit_exact(recipe, poisoned, tmp_path):
+    run = tmp_path / "run"
+    procs = start_target_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD), *POISON)
+    wait_for_record(run, lambda r: r.get("event") == "spike", procs)
+    for p in procs:
+        p.kill()
+        p.join()
+    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD), *POISON) == [0, 0]
+    assert train_losses(run) == train_losses(poisoned)
+    assert [e["event"] for e in read_events(run)] == ["spike", "resume"]  # the window was not read again
+
+
+def test_spike_guard_median_threshold_and_too_many_rollbacks():
+    from dstrain.config import SpikeGuardConfig
+    from dstrain.train.heal import SpikeGuard
+
+    guard = SpikeGuard(SpikeGuardConfig(enabled=True, window=3, factor=2.0, max_rollbacks=2, rollback_window=10))
+    assert [guard.observe(v) for v in (5.0, 4.0, 100.0)] == [None, None, None]  # the window fills first
+    assert guard.observe(9.0) is None and guard.history == [4.0, 100.0, 9.0]  # median 9: one outlier moves nothing
+    assert guard.observe(18.5) == 18.0 and guard.history == [4.0, 100.0, 9.0]  # a spike stays out of the window
+    assert guard.observe(float("nan")) == 18.0
+    assert not guard.too_many(20) and not guard.too_many(25) and guard.too_many(29)
+    assert not guard.too_many(100)  # the three earlier ones are more than 10 steps back
+    restored = SpikeGuard(guard.config)
+    restored.load_state_dict(guard.state_dict())
+    assert restored.state_dict() == guard.state_dict()
