@@ -1,11 +1,21 @@
 """Training that heals itself, on 2 CPU ranks: loss-spike rollback, the hang watchdog, background checkpoints."""
 
+import re
 import time
 
 import pytest
 
 from ranks import spawn_ranks, start_target_ranks
-from train_helpers import ROOT, read_events, read_metrics, small_recipe, train_argv, train_losses, train_with_poison
+from train_helpers import (
+    ROOT,
+    read_events,
+    read_metrics,
+    small_recipe,
+    train_and_hang_at,
+    train_argv,
+    train_losses,
+    train_with_poison,
+)
 
 CONFIG = ROOT / "ds_configs" / "zero1.json"
 GUARD = (
@@ -83,6 +93,32 @@ def test_kill9_after_a_rollback_resumes_without_the_window_bit_exact(recipe, poi
     assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD), *POISON) == [0, 0]
     assert train_losses(run) == train_losses(poisoned)
     assert [e["event"] for e in read_events(run)] == ["spike", "resume"]  # the window was not read again
+
+
+WATCH = ("train.watchdog.enabled=true", "train.watchdog.floor_s=4", "train.watchdog.warmup_steps=2")
+
+
+@pytest.mark.distributed
+def test_a_hung_rank_is_named_every_rank_exits_and_a_relaunch_resumes(recipe, clean, tmp_path, capfd):
+    from dstrain.train.watchdog import HANG_EXIT
+
+    run, marker = tmp_path / "run", tmp_path / "hung-since"
+    argv = train_argv(recipe, CONFIG, run, *GUARD, *WATCH)
+    codes = spawn_ranks(2, train_and_hang_at, argv, 5, 1, str(marker), timeout=120)
+    took = time.time() - float(marker.read_text())
+    assert codes == [HANG_EXIT, HANG_EXIT]
+    # The bound is the 4 s floor here (10 x a ~0.2 s median is less): every rank gone within twice it.
+    assert took < 2 * 4, took
+    named = re.compile(
+        r"dstrain: hang: rank 0 stalled \d+ s \(bound 4 s\) at (backward|optimizer step) 0 of step 5; "
+        r"waiting for rank 1 at forward 0 of step 5; stacks in .*/hang/"
+    )
+    assert named.search((run / "hang" / "rank0.txt").read_text()) and named.search(capfd.readouterr().err)
+    print(f"all ranks exited {took:.1f} s after rank 1 hung")
+    stacks = (run / "hang" / "rank1.txt").read_text().split("(most recent call first):\n")
+    assert any(block.splitlines()[0].endswith("in sleep_in_step") for block in stacks[1:]), stacks
+    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD, *WATCH), 0, 0) == [0, 0]
+    assert train_losses(run) == train_losses(clean)  # resumed from step 4, as if nothing had happened
 
 
 def test_spike_guard_median_threshold_and_too_many_rollbacks():

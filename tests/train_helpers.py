@@ -204,3 +204,26 @@ def train_with_poison(argv: list[str], first: int, end: int, factor: float = 10.
 
     Trainer._to_device, Trainer._forward_loss = marked, poisoned_loss
     return main(argv)
+
+
+def sleep_in_step(marker: str) -> None:
+    """What a hung rank does: nothing, for ten minutes (the watchdog's stack names this function)."""
+    Path(marker).write_text(str(time.time()))
+    time.sleep(600)
+
+
+def train_and_hang_at(argv: list[str], step: int, rank: int, marker: str) -> int:
+    """Rank target: train, with ``rank`` hanging in the forward pass of optimizer step ``step`` (the time it began
+    hanging written to ``marker``)."""
+    from dstrain.train.loop import Trainer
+    from dstrain.train.run import main
+
+    forward_loss = Trainer._forward_loss
+
+    def hanging_loss(self, batch):
+        if self.progress.step + 1 == step and int(os.environ["RANK"]) == rank:
+            sleep_in_step(marker)
+        return forward_loss(self, batch)
+
+    Trainer._forward_loss = hanging_loss
+    return main(argv)

@@ -306,3 +306,15 @@ def validate(recipe: Recipe, file: Path) -> None:
 def to_dict(recipe: Recipe) -> dict:
     """Plain data (tuples as lists) for the resolved recipe.yaml a run leaves, and for checkpoints."""
     return json.loads(json.dumps(dataclasses.asdict(recipe)))
+
+
+def recipe_changes(old: dict, new: dict, prefix: str = "") -> dict:
+    """{dotted key: [saved, current]} for every recipe value that differs from the checkpoint's."""
+    changed = {}
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed.update(recipe_changes(a, b, f"{prefix}{key}."))
+        elif a != b and f"{prefix}{key}" not in ("run_dir", "model.activation_checkpointing"):
+            changed[f"{prefix}{key}"] = [a, b]
+    return changed

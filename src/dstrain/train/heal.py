@@ -86,6 +86,7 @@ def roll_back(trainer, value: float, limit: float) -> bool:
     spike_step, spike_samples = trainer.progress.step, trainer.progress.consumed_samples
     median = limit / config.factor
     checkpoints = RunDir(trainer.run_dir).checkpoints
+    trainer.watch.begin("rollback", spike_step)
     trainer.finish_pending_save()  # a background write of an earlier step publishes first
     if guard.too_many(spike_step):
         raise DstrainError(

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
-from dstrain.config import to_dict
+from dstrain.config import recipe_changes, to_dict
 from dstrain.data.dataset import collate
 from dstrain.data.sampler import micro_batches
 from dstrain.errors import DstrainError
@@ -33,6 +34,7 @@ from dstrain.train import checkpoint
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
 from dstrain.train.heal import SpikeGuard, roll_back
 from dstrain.train.stop import StopSignal
+from dstrain.train.watchdog import NoWatchdog, Watchdog
 
 
 @dataclass
@@ -55,18 +57,6 @@ def monitor_paused(engine):
         engine.monitor.enabled = enabled
 
 
-def recipe_changes(old: dict, new: dict, prefix: str = "") -> dict:
-    """{dotted key: [saved, current]} for every recipe value that differs from the checkpoint's."""
-    changed = {}
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            changed.update(recipe_changes(a, b, f"{prefix}{key}."))
-        elif a != b and f"{prefix}{key}" not in ("run_dir", "model.activation_checkpointing"):
-            changed[f"{prefix}{key}"] = [a, b]
-    return changed
-
-
 class Trainer:
     def __init__(
         self, recipe, strategy, engine, train_data, valid_sets, run_dir: Path, data_fingerprint, identity=None
@@ -80,7 +70,8 @@ class Trainer:
         self.pipe_batch_size = strategy.micro_batch  # the micro-batch size the pipeline's p2p buffers are sized for
         self.data_fingerprint, self.identity = data_fingerprint, identity or {}
         self.device = engine.device
-        self.is_rank0 = torch.distributed.get_rank() == 0
+        self.rank = torch.distributed.get_rank()
+        self.is_rank0 = self.rank == 0
         self.world = torch.distributed.get_world_size()
         self.progress = Progress()
         self.tokens_per_step = recipe.train.global_batch * recipe.data.seq_len
@@ -89,6 +80,9 @@ class Trainer:
         self.clock = IntervalClock()
         self.log = MetricsLog(run_dir, self.is_rank0, recipe.total_steps, getattr(engine, "monitor", None))
         self.guard = SpikeGuard(recipe.train.spike_guard) if recipe.train.spike_guard.enabled else None
+        backend = get_accelerator().communication_backend_name()
+        watch = recipe.train.watchdog
+        self.watch = Watchdog(watch, run_dir, self.rank, self.world, backend) if watch.enabled else NoWatchdog()
 
     # --- data -------------------------------------------------------------------------
     def _to_device(self, samples: list[int], data) -> dict:
@@ -143,9 +137,12 @@ class Trainer:
             # One optimizer step; returns the data-parallel mean loss on every stage.
             return self.engine.train_batch(self._pipe_micro_batches(batches, self.strategy.grad_accum))
         total = torch.zeros((), device=self.device)
-        for _ in range(self.strategy.grad_accum):
+        for micro in range(self.strategy.grad_accum):
+            self.watch.mark(f"forward {micro}")
             loss = self._forward_loss(next(batches))
+            self.watch.mark(f"backward {micro}")
             self.engine.backward(loss)
+            self.watch.mark(f"optimizer step {micro}")
             self.engine.step()
             total += loss.detach().float()
         return total / self.strategy.grad_accum
@@ -265,7 +262,9 @@ class Trainer:
         self.clock = IntervalClock()
         self.last_skipped, self.consecutive_skips = self.engine.skipped_steps, 0
         status = "completed"
+        self.watch.start()
         while self.progress.step < total:
+            self.watch.begin("step", self.progress.step + 1)
             lr = self._lr_of_next_step()
             step_loss, metric, stop_requested = self._step_of_all_ranks(batches, stop)
             # fp16: an overflow's inf is the loss scaler's business, not a spike.
@@ -294,12 +293,15 @@ class Trainer:
                 break
             if t.checkpoint_interval and self.progress.step % t.checkpoint_interval == 0 and self.progress.step < total:
                 with self.clock.paused("checkpoint"):
+                    self.watch.begin("checkpoint", self.progress.step)
                     self.save()
+        self.watch.begin("end", self.progress.step)
         if status == "completed":
             self._eval_and_log()
         self.finish_pending_save()
         self.save()
         self.log.close()
+        self.watch.stop()
         stop.release()
         return {"status": status, "step": self.progress.step, "final_eval": self.progress.last_eval}
 
@@ -323,6 +325,7 @@ class Trainer:
             device=self.device,
         )
         flags[0] = loss
+        self.watch.mark("the step's all-reduce")
         torch.distributed.all_reduce(flags)
         step_loss = flags[0].item() / self.world
         metric = flags[1].item() / self.world if self.recipe.train.spike_guard.metric == "grad_norm" else step_loss
@@ -347,6 +350,7 @@ class Trainer:
             )
 
     def _eval_and_log(self) -> None:
+        self.watch.begin("eval", self.progress.step)
         start = time.perf_counter()
         with self.clock.paused("eval"):
             records = self.evaluate()

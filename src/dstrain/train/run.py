@@ -277,6 +277,12 @@ def train(args: argparse.Namespace) -> int:
     )
     valid_sets = build_valid_sets(sources, d.seq_len, recipe.seed, d.valid_fraction)
 
+    from deepspeed.accelerator import get_accelerator
+
+    from dstrain.train.watchdog import enable_flight_recorder
+
+    if recipe.train.watchdog.enabled:
+        enable_flight_recorder(run_dir, get_accelerator().communication_backend_name())
     distributed.init()
     rank = distributed.rank()
     lock = distributed.on_rank0(lambda: claim_run_dir(run_dir, recipe, strategy, tag), f"use {run_dir}")
