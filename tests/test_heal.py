@@ -15,6 +15,7 @@ from train_helpers import (
     train_argv,
     train_losses,
     train_with_poison,
+    train_with_slow_writes,
 )
 
 CONFIG = ROOT / "ds_configs" / "zero1.json"
@@ -119,6 +120,39 @@ def test_a_hung_rank_is_named_every_rank_exits_and_a_relaunch_resumes(recipe, cl
     assert any(block.splitlines()[0].endswith("in sleep_in_step") for block in stacks[1:]), stacks
     assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD, *WATCH), 0, 0) == [0, 0]
     assert train_losses(run) == train_losses(clean)  # resumed from step 4, as if nothing had happened
+
+
+ASYNC = ("train.async_checkpoint=true",)
+
+
+@pytest.mark.distributed
+def test_kill9_during_a_background_write_resumes_from_the_previous_tag_bit_exact(recipe, clean, tmp_path):
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    procs = start_target_ranks(2, train_with_slow_writes, train_argv(recipe, CONFIG, run, *ASYNC), 4.0)
+    wait_for_record(run, lambda r: r.get("step") == 5 and "split" not in r, procs)  # step 4's write takes 4 s
+    for p in procs:
+        p.kill()
+        p.join()
+    assert (checkpoints / "latest").read_text() == "global_step2"
+    assert (checkpoints / "global_step4.partial").is_dir() and not (checkpoints / "global_step4").exists()
+    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *ASYNC), 0, 0) == [0, 0]
+    assert train_losses(run) == train_losses(clean)
+    assert sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) == ["global_step10", "global_step8"]
+
+
+@pytest.mark.distributed
+def test_sigterm_during_a_background_write_completes_both_checkpoints(recipe, clean, tmp_path):
+    from dstrain.train.checkpoint import is_complete
+
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    argv = train_argv(recipe, CONFIG, run, *ASYNC, "train.keep_last=3")
+    assert spawn_ranks(2, train_with_slow_writes, argv, 3.0, 5) == [0, 0]  # step 4's write is in flight at step 5
+    assert (checkpoints / "latest").read_text() == "global_step5"
+    assert all(is_complete(checkpoints / f"global_step{s}") for s in (2, 4, 5))
+    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *ASYNC), 0, 0) == [0, 0]
+    assert train_losses(run) == train_losses(clean)
 
 
 def test_spike_guard_median_threshold_and_too_many_rollbacks():

@@ -227,3 +227,22 @@ def train_and_hang_at(argv: list[str], step: int, rank: int, marker: str) -> int
 
     Trainer._forward_loss = hanging_loss
     return main(argv)
+
+
+def train_with_slow_writes(argv: list[str], seconds: float, signal_step: int | None = None) -> int:
+    """Rank target: train with every background checkpoint write taking ``seconds`` longer (a slow filesystem);
+    with ``signal_step``, rank 0 sends itself SIGTERM right after that optimizer step."""
+    from dstrain.train.background_save import SnapshotEngine
+
+    write_all = SnapshotEngine.write_all
+
+    def slow_write_all(self):
+        time.sleep(seconds)
+        write_all(self)
+
+    SnapshotEngine.write_all = slow_write_all
+    if signal_step is not None:
+        return train_and_signal_at(argv, signal_step, signal.SIGTERM, 0)
+    from dstrain.train.run import main
+
+    return main(argv)

@@ -107,6 +107,18 @@ def save(
 
     ``identity`` (what makes the checkpoint meaningless for another experiment) goes into the record, where a
     resume compares it with its recipe before writing anything."""
+    tag = tag_for(step)
+    client_state = prepare(engine, checkpoint_dir, tag, client_state)
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag + PARTIAL, client_state=client_state, save_latest=False)
+    torch.distributed.barrier()  # every rank's shards are on disk
+    publish(checkpoint_dir, step, client_state["topology"], keep_last, identity)
+    torch.distributed.barrier()
+    return tag
+
+
+def prepare(engine, checkpoint_dir: Path, tag: str, client_state: dict) -> dict:
+    """Every rank, before a save of ``tag``: the client state with the topology and DeepSpeed's universal-checkpoint
+    info added; a ``.partial`` folder of ``tag`` left by a killed save is gone."""
     from deepspeed.checkpoint.constants import (
         PIPELINE_REPLICATED_PARAMETER_PATTERNS,
         UNIVERSAL_CHECKPOINT_INFO,
@@ -114,11 +126,7 @@ def save(
         UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     )
 
-    tag = tag_for(step)
-    partial = tag + PARTIAL
-    is_writer = torch.distributed.get_rank() == 0
-    shape = Topology.from_engine(engine).to_record()
-    client_state = {**client_state, "topology": shape}
+    client_state = {**client_state, "topology": Topology.from_engine(engine).to_record()}
     if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None:  # AutoTP engines record their own
         # What Megatron-DeepSpeed records for ds_to_universal. Our parameters need no TP/vocab patterns; a
         # pipeline's tied embedding module is kept on the first and the last stage, and only the first stage's
@@ -127,25 +135,29 @@ def save(
             UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\."],
         }
-    if is_writer:
-        shutil.rmtree(checkpoint_dir / partial, ignore_errors=True)  # left by a save that was killed
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(checkpoint_dir / (tag + PARTIAL), ignore_errors=True)  # left by a save that was killed
     torch.distributed.barrier()
-    engine.save_checkpoint(str(checkpoint_dir), tag=partial, client_state=client_state, save_latest=False)
-    torch.distributed.barrier()  # every rank's shards are on disk
-    if is_writer:
-        folder = checkpoint_dir / partial
-        files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
-        seq = 1 + max((save_seq(checkpoint_dir / t) for t in published_tags(checkpoint_dir)), default=0)
-        record = {"step": step, "save_seq": seq, "files": files, "topology": shape, "identity": identity}
-        write_text_atomic(folder / RECORD, json.dumps(record, indent=1))
-        shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # a re-save of the same step after a resume
-        os.replace(folder, checkpoint_dir / tag)
-        write_text_atomic(checkpoint_dir / "latest", tag)
-        older = [t for t in published_tags(checkpoint_dir) if t != tag]
-        for old in older[: max(0, len(older) - (max(1, keep_last) - 1))]:
-            shutil.rmtree(checkpoint_dir / old, ignore_errors=True)
-    torch.distributed.barrier()
-    return tag
+    return client_state
+
+
+def publish(checkpoint_dir: Path, step: int, shape: dict, keep_last: int, identity: dict | None) -> None:
+    """Rank 0, once every rank's files of ``step`` are in its ``.partial`` folder: record their sizes, rename the
+    folder to its tag, point ``latest`` at it, and drop the oldest published tags beyond ``keep_last``."""
+    if torch.distributed.get_rank() != 0:
+        return
+    tag = tag_for(step)
+    folder = checkpoint_dir / (tag + PARTIAL)
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    seq = 1 + max((save_seq(checkpoint_dir / t) for t in published_tags(checkpoint_dir)), default=0)
+    record = {"step": step, "save_seq": seq, "files": files, "topology": shape, "identity": identity}
+    write_text_atomic(folder / RECORD, json.dumps(record, indent=1))
+    shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # a re-save of the same step after a resume
+    os.replace(folder, checkpoint_dir / tag)
+    write_text_atomic(checkpoint_dir / "latest", tag)
+    older = [t for t in published_tags(checkpoint_dir) if t != tag]
+    for old in older[: max(0, len(older) - (max(1, keep_last) - 1))]:
+        shutil.rmtree(checkpoint_dir / old, ignore_errors=True)
 
 
 def load(engine, checkpoint_dir: Path, tag: str) -> dict:

@@ -31,6 +31,7 @@ from dstrain.model.config import flops_per_token
 from dstrain.model.gpt import lm_loss
 from dstrain.run_dir import RunDir
 from dstrain.train import checkpoint
+from dstrain.train.background_save import BackgroundSaves
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
 from dstrain.train.heal import SpikeGuard, roll_back
 from dstrain.train.stop import StopSignal
@@ -79,6 +80,7 @@ class Trainer:
         self.peak_tflops, self.peak_line = device_peak(strategy.precision)
         self.clock = IntervalClock()
         self.log = MetricsLog(run_dir, self.is_rank0, recipe.total_steps, getattr(engine, "monitor", None))
+        self.saves = BackgroundSaves(engine, RunDir(run_dir).checkpoints, recipe.train.keep_last, self.identity)
         self.guard = SpikeGuard(recipe.train.spike_guard) if recipe.train.spike_guard.enabled else None
         backend = get_accelerator().communication_backend_name()
         watch = recipe.train.watchdog
@@ -194,7 +196,8 @@ class Trainer:
         return (sums[0] / sums[1]).item(), n
 
     # --- checkpoints ------------------------------------------------------------------
-    def save(self) -> None:
+    def save(self, background: bool = False) -> None:
+        """A checkpoint of this step; ``background``: snapshot now, write while training goes on."""
         client_state = {
             "consumed_samples": self.progress.consumed_samples,
             "rng": checkpoint.rng_state(),
@@ -205,17 +208,15 @@ class Trainer:
         }
         if self.guard is not None:
             client_state["spike_guard"] = self.guard.state_dict()
-        checkpoint.save(
-            self.engine,
-            RunDir(self.run_dir).checkpoints,
-            self.progress.step,
-            client_state,
-            self.recipe.train.keep_last,
-            self.identity,
-        )
+        if background:
+            self.saves.start(self.progress.step, client_state)
+            return
+        where, keep = RunDir(self.run_dir).checkpoints, self.recipe.train.keep_last
+        checkpoint.save(self.engine, where, self.progress.step, client_state, keep, self.identity)
 
     def finish_pending_save(self) -> None:
-        """Nothing to wait for with synchronous checkpoints."""
+        """Wait for the background write in flight, if any, and publish it."""
+        self.saves.wait()
 
     def restore(self, tag: str) -> dict:
         """Model, optimizer, schedule, RNG, data position and spike guard of checkpoint ``tag``; its client state."""
@@ -294,7 +295,7 @@ class Trainer:
             if t.checkpoint_interval and self.progress.step % t.checkpoint_interval == 0 and self.progress.step < total:
                 with self.clock.paused("checkpoint"):
                     self.watch.begin("checkpoint", self.progress.step)
-                    self.save()
+                    self.save(background=t.async_checkpoint)
         self.watch.begin("end", self.progress.step)
         if status == "completed":
             self._eval_and_log()
@@ -315,19 +316,22 @@ class Trainer:
         return self.engine.get_lr()[0]
 
     def _step_of_all_ranks(self, batches, stop: StopSignal) -> tuple[float, float, bool]:
-        """One optimizer step, then its one all-reduce: (mean loss, the spike guard's metric, any rank's stop)."""
+        """One optimizer step, then its one all-reduce: (mean loss, the spike guard's metric, any rank's stop); it
+        also carries whether each rank's background checkpoint write is done, and publishes it when all are."""
         loss = self.train_step(batches)
         self.progress.step += 1
         self.progress.consumed_samples += self.recipe.train.global_batch
         grad_norm = self.engine.get_global_grad_norm() if self.guard is not None else None
         flags = torch.tensor(
-            [0.0, 0.0 if grad_norm is None else float(grad_norm), float(stop.received is not None)],
+            [0.0, 0.0 if grad_norm is None else float(grad_norm), float(stop.received is not None), self.saves.done()],
             device=self.device,
         )
         flags[0] = loss
         self.watch.mark("the step's all-reduce")
         torch.distributed.all_reduce(flags)
         step_loss = flags[0].item() / self.world
+        if self.saves.in_flight and flags[3].item() == self.world:
+            self.saves.publish()
         metric = flags[1].item() / self.world if self.recipe.train.spike_guard.metric == "grad_norm" else step_loss
         return step_loss, metric, flags[2].item() > 0
 
