@@ -4,8 +4,9 @@ Plugged in through DeepSpeed's checkpoint-engine interface (deepspeed/runtime/ch
 ``engine.save_checkpoint`` the engine's checkpoint engine is a ``SnapshotEngine``, whose ``save`` copies the state
 dict's tensors to host memory (DeepSpeed's own ``clone_tensors_for_torch_save``) and queues it instead of writing it.
 Training resumes as soon as the copy is made; a thread then ``torch.save``s the queue into ``<tag>.partial``.
-DeepSpeed's own background writers (FastCheckpointEngine, DecoupledCheckpointEngine) are not used: on CPU they failed
-or hung in a probe here, and they know nothing of our ``.partial`` -> record -> rename -> ``latest`` publication.
+DeepSpeed's own background writers (FastCheckpointEngine, DecoupledCheckpointEngine) are not used: a probe reported
+in issue 17 found them failing or hanging on CPU (not re-checked here), and they know nothing of our ``.partial`` ->
+record -> rename -> ``latest`` publication, which must wait for every rank's files.
 
 Every guarantee of a synchronous save holds (dstrain.train.checkpoint):
 - publication waits for every rank's writer: each step's one all-reduce carries "my write is done", and rank 0
