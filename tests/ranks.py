@@ -73,14 +73,21 @@ def run_ranks(world: int, target, *args, env: dict | None = None, timeout: float
     return [results[r][1] for r in range(world)]
 
 
-def spawn_ranks(world: int, target, *args, timeout: float = 300) -> list[int | None]:
-    """Run ``target(*args)`` on ``world`` ranks that may die; return their exit codes (None: still alive at timeout)."""
+def start_target_ranks(world: int, target, *args) -> list:
+    """Start ``target(*args)`` on ``world`` ranks and return their processes (to kill, or to wait for)."""
     ctx = mp.get_context("spawn")
     port = free_port()
     queue = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(r, world, port, {}, target, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
+        p.queue = queue  # the children unpickle it as they start: it must outlive this call
+    return procs
+
+
+def spawn_ranks(world: int, target, *args, timeout: float = 300) -> list[int | None]:
+    """Run ``target(*args)`` on ``world`` ranks that may die; return their exit codes (None: still alive at timeout)."""
+    procs = start_target_ranks(world, target, *args)
     for p in procs:
         p.join(timeout=timeout)
     codes = [p.exitcode for p in procs]

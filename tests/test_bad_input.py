@@ -325,6 +325,11 @@ CASES = {
     "valid_fraction 1": (_override("data.valid_fraction=1.0"), ["data.valid_fraction=1.0", "> 0 and < 1"]),
     "beta of 1": (_override("optim.betas=[0.9, 1.0]"), ["optim.betas[1]=1.0", "< 1"]),
     "keep_last 0": (_override("train.keep_last=0"), ["train.keep_last=0", ">= 1"]),
+    "spike factor 1": (_override("train.spike_guard.factor=1"), ["train.spike_guard.factor=1.0", "> 1"]),
+    "watchdog floor above ceiling": (
+        _override("train.watchdog.floor_s=100"),
+        ["train.watchdog.floor_s=100 exceeds train.watchdog.ceiling_s=1800", "lower floor_s or raise ceiling_s"],
+    ),
     "negative steps": (_override("train.steps=-5"), ["train.steps=-5", ">= 0"]),
     "negative seed": (_override("seed=-1"), ["seed=-1", ">= 0"]),
     "zero source weight": (

@@ -254,7 +254,16 @@ def test_every_numeric_recipe_field_declares_its_range():
     """A new int or float field without a Range would let 0 or a negative through to the first step."""
     import typing
 
-    from dstrain.config import DataConfig, DataSource, OptimConfig, Recipe, ScheduleConfig, TrainConfig
+    from dstrain.config import (
+        DataConfig,
+        DataSource,
+        OptimConfig,
+        Recipe,
+        ScheduleConfig,
+        SpikeGuardConfig,
+        TrainConfig,
+        WatchdogConfig,
+    )
     from dstrain.model.config import GPTConfig
     from dstrain.ranges import Range
 
@@ -267,7 +276,17 @@ def test_every_numeric_recipe_field_declares_its_range():
 
     missing = [
         f"{cls.__name__}.{name}"
-        for cls in (Recipe, DataSource, DataConfig, OptimConfig, ScheduleConfig, TrainConfig, GPTConfig)
+        for cls in (
+            Recipe,
+            DataSource,
+            DataConfig,
+            OptimConfig,
+            ScheduleConfig,
+            TrainConfig,
+            SpikeGuardConfig,
+            WatchdogConfig,
+            GPTConfig,
+        )
         for name, hint in typing.get_type_hints(cls, include_extras=True).items()
         if numeric_without_range(hint)
     ]

@@ -202,3 +202,66 @@ def train_with_fault(argv: list[str], step: int, fault: str, rank: int | None = 
 
         DeepSpeedEngine.save_checkpoint = save_then_die
     return main(argv)
+
+
+def train_with_poison(argv: list[str], first: int, end: int, factor: float = 10.0) -> int:
+    """Rank target: train with samples [first, end) of the train stream poisoned: the loss of a micro-batch that
+    holds one is multiplied by ``factor`` (and so are its gradients), wherever in the run that sample is read."""
+    from dstrain.train.loop import Trainer
+    from dstrain.train.run import main
+
+    to_device, forward_loss = Trainer._to_device, Trainer._forward_loss
+
+    def marked(self, samples, data):
+        batch = to_device(self, samples, data)
+        batch["poisoned"] = data is self.train_data and any(first <= i < end for i in samples)
+        return batch
+
+    def poisoned_loss(self, batch):
+        loss = forward_loss(self, batch)
+        return loss * factor if batch.get("poisoned") else loss
+
+    Trainer._to_device, Trainer._forward_loss = marked, poisoned_loss
+    return main(argv)
+
+
+def sleep_in_step(marker: str) -> None:
+    """What a hung rank does: nothing, for ten minutes (the watchdog's stack names this function)."""
+    Path(marker).write_text(str(time.time()))
+    time.sleep(600)
+
+
+def train_and_hang_at(argv: list[str], step: int, rank: int, marker: str) -> int:
+    """Rank target: train, with ``rank`` hanging in the forward pass of optimizer step ``step`` (the time it began
+    hanging written to ``marker``)."""
+    from dstrain.train.loop import Trainer
+    from dstrain.train.run import main
+
+    forward_loss = Trainer._forward_loss
+
+    def hanging_loss(self, batch):
+        if self.progress.step + 1 == step and int(os.environ["RANK"]) == rank:
+            sleep_in_step(marker)
+        return forward_loss(self, batch)
+
+    Trainer._forward_loss = hanging_loss
+    return main(argv)
+
+
+def train_with_slow_writes(argv: list[str], seconds: float, signal_step: int | None = None) -> int:
+    """Rank target: train with every background checkpoint write taking ``seconds`` longer (a slow filesystem);
+    with ``signal_step``, rank 0 sends itself SIGTERM right after that optimizer step."""
+    from dstrain.train.background_save import SnapshotEngine
+
+    write_all = SnapshotEngine.write_all
+
+    def slow_write_all(self):
+        time.sleep(seconds)
+        write_all(self)
+
+    SnapshotEngine.write_all = slow_write_all
+    if signal_step is not None:
+        return train_and_signal_at(argv, signal_step, signal.SIGTERM, 0)
+    from dstrain.train.run import main
+
+    return main(argv)

@@ -69,6 +69,37 @@ class ScheduleConfig:
 
 
 @dataclass
+class SpikeGuardConfig:
+    """Loss-spike rollback (dstrain.train.heal). A spike: the step's ``metric`` above ``factor`` x the median of its
+    last ``window`` values (a median, not a mean: one earlier spike or a slow drift does not move it). Then every rank
+    reloads the newest complete checkpoint, skips the global batches from its consumed_samples through the spiking
+    step, and goes on; more than ``max_rollbacks`` spikes within ``rollback_window`` steps stop the run."""
+
+    enabled: bool = False  # off: no statistic is kept and nothing is ever rolled back
+    metric: Literal["loss", "grad_norm"] = "loss"  # the step's mean loss, or its pre-clip global gradient norm
+    window: Annotated[int, Range(ge=3)] = 50  # steps in the running median; the guard waits until it is full
+    factor: Annotated[float, Range(gt=1)] = 2.0  # a spike: metric > factor x median of the last `window` steps
+    max_rollbacks: Positive = 3  # more spikes than this within rollback_window steps stop the run with one line
+    rollback_window: Positive = 1000  # steps (by spiking step) over which max_rollbacks counts
+    lr_factor: Annotated[float, Range(gt=0, le=1)] = 1.0  # the lr is multiplied by this for lr_steps after a rollback
+    lr_steps: NonNegative = 0  # steps of lowered lr after a rollback; 0 = none
+
+
+@dataclass
+class WatchdogConfig:
+    """Hang watchdog (dstrain.train.watchdog): a step running longer than ``factor`` x the median step time (after
+    ``warmup_steps``), kept within [floor_s, ceiling_s], dumps every thread's stack to run_dir/hang/rank<r>.txt,
+    names the ranks that did not get as far, and ends every rank with exit status 124. Evaluation, checkpoints and
+    the steps before the median exists are bounded by ceiling_s alone."""
+
+    enabled: bool = False  # off: no watchdog thread
+    factor: Annotated[float, Range(gt=1)] = 10.0  # bound = factor x median step time of the last 50 steps
+    floor_s: Annotated[float, Range(gt=0)] = 60.0  # the bound is never below this (jitter, a slow eval-free step)
+    ceiling_s: Annotated[float, Range(gt=0)] = 1800.0  # the bound is never above this; also bounds eval/checkpoint
+    warmup_steps: NonNegative = 5  # steps (compilation, allocator warm-up) left out of the median
+
+
+@dataclass
 class TrainConfig:
     global_batch: Positive  # samples per optimizer step, whatever the world size, micro-batch or accumulation
     steps: NonNegative | None = None  # optimizer steps; exactly one of steps / tokens
@@ -79,6 +110,9 @@ class TrainConfig:
     checkpoint_interval: NonNegative = 0  # steps between checkpoints; 0 = only at the end
     keep_last: Positive = 2  # checkpoints kept; older ones are deleted (never the newest)
     max_skipped_steps: Positive = 50  # fp16: consecutive overflow-skipped steps before the run aborts
+    async_checkpoint: bool = False  # write checkpoints in the background from a host-memory snapshot
+    spike_guard: SpikeGuardConfig = field(default_factory=SpikeGuardConfig)  # loss-spike rollback
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)  # hang watchdog
 
 
 @dataclass
@@ -257,6 +291,12 @@ def validate(recipe: Recipe, file: Path) -> None:
             f"{file}: data.seq_len={recipe.data.seq_len} exceeds model.max_seq_len={max_len}; "
             f"lower data.seq_len or raise model.max_seq_len"
         )
+    w = t.watchdog
+    if w.floor_s > w.ceiling_s:
+        raise DstrainError(
+            f"{file}: train.watchdog.floor_s={w.floor_s:g} exceeds train.watchdog.ceiling_s={w.ceiling_s:g}; "
+            f"lower floor_s or raise ceiling_s"
+        )
     if recipe.schedule.warmup_steps > recipe.total_steps:
         raise DstrainError(
             f"{file}: schedule.warmup_steps={recipe.schedule.warmup_steps} exceeds the run's {recipe.total_steps} steps"
@@ -266,3 +306,15 @@ def validate(recipe: Recipe, file: Path) -> None:
 def to_dict(recipe: Recipe) -> dict:
     """Plain data (tuples as lists) for the resolved recipe.yaml a run leaves, and for checkpoints."""
     return json.loads(json.dumps(dataclasses.asdict(recipe)))
+
+
+def recipe_changes(old: dict, new: dict, prefix: str = "") -> dict:
+    """{dotted key: [saved, current]} for every recipe value that differs from the checkpoint's."""
+    changed = {}
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed.update(recipe_changes(a, b, f"{prefix}{key}."))
+        elif a != b and f"{prefix}{key}" not in ("run_dir", "model.activation_checkpointing"):
+            changed[f"{prefix}{key}"] = [a, b]
+    return changed

@@ -128,6 +128,24 @@ def peak_memory_bytes() -> int:
     return int(get_accelerator().max_memory_allocated())
 
 
+def drop_records_after(metrics: Path, step: int) -> None:
+    """Keep only the records up to ``step`` (a resume or a rollback logs the later steps again), atomically."""
+    if not metrics.exists():
+        return
+    kept = [line for line in metrics.read_text().splitlines() if _logged_step(line) <= step]
+    tmp = metrics.with_name("metrics.jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, metrics)
+
+
+def _logged_step(line: str) -> float:
+    """The step of a metrics line; a line cut short by a killed job counts as after any checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return float("inf")
+
+
 class MetricsLog:
     """metrics.jsonl (one object per log or eval) plus rank 0's console line; other ranks write nothing."""
 
@@ -171,6 +189,20 @@ class MetricsLog:
                 f"eval step {record['step']} | {record['split']} loss {record['loss']:.4f} | ppl {record['ppl']:.2f}",
                 flush=True,
             )
+
+    def note(self, line: str) -> None:
+        """An event's console line (rank 0)."""
+        if self.enabled:
+            print(line, flush=True)
+
+    def drop_after(self, step: int) -> None:
+        """A rollback: the records after ``step`` belong to a discarded stretch of training."""
+        if self.file is None:
+            return
+        path = Path(self.file.name)
+        self.file.close()
+        drop_records_after(path, step)
+        self.file = path.open("a")
 
     def close(self) -> None:
         if self.file:

@@ -4,6 +4,7 @@ recipe.yaml, ds_config.json   what the run resolved (the recipe, the complete ds
 metrics.jsonl, summary.json   one record per logged step / evaluation / event; the run's outcome
 checkpoints/global_step<N>/   DeepSpeed's checkpoint of step N, and `latest` naming the newest
 logs/rank<r>.log, loss.png    each rank's full output; train and valid loss with the learning rate
+hang/rank<r>.txt              every thread's stack of each rank when the hang watchdog fired, the stuck ranks named
 previous/<UTC time>/          an earlier run's files, moved aside by `--resume none`
 """
 
@@ -44,6 +45,7 @@ class RunDir:
         "loss.png",
         "tensorboard",
         "csv",
+        "hang",
     )
     # What may be in a run folder besides: a metrics rewrite in progress, W&B's folder, what launchers put there
     # first (slurm/train.sbatch its hostfile), earlier runs.

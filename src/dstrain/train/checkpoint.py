@@ -21,11 +21,13 @@ import contextlib
 import io
 import json
 import os
+import random
 import shutil
 import tempfile
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dstrain.data.manifest import write_text_atomic
@@ -36,6 +38,23 @@ from dstrain.train import nvme, topology
 
 PARTIAL = ".partial"
 RECORD = "dstrain_checkpoint.json"
+
+
+def rng_state() -> dict:
+    """Tensors, ints and tuples only, so that the checkpoint's client state loads with weights_only=True."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(np.array(keys)), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
 
 
 def published_tags(checkpoint_dir: Path) -> list[str]:
@@ -89,6 +108,25 @@ def save(
 
     ``identity`` (what makes the checkpoint meaningless for another experiment) goes into the record, where a
     resume compares it with its recipe before writing anything."""
+    tag = tag_for(step)
+    client_state = prepare(engine, checkpoint_dir, tag, client_state)
+    write_partial(engine, checkpoint_dir, tag, client_state)
+    torch.distributed.barrier()  # every rank's shards are on disk
+    publish(checkpoint_dir, step, client_state["topology"], keep_last, identity)
+    torch.distributed.barrier()
+    return tag
+
+
+def write_partial(engine, checkpoint_dir: Path, tag: str, client_state: dict) -> None:
+    """This rank's files of ``tag`` into its ``.partial`` folder (through the engine's checkpoint engine)."""
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag + PARTIAL, client_state=client_state, save_latest=False)
+    if engine.zero_nvme_offload_optimizer():
+        nvme.record_subgroups(engine, checkpoint_dir / (tag + PARTIAL))
+
+
+def prepare(engine, checkpoint_dir: Path, tag: str, client_state: dict) -> dict:
+    """Every rank, before a save of ``tag``: the client state with the topology and DeepSpeed's universal-checkpoint
+    info added; a ``.partial`` folder of ``tag`` left by a killed save is gone."""
     from deepspeed.checkpoint.constants import (
         PIPELINE_REPLICATED_PARAMETER_PATTERNS,
         UNIVERSAL_CHECKPOINT_INFO,
@@ -96,11 +134,7 @@ def save(
         UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     )
 
-    tag = tag_for(step)
-    partial = tag + PARTIAL
-    is_writer = torch.distributed.get_rank() == 0
-    shape = Topology.from_engine(engine).to_record()
-    client_state = {**client_state, "topology": shape}
+    client_state = {**client_state, "topology": Topology.from_engine(engine).to_record()}
     # AutoTP engines record their own; DeepSpeed's MoE save refuses the key in client_state (and dstrain converts
     # no MoE checkpoint: train/topology.check_convertible).
     if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None and not engine.has_moe_layers:
@@ -111,27 +145,29 @@ def save(
             UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\."],
         }
-    if is_writer:
-        shutil.rmtree(checkpoint_dir / partial, ignore_errors=True)  # left by a save that was killed
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(checkpoint_dir / (tag + PARTIAL), ignore_errors=True)  # left by a save that was killed
     torch.distributed.barrier()
-    engine.save_checkpoint(str(checkpoint_dir), tag=partial, client_state=client_state, save_latest=False)
-    if engine.zero_nvme_offload_optimizer():
-        nvme.record_subgroups(engine, checkpoint_dir / partial)
-    torch.distributed.barrier()  # every rank's shards are on disk
-    if is_writer:
-        folder = checkpoint_dir / partial
-        files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
-        seq = 1 + max((save_seq(checkpoint_dir / t) for t in published_tags(checkpoint_dir)), default=0)
-        record = {"step": step, "save_seq": seq, "files": files, "topology": shape, "identity": identity}
-        write_text_atomic(folder / RECORD, json.dumps(record, indent=1))
-        shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # a re-save of the same step after a resume
-        os.replace(folder, checkpoint_dir / tag)
-        write_text_atomic(checkpoint_dir / "latest", tag)
-        older = [t for t in published_tags(checkpoint_dir) if t != tag]
-        for old in older[: max(0, len(older) - (max(1, keep_last) - 1))]:
-            shutil.rmtree(checkpoint_dir / old, ignore_errors=True)
-    torch.distributed.barrier()
-    return tag
+    return client_state
+
+
+def publish(checkpoint_dir: Path, step: int, shape: dict, keep_last: int, identity: dict | None) -> None:
+    """Rank 0, once every rank's files of ``step`` are in its ``.partial`` folder: record their sizes, rename the
+    folder to its tag, point ``latest`` at it, and drop the oldest published tags beyond ``keep_last``."""
+    if torch.distributed.get_rank() != 0:
+        return
+    tag = tag_for(step)
+    folder = checkpoint_dir / (tag + PARTIAL)
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    seq = 1 + max((save_seq(checkpoint_dir / t) for t in published_tags(checkpoint_dir)), default=0)
+    record = {"step": step, "save_seq": seq, "files": files, "topology": shape, "identity": identity}
+    write_text_atomic(folder / RECORD, json.dumps(record, indent=1))
+    shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # a re-save of the same step after a resume
+    os.replace(folder, checkpoint_dir / tag)
+    write_text_atomic(checkpoint_dir / "latest", tag)
+    older = [t for t in published_tags(checkpoint_dir) if t != tag]
+    for old in older[: max(0, len(older) - (max(1, keep_last) - 1))]:
+        shutil.rmtree(checkpoint_dir / old, ignore_errors=True)
 
 
 def load(engine, checkpoint_dir: Path, tag: str) -> dict:

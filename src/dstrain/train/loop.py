@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
+from deepspeed.accelerator import get_accelerator
 
-from dstrain.config import to_dict
+from dstrain.config import recipe_changes, to_dict
 from dstrain.data.dataset import collate
 from dstrain.data.sampler import micro_batches
 from dstrain.errors import DstrainError
@@ -32,9 +31,12 @@ from dstrain.model.config import describe_params, flops_per_token
 from dstrain.model.gpt import lm_loss, token_loss_sum
 from dstrain.run_dir import RunDir
 from dstrain.train import checkpoint, sequence, tiling
+from dstrain.train.background_save import BackgroundSaves
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
+from dstrain.train.heal import SpikeGuard, roll_back
 from dstrain.train.moe_metrics import MoEMeter
 from dstrain.train.stop import StopSignal
+from dstrain.train.watchdog import NoWatchdog, Watchdog
 
 
 @dataclass
@@ -42,23 +44,6 @@ class Progress:
     step: int = 0  # optimizer steps taken
     consumed_samples: int = 0  # samples of the train stream consumed, = step x global batch
     last_eval: dict = field(default_factory=dict)
-
-
-def rng_state() -> dict:
-    """Tensors, ints and tuples only, so that the checkpoint's client state loads with weights_only=True."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(np.array(keys)), pos, has_gauss, gauss),
-        "torch": torch.get_rng_state(),
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
 
 
 @contextlib.contextmanager
@@ -72,18 +57,6 @@ def monitor_paused(engine):
         yield
     finally:
         engine.monitor.enabled = enabled
-
-
-def recipe_changes(old: dict, new: dict, prefix: str = "") -> dict:
-    """{dotted key: [saved, current]} for every recipe value that differs from the checkpoint's."""
-    changed = {}
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            changed.update(recipe_changes(a, b, f"{prefix}{key}."))
-        elif a != b and f"{prefix}{key}" not in ("run_dir", "model.activation_checkpointing"):
-            changed[f"{prefix}{key}"] = [a, b]
-    return changed
 
 
 class Trainer:
@@ -104,7 +77,8 @@ class Trainer:
         self.pipe_batch_size = strategy.micro_batch  # the micro-batch size the pipeline's p2p buffers are sized for
         self.data_fingerprint, self.identity = data_fingerprint, identity or {}
         self.device = engine.device
-        self.is_rank0 = torch.distributed.get_rank() == 0
+        self.rank = torch.distributed.get_rank()
+        self.is_rank0 = self.rank == 0
         self.world = torch.distributed.get_world_size()
         self.progress = Progress()
         self.tokens_per_step = recipe.train.global_batch * recipe.data.seq_len
@@ -113,6 +87,11 @@ class Trainer:
         self.clock = IntervalClock()
         self.log = MetricsLog(run_dir, self.is_rank0, recipe.total_steps, getattr(engine, "monitor", None))
         self.moe = MoEMeter(engine.module, recipe.model, self.device)
+        self.saves = BackgroundSaves(engine, RunDir(run_dir).checkpoints, recipe.train.keep_last, self.identity)
+        self.guard = SpikeGuard(recipe.train.spike_guard) if recipe.train.spike_guard.enabled else None
+        backend = get_accelerator().communication_backend_name()
+        watch = recipe.train.watchdog
+        self.watch = Watchdog(watch, run_dir, self.rank, self.world, backend) if watch.enabled else NoWatchdog()
 
     # --- data -------------------------------------------------------------------------
     def _to_device(self, samples: list[int], data) -> dict:
@@ -127,8 +106,9 @@ class Trainer:
             self.dp_rank,
             self.strategy.dp_size,
         )
+        n = len(self.train_data)  # a skipped window moves the stream on: past its planned end, it wraps
         for samples in indices:
-            yield self._to_device(samples, self.train_data)
+            yield self._to_device([i % n for i in samples], self.train_data)
 
     def _forward_loss(self, batch: dict) -> torch.Tensor:
         """The micro-batch's mean loss; under sequence parallelism this rank's share of it (the SP group's shares
@@ -182,10 +162,13 @@ class Trainer:
             # One optimizer step; returns the data-parallel mean loss on every stage.
             return self.engine.train_batch(self._pipe_micro_batches(batches, self.strategy.grad_accum))
         total = torch.zeros((), device=self.device)
-        for _ in range(self.strategy.grad_accum):
+        for micro in range(self.strategy.grad_accum):
+            self.watch.mark(f"forward {micro}")
             loss = self._forward_loss(next(batches))  # the LM loss, what is logged and compared
-            total = loss + self.moe.losses() if self.moe.enabled else loss
-            self.engine.backward(total * self.backward_factor if self.backward_factor != 1.0 else total)
+            self.watch.mark(f"backward {micro}")
+            objective = loss + self.moe.losses() if self.moe.enabled else loss
+            self.engine.backward(objective * self.backward_factor if self.backward_factor != 1.0 else objective)
+            self.watch.mark(f"optimizer step {micro}")
             self.engine.step()
             total += loss.detach().float()
         return total / self.strategy.grad_accum
@@ -238,25 +221,30 @@ class Trainer:
         return (sums[0] / sums[1]).item(), n
 
     # --- checkpoints ------------------------------------------------------------------
-    def save(self) -> None:
+    def save(self, background: bool = False) -> None:
+        """A checkpoint of this step; ``background``: snapshot now, write while training goes on."""
         client_state = {
             "consumed_samples": self.progress.consumed_samples,
-            "rng": rng_state(),
+            "rng": checkpoint.rng_state(),
             "recipe": to_dict(self.recipe),
             "data_fingerprint": self.data_fingerprint,
             "world_size": self.world,
             "strategy": self.strategy.name,
         }
-        checkpoint.save(
-            self.engine,
-            RunDir(self.run_dir).checkpoints,
-            self.progress.step,
-            client_state,
-            self.recipe.train.keep_last,
-            self.identity,
-        )
+        if self.guard is not None:
+            client_state["spike_guard"] = self.guard.state_dict()
+        if background:
+            self.saves.start(self.progress.step, client_state)
+            return
+        where, keep = RunDir(self.run_dir).checkpoints, self.recipe.train.keep_last
+        checkpoint.save(self.engine, where, self.progress.step, client_state, keep, self.identity)
 
-    def resume(self, tag: str) -> None:
+    def finish_pending_save(self) -> None:
+        """Wait for the background write in flight, if any, and publish it."""
+        self.saves.wait()
+
+    def restore(self, tag: str) -> dict:
+        """Model, optimizer, schedule, RNG, data position and spike guard of checkpoint ``tag``; its client state."""
         state = checkpoint.load(self.engine, RunDir(self.run_dir).checkpoints, tag)
         if state.get("data_fingerprint") != self.data_fingerprint:
             raise DstrainError(
@@ -265,8 +253,14 @@ class Trainer:
             )
         self.progress.step = self.engine.global_steps
         self.progress.consumed_samples = state["consumed_samples"]
-        set_rng_state(state["rng"])
+        checkpoint.set_rng_state(state["rng"])
         apply_recipe_to_optimizer(self.engine, self.recipe)
+        if self.guard is not None:
+            self.guard.load_state_dict(state.get("spike_guard"))
+        return state
+
+    def resume(self, tag: str) -> None:
+        state = self.restore(tag)
         changed = recipe_changes(state.get("recipe") or {}, to_dict(self.recipe))
         if self.is_rank0:
             print(
@@ -293,31 +287,23 @@ class Trainer:
             print(describe_params(self.recipe.model), flush=True)
             print(self.peak_line, flush=True)
         self.clock = IntervalClock()
-        consecutive_skips, last_skipped = 0, self.engine.skipped_steps
+        self.last_skipped, self.consecutive_skips = self.engine.skipped_steps, 0
         status = "completed"
+        self.watch.start()
         while self.progress.step < total:
-            lr = self.engine.get_lr()[0]
-            loss = self.train_step(batches)
-            self.progress.step += 1
-            self.progress.consumed_samples += t.global_batch
-            # One all-reduce per step carries the loss and any rank's stop request.
-            flags = torch.stack([loss, torch.tensor(float(stop.received is not None), device=self.device)])
-            torch.distributed.all_reduce(flags)
-            step_loss = flags[0].item() * self.sp_size / self.world  # SP ranks hold shares of their replica's loss
-            skipped = self.engine.skipped_steps - last_skipped
-            last_skipped = self.engine.skipped_steps
-            consecutive_skips = consecutive_skips + 1 if skipped else 0
-            if consecutive_skips > t.max_skipped_steps:
-                raise DstrainError(
-                    f"{consecutive_skips} consecutive fp16 overflow steps "
-                    f"(train.max_skipped_steps={t.max_skipped_steps}); "
-                    f"lower optim.lr or use a bf16 ds_config"
-                )
-            if not math.isfinite(step_loss) and self.strategy.precision != "fp16":
-                raise DstrainError(
-                    f"loss became {step_loss} at step {self.progress.step}; stopping, the last checkpoint in "
-                    f"{RunDir(self.run_dir).checkpoints} is kept; lower optim.lr or raise schedule.warmup_steps"
-                )
+            self.watch.begin("step", self.progress.step + 1)
+            lr = self._lr_of_next_step()
+            step_loss, metric, stop_requested = self._step_of_all_ranks(batches, stop)
+            # fp16: an overflow's inf is the loss scaler's business, not a spike.
+            watched = math.isfinite(metric) or self.strategy.precision != "fp16"
+            limit = self.guard.observe(metric) if self.guard is not None and watched else None
+            if limit is not None and roll_back(self, metric, limit):
+                batches, interval_loss, interval_steps = self._batches(), 0.0, 0
+                if stop_requested:
+                    status = "interrupted"
+                    break
+                continue
+            self._check_health(step_loss)
             interval_loss += step_loss
             interval_steps += 1
             if self.progress.step % t.log_interval == 0 or self.progress.step == total:
@@ -329,20 +315,72 @@ class Trainer:
                 interval_loss, interval_steps = 0.0, 0
             if t.eval_interval and self.progress.step % t.eval_interval == 0 and self.progress.step < total:
                 self._eval_and_log()
-            if flags[1].item() > 0:
+            if stop_requested:
                 status = "interrupted"
                 break
             if t.checkpoint_interval and self.progress.step % t.checkpoint_interval == 0 and self.progress.step < total:
                 with self.clock.paused("checkpoint"):
-                    self.save()
+                    self.watch.begin("checkpoint", self.progress.step)
+                    self.save(background=t.async_checkpoint)
+        self.watch.begin("end", self.progress.step)
         if status == "completed":
             self._eval_and_log()
+        self.finish_pending_save()
         self.save()
         self.log.close()
+        self.watch.stop()
         stop.release()
         return {"status": status, "step": self.progress.step, "final_eval": self.progress.last_eval}
 
+    def _lr_of_next_step(self) -> float:
+        """The schedule's lr, times the spike guard's factor during a lowered stretch. The scheduler sets each
+        group's lr afresh from its base after every step, so the factor applies to this step alone."""
+        scale = 1.0 if self.guard is None else self.guard.lr_scale(self.progress.step + 1)
+        if scale != 1.0:
+            for group in self.engine.optimizer.param_groups:
+                group["lr"] *= scale
+        return self.engine.get_lr()[0]
+
+    def _step_of_all_ranks(self, batches, stop: StopSignal) -> tuple[float, float, bool]:
+        """One optimizer step, then its one all-reduce: (mean loss, the spike guard's metric, any rank's stop); it
+        also carries whether each rank's background checkpoint write is done, and publishes it when all are."""
+        loss = self.train_step(batches)
+        self.progress.step += 1
+        self.progress.consumed_samples += self.recipe.train.global_batch
+        grad_norm = self.engine.get_global_grad_norm() if self.guard is not None else None
+        flags = torch.tensor(
+            [0.0, 0.0 if grad_norm is None else float(grad_norm), float(stop.received is not None), self.saves.done()],
+            device=self.device,
+        )
+        flags[0] = loss
+        self.watch.mark("the step's all-reduce")
+        torch.distributed.all_reduce(flags)
+        step_loss = flags[0].item() * self.sp_size / self.world  # SP ranks hold shares of their replica's loss
+        if self.saves.in_flight and flags[3].item() == self.world:
+            self.saves.publish()
+        metric = flags[1].item() / self.world if self.recipe.train.spike_guard.metric == "grad_norm" else step_loss
+        return step_loss, metric, flags[2].item() > 0
+
+    def _check_health(self, step_loss: float) -> None:
+        """Stop with one line on too many fp16 overflows in a row, or a loss that is not finite (fp32/bf16)."""
+        t = self.recipe.train
+        skipped = self.engine.skipped_steps - self.last_skipped
+        self.last_skipped = self.engine.skipped_steps
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        if self.consecutive_skips > t.max_skipped_steps:
+            raise DstrainError(
+                f"{self.consecutive_skips} consecutive fp16 overflow steps "
+                f"(train.max_skipped_steps={t.max_skipped_steps}); "
+                f"lower optim.lr or use a bf16 ds_config"
+            )
+        if not math.isfinite(step_loss) and self.strategy.precision != "fp16":
+            raise DstrainError(
+                f"loss became {step_loss} at step {self.progress.step}; stopping, the last checkpoint in "
+                f"{RunDir(self.run_dir).checkpoints} is kept; lower optim.lr or raise schedule.warmup_steps"
+            )
+
     def _eval_and_log(self) -> None:
+        self.watch.begin("eval", self.progress.step)
         start = time.perf_counter()
         with self.clock.paused("eval"):
             records = self.evaluate()

@@ -211,22 +211,10 @@ def claim_run_dir(run_dir: Path, recipe: Recipe, strategy: Strategy, tag: str | 
     files = RunDir(run_dir)
     files.recipe.write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
     files.ds_config.write_text(json.dumps(strategy.ds_config, indent=2) + "\n")
-    metrics = files.metrics
-    if metrics.exists():
-        resumed_step = step_of(tag) if tag else 0
-        kept = [line for line in metrics.read_text().splitlines() if _logged_step(line) <= resumed_step]
-        tmp = metrics.with_name("metrics.jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, metrics)
+    from dstrain.metrics import drop_records_after
+
+    drop_records_after(files.metrics, step_of(tag) if tag else 0)
     return lock
-
-
-def _logged_step(line: str) -> float:
-    """The step of a metrics line; a line cut short by a killed job counts as after any checkpoint."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError):
-        return float("inf")
 
 
 def write_summary(run_dir: Path, result: dict, recipe: Recipe, strategy: Strategy) -> None:
@@ -293,6 +281,12 @@ def train(args: argparse.Namespace) -> int:
     )
     valid_sets = build_valid_sets(sources, d.seq_len, recipe.seed, d.valid_fraction)
 
+    from deepspeed.accelerator import get_accelerator
+
+    from dstrain.train.watchdog import enable_flight_recorder
+
+    if recipe.train.watchdog.enabled:
+        enable_flight_recorder(run_dir, get_accelerator().communication_backend_name())
     distributed.init()
     rank = distributed.rank()
     lock = distributed.on_rank0(lambda: claim_run_dir(run_dir, recipe, strategy, tag), f"use {run_dir}")

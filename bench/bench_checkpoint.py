@@ -1,0 +1,110 @@
+"""How long a checkpoint stops training: synchronous save against a background one (train.async_checkpoint).
+
+For each recipe's model (its real dimensions, ZeRO-1 fp32, AdamW state after one step), in one process:
+- sync: seconds `dstrain.train.checkpoint.save` blocks the loop (write + publish);
+- async blocked: seconds `BackgroundSaves.start` blocks it (host-memory snapshot), and the write's own duration;
+- steps/s while the background write runs, against steps/s without one.
+Each figure is the median of --repeats saves. Target: async blocked <= 20% of sync.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_checkpoint.py [--recipes tiny gpt2-125m] [--dir /tmp/x]
+
+Runs as a world of one (gloo); no data needed (random tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORTEN = {"tiny": ["model.vocab_size=4096", "data.seq_len=128"], "gpt2-125m": ["data.seq_len=128"]}
+
+
+def build(name: str):
+    from dstrain.config import load_recipe
+    from dstrain.strategy import load_ds_config, resolve
+    from dstrain.train.engine import build_engine, build_model
+
+    recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", [*SHORTEN[name], "train.global_batch=1"])
+    config = ROOT / "ds_configs" / "zero1.json"
+    raw = load_ds_config(config)
+    raw["train_micro_batch_size_per_gpu"] = 1
+    strategy = resolve(recipe, "recipe", raw, config, 1)
+    return recipe, build_engine(recipe, strategy, build_model(recipe, strategy))
+
+
+def step(engine, recipe) -> float:
+    import torch
+
+    from dstrain.model.gpt import lm_loss
+
+    start = time.perf_counter()
+    tokens = torch.randint(0, recipe.model.vocab_size, (1, recipe.data.seq_len + 1)).to(engine.device)
+    engine.backward(lm_loss(engine(tokens[:, :-1]), tokens[:, 1:]))
+    engine.step()
+    return time.perf_counter() - start
+
+
+def measure(name: str, folder: Path, repeats: int) -> dict:
+    from dstrain.train import checkpoint
+    from dstrain.train.background_save import BackgroundSaves
+
+    recipe, engine = build(name)
+    step(engine, recipe)  # the optimizer's state exists from the first step
+    state = {"consumed_samples": 0}
+    sync, blocked, written, during, alone = [], [], [], [], []
+    saves = BackgroundSaves(engine, folder, keep_last=2, identity=None)
+    for i in range(repeats):
+        start = time.perf_counter()
+        checkpoint.save(engine, folder, 2 * i + 1, state, keep_last=2)
+        sync.append(time.perf_counter() - start)
+        alone.append(step(engine, recipe))
+        start = time.perf_counter()
+        saves.start(2 * i + 2, state)
+        blocked.append(time.perf_counter() - start)
+        while not saves.done():
+            during.append(step(engine, recipe))
+        written.append(time.perf_counter() - start)
+        saves.wait()
+    size = sum(p.stat().st_size for p in (folder / "latest").parent.glob(f"{(folder / 'latest').read_text()}/*"))
+    return {
+        "recipe": name,
+        "checkpoint_mib": size / 2**20,
+        "sync_s": statistics.median(sync),
+        "async_blocked_s": statistics.median(blocked),
+        "async_written_s": statistics.median(written),
+        "blocked_share": statistics.median(blocked) / statistics.median(sync),
+        "steps_per_s_alone": 1 / statistics.median(alone),
+        "steps_per_s_during_write": 1 / statistics.median(during) if during else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipes", nargs="+", default=["tiny", "gpt2-125m"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder)")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from dstrain.train import distributed
+
+    distributed.init()
+    for name in args.recipes:
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            r = measure(name, Path(tmp), args.repeats)
+        during = r["steps_per_s_during_write"]
+        print(
+            f"{name}: {r['checkpoint_mib']:.0f} MiB; sync save blocks {r['sync_s']:.2f} s; async blocks "
+            f"{r['async_blocked_s']:.2f} s ({100 * r['blocked_share']:.0f}%), written in {r['async_written_s']:.2f} s; "
+            f"steps/s {r['steps_per_s_alone']:.2f} alone, "
+            + (f"{during:.2f} during the write" if during else "no step fit in the write"),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

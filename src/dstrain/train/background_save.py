@@ -1,0 +1,105 @@
+"""Checkpoints that do not stop training: a host-memory snapshot now, the write in the background.
+
+Plugged in through DeepSpeed's checkpoint-engine interface (deepspeed/runtime/checkpoint_engine/): for the length of
+``engine.save_checkpoint`` the engine's checkpoint engine is a ``SnapshotEngine``, whose ``save`` copies the state
+dict's tensors to host memory (DeepSpeed's own ``clone_tensors_for_torch_save``) and queues it instead of writing it.
+Training resumes as soon as the copy is made; a thread then ``torch.save``s the queue into ``<tag>.partial``.
+DeepSpeed's own background writers (FastCheckpointEngine, DecoupledCheckpointEngine) are not used: a probe reported
+in issue 17 found them failing or hanging on CPU (not re-checked here), and they know nothing of our ``.partial`` ->
+record -> rename -> ``latest`` publication, which must wait for every rank's files.
+
+Every guarantee of a synchronous save holds (dstrain.train.checkpoint):
+- publication waits for every rank's writer: each step's one all-reduce carries "my write is done", and rank 0
+  publishes (record, rename, ``latest``, keep-last) in the step where all ranks report it, so a death mid-write
+  leaves ``latest`` on the previous complete tag and a resume there equals the uninterrupted run;
+- at most one write is in flight: the next save, a rollback, the final or the interrupt checkpoint first wait for it;
+- keep-last only ever deletes published tags, and the tag being written is still ``<tag>.partial``.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+from dstrain.run_dir import tag_for
+from dstrain.train import checkpoint
+
+HOST = torch.device("cpu")  # host memory, whatever the accelerator: where a snapshot waits for the disk
+
+
+class SnapshotEngine(TorchCheckpointEngine):
+    """DeepSpeed checkpoint engine whose ``save`` snapshots the state to host memory and queues the write."""
+
+    def __init__(self, config_params=None):
+        super().__init__(config_params)
+        self.queue: list[tuple[dict, str]] = []
+
+    def save(self, state_dict, path: str) -> None:
+        self.queue.append((clone_tensors_for_torch_save(state_dict, device=HOST), path))
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # DeepSpeed would clone first; our snapshot is that clone already
+
+    def write_all(self) -> None:
+        for state, path in self.queue:
+            torch.save(state, path, _use_new_zipfile_serialization=self.zipfile_serialization)
+        self.queue = []
+
+
+class BackgroundSaves:
+    """The one checkpoint of a run that may be in flight, and its publication."""
+
+    def __init__(self, engine, checkpoint_dir: Path, keep_last: int, identity: dict | None):
+        self.engine, self.checkpoint_dir, self.keep_last, self.identity = engine, checkpoint_dir, keep_last, identity
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.step, self.shape = 0, dict[str, object]()
+
+    @property
+    def in_flight(self) -> bool:
+        return self.thread is not None
+
+    def start(self, step: int, client_state: dict) -> None:
+        """Every rank: snapshot the state of ``step`` and start writing it; waits for an earlier write first."""
+        self.wait()
+        client_state = checkpoint.prepare(self.engine, self.checkpoint_dir, tag_for(step), client_state)
+        snapshot = SnapshotEngine(self.engine._config)
+        saved, self.engine.checkpoint_engine = self.engine.checkpoint_engine, snapshot
+        try:
+            checkpoint.write_partial(self.engine, self.checkpoint_dir, tag_for(step), client_state)
+        finally:
+            self.engine.checkpoint_engine = saved
+        self.step, self.shape, self.error = step, client_state["topology"], None
+        self.thread = threading.Thread(target=self._write, args=(snapshot,), name="dstrain-checkpoint", daemon=True)
+        self.thread.start()
+
+    def _write(self, snapshot: SnapshotEngine) -> None:
+        try:
+            snapshot.write_all()
+        except BaseException as e:  # re-raised in the training thread by done()
+            self.error = e
+
+    def done(self) -> bool:
+        """This rank's write is over (or none is in flight); its failure is raised here, in the training thread."""
+        if self.error is not None:
+            raise self.error
+        return self.thread is None or not self.thread.is_alive()
+
+    def publish(self) -> None:
+        """Every rank, once all ranks' writes are done (agreed in one collective): rank 0 publishes the tag."""
+        checkpoint.publish(self.checkpoint_dir, self.step, self.shape, self.keep_last, self.identity)
+        self.thread = None
+
+    def wait(self) -> None:
+        """Every rank: wait for the write in flight, then publish it."""
+        if self.thread is None:
+            return
+        self.thread.join()
+        self.done()
+        torch.distributed.barrier()
+        self.publish()
+        torch.distributed.barrier()

@@ -1,0 +1,125 @@
+"""Loss-spike rollback: the run notices a spike, reloads the newest complete checkpoint, skips the data that
+produced the spike and goes on, as the OPT and BLOOM logbooks did by hand.
+
+The statistic is the median of the last ``window`` steps' values (loss or pre-clip gradient norm), and a spike is
+a value above ``factor`` x that median (or not finite). A median rather than a mean or a z-score: an earlier spike,
+a slow drift or a noisy batch does not move it, and it needs no variance estimate from a short history. The value
+comes from the step's one all-reduce, so every rank sees the same number and takes the same decision.
+
+Data: global batch k reads samples [k*G, (k+1)*G) of ``consumed_samples`` (dstrain.train.loop). A rollback to a
+checkpoint at consumed_samples C after a spike at consumed_samples S (counted through the spiking step) restores
+the weights, optimizer and RNG of C but continues reading at S: samples [C, S) are never trained on. The windows
+skipped, the spikes seen and the running statistic live in every checkpoint's client state, and the checkpoint
+rolled back to is saved again at once with them, so a job killed after a rollback resumes without reading the
+window again and equals the uninterrupted run bit for bit.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from dstrain.config import SpikeGuardConfig
+from dstrain.errors import DstrainError
+from dstrain.run_dir import RunDir, step_of
+from dstrain.train import checkpoint
+
+
+class SpikeGuard:
+    """The guard's state: the running window, the spikes seen (by step) and the sample windows skipped."""
+
+    def __init__(self, config: SpikeGuardConfig):
+        self.config = config
+        self.history: list[float] = []
+        self.spikes: list[int] = []
+        self.skipped: list[list[int]] = []  # [first sample, end sample) per rollback
+        self.lr_until = 0  # steps <= lr_until run with lr x lr_factor
+
+    def threshold(self) -> float | None:
+        """The value above which a step is a spike; None while the window is not full."""
+        if len(self.history) < self.config.window:
+            return None
+        return self.config.factor * statistics.median(self.history)
+
+    def observe(self, value: float) -> float | None:
+        """The threshold ``value`` broke (a spike, not added to the window), or None (added)."""
+        limit = self.threshold()
+        if limit is not None and not value <= limit:  # also catches nan
+            return limit
+        self.history = [*self.history, value][-self.config.window :]
+        return None
+
+    def too_many(self, step: int) -> bool:
+        """Record a spike at ``step``; True when the spikes within rollback_window exceed max_rollbacks."""
+        self.spikes.append(step)
+        recent = [s for s in self.spikes if step - s < self.config.rollback_window]
+        return len(recent) > self.config.max_rollbacks
+
+    def lr_scale(self, step: int) -> float:
+        """The factor on the schedule's lr for optimizer step ``step`` (1-based)."""
+        return self.config.lr_factor if step <= self.lr_until else 1.0
+
+    def state_dict(self) -> dict:
+        return {
+            "history": list(self.history),
+            "spikes": list(self.spikes),
+            "skipped": self.skipped,
+            "lr": self.lr_until,
+        }
+
+    def load_state_dict(self, state: dict | None) -> None:
+        state = state or {}
+        self.history = list(state.get("history", []))
+        self.spikes = list(state.get("spikes", []))
+        self.skipped = [list(w) for w in state.get("skipped", [])]
+        self.lr_until = int(state.get("lr", 0))
+
+
+def roll_back(trainer, value: float, limit: float) -> bool:
+    """Every rank: reload the newest complete checkpoint, skip the data since it, log the event (True); with no
+    checkpoint yet, log the event and go on (False); after too many spikes, stop with one line.
+
+    ``trainer`` (dstrain.train.loop.Trainer) has just taken the spiking step."""
+    guard: SpikeGuard = trainer.guard
+    config = guard.config
+    spike_step, spike_samples = trainer.progress.step, trainer.progress.consumed_samples
+    median = limit / config.factor
+    checkpoints = RunDir(trainer.run_dir).checkpoints
+    trainer.watch.begin("rollback", spike_step)
+    trainer.finish_pending_save()  # a background write of an earlier step publishes first
+    if guard.too_many(spike_step):
+        raise DstrainError(
+            f"{config.metric} spike at step {spike_step} ({value:.4g} > {config.factor:g} x median {median:.4g}): "
+            f"more than train.spike_guard.max_rollbacks={config.max_rollbacks} within {config.rollback_window} "
+            f"steps; stopping, the checkpoints in {checkpoints} are kept; lower optim.lr or inspect the data"
+        )
+    # One decision for all ranks: rank 0's reading of the checkpoint folder.
+    found = [checkpoint.newest_complete(checkpoints) if trainer.is_rank0 else None]
+    torch.distributed.broadcast_object_list(found, src=0)
+    tag = found[0]
+    event = {"event": "spike", "spike_step": spike_step, "metric": config.metric, "value": value}
+    event.update(median=median, threshold=limit, rolled_back_to=tag)
+    if tag is None:
+        trainer.log.write({"step": spike_step, **event, "skipped_samples": None})
+        trainer.log.note(f"{config.metric} spike at step {spike_step} ({value:.4g} > {limit:.4g}); no checkpoint yet")
+        return False
+    spikes, skipped = guard.spikes, guard.skipped
+    state = trainer.restore(tag)  # weights, optimizer, schedule, RNG, consumed_samples and the guard of `tag`
+    first = state["consumed_samples"]
+    guard.spikes, guard.skipped = spikes, [*skipped, [first, spike_samples]]
+    guard.lr_until = trainer.progress.step + config.lr_steps
+    trainer.progress.consumed_samples = spike_samples
+    trainer.log.drop_after(trainer.progress.step)
+    assert step_of(tag) == trainer.progress.step
+    trainer.save()  # the same step again, now holding the skip: a requeued job never reads the window
+    # Logged once it is durable: a job killed after this line never trains on the window again.
+    trainer.log.write({"step": trainer.progress.step, **event, "skipped_samples": [first, spike_samples]})
+    batches = (spike_samples - first) // trainer.recipe.train.global_batch
+    trainer.log.note(
+        f"{config.metric} spike at step {spike_step} ({value:.4g} > {config.factor:g} x median {median:.4g}): "
+        f"rolled back to {tag}, skipping samples {first}-{spike_samples - 1} "
+        f"({batches} global batch{'es' if batches > 1 else ''})"
+        + (f", lr x {config.lr_factor:g} until step {guard.lr_until}" if config.lr_steps else "")
+    )
+    return True

@@ -1,0 +1,172 @@
+"""Hang watchdog: a thread on every rank that turns a silent hang into stacks, a named rank and an exit.
+
+The loop tells the watchdog where it is: ``begin(phase, step)`` at the start of each step, evaluation and
+checkpoint, ``mark(where)`` at each point inside a step (forward, backward, optimizer step, the step's all-reduce).
+Every rank makes the same calls in the same order, so the number of calls made so far (the tick) says how far a
+rank got. A step is bounded by ``factor`` x the median duration of the last 50 steps after ``warmup_steps``, kept
+within [floor_s, ceiling_s]; evaluation, checkpoints and the first steps by ceiling_s alone.
+
+When a phase outlives its bound, the rank writes every thread's stack (``faulthandler``) to
+``run_dir/hang/rank<r>.txt`` and its tick to ``hang/rank<r>.json``, then waits up to REPORT_WAIT_S for the other
+ranks' reports (run_dir is shared by every rank: checkpoints need it so). The ranks that got furthest (they reached
+the collective the others never joined) name the ranks behind them, or silent (frozen, dead), on stderr and in
+their stack file; then every rank exits with HANG_EXIT, so that Slurm's requeue or a retry resumes from the last
+checkpoint. Files rather than a collective: the process group is the thing that hangs.
+
+On NCCL, torch's flight recorder (the ring buffer of recent collectives) is switched on before the process group
+starts, and its dump is saved beside the stacks.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from dstrain.config import WatchdogConfig
+
+HANG_EXIT = 124  # as coreutils' timeout: the job ran out of time, not out of luck with its inputs
+REPORT_WAIT_S = 10.0  # how long a rank that fired waits for the others' reports before naming the silent ones
+LAGGARD_DELAY_S = 1.0  # a rank behind the others exits this much later, so that they name it before it is gone
+MEDIAN_OF = 50  # step durations in the median
+
+
+def hang_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "hang"
+
+
+def enable_flight_recorder(run_dir: Path, backend: str) -> None:
+    """Before the process group starts: torch's NCCL flight recorder, dumped into run_dir/hang/ on a timeout."""
+    if backend != "nccl":
+        return
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(hang_dir(run_dir) / "nccl_trace_rank_"))
+
+
+class Watchdog(threading.Thread):
+    def __init__(self, config: WatchdogConfig, run_dir: Path, rank: int, world: int, backend: str = "gloo"):
+        super().__init__(name="dstrain-watchdog", daemon=True)
+        self.config, self.dir, self.rank, self.world, self.backend = config, hang_dir(run_dir), rank, world, backend
+        self.phase, self.step, self.where, self.tick = "start", 0, "start", 0
+        self.started = self.created = time.monotonic()
+        self.born = time.time()  # reports older than this are from an earlier launch
+        self.durations: deque[float] = deque(maxlen=MEDIAN_OF)
+        self.steps_seen = 0
+        self.stopped = threading.Event()
+
+    # --- called by the loop (plain attribute writes: nothing on the training path waits) -------------------------
+    def begin(self, phase: str, step: int) -> None:
+        now = time.monotonic()
+        if self.phase == "step":
+            self.steps_seen += 1
+            if self.steps_seen > self.config.warmup_steps:
+                self.durations.append(now - self.started)
+        self.phase, self.step, self.where, self.started = phase, step, phase, now
+        self.tick += 1
+
+    def mark(self, where: str) -> None:
+        self.where = where
+        self.tick += 1
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    # --- the thread ------------------------------------------------------------------------------------------------
+    def bound(self) -> float:
+        c = self.config
+        if self.phase != "step" or not self.durations:
+            return c.ceiling_s
+        return min(c.ceiling_s, max(c.floor_s, c.factor * statistics.median(self.durations)))
+
+    def run(self) -> None:
+        poll = min(1.0, self.config.floor_s / 10)
+        while not self.stopped.wait(poll):
+            elapsed, bound = time.monotonic() - self.started, self.bound()
+            if elapsed > bound:
+                self.fire(elapsed, bound)
+
+    def fire(self, elapsed: float, bound: float) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        state = f"{self.where} of {self.phase} {self.step}" if self.phase == "step" else f"{self.phase}"
+        stacks = self.dir / f"rank{self.rank}.txt"
+        with open(stacks, "w") as f:
+            f.write(f"rank {self.rank}: {state} running for {elapsed:.1f} s, bound {bound:.1f} s\n\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        self._dump_flight_recorder()
+        report = {"rank": self.rank, "tick": self.tick, "state": state}
+        tmp = self.dir / f".rank{self.rank}.json.tmp"
+        tmp.write_text(json.dumps(report))
+        os.replace(tmp, self.dir / f"rank{self.rank}.json")
+        reports = self._reports()
+        furthest = max(r["tick"] for r in reports.values())
+        behind = {r: reports.get(r) for r in range(self.world) if r not in reports or reports[r]["tick"] < furthest}
+        if self.tick == furthest:
+            named = "; ".join(
+                f"rank {r} {'at ' + report['state'] if report else 'sent no report (frozen or dead)'}"
+                for r, report in behind.items()
+            )
+            line = (
+                f"dstrain: hang: rank {self.rank} stalled {elapsed:.0f} s (bound {bound:.0f} s) at {state}; "
+                + (f"waiting for {named}" if behind else "every rank stalled at the same point (a collective or I/O)")
+                + f"; stacks in {self.dir}/; exiting {HANG_EXIT} to be relaunched from the last checkpoint"
+            )
+            with open(stacks, "a") as f:
+                f.write("\n" + line + "\n")
+            print(line, file=sys.stderr, flush=True)
+        else:
+            time.sleep(LAGGARD_DELAY_S)
+        os._exit(HANG_EXIT)
+
+    def _reports(self) -> dict[int, dict]:
+        """This launch's reports (an earlier launch's are older than this watchdog), waiting for all or a while."""
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while True:
+            reports = {}
+            for r in range(self.world):
+                path = self.dir / f"rank{r}.json"
+                try:
+                    if path.stat().st_mtime >= self.born - 1:
+                        reports[r] = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    pass
+            if len(reports) == self.world or time.monotonic() > deadline:
+                return reports
+            time.sleep(0.1)
+
+    def _dump_flight_recorder(self) -> None:
+        if self.backend != "nccl":
+            return
+        try:
+            import torch
+
+            dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)  # the flight recorder's dump
+            trace = dump() if dump is not None else None
+        except RuntimeError:
+            return
+        if trace is None:
+            return
+        (self.dir / f"nccl_trace_rank{self.rank}.pkl").write_bytes(trace)
+
+
+class NoWatchdog:
+    """train.watchdog.enabled=false: the same calls, nothing watches."""
+
+    def begin(self, phase: str, step: int) -> None:
+        pass
+
+    def mark(self, where: str) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass

@@ -1,0 +1,171 @@
+"""Training that heals itself, on 2 CPU ranks: loss-spike rollback, the hang watchdog, background checkpoints."""
+
+import re
+import time
+
+import pytest
+
+from ranks import spawn_ranks, start_target_ranks
+from train_helpers import (
+    ROOT,
+    read_events,
+    read_metrics,
+    small_recipe,
+    train_and_hang_at,
+    train_argv,
+    train_losses,
+    train_with_poison,
+    train_with_slow_writes,
+)
+
+CONFIG = ROOT / "ds_configs" / "zero1.json"
+GUARD = (
+    "train.spike_guard.enabled=true",
+    "train.spike_guard.window=3",
+    "train.spike_guard.lr_factor=0.5",
+    "train.spike_guard.lr_steps=2",
+)
+POISON = (48, 56)  # global batch 6 (8 samples each), read by step 7; checkpoints every 2 steps: back to step 6
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory, corpus):
+    return small_recipe(tmp_path_factory.mktemp("heal"), corpus, train={"checkpoint_interval": 2})
+
+
+@pytest.fixture(scope="module")
+def clean(recipe, tmp_path_factory):
+    """The un-poisoned run, guard on: nothing fires."""
+    run = tmp_path_factory.mktemp("clean") / "run"
+    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD), 0, 0) == [0, 0]
+    assert read_events(run) == []
+    return run
+
+
+@pytest.fixture(scope="module")
+def poisoned(recipe, tmp_path_factory):
+    run = tmp_path_factory.mktemp("poisoned") / "run"
+    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD), *POISON) == [0, 0]
+    return run
+
+
+def wait_for_record(run_dir, found, procs, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and any(found(r) for r in read_metrics(run_dir) + read_events(run_dir)):
+            return
+        assert all(p.exitcode is None for p in procs), "a rank exited early"
+        time.sleep(0.05)
+    raise AssertionError(f"no such record within {timeout} s")
+
+
+@pytest.mark.distributed
+def test_a_loss_spike_rolls_back_and_skips_exactly_its_window(poisoned, clean):
+    (event,) = read_events(poisoned)
+    assert event["spike_step"] == 7 and event["rolled_back_to"] == "global_step6" and event["step"] == 6
+    assert event["skipped_samples"] == list(POISON)
+    assert event["value"] > 5 * event["median"] and event["threshold"] == 2 * event["median"]
+    losses, records = train_losses(poisoned), [r for r in read_metrics(poisoned) if "split" not in r]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    clean_records = [r for r in read_metrics(clean) if "split" not in r]
+    assert [r["lr"] for r in records[6:9]] == [
+        clean_records[6]["lr"] / 2,
+        clean_records[7]["lr"] / 2,
+        clean_records[8]["lr"],
+    ]
+    clean = train_losses(clean)
+    assert losses[:6] == clean[:6]  # the guard changes nothing before the spike, to the bit
+    # After the rollback: other samples than the clean run's (the window is skipped), the same range (within 5%;
+    # the poisoned step's loss was 10x).
+    assert all(abs(a - b) / b < 0.05 for a, b in zip(losses[6:], clean[6:])), (losses, clean)
+    final = read_metrics(poisoned)[-2]
+    assert final["consumed_samples"] == 10 * 8 + 8  # the skipped global batch moved the stream on
+
+
+@pytest.mark.distributed
+def test_kill9_after_a_rollback_resumes_without_the_window_bit_exact(recipe, poisoned, tmp_path):
+    run = tmp_path / "run"
+    procs = start_target_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD), *POISON)
+    wait_for_record(run, lambda r: r.get("event") == "spike", procs)
+    for p in procs:
+        p.kill()
+        p.join()
+    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD), *POISON) == [0, 0]
+    assert train_losses(run) == train_losses(poisoned)
+    assert [e["event"] for e in read_events(run)] == ["spike", "resume"]  # the window was not read again
+
+
+WATCH = ("train.watchdog.enabled=true", "train.watchdog.floor_s=4", "train.watchdog.warmup_steps=2")
+
+
+@pytest.mark.distributed
+def test_a_hung_rank_is_named_every_rank_exits_and_a_relaunch_resumes(recipe, clean, tmp_path, capfd):
+    from dstrain.train.watchdog import HANG_EXIT
+
+    run, marker = tmp_path / "run", tmp_path / "hung-since"
+    argv = train_argv(recipe, CONFIG, run, *GUARD, *WATCH)
+    codes = spawn_ranks(2, train_and_hang_at, argv, 5, 1, str(marker), timeout=120)
+    took = time.time() - float(marker.read_text())
+    assert codes == [HANG_EXIT, HANG_EXIT]
+    # The bound is the 4 s floor here (10 x a ~0.2 s median is less): every rank gone within twice it.
+    assert took < 2 * 4, took
+    named = re.compile(
+        r"dstrain: hang: rank 0 stalled \d+ s \(bound 4 s\) at (backward|optimizer step) 0 of step 5; "
+        r"waiting for rank 1 at forward 0 of step 5; stacks in .*/hang/"
+    )
+    assert named.search((run / "hang" / "rank0.txt").read_text()) and named.search(capfd.readouterr().err)
+    print(f"all ranks exited {took:.1f} s after rank 1 hung")
+    stacks = (run / "hang" / "rank1.txt").read_text().split("(most recent call first):\n")
+    assert any(block.splitlines()[0].endswith("in sleep_in_step") for block in stacks[1:]), stacks
+    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD, *WATCH), 0, 0) == [0, 0]
+    assert train_losses(run) == train_losses(clean)  # resumed from step 4, as if nothing had happened
+
+
+ASYNC = ("train.async_checkpoint=true",)
+
+
+@pytest.mark.distributed
+def test_kill9_during_a_background_write_resumes_from_the_previous_tag_bit_exact(recipe, clean, tmp_path):
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    procs = start_target_ranks(2, train_with_slow_writes, train_argv(recipe, CONFIG, run, *ASYNC), 4.0)
+    wait_for_record(run, lambda r: r.get("step") == 5 and "split" not in r, procs)  # step 4's write takes 4 s
+    for p in procs:
+        p.kill()
+        p.join()
+    assert (checkpoints / "latest").read_text() == "global_step2"
+    assert (checkpoints / "global_step4.partial").is_dir() and not (checkpoints / "global_step4").exists()
+    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *ASYNC), 0, 0) == [0, 0]
+    assert train_losses(run) == train_losses(clean)
+    assert sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) == ["global_step10", "global_step8"]
+
+
+@pytest.mark.distributed
+def test_sigterm_during_a_background_write_completes_both_checkpoints(recipe, clean, tmp_path):
+    from dstrain.train.checkpoint import is_complete
+
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    argv = train_argv(recipe, CONFIG, run, *ASYNC, "train.keep_last=3")
+    assert spawn_ranks(2, train_with_slow_writes, argv, 3.0, 5) == [0, 0]  # step 4's write is in flight at step 5
+    assert (checkpoints / "latest").read_text() == "global_step5"
+    assert all(is_complete(checkpoints / f"global_step{s}") for s in (2, 4, 5))
+    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *ASYNC), 0, 0) == [0, 0]
+    assert train_losses(run) == train_losses(clean)
+
+
+def test_spike_guard_median_threshold_and_too_many_rollbacks():
+    from dstrain.config import SpikeGuardConfig
+    from dstrain.train.heal import SpikeGuard
+
+    guard = SpikeGuard(SpikeGuardConfig(enabled=True, window=3, factor=2.0, max_rollbacks=2, rollback_window=10))
+    assert [guard.observe(v) for v in (5.0, 4.0, 100.0)] == [None, None, None]  # the window fills first
+    assert guard.observe(9.0) is None and guard.history == [4.0, 100.0, 9.0]  # median 9: one outlier moves nothing
+    assert guard.observe(18.5) == 18.0 and guard.history == [4.0, 100.0, 9.0]  # a spike stays out of the window
+    assert guard.observe(float("nan")) == 18.0
+    assert not guard.too_many(20) and not guard.too_many(25) and guard.too_many(29)
+    assert not guard.too_many(100)  # the three earlier ones are more than 10 steps back
+    restored = SpikeGuard(guard.config)
+    restored.load_state_dict(guard.state_dict())
+    assert restored.state_dict() == guard.state_dict()
