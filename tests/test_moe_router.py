@@ -183,3 +183,24 @@ def test_estimate_splits_the_experts_over_the_expert_parallel_ranks():
     # the ZeRO-2 partitions stay total/N: each expert is partitioned over the N/ep expert-data-parallel ranks
     assert parts["Adam moments (fp32)"].step == {p.name: p for p in ep1.parts}["Adam moments (fp32)"].step
     assert parts["MoE experts and all-to-all buffers"].backward > 0
+
+
+@pytest.mark.deepspeed_defect("DeepSpeed's MoE checkpoint save refuses universal_checkpoint_info in client_state")
+def test_deepspeed_moe_save_refuses_universal_checkpoint_info():
+    """checkpoint.save leaves the key out for MoE engines; DeepSpeed 0.19.8's non-MoE save takes it from client_state
+    while _save_moe_checkpoint raises KeyError on it. Fails when an upgrade changes that."""
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    source = inspect.getsource(DeepSpeedEngine._save_moe_checkpoint)
+    assert "UNIVERSAL_CHECKPOINT_INFO, FOLDING_METADATA_KEY" in source and "reserved checkpoint keys" in source
+
+
+@pytest.mark.deepspeed_defect("DeepSpeed's classic MoE layer is not supported with ZeRO-3 (strategy refuses it)")
+def test_deepspeed_classic_moe_refuses_zero3():
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert "Native DeepSpeed MoE is not supported with ZeRO Stage 3" in inspect.getsource(DeepSpeedEngine)

@@ -69,7 +69,8 @@ def check_expert_parallel(
     size, moe = _expert_parallel_size(config.pop("expert_parallel", None), ds_file), recipe.model.moe
     stage = config["zero_optimization"].get("stage", 0)
     if moe is not None and stage == 3:
-        # deepspeed/runtime/engine.py: "Native DeepSpeed MoE is not supported with ZeRO Stage 3".
+        # deepspeed/runtime/engine.py: "Native DeepSpeed MoE is not supported with ZeRO Stage 3" (canary:
+        # tests/test_moe_router.py::test_deepspeed_classic_moe_refuses_zero3).
         raise DstrainError(
             f"{ds_file}: ZeRO-3 cannot train {recipe_file}'s model.moe (DeepSpeed 0.19.8 supports its MoE layer with "
             f"ZeRO stage 0-2 only); use ds_configs/ep2_zero2_bf16.json or zero2_bf16.json"

@@ -135,8 +135,8 @@ def prepare(engine, checkpoint_dir: Path, tag: str, client_state: dict) -> dict:
     )
 
     client_state = {**client_state, "topology": Topology.from_engine(engine).to_record()}
-    # AutoTP engines record their own; DeepSpeed's MoE save refuses the key in client_state (and dstrain converts
-    # no MoE checkpoint: train/topology.check_convertible).
+    # AutoTP engines record their own; DeepSpeed 0.19.8's MoE save raises KeyError on the key in client_state (and
+    # dstrain converts no MoE checkpoint: topology.check_convertible); test_moe_router.py has the canary.
     if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None and not engine.has_moe_layers:
         # What Megatron-DeepSpeed records for ds_to_universal. Our parameters need no TP/vocab patterns; a
         # pipeline's tied embedding module is kept on the first and the last stage, and only the first stage's
