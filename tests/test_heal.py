@@ -25,6 +25,7 @@ GUARD = (
     "train.spike_guard.lr_factor=0.5",
     "train.spike_guard.lr_steps=2",
 )
+ASYNC = ("train.async_checkpoint=true",)
 POISON = (48, 56)  # global batch 6 (8 samples each), read by step 7; checkpoints every 2 steps: back to step 6
 
 
@@ -35,9 +36,9 @@ def recipe(tmp_path_factory, corpus):
 
 @pytest.fixture(scope="module")
 def clean(recipe, tmp_path_factory):
-    """The un-poisoned run, guard on: nothing fires."""
+    """The un-poisoned run, guard on (nothing fires), background checkpoints (the poisoned run's are synchronous)."""
     run = tmp_path_factory.mktemp("clean") / "run"
-    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD), 0, 0) == [0, 0]
+    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD, *ASYNC), 0, 0) == [0, 0]
     assert read_events(run) == []
     return run
 
@@ -75,7 +76,7 @@ def test_a_loss_spike_rolls_back_and_skips_exactly_its_window(poisoned, clean):
         clean_records[8]["lr"],
     ]
     clean = train_losses(clean)
-    assert losses[:6] == clean[:6]  # the guard changes nothing before the spike, to the bit
+    assert losses[:6] == clean[:6]  # neither the guard nor background checkpoints change a bit before the spike
     # After the rollback: other samples than the clean run's (the window is skipped), the same range (within 5%;
     # the poisoned step's loss was 10x).
     assert all(abs(a - b) / b < 0.05 for a, b in zip(losses[6:], clean[6:])), (losses, clean)
@@ -122,37 +123,28 @@ def test_a_hung_rank_is_named_every_rank_exits_and_a_relaunch_resumes(recipe, cl
     assert train_losses(run) == train_losses(clean)  # resumed from step 4, as if nothing had happened
 
 
-ASYNC = ("train.async_checkpoint=true",)
-
-
 @pytest.mark.distributed
-def test_kill9_during_a_background_write_resumes_from_the_previous_tag_bit_exact(recipe, clean, tmp_path):
-    run = tmp_path / "run"
-    checkpoints = run / "checkpoints"
-    procs = start_target_ranks(2, train_with_slow_writes, train_argv(recipe, CONFIG, run, *ASYNC), 4.0)
-    wait_for_record(run, lambda r: r.get("step") == 5 and "split" not in r, procs)  # step 4's write takes 4 s
-    for p in procs:
-        p.kill()
-        p.join()
-    assert (checkpoints / "latest").read_text() == "global_step2"
-    assert (checkpoints / "global_step4.partial").is_dir() and not (checkpoints / "global_step4").exists()
-    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *ASYNC), 0, 0) == [0, 0]
-    assert train_losses(run) == train_losses(clean)
-    assert sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) == ["global_step10", "global_step8"]
-
-
-@pytest.mark.distributed
-def test_sigterm_during_a_background_write_completes_both_checkpoints(recipe, clean, tmp_path):
+def test_sigterm_then_kill9_during_background_writes_lose_nothing(recipe, clean, tmp_path):
+    """SIGTERM while step 4's write is in flight: the interrupt checkpoint waits for it, both complete. Then kill -9
+    while step 6's write is in flight: `latest` stays on step 5, and the resume from it is bit-exact."""
     from dstrain.train.checkpoint import is_complete
 
     run = tmp_path / "run"
     checkpoints = run / "checkpoints"
     argv = train_argv(recipe, CONFIG, run, *ASYNC, "train.keep_last=3")
-    assert spawn_ranks(2, train_with_slow_writes, argv, 3.0, 5) == [0, 0]  # step 4's write is in flight at step 5
+    assert spawn_ranks(2, train_with_slow_writes, argv, 3.0, 5) == [0, 0]  # each write takes 3 s longer
     assert (checkpoints / "latest").read_text() == "global_step5"
     assert all(is_complete(checkpoints / f"global_step{s}") for s in (2, 4, 5))
-    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *ASYNC), 0, 0) == [0, 0]
+    procs = start_target_ranks(2, train_with_slow_writes, argv, 4.0)
+    wait_for_record(run, lambda r: r.get("step") == 7 and "split" not in r, procs)  # step 6's write takes 4 s
+    for p in procs:
+        p.kill()
+        p.join()
+    assert (checkpoints / "latest").read_text() == "global_step5"
+    assert (checkpoints / "global_step6.partial").is_dir() and not (checkpoints / "global_step6").exists()
+    assert spawn_ranks(2, train_with_poison, argv, 0, 0) == [0, 0]
     assert train_losses(run) == train_losses(clean)
+    assert sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) == [f"global_step{s}" for s in (10, 6, 8)]
 
 
 def test_spike_guard_median_threshold_and_too_many_rollbacks():

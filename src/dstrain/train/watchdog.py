@@ -60,6 +60,8 @@ class Watchdog(threading.Thread):
         self.durations: deque[float] = deque(maxlen=MEDIAN_OF)
         self.steps_seen = 0
         self.stopped = threading.Event()
+        if backend == "nccl":
+            self.dir.mkdir(parents=True, exist_ok=True)  # the flight recorder dumps here and does not create it
 
     # --- called by the loop (plain attribute writes: nothing on the training path waits) -------------------------
     def begin(self, phase: str, step: int) -> None:
