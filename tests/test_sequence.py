@@ -72,7 +72,7 @@ def train_without_workaround(args: list[str]) -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_corpus):
-    """{name: train records} of every run: 2 ranks, then 4."""
+    """(folder, {name: train records}) of every run: 2 ranks, then 4."""
     tmp = tmp_path_factory.mktemp("sequence")
     llama = small_recipe(tmp, tiny_corpus, name="llama", model={"doc_masking": True})
     gpt2 = small_recipe(tmp, tiny_corpus, name="gpt2", model={"flavour": "gpt2", "n_kv_head": 4})
@@ -86,7 +86,7 @@ def runs(tmp_path_factory, tiny_corpus):
         ("train", [train_argv(gpt2, "zero0", tmp / "gpt2_zero0")]),
         ("train", [train_argv(gpt2, "sp2_zero3", tmp / "gpt2_sp2_zero3")]),
         ("train_and_signal", [train_argv(llama, "sp2_zero1", tmp / "sp_then_plain"), 5]),
-        ("train", [train_argv(llama, "zero1", tmp / "sp_then_plain")]),
+        ("train", [train_argv(llama, "zero2", tmp / "sp_then_plain")]),  # through the universal checkpoint
         ("train_and_signal", [train_argv(llama, "zero0", tmp / "plain_then_sp"), 5]),
         ("train", [train_argv(llama, "sp2_zero3", tmp / "plain_then_sp")]),
         ("train", [train_argv(llama, tiled, tmp / "llama_sp2_zero3_tiled")]),
@@ -94,10 +94,13 @@ def runs(tmp_path_factory, tiny_corpus):
     ]
     assert run_ranks(2, run_all, two) == [[0] * len(two)] * 2
     micro2 = ds_config(tmp, "sp2_zero3", train_micro_batch_size_per_gpu=2)  # 2 replicas x 2 x 2 micro-batches
-    four = [("train", [train_argv(llama, micro2, tmp / "llama_sp2_dp2_zero3")])]
-    assert run_ranks(4, run_all, four) == [[0]] * 4
+    four = [
+        ("train", [train_argv(llama, micro2, tmp / "llama_sp2_dp2_zero3")]),
+        ("train", [train_argv(gpt2, "sp2_zero1", tmp / "gpt2_sp2_dp2_zero1")]),  # 2 replicas x 4
+    ]
+    assert run_ranks(4, run_all, four) == [[0, 0]] * 4
     names = {p.name for p in tmp.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists()}
-    return {name: [r for r in read_metrics(tmp / name) if "split" not in r] for name in names}
+    return tmp, {name: [r for r in read_metrics(tmp / name) if "split" not in r] for name in names}
 
 
 def close(got: list[float], want: list[float]) -> bool:
@@ -112,19 +115,20 @@ def close(got: list[float], want: list[float]) -> bool:
         ("llama_sp2_zero3_tiled", "llama_zero0"),
         ("gpt2_sp2_zero3", "gpt2_zero0"),
         ("llama_sp2_dp2_zero3", "llama_zero0"),
+        ("gpt2_sp2_dp2_zero1", "gpt2_zero0"),
     ],
 )
 def test_sequence_parallel_gives_zero0_losses_and_grad_norms(runs, run, reference):
-    got, want = runs[run], runs[reference]
+    got, want = runs[1][run], runs[1][reference]
     assert close([r["loss"] for r in got], [r["loss"] for r in want])
     assert close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want])
 
 
 def test_resume_between_sequence_parallel_and_plain(runs):
     """Stopped after step 5 under one layout, continued under the other: steps 6-10 of the uninterrupted run."""
-    want = runs["llama_zero0"]
+    want = runs[1]["llama_zero0"]
     for name in ["sp_then_plain", "plain_then_sp"]:
-        got = runs[name]
+        got = runs[1][name]
         assert [r["step"] for r in got] == list(range(1, 11))
         assert close([r["loss"] for r in got], [r["loss"] for r in want]), name
         assert close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want]), name
@@ -134,5 +138,16 @@ def test_resume_between_sequence_parallel_and_plain(runs):
 def test_deepspeed_zero3_averages_over_the_sp_group(runs):
     """Without dstrain.train.sequence.backward_factor, ZeRO-3's gradient is 1/sp of the right one (DeepSpeed
     0.19.8, stage3.py __avg_scatter_grads); when this fails, remove the factor."""
-    ratio = runs["defect"][0]["grad_norm"] / runs["llama_zero0"][0]["grad_norm"]
+    ratio = runs[1]["defect"][0]["grad_norm"] / runs[1]["llama_zero0"][0]["grad_norm"]
     assert abs(ratio - 0.5) < 1e-5
+
+
+@pytest.mark.deepspeed_defect("an SP checkpoint records the SP size as its tensor-parallel degree")
+def test_deepspeed_records_sp_as_tp(runs):
+    """DeepSpeed 0.19.8 asks the SP mpu for the tensor-parallel degree of a checkpoint and records the SP size, which
+    ds_to_universal then rejects; train/topology.py's _sp_view corrects it (sp_then_plain resumes through it). When
+    this fails, remove _sp_view."""
+    from dstrain.train.topology import read_pt
+
+    state = read_pt(runs[0] / "sp_then_plain" / "checkpoints" / "global_step5" / "mp_rank_00_model_states.pt")
+    assert state["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": 2}

@@ -118,6 +118,7 @@ def test_checkpoints_record_their_topology(uninterrupted):
         "pp_stages": 1,
         "precision": "fp32",
         "ep_size": 1,
+        "sp_size": 1,
     }
     client_state = topology.read_pt(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     assert client_state["topology"] == topology.saved(tag).to_record()
@@ -133,6 +134,9 @@ def test_what_cannot_be_converted_is_refused_in_one_line(tmp_path):
     zero0 = replace(plain, zero_stage=0)
     assert not topology.needs_conversion(zero0, replace(zero0, dp_size=1))
     assert topology.needs_conversion(plain, replace(plain, dp_size=4))
+    # ZeRO partitions over dp x sp ranks: SP2 on 2 ranks holds plain 2-rank partitions, SP2 on 4 ranks does not
+    assert not topology.needs_conversion(plain, replace(plain, dp_size=1, sp_size=2))
+    assert topology.needs_conversion(plain, replace(plain, world_size=4, sp_size=2))
     assert topology.needs_conversion(plain, replace(plain, zero_stage=2))
     assert topology.needs_conversion(plain, replace(plain, precision="bf16"))  # ZeRO's bf16 files are named apart
     topology.check_convertible(tmp_path, plain, replace(plain, pp_stages=2, dp_size=1))  # pipelines convert

@@ -169,8 +169,9 @@ def convert(tag_dir: Path, old: Topology, new: Topology, model_config, weight_de
 def _ds_to_universal(tag_dir: Path, out: Path) -> None:
     from deepspeed.checkpoint import ds_to_universal
 
+    source = _sp_view(tag_dir, out.parent / ".sp_view") if getattr(saved(tag_dir), "sp_size", 1) > 1 else tag_dir
     args = argparse.Namespace(
-        input_folder=str(tag_dir),
+        input_folder=str(source),
         output_folder=str(out),
         num_extract_workers=1,
         num_merge_workers=1,
@@ -187,6 +188,22 @@ def _ds_to_universal(tag_dir: Path, out: Path) -> None:
             f"{tag_dir}: DeepSpeed's universal-checkpoint conversion failed: {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}; resume with the saved ds_config and rank count"
         ) from None
+
+
+def _sp_view(tag_dir: Path, view: Path) -> Path:
+    """The tag as ds_to_universal reads it: DeepSpeed 0.19.8 records an SP checkpoint's tp_degree as the SP size
+    (engine._checkpoint_parallel_metadata asks the SP mpu for its model-parallel size), then wants one model-state
+    file per TP rank. Symlinks, and model-state files with tp_degree 1 (test_sequence.py notices a fix upstream)."""
+    shutil.rmtree(view, ignore_errors=True)
+    view.mkdir(parents=True)
+    for path in (p for p in tag_dir.iterdir() if p.is_file()):
+        if path.name.endswith("model_states.pt"):
+            state = read_pt(path)
+            state["checkpoint_parallel_dimensions"]["tp_degree"] = 1
+            torch.save(state, view / path.name)
+        else:
+            os.symlink(path.resolve(), view / path.name)
+    return view
 
 
 def _bridge_deepspeed_gaps(universal: Path) -> None:
@@ -374,9 +391,6 @@ def _zero0_from_universal(universal: Path, out: Path, model_config, weight_decay
     model_state.update(module=module, optimizer={"state": state, "param_groups": groups}, param_shapes=None)
     out.mkdir(parents=True)
     torch.save(model_state, out / ZERO12_MODEL_FILE)
-
-
-# --- reading DeepSpeed's files ------------------------------------------------------------------------
 
 
 def read_pt(path: Path):
