@@ -177,6 +177,7 @@ def strategy_columns(ds: dict) -> dict:
     ints = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
     pp = int(ds.get("pipeline", {}).get("stages", 1))
     tp = int(ds.get("tensor_parallel", {}).get("autotp_size", 1))
+    expert = ds.get("expert_parallel", {})
     world = None
     batch, micro, accumulation = ints
     if isinstance(batch, int) and isinstance(micro, int) and isinstance(accumulation, int) and micro * accumulation > 0:
@@ -186,6 +187,7 @@ def strategy_columns(ds: dict) -> dict:
         zero_stage=zero.get("stage", 0),
         pp_stages=pp,
         tp_size=tp,
+        ep_size=int(expert.get("autoep_size", 1)) if expert.get("enabled", False) else 1,
         precision=precision_of(ds),
         offload=", ".join(offload) or "none",
         micro_batch=ints[1],

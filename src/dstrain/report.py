@@ -23,6 +23,7 @@ class Row:
     zero_stage: int | None = None
     pp_stages: int | None = None
     tp_size: int | None = None
+    ep_size: int | None = None  # expert-parallel size (ds_config expert_parallel.autoep_size)
     precision: str | None = None
     offload: str = "none"
     micro_batch: int | None = None
@@ -50,6 +51,7 @@ COLUMNS = [  # markdown header, Row attribute, format
     ("ZeRO", "zero_stage", "{}"),
     ("PP", "pp_stages", "{}"),
     ("TP", "tp_size", "{}"),
+    ("EP", "ep_size", "{}"),
     ("precision", "precision", "{}"),
     ("offload", "offload", "{}"),
     ("micro × accum", None, None),
