@@ -178,6 +178,7 @@ def strategy_columns(ds: dict) -> dict:
     pp = int(ds.get("pipeline", {}).get("stages", 1))
     tp = int(ds.get("tensor_parallel", {}).get("autotp_size", 1))
     sp = int(ds.get("sequence_parallel_size", 1))
+    expert = ds.get("expert_parallel", {})
     world = None
     batch, micro, accumulation = ints
     if isinstance(batch, int) and isinstance(micro, int) and isinstance(accumulation, int) and micro * accumulation > 0:
@@ -188,6 +189,7 @@ def strategy_columns(ds: dict) -> dict:
         pp_stages=pp,
         tp_size=tp,
         sp_size=sp,
+        ep_size=int(expert.get("autoep_size", 1)) if expert.get("enabled", False) else 1,
         precision=precision_of(ds),
         offload=", ".join(offload) or "none",
         micro_batch=ints[1],

@@ -63,10 +63,10 @@ def check_expert_parallel(
 
     DeepSpeed 0.19.8's classic MoE layer (the one dstrain uses, see dstrain/model/moe.py) takes its ep_size as a
     constructor argument and has no ds_config key; "expert_parallel" is the section DeepSpeed documents for expert
-    parallelism (AutoEP), so dstrain reads the size there and removes the section before deepspeed.initialize,
-    which would otherwise look for AutoEP-replaceable layers.
+    parallelism (AutoEP), so dstrain reads the size there. The resolved ds_config keeps it (the run's record);
+    train/engine.build_engine leaves it out of deepspeed.initialize, which would look for AutoEP layers.
     """
-    size, moe = _expert_parallel_size(config.pop("expert_parallel", None), ds_file), recipe.model.moe
+    size, moe = _expert_parallel_size(config.get("expert_parallel"), ds_file), recipe.model.moe
     stage = config["zero_optimization"].get("stage", 0)
     if moe is not None and stage == 3:
         # deepspeed/runtime/engine.py: "Native DeepSpeed MoE is not supported with ZeRO Stage 3" (canary:

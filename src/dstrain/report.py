@@ -24,6 +24,7 @@ class Row:
     pp_stages: int | None = None
     tp_size: int | None = None
     sp_size: int | None = None  # Ulysses sequence-parallel degree
+    ep_size: int | None = None  # expert-parallel size (ds_config expert_parallel.autoep_size)
     precision: str | None = None
     offload: str = "none"
     micro_batch: int | None = None
@@ -52,6 +53,7 @@ COLUMNS = [  # markdown header, Row attribute, format
     ("PP", "pp_stages", "{}"),
     ("TP", "tp_size", "{}"),
     ("SP", "sp_size", "{}"),
+    ("EP", "ep_size", "{}"),
     ("precision", "precision", "{}"),
     ("offload", "offload", "{}"),
     ("micro × accum", None, None),

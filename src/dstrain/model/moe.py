@@ -5,11 +5,14 @@
       .deepspeed_moe.experts  this rank's experts, each the flavour's own MLP (dstrain.model.gpt.MLP)
 
 Why DeepSpeed's classic MoE layer with our own gate (and not AutoEP, nor a hand-written layer): its dispatch,
-all-to-all and expert-data-parallel groups are DeepSpeed's, ZeRO-1/2 reduce expert gradients over the right group
-and checkpoints store one file per expert; AutoEP (DeepSpeed 0.19.8) rejects any load-balancing coefficient
-(auxiliary-loss-free routing only) and replaces the router with its own, so neither our aux/z losses nor Mixtral's
-exact routing survive it. DeepSpeed's TopKGate is not Mixtral's router (its top-2 samples the second expert, its
-aux loss counts first choices only), so the gate is ours: MOELayer takes any gate returning the sparse routes.
+all-to-all and expert-data-parallel groups are DeepSpeed's, ZeRO-1/2 reduce expert gradients over the right group,
+checkpoints store one file per expert, and the module is the same under EP1 and EP2 (a probe on 2 gloo ranks, then
+tests/test_moe.py: same losses and gradient norms). AutoEP (DeepSpeed 0.19.8) would replace our block with its own
+layer (fused expert tensors, its own router configured again in the ds_config: score_func, route_norm, top_k), so
+the model, its names and its checkpoints would differ between EP1 and EP2; its one balancing option
+(load_balance_coeff) is disabled in this build, and the issue's probe saw its preset path fail with the pinned
+transformers. DeepSpeed's TopKGate is not Mixtral's router (its top-2 samples the second expert, its aux loss
+counts first choices only), so the gate is ours: MOELayer takes any gate returning the sparse routes.
 
 Expert parallelism is chosen by the ds_config, outside the model: GPT(config, ep_size, ep_rank) keeps experts
 ep_rank * E/ep_size ... of each layer; every rank draws the initial weights of all experts in the same order, so

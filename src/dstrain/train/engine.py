@@ -139,10 +139,13 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
         from dstrain.train import tiling
 
         tiling.tile_mlps(model, strategy.mlp_tiles)
+    # "expert_parallel" is dstrain's to read (strategy: the classic MoE layer's size); given to DeepSpeed it would turn
+    # on AutoEP, which finds no layer of its own here.
+    ds_config = {key: value for key, value in strategy.ds_config.items() if key != "expert_parallel"}
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, recipe.optim.weight_decay),
-        config=strategy.ds_config,
+        config=ds_config,
         lr_scheduler=lambda opt: build_scheduler(opt, recipe.total_steps, recipe.optim, recipe.schedule),
         mpu=mpu,
     )
