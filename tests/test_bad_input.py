@@ -327,8 +327,8 @@ CASES = {
     "keep_last 0": (_override("train.keep_last=0"), ["train.keep_last=0", ">= 1"]),
     "spike factor 1": (_override("train.spike_guard.factor=1"), ["train.spike_guard.factor=1.0", "> 1"]),
     "watchdog floor above ceiling": (
-        _override("train.watchdog.floor_s=100"),
-        ["train.watchdog.floor_s=100 exceeds train.watchdog.ceiling_s=1800", "lower floor_s or raise ceiling_s"],
+        _override("train.watchdog={floor_s: 100, ceiling_s: 50}"),
+        ["train.watchdog.floor_s=100 exceeds train.watchdog.ceiling_s=50", "lower floor_s or raise ceiling_s"],
     ),
     "negative steps": (_override("train.steps=-5"), ["train.steps=-5", ">= 0"]),
     "negative seed": (_override("seed=-1"), ["seed=-1", ">= 0"]),
