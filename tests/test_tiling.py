@@ -45,7 +45,7 @@ def test_tiled_loss_and_mlp_give_the_same_loss_and_gradients(flavour):
 
 
 def test_tiling_lowers_the_peak_tensor_memory():
-    """Measured at seq 512 (a 512-entry vocabulary, d_model 64, batch 2): 0.42x of the untiled peak, 8 tiles each."""
-    _, _, plain = forward_backward("llama", 512, 1, 1, measure=True)
-    _, _, tiled = forward_backward("llama", 512, 8, 8, measure=True)
-    assert tiled < 0.7 * plain
+    """Measured at seq 256 (a 512-entry vocabulary, d_model 64, batch 2): 0.44x of the untiled peak, 8 tiles each."""
+    _, _, plain = forward_backward("llama", 256, 1, 1, measure=True)
+    _, _, tiled = forward_backward("llama", 256, 8, 8, measure=True)
+    assert tiled < 0.6 * plain
