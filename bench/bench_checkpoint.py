@@ -2,7 +2,8 @@
 
 For each recipe's model (its real dimensions, ZeRO-1 fp32, AdamW state after one step), in one process:
 - sync: seconds `dstrain.train.checkpoint.save` blocks the loop (write + publish);
-- async blocked: seconds `BackgroundSaves.start` blocks it (host-memory snapshot), and the write's own duration;
+- async blocked: seconds `BackgroundSaves.start` blocks it (host-memory snapshot), and the background write's own
+  duration (while training steps run);
 - steps/s while the background write runs, against steps/s without one.
 Each figure is the median of --repeats saves. Target: async blocked <= 20% of sync.
 
@@ -68,8 +69,8 @@ def measure(name: str, folder: Path, repeats: int) -> dict:
         blocked.append(time.perf_counter() - start)
         while not saves.done():
             during.append(step(engine, recipe))
-        written.append(time.perf_counter() - start)
         saves.wait()
+        written.append(saves.write_s)
     size = sum(p.stat().st_size for p in (folder / "latest").parent.glob(f"{(folder / 'latest').read_text()}/*"))
     return {
         "recipe": name,
@@ -86,7 +87,7 @@ def measure(name: str, folder: Path, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipes", nargs="+", default=["tiny", "gpt2-125m"])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

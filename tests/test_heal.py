@@ -161,3 +161,24 @@ def test_spike_guard_median_threshold_and_too_many_rollbacks():
     restored = SpikeGuard(guard.config)
     restored.load_state_dict(guard.state_dict())
     assert restored.state_dict() == guard.state_dict()
+
+
+def test_watchdog_bound_is_a_multiple_of_the_median_step_within_floor_and_ceiling(tmp_path):
+    from dstrain.config import WatchdogConfig
+    from dstrain.train.watchdog import Watchdog
+
+    watch = Watchdog(WatchdogConfig(enabled=True, factor=10, floor_s=2, ceiling_s=30, warmup_steps=1), tmp_path, 0, 2)
+    watch.begin("step", 1)
+    assert watch.bound() == 30  # no median yet: the ceiling
+    for step, seconds in enumerate([9.0, 0.5, 0.4, 5.0, 0.6], start=2):  # the first step is warm-up, left out
+        watch.started -= seconds
+        watch.begin("step", step)
+    assert list(watch.durations) == pytest.approx([0.5, 0.4, 5.0, 0.6], abs=0.01)
+    assert watch.bound() == pytest.approx(10 * 0.55, abs=0.1)  # the median, not the mean (1.6 s)
+    watch.durations.clear()
+    watch.durations.extend([0.1, 0.1])
+    assert watch.bound() == 2  # the floor
+    watch.durations.extend([9.0, 9.0, 9.0])
+    assert watch.bound() == 30  # the ceiling
+    watch.begin("eval", 6)
+    assert watch.bound() == 30  # evaluation: the ceiling alone

@@ -2,7 +2,7 @@
 
 Plugged in through DeepSpeed's checkpoint-engine interface (deepspeed/runtime/checkpoint_engine/): for the length of
 ``engine.save_checkpoint`` the engine's checkpoint engine is a ``SnapshotEngine``, whose ``save`` copies the state
-dict's tensors to host memory (DeepSpeed's own ``clone_tensors_for_torch_save``) and queues it instead of writing it.
+dict's tensors into host buffers (kept from one save to the next) and queues it instead of writing it.
 Training resumes as soon as the copy is made; a thread then ``torch.save``s the queue into ``<tag>.partial``.
 DeepSpeed's own background writers (FastCheckpointEngine, DecoupledCheckpointEngine) are not used: a probe reported
 in issue 17 found them failing or hanging on CPU (not re-checked here), and they know nothing of our ``.partial`` ->
@@ -19,10 +19,11 @@ Every guarantee of a synchronous save holds (dstrain.train.checkpoint):
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import torch
-from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from dstrain.run_dir import tag_for
@@ -32,22 +33,56 @@ HOST = torch.device("cpu")  # host memory, whatever the accelerator: where a sna
 
 
 class SnapshotEngine(TorchCheckpointEngine):
-    """DeepSpeed checkpoint engine whose ``save`` snapshots the state to host memory and queues the write."""
+    """DeepSpeed checkpoint engine whose ``save`` snapshots the state to host memory and queues the write.
 
-    def __init__(self, config_params=None):
+    The host buffers of one save are kept for the next (``buffers``: file name -> its tensors in traversal order):
+    allocating and first touching a checkpoint's worth of fresh memory each time cost more than the copy itself
+    (gpt2-125m on CPU), and on GPUs they are pinned once. The cost: one checkpoint's worth of host memory per rank."""
+
+    def __init__(self, config_params=None, buffers: dict | None = None):
         super().__init__(config_params)
         self.queue: list[tuple[dict, str]] = []
+        self.buffers: dict[str, list[torch.Tensor]] = buffers if buffers is not None else {}
 
     def save(self, state_dict, path: str) -> None:
-        self.queue.append((clone_tensors_for_torch_save(state_dict, device=HOST), path))
+        name = Path(path).name
+        old, new = iter(self.buffers.get(name, [])), []
+
+        def copy(tensor: torch.Tensor) -> torch.Tensor:
+            buffer = next(old, None)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=HOST)
+                if tensor.device != buffer.device:
+                    buffer = get_accelerator().pin_memory(buffer)
+            buffer.copy_(tensor.detach(), non_blocking=True)
+            new.append(buffer)
+            return buffer
+
+        self.queue.append((_map_tensors(state_dict, copy), path))
+        self.buffers[name] = new
+        get_accelerator().synchronize()  # the device-to-host copies are done before training changes the state
 
     def preserves_storage_sharing(self) -> bool:
-        return False  # DeepSpeed would clone first; our snapshot is that clone already
+        return False  # DeepSpeed would clone first; our snapshot is that copy already
 
     def write_all(self) -> None:
         for state, path in self.queue:
             torch.save(state, path, _use_new_zipfile_serialization=self.zipfile_serialization)
         self.queue = []
+
+
+def _map_tensors(item, fn):
+    """``item`` with every tensor in its dicts, lists and tuples replaced by ``fn(tensor)`` (as DeepSpeed's
+    clone_tensors_for_torch_save walks it)."""
+    if torch.is_tensor(item):
+        return fn(item)
+    if isinstance(item, list):
+        return [_map_tensors(v, fn) for v in item]
+    if isinstance(item, tuple):
+        return tuple(_map_tensors(v, fn) for v in item)
+    if isinstance(item, dict):
+        return type(item)({k: _map_tensors(v, fn) for k, v in item.items()})
+    return item
 
 
 class BackgroundSaves:
@@ -58,6 +93,8 @@ class BackgroundSaves:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.step, self.shape = 0, dict[str, object]()
+        self.write_s = 0.0  # how long the last background write took
+        self.buffers: dict[str, list[torch.Tensor]] = {}  # SnapshotEngine's host buffers, reused by every save
 
     @property
     def in_flight(self) -> bool:
@@ -67,7 +104,7 @@ class BackgroundSaves:
         """Every rank: snapshot the state of ``step`` and start writing it; waits for an earlier write first."""
         self.wait()
         client_state = checkpoint.prepare(self.engine, self.checkpoint_dir, tag_for(step), client_state)
-        snapshot = SnapshotEngine(self.engine._config)
+        snapshot = SnapshotEngine(self.engine._config, self.buffers)
         saved, self.engine.checkpoint_engine = self.engine.checkpoint_engine, snapshot
         try:
             checkpoint.write_partial(self.engine, self.checkpoint_dir, tag_for(step), client_state)
@@ -78,10 +115,12 @@ class BackgroundSaves:
         self.thread.start()
 
     def _write(self, snapshot: SnapshotEngine) -> None:
+        start = time.perf_counter()
         try:
             snapshot.write_all()
         except BaseException as e:  # re-raised in the training thread by done()
             self.error = e
+        self.write_s = time.perf_counter() - start
 
     def done(self) -> bool:
         """This rank's write is over (or none is in flight); its failure is raised here, in the training thread."""
