@@ -67,34 +67,8 @@ def check_expert_parallel(
     train/engine.build_engine leaves it out of deepspeed.initialize, which would look for AutoEP layers.
     """
     size, moe = _expert_parallel_size(config.get("expert_parallel"), ds_file), recipe.model.moe
-    stage = config["zero_optimization"].get("stage", 0)
-    if moe is not None and stage == 3:
-        # deepspeed/runtime/engine.py: "Native DeepSpeed MoE is not supported with ZeRO Stage 3" (canary:
-        # tests/test_moe_router.py::test_deepspeed_classic_moe_refuses_zero3).
-        raise DstrainError(
-            f"{ds_file}: ZeRO-3 cannot train {recipe_file}'s model.moe (DeepSpeed 0.19.8 supports its MoE layer with "
-            f"ZeRO stage 0-2 only); use ds_configs/ep2_zero2_bf16.json or zero2_bf16.json"
-        )
-    if moe is not None and "activation_checkpointing" in config:
-        raise DstrainError(
-            f"{ds_file}: activation_checkpointing with model.moe would train the router without its aux and z losses "
-            f"(a checkpointed block's first forward runs without autograd); remove the activation_checkpointing section"
-        )
-    if moe is not None and pp_stages > 1:
-        raise DstrainError(
-            f"{ds_file}: model.moe with pipeline.stages > 1 is not supported (dstrain's pipeline stages carry no "
-            f"DeepSpeed MoE layer); use ds_configs/ep2_zero1.json"
-        )
-    if moe is not None and tp_size > 1:
-        raise DstrainError(
-            f"{ds_file}: model.moe with tensor_parallel is not supported (untested in dstrain); "
-            f"use ds_configs/ep2_zero1.json"
-        )
-    if moe is not None and sp_size > 1:
-        raise DstrainError(
-            f"{ds_file}: model.moe with sequence_parallel_size > 1 is not supported (the experts' all-to-all and "
-            f"Ulysses' are not combined in dstrain); remove sequence_parallel_size or model.moe"
-        )
+    if moe is not None:
+        _check_moe_combinations(config, recipe_file, ds_file, pp_stages, tp_size, sp_size)
     if size == 1:
         return 1
     if moe is None:
@@ -110,6 +84,60 @@ def check_expert_parallel(
             f"launch a multiple of {size} ranks"
         )
     return size
+
+
+def _check_moe_combinations(
+    config: dict, recipe_file: str, ds_file: str, pp_stages: int, tp_size: int, sp_size: int
+) -> None:
+    """What a model.moe recipe cannot be combined with, each refused with its reason."""
+    refusals = [
+        # deepspeed/runtime/engine.py: "Native DeepSpeed MoE is not supported with ZeRO Stage 3" (canary:
+        # tests/test_moe_router.py::test_deepspeed_classic_moe_refuses_zero3).
+        (
+            config["zero_optimization"].get("stage", 0) == 3,
+            f"ZeRO-3 cannot train {recipe_file}'s model.moe (DeepSpeed 0.19.8 supports its MoE layer with ZeRO stage "
+            f"0-2 only); use ds_configs/ep2_zero2_bf16.json or zero2_bf16.json",
+        ),
+        (
+            "activation_checkpointing" in config,
+            "activation_checkpointing with model.moe would train the router without its aux and z losses (a "
+            "checkpointed block's first forward runs without autograd); remove the activation_checkpointing section",
+        ),
+        (
+            pp_stages > 1,
+            "model.moe with pipeline.stages > 1 is not supported (dstrain's pipeline stages carry no DeepSpeed MoE "
+            "layer); use ds_configs/ep2_zero1.json",
+        ),
+        (
+            tp_size > 1,
+            "model.moe with tensor_parallel is not supported (untested in dstrain); use ds_configs/ep2_zero1.json",
+        ),
+        (
+            sp_size > 1,
+            "model.moe with sequence_parallel_size > 1 is not supported (the experts' all-to-all and Ulysses' are "
+            "not combined in dstrain); remove sequence_parallel_size or model.moe",
+        ),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise DstrainError(f"{ds_file}: {message}")
+
+
+def check_tiling(config: dict, recipe: Recipe, ds_file: str, pp_stages: int) -> tuple[int, int]:
+    """dstrain's own "tiling" section (dstrain.train.tiling): tiles of the loss and of each MLP, 1 = off."""
+    section = config.get("tiling", {})
+    unknown = sorted(set(section) - {"loss", "mlp"}) if isinstance(section, dict) else ["(not an object)"]
+    if unknown:
+        raise DstrainError(f'{ds_file}: unknown key "tiling.{unknown[0]}"; the tiling section takes "loss" and "mlp"')
+    tiles = [section.get(key, 1) for key in ("loss", "mlp")]
+    for key, value in zip(("loss", "mlp"), tiles):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= recipe.data.seq_len:
+            raise DstrainError(
+                f"{ds_file}: tiling.{key}={value!r}; use a number of sequence tiles from 1 (off) to data.seq_len"
+            )
+    if pp_stages > 1 and max(tiles) > 1:
+        raise DstrainError(f"{ds_file}: tiling with pipeline.stages > 1 is not supported; remove the tiling section")
+    return tiles[0], tiles[1]
 
 
 @dataclass(frozen=True)

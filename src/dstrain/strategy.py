@@ -19,11 +19,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from dstrain import parallel
 from dstrain.config import Recipe
 from dstrain.data.sampler import valid_micro_batches
 from dstrain.ds_schema import validate_ds_config
 from dstrain.errors import DstrainError
-from dstrain.parallel import check_expert_parallel, check_pipeline, check_sequence_parallel, check_tensor_parallel
 
 AUTO = "auto"
 
@@ -202,8 +202,8 @@ def resolve(
     if precision == "bf16":
         _check_bf16_sums_in_fp32(config, ds_file, stage)
     tp_size, pp_stages, sp_size, dp_size = _parallel_sizes(config, recipe, recipe_file, ds_file, world_size)
-    ep_size = check_expert_parallel(config, recipe, recipe_file, ds_file, dp_size, pp_stages, tp_size, sp_size)
-    loss_tiles, mlp_tiles = _tiling(config, recipe, ds_file, pp_stages)
+    ep_size = parallel.check_expert_parallel(config, recipe, recipe_file, ds_file, dp_size, pp_stages, tp_size, sp_size)
+    loss_tiles, mlp_tiles = parallel.check_tiling(config, recipe, ds_file, pp_stages)
     micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages > 1 or sp_size > 1)
     _fill_recipe_values(config, recipe, recipe_file, ds_file)
     leftover = _find_auto(config)
@@ -229,23 +229,6 @@ def resolve(
     )
 
 
-def _tiling(config: dict, recipe: Recipe, ds_file: str, pp_stages: int) -> tuple[int, int]:
-    """dstrain's own "tiling" section (dstrain.train.tiling): tiles of the loss and of each MLP, 1 = off."""
-    section = config.get("tiling", {})
-    unknown = sorted(set(section) - {"loss", "mlp"}) if isinstance(section, dict) else ["(not an object)"]
-    if unknown:
-        raise DstrainError(f'{ds_file}: unknown key "tiling.{unknown[0]}"; the tiling section takes "loss" and "mlp"')
-    tiles = [section.get(key, 1) for key in ("loss", "mlp")]
-    for key, value in zip(("loss", "mlp"), tiles):
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= recipe.data.seq_len:
-            raise DstrainError(
-                f"{ds_file}: tiling.{key}={value!r}; use a number of sequence tiles from 1 (off) to data.seq_len"
-            )
-    if pp_stages > 1 and max(tiles) > 1:
-        raise DstrainError(f"{ds_file}: tiling with pipeline.stages > 1 is not supported; remove the tiling section")
-    return tiles[0], tiles[1]
-
-
 def _fill(section: dict, key: str, value: Any, owner: str, ds_file: str, recipe_file: str) -> None:
     """Set an experiment-owned value: "auto"/absent is filled, an equal pin is kept, a different pin is an error."""
     pinned = section.get(key, AUTO)
@@ -265,7 +248,7 @@ def _parallel_sizes(
     stage = config["zero_optimization"].get("stage", 0)
     tp_size = int(config.get("tensor_parallel", {}).get("autotp_size", 1))
     pp_stages = int(config.get("pipeline", {}).get("stages", 1))
-    sp_size = check_sequence_parallel(config, recipe, recipe_file, ds_file, tp_size, pp_stages)
+    sp_size = parallel.check_sequence_parallel(config, recipe, recipe_file, ds_file, tp_size, pp_stages)
     model_parallel = tp_size * pp_stages * sp_size
     if world_size % model_parallel:
         raise DstrainError(
@@ -282,9 +265,9 @@ def _parallel_sizes(
             f"{ds_file}: pipeline.stages={pp_stages} exceeds the model's {recipe.model.n_layer} blocks in {recipe_file}"
         )
     if pp_stages > 1:
-        check_pipeline(config["pipeline"], ds_file)
+        parallel.check_pipeline(config["pipeline"], ds_file)
     if tp_size > 1:
-        check_tensor_parallel(config["tensor_parallel"], recipe, recipe_file, ds_file, pp_stages)
+        parallel.check_tensor_parallel(config["tensor_parallel"], recipe, recipe_file, ds_file, pp_stages)
     return tp_size, pp_stages, sp_size, world_size // model_parallel
 
 
