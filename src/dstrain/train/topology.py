@@ -12,7 +12,7 @@ folder, the other ranks wait, and the engine loads it with ``"checkpoint": {"loa
 
 DeepSpeed 0.19.8 leaves gaps that ``_bridge_deepspeed_gaps`` and ``repair_after_load`` fill (each
 named there); ZeRO-0 checkpoints, which DeepSpeed's converter and loader do not handle at all, are
-translated by ``_universal_from_zero0`` / ``_zero0_from_universal``; pipeline parameter names are mapped by
+translated in ``dstrain.train.ds_files``; pipeline parameter names are mapped by
 ``_pipeline_names``. tests/test_topology.py fails when a DeepSpeed upgrade changes any behaviour worked
 around here. Refused: fp16 runs (dynamic loss scale), ZeRO-0 bf16 and ZeRO-0 pipeline runs.
 """
@@ -31,12 +31,18 @@ import torch
 
 from dstrain.errors import DstrainError
 from dstrain.strategy import Topology
+from dstrain.train.ds_files import (
+    ZERO3_MODEL_FILE,
+    ZERO12_MODEL_FILE,
+    check_groups,
+    read_pt,
+    universal_from_zero0,
+    zero0_from_universal,
+)
 
 UNIVERSAL = "universal"
 ZERO0 = "zero0"
 RECORD = "dstrain_checkpoint.json"  # also checkpoint.RECORD; kept here to avoid an import cycle
-ZERO12_MODEL_FILE = "mp_rank_00_model_states.pt"  # what a ZeRO-0/1/2 engine reads
-ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # what a ZeRO-3 engine reads (rank 0's)
 
 
 # --- what a checkpoint was saved with -------------------------------------------------------------------
@@ -146,7 +152,7 @@ def convert(tag_dir: Path, old: Topology, new: Topology, model_config, weight_de
         work = tag_dir / f".{UNIVERSAL}.tmp"
         shutil.rmtree(work, ignore_errors=True)
         if old.zero_stage == 0:
-            _universal_from_zero0(tag_dir, work / UNIVERSAL, model_config, weight_decay)
+            universal_from_zero0(tag_dir, work / UNIVERSAL, model_config, weight_decay)
         else:
             _ds_to_universal(tag_dir, work / UNIVERSAL)
         _bridge_deepspeed_gaps(work / UNIVERSAL)
@@ -162,7 +168,7 @@ def convert(tag_dir: Path, old: Topology, new: Topology, model_config, weight_de
     if new.zero_stage == 0 and not (tag_dir / ZERO0).is_dir():
         work = tag_dir / f".{ZERO0}.tmp"
         shutil.rmtree(work, ignore_errors=True)
-        _zero0_from_universal(universal, work, model_config, weight_decay)
+        zero0_from_universal(universal, work, model_config, weight_decay)
         os.replace(work, tag_dir / ZERO0)
 
 
@@ -256,7 +262,7 @@ def repair_after_load(engine, tag_dir: Path) -> None:
     if not engine.load_universal_checkpoint():
         return
     saved_groups = read_pt(tag_dir / UNIVERSAL / "zero" / "optimizer_state.pt")["param_groups"]
-    _check_groups(tag_dir, len(saved_groups), len(engine.optimizer.param_groups))
+    check_groups(tag_dir, len(saved_groups), len(engine.optimizer.param_groups))
     if engine.zero_optimization_stage() != 3:
         return
     optimizer = engine.optimizer
@@ -266,15 +272,6 @@ def repair_after_load(engine, tag_dir: Path) -> None:
         state = optimizer.optimizer.state[flat]
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
-
-
-def _check_groups(tag_dir: Path, saved: int, current: int) -> None:
-    # DeepSpeed's loaders zip the saved groups with the current ones: a mismatch would drop state silently.
-    if saved != current:
-        raise DstrainError(
-            f"{tag_dir}: its optimizer has {saved} parameter group(s), this run's has {current}, so DeepSpeed cannot "
-            f"carry the optimizer state over; resume with the saved ds_config and rank count"
-        )
 
 
 def _pipeline_names(model_config) -> dict[str, str]:
@@ -324,90 +321,3 @@ def fp32_masters(tag_dir: Path, model_config) -> dict[str, torch.Tensor]:
     if "lm_head.weight" not in state:  # tied: the embedding is the head
         state["lm_head.weight"] = state["embed.tok.weight"]
     return state
-
-
-# --- ZeRO-0, which DeepSpeed's universal checkpoints do not cover -----------------------------------
-# A ZeRO-0 checkpoint is the whole model plus torch's own optimizer state_dict, whose parameters are
-# numbered in the order dstrain.train.engine.param_groups hands them to the optimizer.
-
-
-def _optimizer_order(model_config, weight_decay: float) -> list[list[str]]:
-    """Parameter names of each optimizer group, in the engine's order (built on the meta device: no memory)."""
-    from dstrain.model.gpt import GPT
-    from dstrain.train.engine import param_groups
-
-    with torch.device("meta"):
-        model = GPT(model_config)
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for group in param_groups(model, weight_decay)]
-
-
-def _universal_from_zero0(tag_dir: Path, out: Path, model_config, weight_decay: float) -> None:
-    model_state = read_pt(tag_dir / ZERO12_MODEL_FILE)
-    optimizer = model_state["optimizer"]
-    order = _optimizer_order(model_config, weight_decay)
-    for group, names in zip(optimizer["param_groups"], order):
-        for index, name in zip(group["params"], names):
-            folder = out / "zero" / name
-            folder.mkdir(parents=True)
-            state = optimizer["state"][index]
-            torch.save({"param": model_state["module"][name].float()}, folder / "fp32.pt")
-            for key in ("exp_avg", "exp_avg_sq"):
-                torch.save({"param": state[key]}, folder / f"{key}.pt")
-            torch.save(state["step"], folder / "step.pt")
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []} for g in optimizer["param_groups"]]
-    torch.save(
-        {
-            "param_groups": groups,
-            "ds_version": model_state["ds_version"],
-            "clip_grad": model_state["ds_config"].get("gradient_clipping", 0.0),
-        },
-        out / "zero" / "optimizer_state.pt",
-    )
-    model_state.update(module=None, optimizer=None)
-    torch.save(model_state, out / ZERO12_MODEL_FILE)
-
-
-def _zero0_from_universal(universal: Path, out: Path, model_config, weight_decay: float) -> None:
-    from dstrain.model.gpt import GPT
-
-    model_state = read_pt(universal / ZERO12_MODEL_FILE)
-    zero = universal / "zero"
-    saved_groups = read_pt(zero / "optimizer_state.pt")["param_groups"]
-    with torch.device("meta"):
-        names = list(GPT(model_config).state_dict())  # tied weights appear under both names
-    module = {name: read_pt(zero / name / "fp32.pt")["param"] for name in names if (zero / name).is_dir()}
-    module["lm_head.weight"] = module.get("lm_head.weight", module["embed.tok.weight"])
-    order = _optimizer_order(model_config, weight_decay)
-    _check_groups(universal.parent, len(saved_groups), len(order))
-    state, groups, index = {}, [], 0
-    for saved_group, group_names in zip(saved_groups, order):
-        groups.append({k: v for k, v in saved_group.items() if k != "params"} | {"params": []})
-        for name in group_names:
-            state[index] = {key: read_pt(zero / name / f"{key}.pt")["param"] for key in ("exp_avg", "exp_avg_sq")}
-            state[index]["step"] = read_pt(zero / name / "step.pt")
-            groups[-1]["params"].append(index)
-            index += 1
-    model_state.update(module=module, optimizer={"state": state, "param_groups": groups}, param_shapes=None)
-    out.mkdir(parents=True)
-    torch.save(model_state, out / ZERO12_MODEL_FILE)
-
-
-def read_pt(path: Path):
-    """torch.load with weights_only=True, allowing the few plain types DeepSpeed and our client state pickle."""
-    import numpy as np
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    allowed = [
-        np.ndarray,
-        np.dtype,
-        np.dtypes.UInt32DType,
-        np._core.multiarray._reconstruct,  # type: ignore[attr-defined]  # where numpy 2 pickles arrays from
-        ZeroStageEnum,
-        LossScaler,
-        fragment_address,
-    ]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location="cpu", weights_only=True)

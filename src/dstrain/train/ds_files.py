@@ -1,0 +1,110 @@
+"""DeepSpeed's checkpoint files as dstrain reads them: their names, ``read_pt`` (torch.load with weights_only),
+and the translation between a ZeRO-0 checkpoint and DeepSpeed's universal format, which DeepSpeed 0.19.8's converter
+and loader do not cover (dstrain.train.topology uses it to resume into or out of ZeRO-0)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dstrain.errors import DstrainError
+
+ZERO12_MODEL_FILE = "mp_rank_00_model_states.pt"  # what a ZeRO-0/1/2 engine reads
+ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # what a ZeRO-3 engine reads (rank 0's)
+
+
+def check_groups(tag_dir: Path, saved: int, current: int) -> None:
+    # DeepSpeed's loaders zip the saved groups with the current ones: a mismatch would drop state silently.
+    if saved != current:
+        raise DstrainError(
+            f"{tag_dir}: its optimizer has {saved} parameter group(s), this run's has {current}, so DeepSpeed cannot "
+            f"carry the optimizer state over; resume with the saved ds_config and rank count"
+        )
+
+
+# --- ZeRO-0, which DeepSpeed's universal checkpoints do not cover -----------------------------------
+# A ZeRO-0 checkpoint is the whole model plus torch's own optimizer state_dict, whose parameters are
+# numbered in the order dstrain.train.engine.param_groups hands them to the optimizer.
+
+
+def _optimizer_order(model_config, weight_decay: float) -> list[list[str]]:
+    """Parameter names of each optimizer group, in the engine's order (built on the meta device: no memory)."""
+    from dstrain.model.gpt import GPT
+    from dstrain.train.engine import param_groups
+
+    with torch.device("meta"):
+        model = GPT(model_config)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in param_groups(model, weight_decay)]
+
+
+def universal_from_zero0(tag_dir: Path, out: Path, model_config, weight_decay: float) -> None:
+    model_state = read_pt(tag_dir / ZERO12_MODEL_FILE)
+    optimizer = model_state["optimizer"]
+    order = _optimizer_order(model_config, weight_decay)
+    for group, names in zip(optimizer["param_groups"], order):
+        for index, name in zip(group["params"], names):
+            folder = out / "zero" / name
+            folder.mkdir(parents=True)
+            state = optimizer["state"][index]
+            torch.save({"param": model_state["module"][name].float()}, folder / "fp32.pt")
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.save({"param": state[key]}, folder / f"{key}.pt")
+            torch.save(state["step"], folder / "step.pt")
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": []} for g in optimizer["param_groups"]]
+    torch.save(
+        {
+            "param_groups": groups,
+            "ds_version": model_state["ds_version"],
+            "clip_grad": model_state["ds_config"].get("gradient_clipping", 0.0),
+        },
+        out / "zero" / "optimizer_state.pt",
+    )
+    model_state.update(module=None, optimizer=None)
+    torch.save(model_state, out / ZERO12_MODEL_FILE)
+
+
+def zero0_from_universal(universal: Path, out: Path, model_config, weight_decay: float) -> None:
+    from dstrain.model.gpt import GPT
+
+    model_state = read_pt(universal / ZERO12_MODEL_FILE)
+    zero = universal / "zero"
+    saved_groups = read_pt(zero / "optimizer_state.pt")["param_groups"]
+    with torch.device("meta"):
+        names = list(GPT(model_config).state_dict())  # tied weights appear under both names
+    module = {name: read_pt(zero / name / "fp32.pt")["param"] for name in names if (zero / name).is_dir()}
+    module["lm_head.weight"] = module.get("lm_head.weight", module["embed.tok.weight"])
+    order = _optimizer_order(model_config, weight_decay)
+    check_groups(universal.parent, len(saved_groups), len(order))
+    state, groups, index = {}, [], 0
+    for saved_group, group_names in zip(saved_groups, order):
+        groups.append({k: v for k, v in saved_group.items() if k != "params"} | {"params": []})
+        for name in group_names:
+            state[index] = {key: read_pt(zero / name / f"{key}.pt")["param"] for key in ("exp_avg", "exp_avg_sq")}
+            state[index]["step"] = read_pt(zero / name / "step.pt")
+            groups[-1]["params"].append(index)
+            index += 1
+    model_state.update(module=module, optimizer={"state": state, "param_groups": groups}, param_shapes=None)
+    out.mkdir(parents=True)
+    torch.save(model_state, out / ZERO12_MODEL_FILE)
+
+
+def read_pt(path: Path):
+    """torch.load with weights_only=True, allowing the few plain types DeepSpeed and our client state pickle."""
+    import numpy as np
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    allowed = [
+        np.ndarray,
+        np.dtype,
+        np.dtypes.UInt32DType,
+        np._core.multiarray._reconstruct,  # type: ignore[attr-defined]  # where numpy 2 pickles arrays from
+        ZeroStageEnum,
+        LossScaler,
+        fragment_address,
+    ]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True)
