@@ -188,7 +188,13 @@ class Block(nn.Module):
         self.attn_norm = make_norm(config)
         self.self_attn = Attention(config)
         self.mlp_norm = make_norm(config)
-        self.mlp: nn.Module = MoEMLP(config, ep_size, ep_rank) if config.is_moe_block(index) else MLP(config)
+        self.mlp: nn.Module
+        if config.moe is not None and config.is_moe_block(index):  # the router drawn first, then each expert
+            wg = Linear(config.d_model, config.moe.num_experts, bias=False, std=config.init_std)
+            experts: list[nn.Module] = [MLP(config, config.expert_dim) for _ in range(config.moe.num_experts)]
+            self.mlp = MoEMLP(config, wg, experts, ep_size, ep_rank)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.attn_norm(x), position_ids)

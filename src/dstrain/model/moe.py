@@ -60,13 +60,11 @@ class Router(nn.Module):
     and adds the token counts per expert to `counts` (read and reset by the metrics).
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, wg: nn.Module) -> None:
         super().__init__()
-        from dstrain.model.gpt import Linear
-
         assert config.moe is not None
         self.top_k, self.num_experts = config.moe.top_k, config.moe.num_experts
-        self.wg = Linear(config.d_model, self.num_experts, bias=False, std=config.init_std)
+        self.wg = wg  # d_model -> num_experts logits, without bias
         self.ep_group = None  # set by DeepSpeed (MOELayer._set_ep_group) once the engine made the groups
         self.aux_loss = self.z_loss = torch.zeros(())
         # Tokens per expert since the metrics last read them; not a buffer, which a bf16 engine would round.
@@ -108,16 +106,17 @@ class Router(nn.Module):
 class MoEMLP(nn.Module):
     """The MLP of an MoE block: num_experts experts of the flavour's MLP, top_k of them per token."""
 
-    def __init__(self, config: GPTConfig, ep_size: int = 1, ep_rank: int = 0) -> None:
+    def __init__(
+        self, config: GPTConfig, wg: nn.Module, drawn: list[nn.Module], ep_size: int = 1, ep_rank: int = 0
+    ) -> None:
+        """``wg``: the router's projection; ``drawn``: every expert (the flavour's MLP), drawn in order after it,
+        so that expert e starts the same under any expert-parallel layout; this rank keeps its share."""
         super().__init__()
         from deepspeed.moe.layer import MoE
 
-        from dstrain.model.gpt import MLP
-
         assert config.moe is not None
         num_experts = config.moe.num_experts
-        router = Router(config)  # drawn first, then the experts in order
-        drawn = [MLP(config, config.expert_dim) for _ in range(num_experts)]
+        router = Router(config, wg)
         local = num_experts // ep_size
         # DeepSpeed copies the template once per local expert (and flags the copies as expert parameters);
         # each copy then takes the weights drawn for its global index. drop_tokens=False: capacity is ours.
