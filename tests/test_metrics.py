@@ -113,9 +113,9 @@ def train_slowed(argv: list[str]) -> int:
     evaluate, save = Trainer.evaluate, Trainer.save
 
     def slow(method):
-        def slowed(self, *args):
+        def slowed(self, *args, **kwargs):
             time.sleep(PAUSE_S)
-            return method(self, *args)
+            return method(self, *args, **kwargs)
 
         return slowed
 
