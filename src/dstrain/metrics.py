@@ -128,6 +128,13 @@ def peak_memory_bytes() -> int:
     return int(get_accelerator().max_memory_allocated())
 
 
+def largest_peak_memory_of_all_ranks(device) -> int:
+    """A collective: the highest peak over all ranks, the one that decides whether a config fits."""
+    peak = torch.tensor([float(peak_memory_bytes())], device=device, dtype=torch.float64)
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    return int(peak.item())
+
+
 def drop_records_after(metrics: Path, step: int) -> None:
     """Keep only the records up to ``step`` (a resume or a rollback logs the later steps again), atomically."""
     if not metrics.exists():

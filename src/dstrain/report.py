@@ -197,7 +197,6 @@ def gib(n: float) -> str:
 def print_estimate(est: Estimate, suggestion: Estimate | None) -> None:
     """The human-readable form of `dstrain estimate`: components by phase, the verdict, and a config that fits."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     if not console.is_terminal:
@@ -221,17 +220,7 @@ def print_estimate(est: Estimate, suggestion: Estimate | None) -> None:
             f"expert-parallel {est.ep_size} (each rank holds 1/{est.ep_size} of the experts, "
             f"expert-data-parallel {est.dp_size // est.ep_size})"
         )
-    table = Table(title="memory per rank", title_justify="left")
-    for name in ["group", "component", "where", "backward", "optimizer step", "formula"]:
-        table.add_column(name, justify="right" if name in ("backward", "optimizer step") else "left")
-    for part in est.parts:
-        if part.backward or part.step:
-            table.add_row(part.group, part.name, part.where, gib(part.backward), gib(part.step), part.formula)
-    for where in ("device", "cpu", "nvme"):
-        if est.peak(where):
-            backward, step = gib(est.total(where, "backward")), gib(est.total(where, "step"))
-            table.add_row(f"[bold]total {where}[/]", "", where, backward, step, "", end_section=where == "device")
-    console.print(table)
+    console.print(memory_table(est))
     verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
     console.print(
         f"{verdict}: peak {gib(est.peak())} ({est.peak_phase}) + {gib(est.reserve)} reserve "
@@ -257,3 +246,20 @@ def print_estimate(est: Estimate, suggestion: Estimate | None) -> None:
         console.print(
             "no config in the configs folder fits; add nodes, raise the stage or offload, or shorten the sequence"
         )
+
+
+def memory_table(est: Estimate):
+    """Each component per rank in the backward and at the optimizer step, then the totals per place."""
+    from rich.table import Table
+
+    table = Table(title="memory per rank", title_justify="left")
+    for name in ["group", "component", "where", "backward", "optimizer step", "formula"]:
+        table.add_column(name, justify="right" if name in ("backward", "optimizer step") else "left")
+    for part in est.parts:
+        if part.backward or part.step:
+            table.add_row(part.group, part.name, part.where, gib(part.backward), gib(part.step), part.formula)
+    for where in ("device", "cpu", "nvme"):
+        if est.peak(where):
+            backward, step = gib(est.total(where, "backward")), gib(est.total(where, "step"))
+            table.add_row(f"[bold]total {where}[/]", "", where, backward, step, "", end_section=where == "device")
+    return table

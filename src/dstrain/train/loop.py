@@ -26,14 +26,14 @@ from dstrain.config import recipe_changes, to_dict
 from dstrain.data.dataset import collate
 from dstrain.data.sampler import micro_batches
 from dstrain.errors import DstrainError
-from dstrain.metrics import IntervalClock, MetricsLog, device_peak, peak_memory_bytes
+from dstrain.metrics import IntervalClock, MetricsLog, device_peak, largest_peak_memory_of_all_ranks
 from dstrain.model.config import describe_params, flops_per_token
 from dstrain.model.gpt import lm_loss, token_loss_sum
 from dstrain.run_dir import RunDir
 from dstrain.train import checkpoint, sequence, tiling
 from dstrain.train.background_save import BackgroundSaves
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
-from dstrain.train.heal import SpikeGuard, roll_back
+from dstrain.train.heal import SpikeGuard, StepHealth, roll_back
 from dstrain.train.moe_metrics import MoEMeter
 from dstrain.train.stop import StopSignal
 from dstrain.train.watchdog import NoWatchdog, Watchdog
@@ -287,7 +287,7 @@ class Trainer:
             print(describe_params(self.recipe.model), flush=True)
             print(self.peak_line, flush=True)
         self.clock = IntervalClock()
-        self.last_skipped, self.consecutive_skips = self.engine.skipped_steps, 0
+        health = StepHealth(self.engine, t, self.strategy.precision, RunDir(self.run_dir).checkpoints)
         status = "completed"
         self.watch.start()
         while self.progress.step < total:
@@ -303,7 +303,7 @@ class Trainer:
                     status = "interrupted"
                     break
                 continue
-            self._check_health(step_loss)
+            health.check(self.progress.step, step_loss)
             interval_loss += step_loss
             interval_steps += 1
             if self.progress.step % t.log_interval == 0 or self.progress.step == total:
@@ -361,24 +361,6 @@ class Trainer:
         metric = flags[1].item() / self.world if self.recipe.train.spike_guard.metric == "grad_norm" else step_loss
         return step_loss, metric, flags[2].item() > 0
 
-    def _check_health(self, step_loss: float) -> None:
-        """Stop with one line on too many fp16 overflows in a row, or a loss that is not finite (fp32/bf16)."""
-        t = self.recipe.train
-        skipped = self.engine.skipped_steps - self.last_skipped
-        self.last_skipped = self.engine.skipped_steps
-        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
-        if self.consecutive_skips > t.max_skipped_steps:
-            raise DstrainError(
-                f"{self.consecutive_skips} consecutive fp16 overflow steps "
-                f"(train.max_skipped_steps={t.max_skipped_steps}); "
-                f"lower optim.lr or use a bf16 ds_config"
-            )
-        if not math.isfinite(step_loss) and self.strategy.precision != "fp16":
-            raise DstrainError(
-                f"loss became {step_loss} at step {self.progress.step}; stopping, the last checkpoint in "
-                f"{RunDir(self.run_dir).checkpoints} is kept; lower optim.lr or raise schedule.warmup_steps"
-            )
-
     def _eval_and_log(self) -> None:
         self.watch.begin("eval", self.progress.step)
         start = time.perf_counter()
@@ -389,12 +371,6 @@ class Trainer:
         for record in records:
             self.log.write(record)
             self.log.print_eval(record)
-
-    def _largest_peak_memory(self) -> int:
-        """The highest peak over all ranks: the one that decides whether a config fits."""
-        peak = torch.tensor([float(peak_memory_bytes())], device=self.device, dtype=torch.float64)
-        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-        return int(peak.item())
 
     def _train_record_of_all_ranks(self, loss: float, lr: float, steps: int, seconds: dict) -> dict:
         """A collective (every rank calls it: the memory peak is the largest of all ranks). ``seconds``: the
@@ -415,7 +391,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "tflops_per_device": tflops,
             "mfu": None if self.peak_tflops is None else tflops / self.peak_tflops,
-            "mem_peak_bytes": self._largest_peak_memory(),
+            "mem_peak_bytes": largest_peak_memory_of_all_ranks(self.device),
             "elapsed_s": time.time() - self.log.start,
             **seconds,
             **(self.moe.record() if self.moe.enabled else {}),

@@ -251,21 +251,26 @@ def main(argv: list[str] | None = None) -> int:
         console.end(error)
 
 
-def train(args: argparse.Namespace) -> int:
+def checked_inputs(args: argparse.Namespace):
+    """(recipe, strategy, data fingerprint, checkpoint tag to resume or None): every input checked, nothing written."""
     recipe = load_recipe(args.recipe, args.overrides)
     strategy = resolve(
         recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, world_size_from_env()
     )
     preflight.check(recipe, args.recipe)
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe)
-    run_dir = recipe.output_dir
-    tag = resume_tag(RunDir(run_dir).checkpoints, args.resume)
-    check_run_dir(recipe, args.recipe, run_dir, tag, args.resume, fingerprint)
+    tag = resume_tag(RunDir(recipe.output_dir).checkpoints, args.resume)
+    check_run_dir(recipe, args.recipe, recipe.output_dir, tag, args.resume, fingerprint)
     if tag:
         from dstrain.train import nvme
 
-        nvme.check_resume(RunDir(run_dir).checkpoints / tag, strategy)
+        nvme.check_resume(RunDir(recipe.output_dir).checkpoints / tag, strategy)
+    return recipe, strategy, fingerprint, tag
 
+
+def train(args: argparse.Namespace) -> int:
+    recipe, strategy, fingerprint, tag = checked_inputs(args)
+    run_dir = recipe.output_dir
     import torch
 
     from dstrain.data.dataset import build_dataset, build_valid_sets
