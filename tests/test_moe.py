@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import train_helpers
 from ranks import run_ranks
 from train_helpers import ROOT, ds_config, read_metrics, small_recipe, train_argv
 
@@ -19,35 +20,7 @@ MOE = {"num_experts": 4, "top_k": 2}
 
 
 def run_all(calls: list) -> list:
-    return [globals()[name](*args) for name, args in calls]
-
-
-def train(args: list[str]) -> int:
-    from dstrain.train.run import main
-
-    return main(args)
-
-
-def train_and_signal(args: list[str], step: int) -> int:
-    """Train, with rank 0 sending itself SIGUSR1 right after optimizer step ``step``."""
-    import os
-    import signal
-
-    from dstrain.train.loop import Trainer
-
-    original = Trainer.train_step
-
-    def train_step(self, batches):
-        loss = original(self, batches)
-        if self.progress.step + 1 == step and int(os.environ["RANK"]) == 0:
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return loss
-
-    Trainer.train_step = train_step
-    try:
-        return train(args)
-    finally:
-        Trainer.train_step = original
+    return [(globals().get(name) or getattr(train_helpers, name))(*args) for name, args in calls]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +39,7 @@ def runs(tmp_path_factory, corpus):
     calls = [("train", [train_argv(recipe, config, d[name])]) for name, config in configs.items()]
     resumed = train_argv(recipe, configs["ep2_zero1"], d["ep2_resumed"], "train.checkpoint_interval=3")
     calls += [
-        ("train_and_signal", [resumed, 4]),
+        ("train_and_signal_at", [resumed, 4]),
         ("train", [train_argv(recipe, configs["ep2_zero1"], d["ep2_resumed"])]),
     ]
     results = run_ranks(2, run_all, calls)

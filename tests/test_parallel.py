@@ -9,8 +9,16 @@ import pytest
 import torch
 import yaml
 
+import train_helpers
 from ranks import run_ranks
-from train_helpers import ROOT, ds_config, read_metrics, small_recipe, train_argv, train_losses
+from train_helpers import (
+    ROOT,
+    ds_config,
+    read_metrics,
+    small_recipe,
+    train_argv,
+    train_losses,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -32,36 +40,8 @@ POSITIONS = [*range(12), *range(20)]  # two documents in one sample: doc masking
 
 
 def run_all(calls: list) -> list:
-    """Rank target: call each (function name, args) of this module in turn, in one process group."""
-    return [globals()[name](*args) for name, args in calls]
-
-
-def train(args: list[str]) -> int:
-    from dstrain.train.run import main
-
-    return main(args)
-
-
-def train_and_signal(args: list[str], step: int) -> int:
-    """Train, with rank 0 sending itself SIGUSR1 right after optimizer step ``step``."""
-    import os
-    import signal
-
-    from dstrain.train.loop import Trainer
-
-    original = Trainer.train_step
-
-    def train_step(self, batches):
-        loss = original(self, batches)
-        if self.progress.step + 1 == step and int(os.environ["RANK"]) == 0:
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return loss
-
-    Trainer.train_step = train_step
-    try:
-        return train(args)
-    finally:
-        Trainer.train_step = original
+    """Rank target: call each (function name, args) of this module or train_helpers in turn, in one process group."""
+    return [(globals().get(name) or getattr(train_helpers, name))(*args) for name, args in calls]
 
 
 def pipeline_grid_left_behind() -> str:
@@ -199,12 +179,12 @@ def runs(tmp_path_factory, corpus):
         ("train", [train_argv(gpt2, gpt2_pipe_zero0, d["gpt2_pp2_zero0"])]),
         ("train", [train_argv(deep, CONFIGS["zero1"], d["deep_zero1"])]),
         (
-            "train_and_signal",
+            "train_and_signal_at",
             [train_argv(recipe, CONFIGS["pp2_zero1"], d["pp2_resumed"], "train.checkpoint_interval=3"), 4],
         ),
         ("train", [train_argv(recipe, CONFIGS["pp2_zero1"], d["pp2_resumed"])]),
         (
-            "train_and_signal",
+            "train_and_signal_at",
             [train_argv(recipe, CONFIGS["tp2_zero1"], d["tp2_resumed"], "train.checkpoint_interval=3"), 4],
         ),
         ("train", [train_argv(recipe, CONFIGS["tp2_zero1"], d["tp2_resumed"])]),

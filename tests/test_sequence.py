@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+import train_helpers
 from ranks import run_ranks
-from train_helpers import ds_config, read_metrics, small_recipe, train_argv
+from train_helpers import ds_config, read_metrics, small_recipe, train, train_argv
 
 pytestmark = pytest.mark.distributed
 
@@ -23,36 +24,8 @@ RTOL = 1e-5
 
 
 def run_all(calls: list) -> list:
-    """Rank target: call each (function name, args) of this module in turn, in one process group."""
-    return [globals()[name](*args) for name, args in calls]
-
-
-def train(args: list[str]) -> int:
-    from dstrain.train.run import main
-
-    return main(args)
-
-
-def train_and_signal(args: list[str], step: int) -> int:
-    """Train, with rank 0 sending itself SIGUSR1 right after optimizer step ``step`` (a checkpoint, then exit)."""
-    import os
-    import signal
-
-    from dstrain.train.loop import Trainer
-
-    original = Trainer.train_step
-
-    def train_step(self, batches):
-        loss = original(self, batches)
-        if self.progress.step + 1 == step and int(os.environ["RANK"]) == 0:
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return loss
-
-    Trainer.train_step = train_step
-    try:
-        return train(args)
-    finally:
-        Trainer.train_step = original
+    """Rank target: call each (function name, args) of this module or train_helpers in turn, in one process group."""
+    return [(globals().get(name) or getattr(train_helpers, name))(*args) for name, args in calls]
 
 
 def train_without_workaround(args: list[str]) -> int:
@@ -85,9 +58,9 @@ def runs(tmp_path_factory, tiny_corpus):
         ("train", [train_argv(llama, "sp2_zero3", tmp / "llama_sp2_zero3")]),
         ("train", [train_argv(gpt2, "zero0", tmp / "gpt2_zero0")]),
         ("train", [train_argv(gpt2, "sp2_zero3", tmp / "gpt2_sp2_zero3")]),
-        ("train_and_signal", [train_argv(llama, "sp2_zero1", tmp / "sp_then_plain"), 5]),
+        ("train_and_signal_at", [train_argv(llama, "sp2_zero1", tmp / "sp_then_plain"), 5]),
         ("train", [train_argv(llama, "zero2", tmp / "sp_then_plain")]),  # through the universal checkpoint
-        ("train_and_signal", [train_argv(llama, "zero0", tmp / "plain_then_sp"), 5]),
+        ("train_and_signal_at", [train_argv(llama, "zero0", tmp / "plain_then_sp"), 5]),
         ("train", [train_argv(llama, "sp2_zero3", tmp / "plain_then_sp")]),
         ("train", [train_argv(llama, tiled, tmp / "llama_sp2_zero3_tiled")]),
         ("train_without_workaround", [train_argv(llama, "sp2_zero3", tmp / "defect", "train.steps=2")]),

@@ -82,6 +82,13 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def train(argv: list[str]) -> int:
+    """Rank target: run dstrain.train once, in this process group."""
+    from dstrain.train.run import main
+
+    return main(argv)
+
+
 def train_each(runs: list[list[str]]) -> list[int]:
     """Rank target: run dstrain.train once per argv, one after another, in this process group."""
     from dstrain.train.run import main
@@ -108,7 +115,10 @@ def train_and_signal_at(
         return loss
 
     Trainer.train_step = train_step
-    return main(argv)
+    try:
+        return main(argv)
+    finally:  # a later run in the same process (run_all's lists) trains unpatched
+        Trainer.train_step = original
 
 
 def enable_fp16_on_cpu() -> None:
