@@ -78,6 +78,12 @@ def command(launcher: str) -> list[str]:
     }[launcher]
 
 
+def default_sigint() -> None:
+    """In the child before exec: SIGINT at its default. A job started in the background by a script (`nohup ... &`)
+    inherits SIGINT ignored, and Python then never raises KeyboardInterrupt; a terminal's Ctrl-C finds it default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(launcher: str, args: list[str], log: Path) -> list[subprocess.Popen]:
     """The launcher (or, for "python -m", both ranks) in a process group of its own; its processes, leader first."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
@@ -85,7 +91,12 @@ def start(launcher: str, args: list[str], log: Path) -> list[subprocess.Popen]:
     if launcher != "python -m":
         return [
             subprocess.Popen(
-                [*command(launcher), *args], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                [*command(launcher), *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=default_sigint,
             )
         ]
     port = str(free_port())
@@ -109,6 +120,7 @@ def start(launcher: str, args: list[str], log: Path) -> list[subprocess.Popen]:
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     process_group=group,
+                    preexec_fn=default_sigint,
                 )
             )
     except BaseException:
