@@ -1,7 +1,7 @@
 """How long a checkpoint stops training: synchronous save against a background one (train.async_checkpoint).
 
 For each recipe's model (its real dimensions, ZeRO-1 fp32, AdamW state after one step), in one process:
-- sync: seconds `dstrain.train.checkpoint.save` blocks the loop (write + publish);
+- sync: seconds `dstrain.checkpoint.store.save` blocks the loop (write + publish);
 - async blocked: seconds `BackgroundSaves.start` blocks it (host-memory snapshot), and the background write's own
   duration (while training steps run);
 - steps/s while the background write runs, against steps/s without one.
@@ -27,7 +27,7 @@ SHORTEN = {"tiny": ["model.vocab_size=4096", "data.seq_len=128"], "gpt2-125m": [
 
 def build(name: str):
     from dstrain.config import load_recipe
-    from dstrain.strategy import load_ds_config, resolve
+    from dstrain.strategy.resolve import load_ds_config, resolve
     from dstrain.train.engine import build_engine, build_model
 
     recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", [*SHORTEN[name], "train.global_batch=1"])
@@ -51,8 +51,8 @@ def step(engine, recipe) -> float:
 
 
 def measure(name: str, folder: Path, repeats: int) -> dict:
-    from dstrain.train import checkpoint
-    from dstrain.train.background_save import BackgroundSaves
+    from dstrain.checkpoint import store
+    from dstrain.checkpoint.background import BackgroundSaves
 
     recipe, engine = build(name)
     step(engine, recipe)  # the optimizer's state exists from the first step
@@ -61,7 +61,7 @@ def measure(name: str, folder: Path, repeats: int) -> dict:
     saves = BackgroundSaves(engine, folder, keep_last=2, identity=None)
     for i in range(repeats):
         start = time.perf_counter()
-        checkpoint.save(engine, folder, 2 * i + 1, state, keep_last=2)
+        store.save(engine, folder, 2 * i + 1, state, keep_last=2)
         sync.append(time.perf_counter() - start)
         alone.append(step(engine, recipe))
         start = time.perf_counter()

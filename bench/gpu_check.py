@@ -251,7 +251,7 @@ def correctness(check: Check, steps: int) -> list[dict]:
 def memory(check: Check, models, configs, steps: int) -> list[dict]:
     """Measured peak device memory over a few steps beside `dstrain estimate`'s device peak, world of one."""
     from dstrain.config import load_recipe
-    from dstrain.memory import estimate_file
+    from dstrain.strategy.memory import estimate_file
 
     rows = []
     for recipe_name, micro, seq in models:

@@ -687,7 +687,7 @@ CLI_CASES = {
 
 @pytest.mark.parametrize("case", list(CLI_CASES))
 def test_commands_refuse_bad_input_before_any_work(case, tmp_path, corpus, same_size_corpus, capsys):
-    from dstrain.cli import main
+    from dstrain.commands.cli import main
 
     build, fragments = CLI_CASES[case]
     argv = build(tmp_path, corpus, same_size_corpus)
@@ -713,7 +713,7 @@ def test_commands_refuse_bad_input_before_any_work(case, tmp_path, corpus, same_
     ],
 )
 def test_argument_errors_are_one_line(argv, fragments, capsys):
-    from dstrain.cli import main as cli_main
+    from dstrain.commands.cli import main as cli_main
     from dstrain.train.run import main as train_main
 
     with pytest.raises(SystemExit) as exit_:

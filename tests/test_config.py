@@ -8,7 +8,7 @@ import yaml
 
 from dstrain.config import load_recipe
 from dstrain.errors import DstrainError
-from dstrain.strategy import load_ds_config, resolve
+from dstrain.strategy.resolve import load_ds_config, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +91,7 @@ def test_every_shipped_ds_config_resolves_or_refuses_clearly(tmp_path, config, m
 
 def test_every_shipped_ds_config_passes_deepspeeds_own_parser(tmp_path, monkeypatch):
     """resolve() ends in ds_schema.validate_ds_config: DeepSpeedConfig accepts each and reads every key of each."""
-    from dstrain.ds_schema import validate_ds_config
+    from dstrain.strategy.ds_schema import validate_ds_config
 
     fake_fp16(monkeypatch, True)
     recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4, "n_head": 8, "d_model": 64}}
@@ -319,7 +319,7 @@ def test_the_recipe_and_the_light_commands_load_no_torch():
     probe = """if True:
         import sys
         from dstrain.config import load_recipe
-        from dstrain.cli import main
+        from dstrain.commands.cli import main
         load_recipe(sys.argv[1], ["model.vocab_size=512"])  # no prepared data needed
         for argv in (["--help"], ["prepare", "--help"], ["estimate", "--help"], ["compare", "--help"]):
             try:

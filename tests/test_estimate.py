@@ -10,10 +10,10 @@ import yaml
 
 from dstrain.config import load_recipe
 from dstrain.errors import DstrainError
-from dstrain.memory import GIB, estimate, estimate_file
 from dstrain.model.config import GPTConfig, num_params
-from dstrain.parallel import count_params
-from dstrain.strategy import load_ds_config, resolve
+from dstrain.strategy.memory import GIB, estimate, estimate_file
+from dstrain.strategy.parallel import count_params
+from dstrain.strategy.resolve import load_ds_config, resolve
 
 from ranks import run_ranks
 from train_helpers import ROOT
@@ -127,7 +127,7 @@ def held_bytes(recipe_file: str, configs: list[str]) -> list[dict]:
     """Rank target: train 2 steps of 2 micro-batches per config; the most each group held at any snapshot.
 
     Snapshots: after each backward of step 2 (gradients accumulating, then reduced) and at the optimizer
-    step of step 2 (fp32 gradient copies, optimizer states), i.e. around each phase of dstrain.estimate.
+    step of step 2 (fp32 gradient copies, optimizer states), i.e. around each phase of dstrain.commands.estimate.
     """
     import torch
 
@@ -334,7 +334,7 @@ def test_zero3_steps_one_sub_group_at_a_time(tmp_path):
 
 
 def test_too_big_does_not_fit_and_the_cheapest_fitting_config_is_named(capsys):
-    from dstrain.cli import main
+    from dstrain.commands.cli import main
 
     argv = [
         "estimate",
@@ -370,7 +370,7 @@ def test_too_big_does_not_fit_and_the_cheapest_fitting_config_is_named(capsys):
 
 
 def test_bad_input_is_one_line(capsys, tmp_path):
-    from dstrain.cli import main
+    from dstrain.commands.cli import main
 
     base = ["estimate", "--recipe", str(LLAMA_7B), "--deepspeed_config"]
     assert main([*base, str(ROOT / "ds_configs" / "zero3_bf16.json"), "--nodes", "0"]) == 2
@@ -461,7 +461,7 @@ def test_nvme_offload_keeps_model_states_on_disk_and_pinned_buffers_on_the_host(
     """ZeRO-Infinity, llama-7b on 8 ranks: the bf16 parameter partition, fp32 master, Adam moments and fp32 gradients
     on disk (DeepSpeed swaps the gradients of each swapped sub-group too), the host holding only the pinned swap
     buffers the ds_config sizes, and no optimizer state on the device."""
-    from dstrain.cli import main
+    from dstrain.commands.cli import main
 
     config = ROOT / "ds_configs" / "zero3_offload_nvme_bf16.json"
     est = estimate_file(load_recipe(LLAMA_7B), LLAMA_7B, config, 1, 8)

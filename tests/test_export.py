@@ -44,14 +44,14 @@ def recipe_for(tmp, corpus, flavour, model=None, **sections):
 
 
 def cli(*args) -> int:
-    from dstrain.cli import main
+    from dstrain.commands.cli import main
 
     return main([str(a) for a in args])
 
 
 def eval_each(argvs: list[list[str]]) -> list[dict]:
     """Rank target: `dstrain eval` once per argv."""
-    from dstrain import evaluate
+    from dstrain.commands import evaluate
 
     parser = argparse.ArgumentParser()
     evaluate.add_arguments(parser)
@@ -74,8 +74,8 @@ def runs(tmp_path_factory, corpus):
 @pytest.mark.parametrize("flavour,strategy", RUNS)
 @torch.no_grad()
 def test_export_computes_what_our_model_computes(runs, flavour, strategy):
+    from dstrain.checkpoint.consolidate import consolidated_state_dict, load_run
     from dstrain.model.gpt import GPT
-    from dstrain.train.checkpoint import consolidated_state_dict, load_run
 
     run, hf_dir = runs[flavour, strategy]
     assert (hf_dir / "model.safetensors").is_file() and (hf_dir / "tokenizer.json").is_file()
@@ -159,10 +159,10 @@ def test_eval_under_the_deepspeed_launcher(runs, tmp_path):
 
 @torch.no_grad()
 def test_generate_runs_offline_and_decodes_greedily(runs, capsys):
+    from dstrain.checkpoint.consolidate import consolidated_state_dict, load_run
+    from dstrain.commands.generate import generate
     from dstrain.data.tokenizer import load_run_tokenizer
-    from dstrain.generate import generate
     from dstrain.model.gpt import GPT
-    from dstrain.train.checkpoint import consolidated_state_dict, load_run
 
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     run, hf_dir = runs["gpt2", "zero3"]
@@ -228,7 +228,7 @@ def test_init_from_another_architecture_is_one_line(runs, tmp_path, corpus):
 def test_a_bf16_run_exports_its_fp32_masters(runs, strategy, tmp_path):
     """The bf16 module weights are the masters rounded (BF16_Optimizer copies them down after each step): the
     export holds the masters themselves, not the module's weights widened; --dtype bf16 the module's weights."""
-    from dstrain.train.checkpoint import load_run, module_state_dict
+    from dstrain.checkpoint.consolidate import load_run, module_state_dict
 
     run, hf_dir = runs["llama", strategy]
     masters = load_file(hf_dir / "model.safetensors")

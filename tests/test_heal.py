@@ -127,7 +127,7 @@ def test_a_hung_rank_is_named_every_rank_exits_and_a_relaunch_resumes(recipe, cl
 def test_sigterm_then_kill9_during_background_writes_lose_nothing(recipe, clean, tmp_path):
     """SIGTERM while step 4's write is in flight: the interrupt checkpoint waits for it, both complete. Then kill -9
     while step 6's write is in flight: `latest` stays on step 5, and the resume from it is bit-exact."""
-    from dstrain.train.checkpoint import is_complete
+    from dstrain.checkpoint.store import is_complete
 
     run = tmp_path / "run"
     checkpoints = run / "checkpoints"

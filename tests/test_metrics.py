@@ -128,7 +128,7 @@ def train_slowed(argv: list[str]) -> int:
 
 def train_then_eval(train_argvs: list[list[str]], eval_argvs: list[list[str]]) -> list:
     """Rank target: the runs, then `dstrain eval` of each eval argv, in one process group."""
-    from dstrain import evaluate
+    from dstrain.commands import evaluate
 
     codes = [train_slowed(argv) for argv in train_argvs]
     parser = argparse.ArgumentParser()

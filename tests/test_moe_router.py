@@ -140,8 +140,8 @@ def test_only_every_layer_llama_moe_exports():
 
 
 def test_a_moe_checkpoint_does_not_change_topology(tmp_path):
-    from dstrain.strategy import Topology
-    from dstrain.train.topology import check_convertible, needs_conversion
+    from dstrain.checkpoint.reshard import check_convertible, needs_conversion
+    from dstrain.strategy.resolve import Topology
 
     ep2 = Topology(world_size=2, zero_stage=1, dp_size=2, tp_size=1, pp_stages=1, precision="fp32", ep_size=2)
     ep1 = dataclasses.replace(ep2, ep_size=1)
@@ -167,8 +167,8 @@ def test_estimate_splits_the_experts_over_the_expert_parallel_ranks():
     from pathlib import Path
 
     from dstrain.config import load_recipe
-    from dstrain.memory import estimate_file
-    from dstrain.parallel import EXPERTS, _meta_params
+    from dstrain.strategy.memory import estimate_file
+    from dstrain.strategy.parallel import EXPERTS, _meta_params
 
     root = Path(__file__).resolve().parents[1]
     recipe_file = root / "recipes" / "moe-1b.yaml"

@@ -49,7 +49,7 @@ def optimizer_view(engine) -> dict:
 def train_resume_probing(runs: list[list[str]], resume: list[str]) -> dict:
     """Rank target: train each of ``runs``, keeping their losses and grad norms; then ``resume`` one of them, keeping
     the optimizer as DeepSpeed's load left it and as dstrain's restore leaves it."""
-    from dstrain.train import nvme
+    from dstrain.checkpoint import nvme
     from dstrain.train.run import main
 
     def run_dir(argv):
@@ -127,8 +127,8 @@ def test_nvme_checkpoint_exports_the_zero3_weights(nvme_runs, tmp_path):
     swapped masters from offloaded_tensors/: the weights of the ZeRO-3 run."""
     from safetensors.torch import load_file
 
-    from dstrain.cli import main
-    from dstrain.train.checkpoint import consolidated_state_dict, load_run
+    from dstrain.checkpoint.consolidate import consolidated_state_dict, load_run
+    from dstrain.commands.cli import main
 
     recipe, tag_dir = load_run(nvme_runs["nvme"], None)
     _, zero3_tag = load_run(nvme_runs["zero3"], None)

@@ -54,7 +54,7 @@ def pipeline_grid_left_behind() -> str:
 def engine_for(run_dir, config_file):
     """A fresh engine for a finished run's recipe under ``config_file``, its newest checkpoint's weights loaded."""
     from dstrain.config import load_recipe
-    from dstrain.strategy import load_ds_config, resolve
+    from dstrain.strategy.resolve import load_ds_config, resolve
     from dstrain.train.engine import build_engine, build_model
 
     recipe = load_recipe(f"{run_dir}/recipe.yaml")
@@ -74,7 +74,7 @@ def sample_inputs(vocab_size: int):
 def pipeline_round_trip_logits(run_dir, config_file):
     """Logits of the pipeline run's checkpoint loaded by DeepSpeed, then of the same checkpoint converted to a
     plain state dict and loaded back into the stages (last stage; None elsewhere)."""
-    from dstrain.model.convert import load_into_pipeline, read_checkpoint
+    from dstrain.checkpoint.consolidate import load_into_pipeline, read_checkpoint
 
     engine = engine_for(run_dir, config_file)
     config, state = read_checkpoint(run_dir)
@@ -301,7 +301,7 @@ def test_signal_checkpoints_and_resume_continues_exactly(runs, layout):
 
 
 def plain_logits(run_dir):
-    from dstrain.model.convert import read_checkpoint
+    from dstrain.checkpoint.consolidate import read_checkpoint
     from dstrain.model.gpt import GPT
 
     config, state = read_checkpoint(run_dir)
@@ -320,7 +320,7 @@ def test_pipeline_checkpoint_round_trips_through_the_plain_state_dict(runs):
 
 
 def test_pipeline_layers_and_plain_names_convert_both_ways(runs):
-    from dstrain.model.convert import pipeline_to_plain, plain_to_pipeline, read_checkpoint, tag_folder
+    from dstrain.checkpoint.consolidate import pipeline_to_plain, plain_to_pipeline, read_checkpoint, tag_folder
 
     tag = tag_folder(runs["gpt2_pp2"])
     config, state = read_checkpoint(tag)
@@ -388,7 +388,7 @@ RECIPE = {
 
 def resolve_with(tmp_path, base: str, world: int, **changes):
     from dstrain.config import load_recipe
-    from dstrain.strategy import load_ds_config, resolve
+    from dstrain.strategy.resolve import load_ds_config, resolve
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(RECIPE))

@@ -109,7 +109,7 @@ def test_death_inside_save_keeps_the_previous_checkpoint(recipe, reference, tmp_
 
 
 def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(recipe, reference, tmp_path):
-    from dstrain.train.checkpoint import newest_complete
+    from dstrain.checkpoint.store import newest_complete
 
     run = tmp_path / "run"
     codes, outputs = wait_all(start_ranks(2, train_argv(recipe, CONFIG, run, "train.steps=6")))

@@ -82,7 +82,7 @@ def test_resume_none_moves_the_previous_run_aside_and_a_relaunch_continues_the_n
 
 def test_keep_last_and_resume_follow_the_save_order(tmp_path):
     """A tag of a longer branch (step 8, saved first) never outranks the checkpoint saved after it (step 6)."""
-    from dstrain.train.checkpoint import newest_complete, published_tags
+    from dstrain.checkpoint.store import newest_complete, published_tags
 
     checkpoints = tmp_path / "checkpoints"
     for seq, step in [(1, 8), (2, 6)]:
@@ -254,8 +254,8 @@ def test_activation_checkpointing_may_change_on_resume(resumed):
 def test_estimate_and_the_model_take_activation_checkpointing_from_the_ds_config(tmp_path, corpus):
     """The ds_config's section turns it on for the estimate and the model; a recipe.yaml from before (false) loads."""
     from dstrain.config import load_recipe
-    from dstrain.memory import estimate
-    from dstrain.strategy import load_ds_config, resolve
+    from dstrain.strategy.memory import estimate
+    from dstrain.strategy.resolve import load_ds_config, resolve
     from dstrain.train.engine import build_model
 
     recipe_file = small_recipe(tmp_path, corpus, model={"activation_checkpointing": False})

@@ -118,9 +118,9 @@ def test_deepspeed_zero3_averages_over_the_sp_group(runs):
 @pytest.mark.deepspeed_defect("an SP checkpoint records the SP size as its tensor-parallel degree")
 def test_deepspeed_records_sp_as_tp(runs):
     """DeepSpeed 0.19.8 asks the SP mpu for the tensor-parallel degree of a checkpoint and records the SP size, which
-    ds_to_universal then rejects; train/topology.py's _sp_view corrects it (sp_then_plain resumes through it). When
+    ds_to_universal then rejects; checkpoint/reshard.py's _sp_view corrects it (sp_then_plain resumes through it). When
     this fails, remove _sp_view."""
-    from dstrain.train.topology import read_pt
+    from dstrain.checkpoint.reshard import read_pt
 
     state = read_pt(runs[0] / "sp_then_plain" / "checkpoints" / "global_step5" / "mp_rank_00_model_states.pt")
     assert state["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": 2}

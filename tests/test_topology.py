@@ -18,7 +18,7 @@ pytestmark = pytest.mark.distributed
 
 # fp32 on CPU, measured: every case below gives steps 5..10 bit for bit equal to the uninterrupted run's. The
 # tolerance only leaves room for reduction order on other hardware; restarting Adam's moments instead of carrying
-# them over moves step 6 by ~1e-3, a wrong bias-correction step (see topology.repair_after_load) by ~5e-5.
+# them over moves step 6 by ~1e-3, a wrong bias-correction step (see reshard.repair_after_load) by ~5e-5.
 LOSS_RTOL = 1e-6
 
 
@@ -107,10 +107,10 @@ def test_resume_on_another_topology_continues_the_run(uninterrupted, resumed, ca
 
 
 def test_checkpoints_record_their_topology(uninterrupted):
-    from dstrain.train import topology
+    from dstrain.checkpoint import reshard
 
     tag = uninterrupted[1]["llama", "zero3"] / "checkpoints" / "global_step4"
-    assert topology.saved(tag).to_record() == {
+    assert reshard.saved(tag).to_record() == {
         "world_size": 2,
         "zero_stage": 3,
         "dp_size": 2,
@@ -120,53 +120,53 @@ def test_checkpoints_record_their_topology(uninterrupted):
         "ep_size": 1,
         "sp_size": 1,
     }
-    client_state = topology.read_pt(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    assert client_state["topology"] == topology.saved(tag).to_record()
+    client_state = reshard.read_pt(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    assert client_state["topology"] == reshard.saved(tag).to_record()
     assert client_state["universal_checkpoint_info"]["universal_checkpoint_version"] > 0  # for ds_to_universal
 
 
 def test_what_cannot_be_converted_is_refused_in_one_line(tmp_path):
+    from dstrain.checkpoint import reshard
     from dstrain.errors import DstrainError
-    from dstrain.strategy import Topology
-    from dstrain.train import topology
+    from dstrain.strategy.resolve import Topology
 
     plain = Topology(world_size=2, zero_stage=1, dp_size=2, tp_size=1, pp_stages=1, precision="fp32")
     zero0 = replace(plain, zero_stage=0)
-    assert not topology.needs_conversion(zero0, replace(zero0, dp_size=1))
-    assert topology.needs_conversion(plain, replace(plain, dp_size=4))
+    assert not reshard.needs_conversion(zero0, replace(zero0, dp_size=1))
+    assert reshard.needs_conversion(plain, replace(plain, dp_size=4))
     # ZeRO partitions over dp x sp ranks: SP2 on 2 ranks holds plain 2-rank partitions, SP2 on 4 ranks does not
-    assert not topology.needs_conversion(plain, replace(plain, dp_size=1, sp_size=2))
-    assert topology.needs_conversion(plain, replace(plain, world_size=4, sp_size=2))
-    assert topology.needs_conversion(plain, replace(plain, zero_stage=2))
-    assert topology.needs_conversion(plain, replace(plain, precision="bf16"))  # ZeRO's bf16 files are named apart
-    topology.check_convertible(tmp_path, plain, replace(plain, pp_stages=2, dp_size=1))  # pipelines convert
+    assert not reshard.needs_conversion(plain, replace(plain, dp_size=1, sp_size=2))
+    assert reshard.needs_conversion(plain, replace(plain, world_size=4, sp_size=2))
+    assert reshard.needs_conversion(plain, replace(plain, zero_stage=2))
+    assert reshard.needs_conversion(plain, replace(plain, precision="bf16"))  # ZeRO's bf16 files are named apart
+    reshard.check_convertible(tmp_path, plain, replace(plain, pp_stages=2, dp_size=1))  # pipelines convert
     for change in ({"precision": "fp16"}, {"zero_stage": 0, "precision": "bf16"}, {"zero_stage": 0, "pp_stages": 2}):
         with pytest.raises(DstrainError) as error:
-            topology.check_convertible(tmp_path, plain, replace(plain, **change))
+            reshard.check_convertible(tmp_path, plain, replace(plain, **change))
         assert "\n" not in str(error.value) and "resume with the saved ds_config" in str(error.value)
 
 
-# --- DeepSpeed behaviour that topology.py works around: these fail when an upgrade changes it -------------
+# --- DeepSpeed behaviour that reshard.py works around: these fail when an upgrade changes it -------------
 
 
-@pytest.mark.deepspeed_defect("ds_to_universal writes per-stage dialects (train/topology.py bridges them)")
+@pytest.mark.deepspeed_defect("ds_to_universal writes per-stage dialects (train/reshard.py bridges them)")
 def test_deepspeed_universal_conversion_still_writes_per_stage_dialects(uninterrupted, tmp_path):
     """The gaps _bridge_deepspeed_gaps fills; if one of these fails, DeepSpeed changed and its item can go."""
-    from dstrain.train import topology
+    from dstrain.checkpoint import reshard
 
     runs = uninterrupted[1]
     zero2, zero3 = tmp_path / "zero2", tmp_path / "zero3"
-    topology._ds_to_universal(runs["llama", "zero2"] / "checkpoints" / "global_step4", zero2)
-    topology._ds_to_universal(runs["llama", "zero3"] / "checkpoints" / "global_step4", zero3)
+    reshard._ds_to_universal(runs["llama", "zero2"] / "checkpoints" / "global_step4", zero2)
+    reshard._ds_to_universal(runs["llama", "zero3"] / "checkpoints" / "global_step4", zero3)
     # item 1: only the source stage's model-state file name
-    assert (zero2 / topology.ZERO12_MODEL_FILE).exists() and not (zero2 / topology.ZERO3_MODEL_FILE).exists()
-    assert (zero3 / topology.ZERO3_MODEL_FILE).exists() and not (zero3 / topology.ZERO12_MODEL_FILE).exists()
+    assert (zero2 / reshard.ZERO12_MODEL_FILE).exists() and not (zero2 / reshard.ZERO3_MODEL_FILE).exists()
+    assert (zero3 / reshard.ZERO3_MODEL_FILE).exists() and not (zero3 / reshard.ZERO12_MODEL_FILE).exists()
     # item 2: the optimizer state each loader reads is written only by a source of its own stage
-    assert "optimizer_state_dict" not in topology.read_pt(zero2 / "zero" / "optimizer_state.pt")
-    assert "ds_version" not in topology.read_pt(zero3 / "zero" / "optimizer_state.pt")
+    assert "optimizer_state_dict" not in reshard.read_pt(zero2 / "zero" / "optimizer_state.pt")
+    assert "ds_version" not in reshard.read_pt(zero3 / "zero" / "optimizer_state.pt")
     # item 3: ZeRO-3 writes bare flat tensors and no step
     weight = zero3 / "zero" / "blocks.0.self_attn.q_proj.weight"
-    assert torch.is_tensor(topology.read_pt(weight / "fp32.pt")) and not (weight / "step.pt").exists()
+    assert torch.is_tensor(reshard.read_pt(weight / "fp32.pt")) and not (weight / "step.pt").exists()
 
 
 def zero3_universal_reload(folder: str) -> dict:
@@ -176,9 +176,10 @@ def zero3_universal_reload(folder: str) -> dict:
 
     import deepspeed
 
+    from dstrain.checkpoint import reshard, store
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT, lm_loss
-    from dstrain.train import checkpoint, distributed, topology
+    from dstrain.train import distributed
 
     distributed.init()
     config = GPTConfig(flavour="llama", vocab_size=64, max_seq_len=8, n_layer=1, n_head=2, d_model=16)
@@ -201,13 +202,13 @@ def zero3_universal_reload(folder: str) -> dict:
     tokens = torch.randint(0, 64, (2, 9))
     first.backward(lm_loss(first(tokens[:, :-1]), tokens[:, 1:]))
     first.step()
-    checkpoint.save(first, Path(folder), 1, {}, keep_last=1)
+    store.save(first, Path(folder), 1, {}, keep_last=1)
     tag = Path(folder) / "global_step1"
-    old = topology.saved(tag)
-    topology.convert(tag, old, replace(old, dp_size=2), config, 0.1)
+    old = reshard.saved(tag)
+    reshard.convert(tag, old, replace(old, dp_size=2), config, 0.1)
     ds["checkpoint"] = {"load_universal": True}
     second = engine()
-    second.load_checkpoint(str(tag), tag=topology.UNIVERSAL)
+    second.load_checkpoint(str(tag), tag=reshard.UNIVERSAL)
 
     def observed():
         optimizer = second.optimizer
@@ -218,13 +219,13 @@ def zero3_universal_reload(folder: str) -> dict:
         }
 
     raw = observed()
-    topology.repair_after_load(second, tag)
+    reshard.repair_after_load(second, tag)
     return {"raw": raw, "repaired": observed()}
 
 
-@pytest.mark.deepspeed_defect("ZeRO-3's universal loader slips (train/topology.py::repair_after_load)")
+@pytest.mark.deepspeed_defect("ZeRO-3's universal loader slips (train/reshard.py::repair_after_load)")
 def test_deepspeed_zero3_universal_loader_slips(tmp_path):
-    """The two slips topology.repair_after_load undoes; if `raw` changes, DeepSpeed fixed its loader."""
+    """The two slips reshard.repair_after_load undoes; if `raw` changes, DeepSpeed fixed its loader."""
     (result,) = run_ranks(1, zero3_universal_reload, str(tmp_path))
     assert result["raw"] == {"weight_decay": [0.1, 0.1], "shared_step": True}
     assert result["repaired"] == {"weight_decay": [0.1, 0.0], "shared_step": False}

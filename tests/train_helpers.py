@@ -261,7 +261,7 @@ def train_and_hang_at(argv: list[str], step: int, rank: int, marker: str) -> int
 def train_with_slow_writes(argv: list[str], seconds: float, signal_step: int | None = None) -> int:
     """Rank target: train with every background checkpoint write taking ``seconds`` longer (a slow filesystem);
     with ``signal_step``, rank 0 sends itself SIGTERM right after that optimizer step."""
-    from dstrain.train.background_save import SnapshotEngine
+    from dstrain.checkpoint.background import SnapshotEngine
 
     write_all = SnapshotEngine.write_all
 

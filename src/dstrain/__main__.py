@@ -1,5 +1,5 @@
 import sys
 
-from dstrain.cli import main
+from dstrain.commands.cli import main
 
 sys.exit(main())

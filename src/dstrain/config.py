@@ -3,7 +3,7 @@
 A recipe (YAML) owns the math of a run: model, data, global batch, optimiser
 hyper-parameters, LR schedule, length and cadence. How the run is executed
 (ZeRO stage, precision, micro-batch, offload, parallelism) belongs to the
-ds_config and is resolved against the recipe in ``strategy.py``.
+ds_config and is resolved against the recipe in ``strategy/resolve.py``.
 
 Every field can be overridden on the command line as ``section.key=value``.
 """

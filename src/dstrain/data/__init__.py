@@ -6,7 +6,7 @@
     encode.py    parallel, memory-bounded tokenisation
     shards.py    Megatron MMIDIDX v1 writer and reader
     manifest.py  manifest.json of a prepared folder
-    prepare.py   `dstrain prepare` (resumable)
+    prepare.py   the work of `dstrain prepare` (resumable)
     index.py     vectorised index builders + their cache (split, epochs, blend)
     dataset.py   build_dataset / collate: packed samples with document-aware position ids
     sampler.py   micro_batches: data-parallel sample assignment, resumable

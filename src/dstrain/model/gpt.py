@@ -271,3 +271,21 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of the next-token cross-entropies in fp32 (label -100 not counted): lm_loss times the counted tokens."""
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only; norms, biases (1-D tensors) are not decayed.
+
+    Named, and flagged "decay": with MoE layers DeepSpeed splits each group by name into dense and expert groups
+    (deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer), renaming the expert ones; the
+    flag survives the split and the checkpoint, and tells apply_recipe_to_optimizer which groups decay."""
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for param in model.parameters():
+        if param.requires_grad:
+            # zero.Init leaves partitioned parameters 1-D (shape [0]); ds_shape is their real shape.
+            (decay if len(getattr(param, "ds_shape", param.shape)) >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay", "decay": True},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay", "decay": False},
+    ]

@@ -12,7 +12,7 @@ Initial weights equal `GPT(config)`'s for the same seed: each layer is built fro
 the plain constructor had when it reached that layer (recorded by building the layers once, in order,
 one at a time), so a stage that builds only its own layers still draws exactly the plain model's
 numbers. `layer_prefixes` names where each layer's parameters live in the plain state dict; the
-converter in `dstrain.model.convert` uses it in both directions.
+converter in `dstrain.checkpoint.consolidate` uses it in both directions.
 """
 
 from __future__ import annotations

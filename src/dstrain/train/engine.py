@@ -14,28 +14,10 @@ import deepspeed
 import torch
 
 from dstrain.config import Recipe
-from dstrain.model.gpt import GPT
-from dstrain.strategy import Strategy
+from dstrain.model.gpt import GPT, param_groups
+from dstrain.strategy.resolve import Strategy
 from dstrain.train import grad_norm
 from dstrain.train.schedule import build_scheduler
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only; norms, biases (1-D tensors) are not decayed.
-
-    Named, and flagged "decay": with MoE layers DeepSpeed splits each group by name into dense and expert groups
-    (deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer), renaming the expert ones; the
-    flag survives the split and the checkpoint, and tells apply_recipe_to_optimizer which groups decay."""
-    decay: list[torch.nn.Parameter] = []
-    no_decay: list[torch.nn.Parameter] = []
-    for param in model.parameters():
-        if param.requires_grad:
-            # zero.Init leaves partitioned parameters 1-D (shape [0]); ds_shape is their real shape.
-            (decay if len(getattr(param, "ds_shape", param.shape)) >= 2 else no_decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay", "decay": True},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay", "decay": False},
-    ]
 
 
 def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
@@ -271,7 +253,7 @@ def load_init_from(model: torch.nn.Module, recipe, recipe_file: str | os.PathLik
             f"set those model fields to the Hugging Face values"
         )
     if not isinstance(model, GPT):  # a PipelineModule: this rank's stage only
-        from dstrain.model.convert import load_into_pipeline
+        from dstrain.checkpoint.consolidate import load_into_pipeline
 
         load_into_pipeline(model, state, recipe.model)
         return

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
+from dstrain.checkpoint import store
 from dstrain.config import SpikeGuardConfig
 from dstrain.errors import DstrainError
 from dstrain.run_dir import RunDir, step_of
-from dstrain.train import checkpoint
 
 
 class SpikeGuard:
@@ -97,7 +97,7 @@ def roll_back(trainer, value: float, limit: float) -> bool:
             f"steps; stopping, the checkpoints in {checkpoints} are kept; lower optim.lr or inspect the data"
         )
     # One decision for all ranks: rank 0's reading of the checkpoint folder.
-    found = [checkpoint.newest_complete(checkpoints) if trainer.is_rank0 else None]
+    found = [store.newest_complete(checkpoints) if trainer.is_rank0 else None]
     torch.distributed.broadcast_object_list(found, src=0)
     tag = found[0]
     event = {"event": "spike", "spike_step": spike_step, "metric": config.metric, "value": value}

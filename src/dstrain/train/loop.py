@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from dstrain.checkpoint import store
+from dstrain.checkpoint.background import BackgroundSaves
 from dstrain.config import recipe_changes, to_dict
 from dstrain.data.dataset import collate
 from dstrain.data.sampler import micro_batches
@@ -30,8 +32,7 @@ from dstrain.metrics import IntervalClock, MetricsLog, device_peak, largest_peak
 from dstrain.model.config import describe_params, flops_per_token
 from dstrain.model.gpt import lm_loss, token_loss_sum
 from dstrain.run_dir import RunDir
-from dstrain.train import checkpoint, sequence, tiling
-from dstrain.train.background_save import BackgroundSaves
+from dstrain.train import sequence, tiling
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
 from dstrain.train.heal import SpikeGuard, StepHealth, roll_back
 from dstrain.train.moe_metrics import MoEMeter
@@ -225,7 +226,7 @@ class Trainer:
         """A checkpoint of this step; ``background``: snapshot now, write while training goes on."""
         client_state = {
             "consumed_samples": self.progress.consumed_samples,
-            "rng": checkpoint.rng_state(),
+            "rng": store.rng_state(),
             "recipe": to_dict(self.recipe),
             "data_fingerprint": self.data_fingerprint,
             "world_size": self.world,
@@ -237,7 +238,7 @@ class Trainer:
             self.saves.start(self.progress.step, client_state)
             return
         where, keep = RunDir(self.run_dir).checkpoints, self.recipe.train.keep_last
-        checkpoint.save(self.engine, where, self.progress.step, client_state, keep, self.identity)
+        store.save(self.engine, where, self.progress.step, client_state, keep, self.identity)
 
     def finish_pending_save(self) -> None:
         """Wait for the background write in flight, if any, and publish it."""
@@ -245,7 +246,7 @@ class Trainer:
 
     def restore(self, tag: str) -> dict:
         """Model, optimizer, schedule, RNG, data position and spike guard of checkpoint ``tag``; its client state."""
-        state = checkpoint.load(self.engine, RunDir(self.run_dir).checkpoints, tag)
+        state = store.load(self.engine, RunDir(self.run_dir).checkpoints, tag)
         if state.get("data_fingerprint") != self.data_fingerprint:
             raise DstrainError(
                 f"{self.run_dir / 'checkpoints' / tag} was trained on other data; "
@@ -253,7 +254,7 @@ class Trainer:
             )
         self.progress.step = self.engine.global_steps
         self.progress.consumed_samples = state["consumed_samples"]
-        checkpoint.set_rng_state(state["rng"])
+        store.set_rng_state(state["rng"])
         apply_recipe_to_optimizer(self.engine, self.recipe)
         if self.guard is not None:
             self.guard.load_state_dict(state.get("spike_guard"))

@@ -22,7 +22,7 @@ import yaml
 from dstrain.config import Recipe, load_recipe, to_dict
 from dstrain.errors import DstrainError, OneLineArgumentParser
 from dstrain.run_dir import RunDir, step_of
-from dstrain.strategy import Strategy, load_ds_config, resolve
+from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 from dstrain.train import console, plot, preflight
 
 # What makes a checkpoint meaningless for another run: the model, what it reads, and the seed. The rest of the
@@ -77,11 +77,11 @@ def check_run_dir(
     """Refuse to continue a checkpoint of another experiment: its own record, not run_dir's recipe.yaml, says
     what it is. Without a checkpoint that records it (none yet, or one from before), run_dir's recipe.yaml does,
     unless --resume none starts over (and moves that run aside)."""
-    from dstrain.train import checkpoint
+    from dstrain.checkpoint import store
 
     files = RunDir(run_dir)
     where = files.checkpoints / tag if tag else files.recipe
-    saved = (checkpoint.read_record(where) or {}).get("identity") if tag else None
+    saved = (store.read_record(where) or {}).get("identity") if tag else None
     new = identity(recipe, data_fingerprint)
     if saved is None:
         if resume == "none" or not files.recipe.exists():
@@ -136,13 +136,13 @@ def lock_run_dir(run_dir: Path):
 
 
 def resume_tag(checkpoint_dir: Path, resume: str) -> str | None:
-    from dstrain.train import checkpoint
+    from dstrain.checkpoint import store
 
     if resume == "none":
         return None
     if resume == "auto":
-        return checkpoint.newest_complete(checkpoint_dir)
-    if not checkpoint.is_complete(checkpoint_dir / resume):
+        return store.newest_complete(checkpoint_dir)
+    if not store.is_complete(checkpoint_dir / resume):
         raise DstrainError(f"--resume {resume}: no complete checkpoint {checkpoint_dir / resume}; use --resume auto")
     return resume
 
@@ -262,7 +262,7 @@ def checked_inputs(args: argparse.Namespace):
     tag = resume_tag(RunDir(recipe.output_dir).checkpoints, args.resume)
     check_run_dir(recipe, args.recipe, recipe.output_dir, tag, args.resume, fingerprint)
     if tag:
-        from dstrain.train import nvme
+        from dstrain.checkpoint import nvme
 
         nvme.check_resume(RunDir(recipe.output_dir).checkpoints / tag, strategy)
     return recipe, strategy, fingerprint, tag
@@ -298,9 +298,12 @@ def train(args: argparse.Namespace) -> int:
     console.open_log(run_dir, rank)
 
     if tag:  # saved under another world size or ZeRO stage? rank 0 converts it, the others wait
-        from dstrain.train import topology
+        from dstrain.checkpoint import reshard
 
-        topology.prepare_resume(RunDir(run_dir).checkpoints, tag, strategy, recipe.model, recipe.optim.weight_decay)
+        checkpoints = RunDir(run_dir).checkpoints
+        reshard.prepare_resume(
+            checkpoints, tag, strategy, recipe.model, recipe.optim.weight_decay, on_rank0=distributed.on_rank0
+        )
     model = build_model(recipe, strategy)
     if recipe.init_from and not tag:  # continued pretraining starts from a Hugging Face model, once
         load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)

@@ -19,11 +19,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dstrain import parallel
 from dstrain.config import Recipe
 from dstrain.data.sampler import valid_micro_batches
-from dstrain.ds_schema import validate_ds_config
 from dstrain.errors import DstrainError
+from dstrain.strategy import parallel
+from dstrain.strategy.ds_schema import validate_ds_config
 
 AUTO = "auto"
 

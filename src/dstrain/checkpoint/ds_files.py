@@ -1,6 +1,6 @@
 """DeepSpeed's checkpoint files as dstrain reads them: their names, ``read_pt`` (torch.load with weights_only),
 and the translation between a ZeRO-0 checkpoint and DeepSpeed's universal format, which DeepSpeed 0.19.8's converter
-and loader do not cover (dstrain.train.topology uses it to resume into or out of ZeRO-0)."""
+and loader do not cover (dstrain.checkpoint.reshard uses it to resume into or out of ZeRO-0)."""
 
 from __future__ import annotations
 
@@ -25,13 +25,12 @@ def check_groups(tag_dir: Path, saved: int, current: int) -> None:
 
 # --- ZeRO-0, which DeepSpeed's universal checkpoints do not cover -----------------------------------
 # A ZeRO-0 checkpoint is the whole model plus torch's own optimizer state_dict, whose parameters are
-# numbered in the order dstrain.train.engine.param_groups hands them to the optimizer.
+# numbered in the order dstrain.model.gpt.param_groups hands them to the optimizer.
 
 
 def _optimizer_order(model_config, weight_decay: float) -> list[list[str]]:
     """Parameter names of each optimizer group, in the engine's order (built on the meta device: no memory)."""
-    from dstrain.model.gpt import GPT
-    from dstrain.train.engine import param_groups
+    from dstrain.model.gpt import GPT, param_groups
 
     with torch.device("meta"):
         model = GPT(model_config)

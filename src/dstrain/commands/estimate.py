@@ -1,5 +1,5 @@
 """``dstrain estimate``: memory per device of a recipe under a ds_config, before anything is submitted, and the
-cheapest shipped ds_config that fits. The memory model, and its formulas, are dstrain.memory's.
+cheapest shipped ds_config that fits. The memory model, and its formulas, are dstrain.strategy.memory's.
 
     dstrain estimate --recipe recipes/llama-7b.yaml --deepspeed_config ds_configs/zero3_bf16.json --nodes 4
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dstrain.config import Recipe, load_recipe
 from dstrain.errors import DstrainError
-from dstrain.memory import Estimate, estimate_file
+from dstrain.strategy.memory import Estimate, estimate_file
 
 
 def cost(est: Estimate) -> tuple:
@@ -120,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
         data["cheapest_fitting"] = suggestion.ds_config if suggestion else None
         print(json.dumps(data, indent=2))
     else:
-        from dstrain.report import print_estimate
+        from dstrain.commands.report import print_estimate
 
         print_estimate(est, suggestion)
     return 0 if est.fits else 1

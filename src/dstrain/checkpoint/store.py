@@ -12,32 +12,26 @@ checkpoint just written.
 
 Each checkpoint also records the topology it was saved under (ZeRO stage, world, data-parallel,
 tensor-parallel and pipeline sizes, precision) and DeepSpeed's universal-checkpoint info, so that a run
-can resume under another one (dstrain.train.topology).
+can resume under another one (dstrain.checkpoint.reshard).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import random
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dstrain.checkpoint import nvme, reshard
+from dstrain.checkpoint.record import PARTIAL, RECORD, read_record
 from dstrain.data.manifest import write_text_atomic
-from dstrain.errors import DstrainError
-from dstrain.run_dir import TAG, RunDir, tag_for
-from dstrain.strategy import Topology
-from dstrain.train import nvme, topology
-
-PARTIAL = ".partial"
-RECORD = "dstrain_checkpoint.json"
+from dstrain.run_dir import TAG, tag_for
+from dstrain.strategy.resolve import Topology
 
 
 def rng_state() -> dict:
@@ -63,13 +57,6 @@ def published_tags(checkpoint_dir: Path) -> list[str]:
         return []
     steps = {p.name: int(m.group(1)) for p in checkpoint_dir.iterdir() if p.is_dir() and (m := TAG.match(p.name))}
     return sorted(steps, key=lambda t: (save_seq(checkpoint_dir / t), steps[t]))
-
-
-def read_record(tag_dir: Path) -> dict | None:
-    try:
-        return json.loads((tag_dir / RECORD).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def save_seq(tag_dir: Path) -> int:
@@ -136,7 +123,7 @@ def prepare(engine, checkpoint_dir: Path, tag: str, client_state: dict) -> dict:
 
     client_state = {**client_state, "topology": Topology.from_engine(engine).to_record()}
     # AutoTP engines record their own; DeepSpeed 0.19.8's MoE save raises KeyError on the key in client_state (and
-    # dstrain converts no MoE checkpoint: topology.check_convertible); test_moe_router.py has the canary.
+    # dstrain converts no MoE checkpoint: reshard.check_convertible); test_moe_router.py has the canary.
     if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None and not engine.has_moe_layers:
         # What Megatron-DeepSpeed records for ds_to_universal. Our parameters need no TP/vocab patterns; a
         # pipeline's tied embedding module is kept on the first and the last stage, and only the first stage's
@@ -173,8 +160,8 @@ def publish(checkpoint_dir: Path, step: int, shape: dict, keep_last: int, identi
 def load(engine, checkpoint_dir: Path, tag: str) -> dict:
     """Restore model, optimizer, scheduler and loss scale; return our client state.
 
-    A tag saved under another topology loads from the conversion topology.prepare_resume made in it."""
-    load_dir, load_tag = topology.load_source(engine, checkpoint_dir / tag)
+    A tag saved under another topology loads from the conversion reshard.prepare_resume made in it."""
+    load_dir, load_tag = reshard.load_source(engine, checkpoint_dir / tag)
     path, client_state = engine.load_checkpoint(
         str(load_dir), tag=load_tag, load_optimizer_states=True, load_lr_scheduler_states=True
     )
@@ -182,93 +169,5 @@ def load(engine, checkpoint_dir: Path, tag: str) -> dict:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint_dir / tag}")
     if engine.zero_nvme_offload_optimizer():
         nvme.restore_what_deepspeed_skips(engine, load_dir, load_tag)
-    topology.repair_after_load(engine, checkpoint_dir / tag)
+    reshard.repair_after_load(engine, checkpoint_dir / tag)
     return client_state
-
-
-# --- reading: a tag of any strategy as one plain state dict --------------------------------------------------------
-
-
-def load_run(run_dir: str | os.PathLike, tag: str | None):
-    """(recipe, tag folder) of a run directory; tag None = the newest complete checkpoint."""
-    from dstrain.config import load_recipe
-
-    files = RunDir(Path(run_dir))
-    if not files.recipe.is_file():
-        raise DstrainError(f"{files.recipe}: no such file; pass a run directory written by dstrain.train")
-    recipe = load_recipe(files.recipe)
-    checkpoints = files.checkpoints
-    tag = tag or newest_complete(checkpoints)
-    if tag is None:
-        raise DstrainError(f"{checkpoints}: no complete checkpoint; train the run first or pass --tag")
-    if not is_complete(checkpoints / tag):
-        raise DstrainError(f"--tag {tag}: no complete checkpoint {checkpoints / tag}; omit --tag for the newest")
-    return recipe, checkpoints / tag
-
-
-EXPERT_FILES = "layer_*_expert_*_mp_rank_*_model_states.pt"  # DeepSpeed MoE: one file per layer and expert
-
-
-def weights_kind(tag_dir: Path) -> str:
-    """ "fp32 master" for a bf16 run, whose checkpoint keeps them apart from its bf16 module weights (ZeRO and fp16
-    runs read through zero_to_fp32 get their masters too), else "module"."""
-    saved = topology.saved(tag_dir)
-    if any(tag_dir.glob(EXPERT_FILES)):  # MoE: the masters sit in expert-data-parallel partitions; the module's own
-        return "module"
-    return "fp32 master" if saved and saved.precision == "bf16" else "module"
-
-
-def consolidated_state_dict(tag_dir: Path, model_config) -> dict[str, torch.Tensor]:
-    """fp32 weights of GPT(model_config), from a checkpoint of any strategy: the fp32 masters of a bf16 run (its
-    module weights are a rounding of them), otherwise the module's own, widened to fp32."""
-    if nvme.is_nvme_checkpoint(tag_dir):  # ZeRO-3 with its masters partly in swap files: fp32 masters either way
-        return {name: tensor.float().contiguous() for name, tensor in module_state_dict(tag_dir).items()}
-    if weights_kind(tag_dir) == "fp32 master":
-        return topology.fp32_masters(tag_dir, model_config)
-    return {name: tensor.float().contiguous() for name, tensor in module_state_dict(tag_dir).items()}
-
-
-def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
-    """The module's weights in the checkpoint, in the model's dtype (fp32 masters for ZeRO, read by zero_to_fp32)."""
-    if any(tag_dir.glob(EXPERT_FILES)):
-        # DeepSpeed's MoE checkpoint: the dense weights, then one file per expert named by its global index.
-        state = topology.read_pt(tag_dir / topology.ZERO12_MODEL_FILE)["module"]
-        for path in sorted(tag_dir.glob(EXPERT_FILES)):
-            state.update(torch.load(path, map_location="cpu", weights_only=True))
-        return state
-    if any(tag_dir.glob("layer_*-model_states.pt")) or any(tag_dir.glob("mp_rank_01_model_states.pt")):
-        # Pipeline layer files / AutoTP shards: the model-parallel converter of dstrain.model consolidates them.
-        from dstrain.model.convert import read_checkpoint
-
-        return read_checkpoint(tag_dir)[1]
-    if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):  # ZeRO-1/2/3 partitions
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        # DeepSpeed's own consolidation (it loads its files with weights_only=False itself); its progress
-        # prints would land in `dstrain generate`'s output. It reads only the optim_states files, which under NVMe
-        # offload lack the swapped masters: it reads a copy with them put back.
-        with contextlib.redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory(prefix="dstrain-nvme-") as tmp:
-            folder = nvme.spliced_copy(tag_dir, Path(tmp)) if nvme.is_nvme_checkpoint(tag_dir) else tag_dir
-            return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
-    return topology.read_pt(tag_dir / topology.ZERO12_MODEL_FILE)[
-        "module"
-    ]  # ZeRO-0 and BF16_Optimizer: the whole model
-
-
-# --- a model to evaluate or sample from: a run's checkpoint or a Hugging Face folder ---
-
-
-def load_model_source(path: str | os.PathLike, tag: str | None = None):
-    """(GPTConfig, fp32 state dict, the run's recipe or None) of a run directory or a Hugging Face model folder."""
-    from dstrain.model.hf import from_hf
-
-    path = Path(path)
-    if (path / "config.json").is_file():
-        if tag:
-            raise DstrainError(f"--tag {tag}: {path} is a Hugging Face model folder, which has no checkpoints")
-        config, state = from_hf(path)
-        return config, {k: v.float() for k, v in state.items()}, None
-    if RunDir(path).recipe.is_file():
-        recipe, tag_dir = load_run(path, tag)
-        return recipe.model, consolidated_state_dict(tag_dir, recipe.model), recipe
-    raise DstrainError(f"{path}: neither a run directory (recipe.yaml) nor a Hugging Face model folder (config.json)")

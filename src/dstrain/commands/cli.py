@@ -13,12 +13,15 @@ import sys
 from dstrain.errors import DstrainError, OneLineArgumentParser
 
 COMMANDS = {
-    "prepare": ("dstrain.data.prepare", "tokenize a Hugging Face dataset into packed shards"),
-    "compare": ("dstrain.compare", "run one recipe under several ds_configs and report speed, memory and loss"),
-    "estimate": ("dstrain.estimate", "memory per device of a recipe under a ds_config, and whether it fits"),
-    "export": ("dstrain.export", "write a run's checkpoint as a Hugging Face model folder"),
-    "eval": ("dstrain.evaluate", "loss and perplexity of a run or Hugging Face model on a prepared split"),
-    "generate": ("dstrain.generate", "sample text from a run or Hugging Face model"),
+    "prepare": ("dstrain.commands.prepare", "tokenize a Hugging Face dataset into packed shards"),
+    "compare": (
+        "dstrain.commands.compare",
+        "run one recipe under several ds_configs and report speed, memory and loss",
+    ),
+    "estimate": ("dstrain.commands.estimate", "memory per device of a recipe under a ds_config, and whether it fits"),
+    "export": ("dstrain.commands.export", "write a run's checkpoint as a Hugging Face model folder"),
+    "eval": ("dstrain.commands.evaluate", "loss and perplexity of a run or Hugging Face model on a prepared split"),
+    "generate": ("dstrain.commands.generate", "sample text from a run or Hugging Face model"),
 }
 
 

@@ -27,8 +27,8 @@ fp32 gradient partition (plus a 16-bit staging copy, and a 16-bit accumulation b
 parameter offload moves ZeRO-3's partitions.
 
 Activations per rank: what autograd saves for the backward (tests/test_estimate.py checks it with saved-tensor
-hooks), term by term in dstrain.activations. Sequence parallelism (sp) divides them by sp (each rank holds L/sp tokens;
-attention holds L tokens of heads/sp heads) and partitions the model states over N = dp x sp ranks.
+hooks), term by term in dstrain.strategy.activations. Sequence parallelism (sp) divides them by sp (each rank holds
+L/sp tokens; attention holds L tokens of heads/sp heads) and partitions the model states over N = dp x sp ranks.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dstrain.activations import activation_bytes, sp_exchange_bytes
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.model.config import num_params
-from dstrain.parallel import MOE_FORMULA, ParamCounts, count_params, moe_activation_bytes
-from dstrain.strategy import Strategy, load_ds_config, resolve
+from dstrain.strategy.activations import activation_bytes, sp_exchange_bytes
+from dstrain.strategy.parallel import MOE_FORMULA, ParamCounts, count_params, moe_activation_bytes
+from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 
 if TYPE_CHECKING:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig

@@ -43,9 +43,9 @@ def generate(
     tag: str | None = None,
 ) -> str:
     """The prompt followed by its continuation, decoded."""
+    from dstrain.checkpoint.consolidate import load_model_source
     from dstrain.data.tokenizer import load_run_tokenizer, load_tokenizer
     from dstrain.model.hf import to_hf_model
-    from dstrain.train.checkpoint import load_model_source
 
     if max_new_tokens <= 0 or temperature < 0:
         raise DstrainError("--max-new-tokens must be positive and --temperature zero or more")

@@ -8,7 +8,7 @@ DeepSpeed's own background writers (FastCheckpointEngine, DecoupledCheckpointEng
 in issue 17 found them failing or hanging on CPU (not re-checked here), and they know nothing of our ``.partial`` ->
 record -> rename -> ``latest`` publication, which must wait for every rank's files.
 
-Every guarantee of a synchronous save holds (dstrain.train.checkpoint):
+Every guarantee of a synchronous save holds (dstrain.checkpoint.store):
 - publication waits for every rank's writer: each step's one all-reduce carries "my write is done", and rank 0
   publishes (record, rename, ``latest``, keep-last) in the step where all ranks report it, so a death mid-write
   leaves ``latest`` on the previous complete tag and a resume there equals the uninterrupted run;
@@ -26,8 +26,8 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
+from dstrain.checkpoint import store
 from dstrain.run_dir import tag_for
-from dstrain.train import checkpoint
 
 HOST = torch.device("cpu")  # host memory, whatever the accelerator: where a snapshot waits for the disk
 
@@ -103,11 +103,11 @@ class BackgroundSaves:
     def start(self, step: int, client_state: dict) -> None:
         """Every rank: snapshot the state of ``step`` and start writing it; waits for an earlier write first."""
         self.wait()
-        client_state = checkpoint.prepare(self.engine, self.checkpoint_dir, tag_for(step), client_state)
+        client_state = store.prepare(self.engine, self.checkpoint_dir, tag_for(step), client_state)
         snapshot = SnapshotEngine(self.engine._config, self.buffers)
         saved, self.engine.checkpoint_engine = self.engine.checkpoint_engine, snapshot
         try:
-            checkpoint.write_partial(self.engine, self.checkpoint_dir, tag_for(step), client_state)
+            store.write_partial(self.engine, self.checkpoint_dir, tag_for(step), client_state)
         finally:
             self.engine.checkpoint_engine = saved
         self.step, self.shape, self.error = step, client_state["topology"], None
@@ -130,7 +130,7 @@ class BackgroundSaves:
 
     def publish(self) -> None:
         """Every rank, once all ranks' writes are done (agreed in one collective): rank 0 publishes the tag."""
-        checkpoint.publish(self.checkpoint_dir, self.step, self.shape, self.keep_last, self.identity)
+        store.publish(self.checkpoint_dir, self.step, self.shape, self.keep_last, self.identity)
         self.thread = None
 
     def wait(self) -> None:

@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from dstrain.commands.report import GIB, Row, plot_losses, plot_memory, plot_throughput, write_csv, write_markdown
 from dstrain.errors import DstrainError
-from dstrain.report import GIB, Row, plot_losses, plot_memory, plot_throughput, write_csv, write_markdown
 from dstrain.run_dir import RunDir
 
 LOG_NAME = "launcher.log"
@@ -133,7 +133,7 @@ def check_counts(nproc: int | None, steps: int | None) -> None:
 
 def check_configs(recipe, recipe_file: str, configs: list[str], nproc: int) -> None:
     """Resolve every config against the recipe for nproc ranks now, so that none is launched only to be refused."""
-    from dstrain.strategy import load_ds_config, resolve
+    from dstrain.strategy.resolve import load_ds_config, resolve
 
     for config in configs:
         resolve(recipe, recipe_file, load_ds_config(config), config, nproc)
@@ -168,7 +168,7 @@ def failure(log: str) -> tuple[str, str]:
 
 def strategy_columns(ds: dict) -> dict:
     """The strategy columns of a ds_config (resolved or as written)."""
-    from dstrain.strategy import offload_of, precision_of
+    from dstrain.strategy.resolve import offload_of, precision_of
 
     zero = ds.get("zero_optimization", {})
     offload = [
@@ -267,7 +267,7 @@ def add_estimates(
 ) -> None:
     """The estimated device peak of each config, from the run's resolved files, else the inputs."""
     from dstrain.config import load_recipe
-    from dstrain.memory import estimate_file
+    from dstrain.strategy.memory import estimate_file
 
     for row in rows:
         run = out / row.config

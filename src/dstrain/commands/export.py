@@ -41,9 +41,9 @@ def main(args: argparse.Namespace) -> int:
         raise DstrainError(f"--out {out} already exists and is not empty; choose a new folder")
     import torch
 
+    from dstrain.checkpoint.consolidate import consolidated_state_dict, load_run, weights_kind
     from dstrain.data.tokenizer import load_run_tokenizer
     from dstrain.model.hf import to_hf_model
-    from dstrain.train.checkpoint import consolidated_state_dict, load_run, weights_kind
 
     recipe, tag_dir = load_run(args.run_dir, args.tag)
     tokenizer = load_run_tokenizer(recipe.data)

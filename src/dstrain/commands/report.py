@@ -7,10 +7,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dstrain.memory import GIB
+from dstrain.strategy.memory import GIB
 
 if TYPE_CHECKING:
-    from dstrain.memory import Estimate
+    from dstrain.strategy.memory import Estimate
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Checkpoints of ZeRO-Infinity runs (optimizer state offloaded to NVMe), for dstrain.train.checkpoint only.
+"""Checkpoints of ZeRO-Infinity runs (optimizer state offloaded to NVMe), for dstrain.checkpoint.store only.
 
 DeepSpeed 0.19.8 saves such a run in two parts: each rank's ``*_optim_states.pt`` holds the optimizer's scalars (step
 count, loss scale, hyper-parameters) and the sub-groups too small to swap (under ``MIN_AIO_BYTES`` = 1 MiB per rank,
@@ -54,7 +54,7 @@ def swap_rank(engine) -> int:
 def check_resume(tag_dir: Path, strategy) -> None:
     """Before any work: refuse, in one line, what an NVMe checkpoint cannot become (and what an NVMe run cannot
     start from)."""
-    from dstrain.train.topology import saved
+    from dstrain.checkpoint.reshard import saved
 
     saved_topology = saved(tag_dir)
     nvme_now = strategy.offload_optimizer == "nvme"
@@ -90,7 +90,7 @@ def restore_what_deepspeed_skips(engine, load_dir: Path, tag: str) -> None:
     then remove this."""
     from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
 
-    from dstrain.train.topology import read_pt
+    from dstrain.checkpoint.reshard import read_pt
 
     wrapper = engine.optimizer
     saved = read_pt(Path(engine._get_zero_ckpt_name(str(load_dir), tag)))[OPTIMIZER_STATE_DICT]
@@ -144,7 +144,7 @@ def spliced_copy(tag_dir: Path, out: Path) -> Path:
     the swapped sub-groups' fp32 masters put back from its offloaded swap files (model-state files linked)."""
     from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 
-    from dstrain.train.topology import read_pt
+    from dstrain.checkpoint.reshard import read_pt
 
     target = out / tag_dir.name
     target.mkdir(parents=True)

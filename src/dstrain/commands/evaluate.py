@@ -56,11 +56,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def evaluate(args: argparse.Namespace) -> dict:
+    from dstrain.checkpoint.consolidate import load_model_source
     from dstrain.config import DataConfig, Recipe
     from dstrain.data.dataset import build_valid_sets
     from dstrain.model.gpt import GPT
     from dstrain.train import distributed
-    from dstrain.train.checkpoint import load_model_source
 
     run = RunDir(Path(args.model))
     if args.data and run.recipe.is_file():  # before the checkpoint is read

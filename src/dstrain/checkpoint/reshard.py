@@ -12,7 +12,7 @@ folder, the other ranks wait, and the engine loads it with ``"checkpoint": {"loa
 
 DeepSpeed 0.19.8 leaves gaps that ``_bridge_deepspeed_gaps`` and ``repair_after_load`` fill (each
 named there); ZeRO-0 checkpoints, which DeepSpeed's converter and loader do not handle at all, are
-translated in ``dstrain.train.ds_files``; pipeline parameter names are mapped by
+translated in ``dstrain.checkpoint.ds_files``; pipeline parameter names are mapped by
 ``_pipeline_names``. tests/test_topology.py fails when a DeepSpeed upgrade changes any behaviour worked
 around here. Refused: fp16 runs (dynamic loss scale), ZeRO-0 bf16 and ZeRO-0 pipeline runs.
 """
@@ -29,9 +29,7 @@ from pathlib import Path
 
 import torch
 
-from dstrain.errors import DstrainError
-from dstrain.strategy import Topology
-from dstrain.train.ds_files import (
+from dstrain.checkpoint.ds_files import (
     ZERO3_MODEL_FILE,
     ZERO12_MODEL_FILE,
     check_groups,
@@ -39,10 +37,12 @@ from dstrain.train.ds_files import (
     universal_from_zero0,
     zero0_from_universal,
 )
+from dstrain.checkpoint.record import RECORD
+from dstrain.errors import DstrainError
+from dstrain.strategy.resolve import Topology
 
 UNIVERSAL = "universal"
 ZERO0 = "zero0"
-RECORD = "dstrain_checkpoint.json"  # also checkpoint.RECORD; kept here to avoid an import cycle
 
 
 # --- what a checkpoint was saved with -------------------------------------------------------------------
@@ -73,7 +73,7 @@ def needs_conversion(old: Topology, new: Topology) -> bool:
 
 
 def _partitioned(t: Topology) -> bool:
-    # ZeRO-0 bf16 is refused for new runs (strategy.py: DeepSpeed cannot accumulate it in fp32); a checkpoint
+    # ZeRO-0 bf16 is refused for new runs (strategy/resolve.py: DeepSpeed cannot accumulate it in fp32); a checkpoint
     # of one made before that refusal is treated as partitioned, and check_convertible refuses to convert it.
     return t.zero_stage > 0 or t.precision == "bf16"
 
@@ -81,12 +81,10 @@ def _partitioned(t: Topology) -> bool:
 # --- the resume hook (dstrain.train.run) --------------------------------------------------------------
 
 
-def prepare_resume(checkpoint_dir: Path, tag: str, strategy, model_config, weight_decay: float) -> bool:
+def prepare_resume(checkpoint_dir: Path, tag: str, strategy, model_config, weight_decay: float, on_rank0) -> bool:
     """On every rank, before the engine is built: if ``tag`` was saved under another topology, convert it
-    (global rank 0 converts, the others wait) and set up the ds_config to load the conversion.
-    Returns True when a conversion is used."""
-    from dstrain.train import distributed
-
+    (``on_rank0(fn, what)`` runs the conversion on global rank 0 while the others wait) and set up the ds_config to
+    load the conversion. Returns True when a conversion is used."""
     tag_dir = checkpoint_dir / tag
     old, new = saved(tag_dir), strategy.topology
     if old is None or not needs_conversion(old, new):
@@ -97,7 +95,7 @@ def prepare_resume(checkpoint_dir: Path, tag: str, strategy, model_config, weigh
         print(f"{tag} was saved under {old.describe()}; converting it for {new.describe()}", flush=True)
         convert(tag_dir, old, new, model_config, weight_decay)
 
-    distributed.on_rank0(convert_once, f"convert {tag_dir}")
+    on_rank0(convert_once, f"convert {tag_dir}")
     if new.zero_stage > 0:  # ZeRO-0 loads the plain checkpoint written into zero0/
         strategy.ds_config["checkpoint"] = {**strategy.ds_config.get("checkpoint", {}), "load_universal": True}
     return True

@@ -1,12 +1,12 @@
 """Activation memory per rank: what autograd saves for the backward of one micro-batch (tests/test_estimate.py checks
-it with saved-tensor hooks), and the transient buffers of sequence parallelism. Used by dstrain.memory."""
+it with saved-tensor hooks), and the transient buffers of sequence parallelism. Used by dstrain.strategy.memory."""
 
 from __future__ import annotations
 
 import math
 
 from dstrain.config import Recipe
-from dstrain.strategy import Strategy
+from dstrain.strategy.resolve import Strategy
 
 
 def activation_bytes(recipe: Recipe, strategy: Strategy) -> tuple[int, int]:

@@ -12,21 +12,28 @@ Layouts DeepSpeed writes in a tag folder:
   ZeRO-3              the weights live in the optimizer partitions: use the zero_to_fp32.py DeepSpeed leaves there
 
 Weights only, as saved: a bf16 run's layer files / TP shards hold bf16 weights (the fp32 masters stay in the
-optimizer partitions). `dstrain export` (dstrain.export) writes the result as a Hugging Face folder.
+optimizer partitions). `dstrain export` (dstrain.commands.export) writes the result as a Hugging Face folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import os
 import re
+import tempfile
 from pathlib import Path
 
 import torch
 
+from dstrain.checkpoint import nvme, reshard
+from dstrain.checkpoint.store import is_complete, newest_complete
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 from dstrain.model.gpt import StateDict
 from dstrain.model.pipe import TIED_KEY, layer_prefixes
+from dstrain.run_dir import RunDir
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
 MP_RANK_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -138,3 +145,87 @@ def read_checkpoint(path: str | Path) -> tuple[GPTConfig, StateDict]:
     if not tensor_parallel:
         raise DstrainError(f"{tag}: {len(ranks)} model-parallel shards but no tensor_parallel section in its ds_config")
     return config, consolidate_tensor_parallel(shards, tensor_parallel)
+
+
+# --- reading: a tag of any strategy as one plain state dict --------------------------------------------------------
+
+
+def load_run(run_dir: str | os.PathLike, tag: str | None):
+    """(recipe, tag folder) of a run directory; tag None = the newest complete checkpoint."""
+    from dstrain.config import load_recipe
+
+    files = RunDir(Path(run_dir))
+    if not files.recipe.is_file():
+        raise DstrainError(f"{files.recipe}: no such file; pass a run directory written by dstrain.train")
+    recipe = load_recipe(files.recipe)
+    checkpoints = files.checkpoints
+    tag = tag or newest_complete(checkpoints)
+    if tag is None:
+        raise DstrainError(f"{checkpoints}: no complete checkpoint; train the run first or pass --tag")
+    if not is_complete(checkpoints / tag):
+        raise DstrainError(f"--tag {tag}: no complete checkpoint {checkpoints / tag}; omit --tag for the newest")
+    return recipe, checkpoints / tag
+
+
+EXPERT_FILES = "layer_*_expert_*_mp_rank_*_model_states.pt"  # DeepSpeed MoE: one file per layer and expert
+
+
+def weights_kind(tag_dir: Path) -> str:
+    """ "fp32 master" for a bf16 run, whose checkpoint keeps them apart from its bf16 module weights (ZeRO and fp16
+    runs read through zero_to_fp32 get their masters too), else "module"."""
+    saved = reshard.saved(tag_dir)
+    if any(tag_dir.glob(EXPERT_FILES)):  # MoE: the masters sit in expert-data-parallel partitions; the module's own
+        return "module"
+    return "fp32 master" if saved and saved.precision == "bf16" else "module"
+
+
+def consolidated_state_dict(tag_dir: Path, model_config) -> dict[str, torch.Tensor]:
+    """fp32 weights of GPT(model_config), from a checkpoint of any strategy: the fp32 masters of a bf16 run (its
+    module weights are a rounding of them), otherwise the module's own, widened to fp32."""
+    if nvme.is_nvme_checkpoint(tag_dir):  # ZeRO-3 with its masters partly in swap files: fp32 masters either way
+        return {name: tensor.float().contiguous() for name, tensor in module_state_dict(tag_dir).items()}
+    if weights_kind(tag_dir) == "fp32 master":
+        return reshard.fp32_masters(tag_dir, model_config)
+    return {name: tensor.float().contiguous() for name, tensor in module_state_dict(tag_dir).items()}
+
+
+def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The module's weights in the checkpoint, in the model's dtype (fp32 masters for ZeRO, read by zero_to_fp32)."""
+    if any(tag_dir.glob(EXPERT_FILES)):
+        # DeepSpeed's MoE checkpoint: the dense weights, then one file per expert named by its global index.
+        state = reshard.read_pt(tag_dir / reshard.ZERO12_MODEL_FILE)["module"]
+        for path in sorted(tag_dir.glob(EXPERT_FILES)):
+            state.update(torch.load(path, map_location="cpu", weights_only=True))
+        return state
+    if any(tag_dir.glob("layer_*-model_states.pt")) or any(tag_dir.glob("mp_rank_01_model_states.pt")):
+        # Pipeline layer files / AutoTP shards: the model-parallel converter of dstrain.model consolidates them.
+        return read_checkpoint(tag_dir)[1]
+    if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):  # ZeRO-1/2/3 partitions
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        # DeepSpeed's own consolidation (it loads its files with weights_only=False itself); its progress
+        # prints would land in `dstrain generate`'s output. It reads only the optim_states files, which under NVMe
+        # offload lack the swapped masters: it reads a copy with them put back.
+        with contextlib.redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory(prefix="dstrain-nvme-") as tmp:
+            folder = nvme.spliced_copy(tag_dir, Path(tmp)) if nvme.is_nvme_checkpoint(tag_dir) else tag_dir
+            return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+    return reshard.read_pt(tag_dir / reshard.ZERO12_MODEL_FILE)["module"]  # ZeRO-0 and BF16_Optimizer: the whole model
+
+
+# --- a model to evaluate or sample from: a run's checkpoint or a Hugging Face folder ---
+
+
+def load_model_source(path: str | os.PathLike, tag: str | None = None):
+    """(GPTConfig, fp32 state dict, the run's recipe or None) of a run directory or a Hugging Face model folder."""
+    from dstrain.model.hf import from_hf
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        if tag:
+            raise DstrainError(f"--tag {tag}: {path} is a Hugging Face model folder, which has no checkpoints")
+        config, state = from_hf(path)
+        return config, {k: v.float() for k, v in state.items()}, None
+    if RunDir(path).recipe.is_file():
+        recipe, tag_dir = load_run(path, tag)
+        return recipe.model, consolidated_state_dict(tag_dir, recipe.model), recipe
+    raise DstrainError(f"{path}: neither a run directory (recipe.yaml) nor a Hugging Face model folder (config.json)")

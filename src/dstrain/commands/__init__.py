@@ -1,0 +1,1 @@
+"""One user-facing verb per module (`dstrain <verb>`), dispatched by cli.py; no module below imports these."""
