@@ -2,6 +2,7 @@
 loss on its own, and the MFU peak of the exact device variant."""
 
 import argparse
+import json
 import time
 
 import pytest
@@ -11,6 +12,27 @@ from train_helpers import ROOT, read_metrics, small_recipe
 
 PAUSE_S = 0.5  # added to every evaluation and checkpoint of the slowed run: far above a 10-step tiny interval
 EVAL_RTOL = 1e-6  # `dstrain eval` against the trainer's eval of the same samples (tests/test_export.py measured 2e-8)
+
+
+# --- metrics.jsonl's one reader -------------------------------------------------------------------------
+
+
+def test_read_records_skips_events_and_a_line_cut_short(tmp_path):
+    from dstrain.metrics import drop_records_after, read_events, read_records
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert read_records(metrics) == [] and read_events(metrics) == []  # a run that logged nothing yet
+    lines = [
+        {"step": 1, "loss": 9.0, "lr": 1e-3},
+        {"step": 2, "event": "resume", "tag": "global_step1", "changed": {}},
+        {"step": 2, "split": "valid", "loss": 8.5, "ppl": 4914.8, "samples": 32},
+        [1, 2],  # JSON, but not a record
+    ]
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 3, "lo')
+    assert read_records(metrics) == [lines[0], lines[2]]
+    assert read_events(metrics) == [lines[1]]
+    drop_records_after(metrics, 1)  # a rollback to step 1 drops step 2's records, the event and the cut line
+    assert read_records(metrics) == [lines[0]] and read_events(metrics) == []
 
 
 # --- the interval clock -------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def runs(tmp_path_factory, corpus):
 
 
 def train_records(run_dir) -> list[dict]:
-    return [r for r in read_metrics(run_dir) if "split" not in r and "event" not in r]
+    return [r for r in read_metrics(run_dir) if "split" not in r]
 
 
 @pytest.mark.parametrize(

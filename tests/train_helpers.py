@@ -10,6 +10,10 @@ from pathlib import Path
 
 import yaml
 
+from dstrain import metrics
+from dstrain.metrics import EventRecord, MetricsRecord, read_records
+from dstrain.run_dir import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -69,17 +73,13 @@ def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "split" not in r]
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
+def read_metrics(run_dir: Path) -> list[MetricsRecord]:
     """Train and eval records; event records (a resume) are left to read_events."""
-    return [r for r in _records(run_dir) if "event" not in r]
+    return read_records(RunDir(run_dir).metrics)
 
 
-def read_events(run_dir: Path) -> list[dict]:
-    return [r for r in _records(run_dir) if "event" in r]
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+def read_events(run_dir: Path) -> list[EventRecord]:
+    return metrics.read_events(RunDir(run_dir).metrics)
 
 
 def train(argv: list[str]) -> int:

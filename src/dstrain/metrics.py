@@ -6,6 +6,9 @@ that times tokens/s over the number of devices; tokens/s counts training time on
 ``IntervalClock`` pauses around evaluation and checkpoints). MFU divides by the device's
 dense peak for the run's precision, looked up by device name and memory size in
 ``DEVICE_PEAKS`` (or set DSTRAIN_PEAK_TFLOPS), and is null where it is unknown.
+
+torch and DeepSpeed are imported where a function measures a device, so that reading metrics.jsonl
+(``read_records``, for ``dstrain compare`` and the plots) costs neither.
 """
 
 from __future__ import annotations
@@ -17,9 +20,8 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Required, TypedDict, cast
 
-import torch
-from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 
 from dstrain.run_dir import RunDir
@@ -79,6 +81,9 @@ def device_peak(precision: str) -> tuple[float | None, str]:
     if os.environ.get("DSTRAIN_PEAK_TFLOPS"):
         tflops = float(os.environ["DSTRAIN_PEAK_TFLOPS"])
         return tflops, f"MFU against {tflops:g} TFLOP/s per device (DSTRAIN_PEAK_TFLOPS)"
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
     accelerator = get_accelerator()
     props = getattr(getattr(torch, accelerator.device_name(), None), "get_device_properties", None)
     if props is None:
@@ -125,14 +130,86 @@ class IntervalClock:
 
 def peak_memory_bytes() -> int:
     """Peak memory of this rank's device since start (process RSS on CPU)."""
+    from deepspeed.accelerator import get_accelerator
+
     return int(get_accelerator().max_memory_allocated())
 
 
 def largest_peak_memory_of_all_ranks(device) -> int:
     """A collective: the highest peak over all ranks, the one that decides whether a config fits."""
+    import torch
+
     peak = torch.tensor([float(peak_memory_bytes())], device=device, dtype=torch.float64)
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
     return int(peak.item())
+
+
+class MetricsRecord(TypedDict, total=False):
+    """One train or eval line of metrics.jsonl. A train record has no ``split``; an eval record's split is
+    ``valid`` (the sources' weighted total) or ``valid/<source>``. MoE runs add ``moe_aux_loss``, ``moe_z_loss`` and
+    ``moe_layer<i>_share_{min,max,entropy}`` (keys a TypedDict cannot name)."""
+
+    step: Required[int]
+    loss: Required[float]
+    split: str  # eval records only
+    ppl: float  # eval
+    samples: int  # eval: the samples evaluated
+    duration_s: float  # eval: the total ("valid") record only
+    consumed_samples: int
+    consumed_tokens: int
+    lr: float
+    grad_norm: float | None  # pre-clip, fp32; None where the engine does not compute it
+    loss_scale: float | None  # fp16 only
+    skipped_steps: int
+    tokens_per_s: float  # over all ranks, training time only
+    tflops_per_device: float
+    mfu: float | None  # None where the device's peak is unknown
+    mem_peak_bytes: int  # the largest of all ranks
+    elapsed_s: float
+    train_s: float  # the logging interval's seconds (IntervalClock.lap)
+    eval_s: float
+    checkpoint_s: float
+    moe_aux_loss: float
+    moe_z_loss: float
+
+
+class EventRecord(TypedDict, total=False):
+    """One event line of metrics.jsonl: a resume (``tag``, ``changed``) or a loss spike rolled back."""
+
+    step: Required[int]
+    event: Required[str]  # "resume" | "spike"
+    tag: str  # resume: the checkpoint tag resumed from
+    changed: dict  # resume: recipe key -> [old, new]
+    spike_step: int  # spike
+    metric: str  # spike: what the guard watched
+    value: float  # spike: the value that tripped it
+    skipped_samples: list[int] | None  # spike: [first, end) of the samples skipped on the way back
+
+
+def _parse(line: str) -> dict | None:
+    """A metrics.jsonl line, or None for one cut short by a killed job."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "step" in record else None
+
+
+def _read(metrics: Path) -> list[dict]:
+    if not metrics.is_file():
+        return []
+    return [record for line in metrics.read_text().splitlines() if (record := _parse(line)) is not None]
+
+
+def read_records(metrics: Path) -> list[MetricsRecord]:
+    """The train and eval records of ``metrics`` (a missing file has none); event records and lines cut short
+    by a killed job are skipped."""
+    return cast("list[MetricsRecord]", [r for r in _read(metrics) if "event" not in r])
+
+
+def read_events(metrics: Path) -> list[EventRecord]:
+    """The event records of ``metrics`` (a resume, a rolled-back spike)."""
+    return cast("list[EventRecord]", [r for r in _read(metrics) if "event" in r])
 
 
 def drop_records_after(metrics: Path, step: int) -> None:
@@ -147,10 +224,8 @@ def drop_records_after(metrics: Path, step: int) -> None:
 
 def _logged_step(line: str) -> float:
     """The step of a metrics line; a line cut short by a killed job counts as after any checkpoint."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError):
-        return float("inf")
+    record = _parse(line)
+    return float("inf") if record is None else record["step"]
 
 
 class MetricsLog:

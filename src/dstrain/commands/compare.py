@@ -27,6 +27,7 @@ from pathlib import Path
 
 from dstrain.commands.report import GIB, Row, plot_losses, plot_memory, plot_throughput, write_csv, write_markdown
 from dstrain.errors import DstrainError
+from dstrain.metrics import read_records
 from dstrain.run_dir import RunDir
 
 LOG_NAME = "launcher.log"
@@ -203,20 +204,6 @@ def steady(values: list[float | None]) -> float | None:
     if not known:
         return None
     return statistics.median(known[1:]) if len(known) > 1 else known[0]
-
-
-def read_records(path: Path) -> list[dict]:
-    """metrics.jsonl's train and eval records; a line cut short by a killed run, and event records (a resume), are
-    skipped."""
-    records = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and "event" not in record:
-            records.append(record)
-    return records
 
 
 def read_run(run_dir: Path, ds_file: str | None = None) -> Row:

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
+from dstrain.metrics import read_records
 from dstrain.run_dir import RunDir
 
 
 def read_curves(metrics: Path) -> dict[str, list[tuple[float, float]]]:
     """(step, value) lists: ``train`` loss, ``valid`` loss, ``lr``; event records and cut-short lines are skipped."""
     curves: dict[str, list[tuple[float, float]]] = {"train": [], "valid": [], "lr": []}
-    for line in metrics.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if "event" in record:
-            continue
+    for record in read_records(metrics):
         if "split" not in record:
             curves["train"].append((record["step"], record["loss"]))
             curves["lr"].append((record["step"], record["lr"]))
