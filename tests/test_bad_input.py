@@ -512,6 +512,21 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, corpus, capsys, monkey
     assert snapshot(tmp_path) == before  # nothing written, nothing touched
 
 
+def test_a_refusal_under_srun_is_printed_by_one_task(tmp_path, corpus, capsys, monkeypatch):
+    """srun exports SLURM_PROCID / SLURM_NTASKS, not RANK: each task reads its rank from them before it prints."""
+    from dstrain.train.run import main
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    recipe, config, extra = CASES["unknown recipe key"][0](tmp_path, corpus)
+    for task in ("0", "1"):
+        monkeypatch.setenv("SLURM_PROCID", task)
+        monkeypatch.setenv("SLURM_LOCALID", task)
+        assert main(["--recipe", str(recipe), "--deepspeed_config", str(config), *extra]) == 2
+    assert_one_line(capsys.readouterr().err, "dstrain: error: ", CASES["unknown recipe key"][1])
+
+
 @pytest.mark.launcher
 @pytest.mark.parametrize("command", ["train with options after the overrides", "prepare into a file"])
 def test_the_cli_reports_bad_input_the_same_way(command, tmp_path, corpus):

@@ -21,6 +21,7 @@ from deepspeed.accelerator import get_accelerator
 
 from dstrain.errors import DstrainError
 from dstrain.train import console
+from dstrain.train.launcher_env import launched_by_srun
 
 
 def _slurm_env() -> dict[str, str]:
@@ -70,7 +71,7 @@ def init() -> None:
     if torch.distributed.is_initialized():
         return
     if "RANK" not in os.environ:
-        if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        if launched_by_srun():
             os.environ.update(_slurm_env())
         else:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

@@ -24,6 +24,7 @@ from dstrain.errors import DstrainError, OneLineArgumentParser
 from dstrain.run_dir import RunDir, step_of
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 from dstrain.train import console, plot, preflight
+from dstrain.train.launcher_env import env_rank, env_world_size
 
 # What makes a checkpoint meaningless for another run: the model, what it reads, and the seed. The rest of the
 # recipe (optimizer, schedule, length, cadence) may change on resume, and the current recipe's values apply.
@@ -48,11 +49,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # passed by the deepspeed launcher
     parser.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. train.steps=100 optim.lr=1e-3")
     return parser.parse_intermixed_args(argv)  # options may follow the overrides
-
-
-def world_size_from_env() -> int:
-    """Launchers export WORLD_SIZE (srun: SLURM_NTASKS); a plain `python -m dstrain.train` is a world of one."""
-    return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
 
 
 def identity(recipe: Recipe, data_fingerprint: str) -> dict:
@@ -230,12 +226,12 @@ def write_summary(run_dir: Path, result: dict, recipe: Recipe, strategy: Strateg
 
 def main(argv: list[str] | None = None) -> int:
     console.start(console.verbose_requested(sys.argv[1:] if argv is None else argv))
-    rank = os.environ.get("RANK", "0")
+    rank = env_rank()
     error = None
     try:
         return train(parse_args(argv))
     except DstrainError as e:
-        if rank == "0":
+        if rank == 0:
             print(f"dstrain: error: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
@@ -255,7 +251,7 @@ def checked_inputs(args: argparse.Namespace):
     """(recipe, strategy, data fingerprint, checkpoint tag to resume or None): every input checked, nothing written."""
     recipe = load_recipe(args.recipe, args.overrides)
     strategy = resolve(
-        recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, world_size_from_env()
+        recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, env_world_size()
     )
     preflight.check(recipe, args.recipe)
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe)
