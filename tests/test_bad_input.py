@@ -43,6 +43,10 @@ def _other_tokenizer(tmp_path) -> Path:
     return prepared_corpus(tmp_path / "other", n_docs=50, vocab_size=300) / "tokenizer"
 
 
+def _other_data(tmp_path) -> Path:
+    return _other_tokenizer(tmp_path).parent
+
+
 def _existing_run(tmp_path, corpus, **model) -> str:
     """A run directory whose recipe.yaml records another model shape, as an earlier run leaves it."""
     run = tmp_path / "run"
@@ -200,6 +204,14 @@ CASES = {
             [],
         ),
         ["is not the one", "was prepared with"],
+    ),
+    "sources of two tokenizers": (
+        lambda t, c: (
+            edit_recipe(small_recipe(t, c), "data", sources=[{"path": str(c)}, {"path": str(_other_data(t))}]),
+            ROOT / "ds_configs/zero1.json",
+            [],
+        ),
+        ["small.yaml: data.sources ", "was prepared with another tokenizer than", "same --tokenizer"],
     ),
     "seq_len above the model's positions": (
         lambda t, c: (edit_recipe(small_recipe(t, c), "model", max_seq_len=16), ROOT / "ds_configs/zero1.json", []),

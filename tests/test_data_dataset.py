@@ -168,7 +168,7 @@ def test_valid_blend_holds_each_valid_sample_once(blend_sources, tmp_path):
 def test_sources_with_different_tokenizers_are_refused(tiny_corpus, tmp_path):
     other = tmp_path / "other"
     prepare(corpus_file(tmp_path, n_docs=100), other, train_tokenizer=300, num_proc=1, progress=False)
-    with pytest.raises(DstrainError, match="prepared with different tokenizers"):
+    with pytest.raises(DstrainError, match="was prepared with another tokenizer than"):
         build_dataset(
             [(str(tiny_corpus), 1.0), (str(other), 1.0)],
             "train",

@@ -155,16 +155,17 @@ def _check_data(folder: str, model: str, config, recipe) -> None:
 
 def _check_run_tokenizer(folder: str, run: str, recipe) -> None:
     """--data was prepared with the tokenizer of the run's data: equal vocabulary sizes are no proof, hashes are."""
-    from dstrain.data.manifest import read_manifest
-    from dstrain.data.tokenizer import verify_tokenizer
+    from dstrain.data.tokenizer import TOKENIZER_DIR, check_same_tokenizer, verify_tokenizer
 
     trained = recipe.data.sources[0].path
     if Path(trained, "manifest.json").is_file():
-        if read_manifest(trained)["tokenizer"]["hash"] != read_manifest(folder)["tokenizer"]["hash"]:
-            raise DstrainError(
-                f"--data {folder} was prepared with another tokenizer than the run {run} was trained "
-                f"on ({trained}); prepare it with --tokenizer {Path(trained) / 'tokenizer'}"
-            )
+        check_same_tokenizer(
+            trained,
+            [folder],
+            f"prepare it with --tokenizer {Path(trained) / TOKENIZER_DIR}",
+            where="--data ",
+            reference_name=f"the run {run} was trained on ({trained})",
+        )
     elif recipe.data.tokenizer:  # the run's data is gone: its recipe may still name the tokenizer
         verify_tokenizer(folder, recipe.data.tokenizer)
 

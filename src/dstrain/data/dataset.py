@@ -19,6 +19,7 @@ import numpy as np
 from dstrain.data import index as index_lib
 from dstrain.data.manifest import manifest_hash, read_manifest
 from dstrain.data.shards import ShardReader
+from dstrain.data.tokenizer import check_same_tokenizer
 from dstrain.errors import DstrainError
 
 SPLITS = ("train", "valid")
@@ -197,12 +198,9 @@ def build_dataset(
     """
     _check_arguments(sources, split, seq_len, num_samples, valid_fraction)
     prepared = [PreparedTokens(folder) for folder, _ in sources]
-    tokenizers = {p.manifest["tokenizer"]["hash"] for p in prepared}
-    if len(tokenizers) > 1:
-        names = ", ".join(f"{p.folder} ({p.manifest['tokenizer']['hash']})" for p in prepared)
-        raise DstrainError(
-            f"data sources were prepared with different tokenizers: {names}; prepare them with one tokenizer"
-        )
+    check_same_tokenizer(
+        sources[0][0], [folder for folder, _ in sources[1:]], "prepare them with one tokenizer", where="data source "
+    )
 
     def cache_of(p: PreparedTokens) -> Path:
         return Path(cache_dir) if cache_dir is not None else p.folder / CACHE_DIR_NAME

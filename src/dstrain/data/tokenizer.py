@@ -2,7 +2,8 @@
 
 Either way the tokenizer is saved next to the shards (``OUT/tokenizer/``) and
 identified by a content hash, so the trainer can check that a recipe's tokenizer is
-the one the data was made with (``verify_tokenizer``).
+the one the data was made with (``verify_tokenizer``), and that data folders share one
+(``check_same_tokenizer``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from dstrain.data.manifest import read_manifest
@@ -113,6 +114,26 @@ def verify_tokenizer(manifest_dir: str | os.PathLike, tokenizer_dir: str | os.Pa
             f"(manifest.json tokenizer.hash {expected}); use {Path(manifest_dir) / TOKENIZER_DIR} "
             f"or re-run `dstrain prepare --tokenizer {tokenizer_dir}` into a new --out"
         )
+
+
+def check_same_tokenizer(
+    reference: str | os.PathLike,
+    others: Iterable[str | os.PathLike],
+    fix: str,
+    where: str = "",
+    reference_name: str | None = None,
+) -> None:
+    """DstrainError naming the first of ``others`` prepared with another tokenizer than ``reference`` (data folders,
+    compared by their manifests' tokenizer hashes: equal vocabulary sizes are no proof). ``where`` prefixes the line
+    (the file or flag that named the folders), ``reference_name`` says what ``reference`` is, ``fix`` ends it."""
+    expected = read_manifest(reference)["tokenizer"]["hash"]
+    for folder in others:
+        found = read_manifest(folder)["tokenizer"]["hash"]
+        if found != expected:
+            raise DstrainError(
+                f"{where}{folder} was prepared with another tokenizer than {reference_name or reference} "
+                f"(manifest.json tokenizer.hash {found}, not {expected}); {fix}"
+            )
 
 
 def run_tokenizer_dir(data) -> Path:

@@ -99,16 +99,16 @@ def check_run_dir(
 def fingerprint_of_checked_data(recipe: Recipe, recipe_file: str) -> str:
     """Every source prepared with one tokenizer that the model can embed; returns the data's fingerprint."""
     from dstrain.data.manifest import manifest_hash, read_manifest
-    from dstrain.data.tokenizer import verify_tokenizer
+    from dstrain.data.tokenizer import check_same_tokenizer, verify_tokenizer
 
     sources = recipe.data.sources
     manifests = [read_manifest(s.path) for s in sources]
-    for source, manifest in zip(sources[1:], manifests[1:]):
-        if manifest["tokenizer"]["hash"] != manifests[0]["tokenizer"]["hash"]:
-            raise DstrainError(
-                f"{recipe_file}: data.sources {source.path} and {sources[0].path} were prepared with different "
-                f"tokenizers; prepare them with the same --tokenizer"
-            )
+    check_same_tokenizer(
+        sources[0].path,
+        [s.path for s in sources[1:]],
+        "prepare every source with the same --tokenizer",
+        where=f"{recipe_file}: data.sources ",
+    )
     if recipe.data.tokenizer:
         verify_tokenizer(sources[0].path, recipe.data.tokenizer)
     vocab = manifests[0]["vocab_size"]
