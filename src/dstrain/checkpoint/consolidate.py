@@ -179,7 +179,7 @@ def weights_kind(tag_dir: Path) -> str:
     return "fp32 master" if saved and saved.precision == "bf16" else "module"
 
 
-def consolidated_state_dict(tag_dir: Path, model_config) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(tag_dir: Path, model_config: GPTConfig) -> dict[str, torch.Tensor]:
     """fp32 weights of GPT(model_config), from a checkpoint of any strategy: the fp32 masters of a bf16 run (its
     module weights are a rounding of them), otherwise the module's own, widened to fp32."""
     if nvme.is_nvme_checkpoint(tag_dir):  # ZeRO-3 with its masters partly in swap files: fp32 masters either way

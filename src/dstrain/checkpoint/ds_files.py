@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from dstrain.errors import DstrainError
+from dstrain.model.config import GPTConfig
 
 ZERO12_MODEL_FILE = "mp_rank_00_model_states.pt"  # what a ZeRO-0/1/2 engine reads
 ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # what a ZeRO-3 engine reads (rank 0's)
@@ -28,7 +29,7 @@ def check_groups(tag_dir: Path, saved: int, current: int) -> None:
 # numbered in the order dstrain.model.gpt.param_groups hands them to the optimizer.
 
 
-def _optimizer_order(model_config, weight_decay: float) -> list[list[str]]:
+def _optimizer_order(model_config: GPTConfig, weight_decay: float) -> list[list[str]]:
     """Parameter names of each optimizer group, in the engine's order (built on the meta device: no memory)."""
     from dstrain.model.gpt import GPT, param_groups
 
@@ -38,7 +39,7 @@ def _optimizer_order(model_config, weight_decay: float) -> list[list[str]]:
     return [[names[id(p)] for p in group["params"]] for group in param_groups(model, weight_decay)]
 
 
-def universal_from_zero0(tag_dir: Path, out: Path, model_config, weight_decay: float) -> None:
+def universal_from_zero0(tag_dir: Path, out: Path, model_config: GPTConfig, weight_decay: float) -> None:
     model_state = read_pt(tag_dir / ZERO12_MODEL_FILE)
     optimizer = model_state["optimizer"]
     order = _optimizer_order(model_config, weight_decay)
@@ -64,7 +65,7 @@ def universal_from_zero0(tag_dir: Path, out: Path, model_config, weight_decay: f
     torch.save(model_state, out / ZERO12_MODEL_FILE)
 
 
-def zero0_from_universal(universal: Path, out: Path, model_config, weight_decay: float) -> None:
+def zero0_from_universal(universal: Path, out: Path, model_config: GPTConfig, weight_decay: float) -> None:
     from dstrain.model.gpt import GPT
 
     model_state = read_pt(universal / ZERO12_MODEL_FILE)

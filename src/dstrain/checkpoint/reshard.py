@@ -39,7 +39,8 @@ from dstrain.checkpoint.ds_files import (
 )
 from dstrain.checkpoint.record import RECORD
 from dstrain.errors import DstrainError
-from dstrain.strategy.resolve import Topology
+from dstrain.model.config import GPTConfig
+from dstrain.strategy.resolve import Strategy, Topology
 
 UNIVERSAL = "universal"
 ZERO0 = "zero0"
@@ -81,7 +82,9 @@ def _partitioned(t: Topology) -> bool:
 # --- the resume hook (dstrain.train.run) --------------------------------------------------------------
 
 
-def prepare_resume(checkpoint_dir: Path, tag: str, strategy, model_config, weight_decay: float, on_rank0) -> bool:
+def prepare_resume(
+    checkpoint_dir: Path, tag: str, strategy: Strategy, model_config: GPTConfig, weight_decay: float, on_rank0
+) -> bool:
     """On every rank, before the engine is built: if ``tag`` was saved under another topology, convert it
     (``on_rank0(fn, what)`` runs the conversion on global rank 0 while the others wait) and set up the ds_config to
     load the conversion. Returns True when a conversion is used."""
@@ -141,7 +144,7 @@ def check_convertible(tag_dir: Path, old: Topology, new: Topology, moe: bool = F
 # --- conversion (global rank 0 only) ------------------------------------------------------------------
 
 
-def convert(tag_dir: Path, old: Topology, new: Topology, model_config, weight_decay: float) -> None:
+def convert(tag_dir: Path, old: Topology, new: Topology, model_config: GPTConfig, weight_decay: float) -> None:
     """Write tag_dir/universal (and tag_dir/zero0 for a ZeRO-0 target) unless already there.
 
     Built under a temporary name and renamed, so a conversion killed half-way is simply redone."""
@@ -272,7 +275,7 @@ def repair_after_load(engine, tag_dir: Path) -> None:
             state["step"] = state["step"].clone()
 
 
-def _pipeline_names(model_config) -> dict[str, str]:
+def _pipeline_names(model_config: GPTConfig) -> dict[str, str]:
     """Plain GPT parameter name -> the PipelineModule's name of it (dstrain.model.pipe's layer list).
 
     The universal folder keeps the plain names, so one conversion serves plain, AutoTP and pipeline engines."""
@@ -292,7 +295,7 @@ def _pipeline_names(model_config) -> dict[str, str]:
     return piped
 
 
-def fp32_masters(tag_dir: Path, model_config) -> dict[str, torch.Tensor]:
+def fp32_masters(tag_dir: Path, model_config: GPTConfig) -> dict[str, torch.Tensor]:
     """The fp32 master weights of a checkpoint whose optimizer keeps them apart from the 16-bit module weights
     (bf16 under any ZeRO stage, pipeline or TP), under GPT's own names, read through DeepSpeed's universal
     format: the tag's universal/ folder if a resume made one, else a conversion in a temporary folder."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from dstrain.config import Recipe, load_recipe
 from dstrain.errors import DstrainError
 from dstrain.strategy.memory import Estimate, estimate_file
+from dstrain.strategy.precision import Precision
 
 
 def cost(est: Estimate) -> tuple:
@@ -33,7 +34,7 @@ def cheapest_fitting(
     recipe: Recipe,
     recipe_file: str | Path,
     configs_dir: Path,
-    precision: str,
+    precision: Precision,
     nodes: int,
     gpus_per_node: int,
     device_memory_gib: float,

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
+from dstrain.config import Recipe
 from dstrain.errors import DstrainError
+from dstrain.model.config import GPTConfig
 from dstrain.run_dir import RunDir
 
 DEFAULT_MICRO_BATCH = 4
@@ -57,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
 
 def evaluate(args: argparse.Namespace) -> dict:
     from dstrain.checkpoint.consolidate import load_model_source
-    from dstrain.config import DataConfig, Recipe
+    from dstrain.config import DataConfig
     from dstrain.data.dataset import build_valid_sets
     from dstrain.model.gpt import GPT
     from dstrain.train import distributed
@@ -139,7 +141,7 @@ def _mean_loss(model, data, n: int, micro: int, device) -> tuple[float, int]:
     return (sums[0] / sums[1]).item(), int(sums[1].item())
 
 
-def _check_data(folder: str, model: str, config, recipe) -> None:
+def _check_data(folder: str, model: str, config: GPTConfig, recipe: Recipe | None) -> None:
     from dstrain.data.manifest import read_manifest
     from dstrain.data.tokenizer import verify_tokenizer
 

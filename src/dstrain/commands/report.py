@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dstrain.strategy.memory import GIB
+from dstrain.strategy.precision import Precision
 
 if TYPE_CHECKING:
     from dstrain.strategy.memory import Estimate
@@ -25,7 +26,7 @@ class Row:
     tp_size: int | None = None
     sp_size: int | None = None  # Ulysses sequence-parallel degree
     ep_size: int | None = None  # expert-parallel size (ds_config expert_parallel.autoep_size)
-    precision: str | None = None
+    precision: Precision | None = None
     offload: str = "none"
     micro_batch: int | None = None
     grad_accum: int | None = None

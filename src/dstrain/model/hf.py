@@ -370,7 +370,7 @@ class _WeightTaker:
             raise DstrainError(f"{self.source}: unexpected weights {names}; dstrain cannot convert this checkpoint")
 
 
-def to_hf_model(config, state: dict[str, torch.Tensor], tokenizer=None):
+def to_hf_model(config: GPTConfig, state: dict[str, torch.Tensor], tokenizer=None):
     """A transformers model (eval mode, fp32) holding our weights; the tokenizer gives its BOS/EOS ids."""
     bos, eos = (tokenizer.bos_token_id, tokenizer.eos_token_id) if tokenizer is not None else (None, None)
     hf_config, hf_state = to_hf(config, state, bos_token_id=bos, eos_token_id=eos)

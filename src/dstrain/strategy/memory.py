@@ -43,6 +43,7 @@ from dstrain.errors import DstrainError
 from dstrain.model.config import num_params
 from dstrain.strategy.activations import activation_bytes, sp_exchange_bytes
 from dstrain.strategy.parallel import MOE_FORMULA, ParamCounts, count_params, moe_activation_bytes
+from dstrain.strategy.precision import Precision
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class Estimate:
     nodes: int
     gpus_per_node: int
     zero_stage: int
-    precision: str
+    precision: Precision
     micro_batch: int
     grad_accum: int
     dp_size: int

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig, MoEConfig, num_params
+from dstrain.strategy.precision import Precision
 
 EXPERTS = ".deepspeed_experts."  # in the names of expert parameters (DeepSpeed's MoE layer)
 # Tensor-parallel (AutoTP) shards these linear layers; embeddings, norms and the head are replicated.
@@ -36,7 +37,7 @@ def _expert_parallel_size(section: dict | None, ds_file: str) -> int:
 MOE_FORMULA = "n_moe·k·T·(4·h + 4·f_e)·a − n_moe·T·4·f·a"
 
 
-def moe_activation_bytes(model: GPTConfig, tokens: int, precision: str) -> int:
+def moe_activation_bytes(model: GPTConfig, tokens: int, precision: Precision) -> int:
     """What a rank's MoE layers save for backward beyond the dense model's MLPs (counted in memory.activation_bytes):
     each of the k·T routed copies of a token passes through DeepSpeed's dispatch buffer and the expert's output,
     both before and after their all-to-all (4·h), and through an expert of width f_e (gate, up, silu(gate), product:

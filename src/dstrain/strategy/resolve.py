@@ -24,11 +24,12 @@ from dstrain.data.sampler import valid_micro_batches
 from dstrain.errors import DstrainError
 from dstrain.strategy import parallel
 from dstrain.strategy.ds_schema import validate_ds_config
+from dstrain.strategy.precision import Precision
 
 AUTO = "auto"
 
 
-def precision_of(ds_config: dict) -> str:
+def precision_of(ds_config: dict) -> Precision:
     """ "fp16", "bf16" or "fp32", as DeepSpeed reads a ds_config's switches (resolve also checks them)."""
     if ds_config.get("fp16", {}).get("enabled", False):
         return "fp16"
@@ -50,7 +51,7 @@ class Topology:
     dp_size: int  # data-parallel replicas: world / (tp x pp x sp)
     tp_size: int  # AutoTP degree
     pp_stages: int  # pipeline stages
-    precision: str  # "fp32", "bf16" or "fp16"
+    precision: Precision
     ep_size: int = 1  # expert-parallel degree: each MoE layer's experts split over this many ranks
     sp_size: int = 1  # sequence-parallel (Ulysses) degree; records from before it have none: 1
 
@@ -105,7 +106,7 @@ class Strategy:
     ds_config: dict  # complete, with no "auto" left: what deepspeed.initialize receives
     source: str  # the ds_config file it came from
     zero_stage: int
-    precision: str  # "fp32", "bf16" or "fp16"
+    precision: Precision
     micro_batch: int  # samples per rank per forward/backward
     grad_accum: int  # micro-batches per optimizer step on each rank
     dp_size: int  # data-parallel replicas: world / (tp x pp x sp)
@@ -315,7 +316,7 @@ def _fill_recipe_values(config: dict, recipe: Recipe, recipe_file: str, ds_file:
     _fill_monitor_paths(config, recipe)
 
 
-def _precision(config: dict, ds_file: str, check_device: bool) -> str:
+def _precision(config: dict, ds_file: str, check_device: bool) -> Precision:
     fp16 = config.get("fp16", {}).get("enabled", False)
     bf16 = config.get("bf16", {}).get("enabled", False)
     if fp16 and bf16:

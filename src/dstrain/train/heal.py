@@ -26,6 +26,7 @@ from dstrain.checkpoint import store
 from dstrain.config import SpikeGuardConfig
 from dstrain.errors import DstrainError
 from dstrain.run_dir import RunDir, step_of
+from dstrain.strategy.precision import Precision
 
 
 class SpikeGuard:
@@ -131,7 +132,7 @@ class StepHealth:
     """What no rollback mends: too many fp16 overflows in a row, or a loss that is not finite (fp32/bf16, with no
     spike guard to catch it). Either stops the run with one line; the last checkpoint is kept."""
 
-    def __init__(self, engine, train, precision: str, checkpoints: Path) -> None:
+    def __init__(self, engine, train, precision: Precision, checkpoints: Path) -> None:
         self.engine, self.max_skipped, self.precision, self.checkpoints = (
             engine,
             train.max_skipped_steps,
