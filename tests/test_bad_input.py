@@ -223,7 +223,15 @@ CASES = {
             ROOT / "ds_configs/zero1.json",
             [],
         ),
-        ["model.activation_checkpointing moved to the ds_config", '"activation_checkpointing": {'],
+        ["model.activation_checkpointing is a ds_config setting", '"activation_checkpointing": {'],
+    ),
+    "activation checkpointing off in the recipe (a ds_config setting)": (
+        lambda t, c: (
+            edit_recipe(small_recipe(t, c), "model", activation_checkpointing=False),
+            ROOT / "ds_configs/zero1.json",
+            [],
+        ),
+        ["model.activation_checkpointing is a ds_config setting", '"activation_checkpointing": {'],
     ),
     "run_dir holding a different model": (
         lambda t, c: (

@@ -166,12 +166,11 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
 
 
 def refuse_moved_keys(raw: dict, path: Path) -> None:
-    """model.activation_checkpointing is a memory strategy and lives in the ds_config now. A false one, which
-    every run folder's recipe.yaml from before holds, means what leaving it out means and is dropped."""
+    """model.activation_checkpointing, where nanoGPT-style recipes keep it, is a memory strategy: the ds_config's."""
     model = raw.get("model")
-    if isinstance(model, dict) and model.pop("activation_checkpointing", False):
+    if isinstance(model, dict) and "activation_checkpointing" in model:
         raise DstrainError(
-            f"{path}: model.activation_checkpointing moved to the ds_config; remove it here and add "
+            f"{path}: model.activation_checkpointing is a ds_config setting; remove it here and add "
             f'"activation_checkpointing": {{"partition_activations": false}} to your ds_config'
         )
 
@@ -315,6 +314,6 @@ def recipe_changes(old: dict, new: dict, prefix: str = "") -> dict:
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             changed.update(recipe_changes(a, b, f"{prefix}{key}."))
-        elif a != b and f"{prefix}{key}" not in ("run_dir", "model.activation_checkpointing"):
+        elif a != b and f"{prefix}{key}" != "run_dir":
             changed[f"{prefix}{key}"] = [a, b]
     return changed

@@ -183,6 +183,9 @@ class EventRecord(TypedDict, total=False):
     spike_step: int  # spike
     metric: str  # spike: what the guard watched
     value: float  # spike: the value that tripped it
+    median: float  # spike: the median of the guard's window
+    threshold: float  # spike: factor x median
+    rolled_back_to: str | None  # spike: the tag reloaded; None before the first checkpoint
     skipped_samples: list[int] | None  # spike: [first, end) of the samples skipped on the way back
 
 

@@ -1,6 +1,6 @@
 """The parallel layout of the GPT: how its parameters fall onto ranks (counted on the meta device, TP-sharded,
 cut into pipeline stages as DeepSpeed cuts them), and the ds_config sections that choose the layout, checked
-against the model before anything runs. strategy.py resolves with the checks; memory.py counts with the rest."""
+against the model before anything runs. resolve.py resolves with the checks; memory.py counts with the rest."""
 
 from __future__ import annotations
 

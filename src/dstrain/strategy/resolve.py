@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ class Topology:
     pp_stages: int  # pipeline stages
     precision: Precision
     ep_size: int = 1  # expert-parallel degree: each MoE layer's experts split over this many ranks
-    sp_size: int = 1  # sequence-parallel (Ulysses) degree; records from before it have none: 1
+    sp_size: int = 1  # sequence-parallel (Ulysses) degree
 
     @classmethod
     def from_engine(cls, engine) -> Topology:
@@ -79,8 +79,8 @@ class Topology:
 
     @classmethod
     def from_record(cls, record: dict) -> Topology:
-        """From a checkpoint's record (``to_record``); a record from before expert parallelism has ep_size 1."""
-        return cls(**{f.name: record.get(f.name, f.default) for f in fields(cls)})
+        """From a checkpoint's record (``to_record``)."""
+        return cls(**record)
 
     def to_record(self) -> dict:
         return asdict(self)
@@ -115,11 +115,6 @@ class Strategy:
     offload_optimizer: str | None  # "cpu", "nvme" or None
     offload_param: str | None
     ep_size: int = 1  # expert-parallel degree (ds_config "expert_parallel.autoep_size"; see check_expert_parallel)
-
-    @property
-    def edp_size(self) -> int:
-        """Replicas of each expert: the data-parallel ranks that hold the same experts and average their gradients."""
-        return self.dp_size // self.ep_size
 
     def ep_rank(self, rank: int) -> int:
         """The index of global `rank` in its expert-parallel group: DeepSpeed groups consecutive ranks

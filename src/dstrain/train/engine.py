@@ -192,7 +192,9 @@ def apply_recipe_to_optimizer(engine, recipe: Recipe) -> None:
     backup = getattr(wrapper, "backup_optimizer", None)  # ZeRO-3 partial offload's GPU-side AdamW
     for group_list in [groups] + ([backup.param_groups] if backup is not None else []):
         for index, group in enumerate(group_list):  # engine.param_groups: matrices (decayed) first, then the rest
-            decay = group.get("decay", index == 0)  # checkpoints from before the flag: the first group decays
+            # ZeRO-3 partial offload's backup AdamW (DeepSpeed 0.19.8, stage3.py) builds its first group afresh from
+            # the first (decayed) group, without our flag, and adds the others as they are.
+            decay = group.get("decay", index == 0)
             group.update(weight_decay=optim.weight_decay if decay else 0.0, betas=tuple(optim.betas), eps=optim.eps)
     while wrapper is not None:
         if hasattr(wrapper, "clip_grad"):

@@ -57,7 +57,7 @@ def identity(recipe: Recipe, data_fingerprint: str) -> dict:
 
 
 def _identity(recipe: dict, data) -> dict:
-    model = {k: v for k, v in recipe["model"].items() if k != "activation_checkpointing"}  # the ds_config's now
+    model = recipe["model"]
     return {
         "model": model,
         "seq_len": recipe["data"]["seq_len"],
