@@ -472,3 +472,26 @@ def test_nvme_offload_keeps_model_states_on_disk_and_pinned_buffers_on_the_host(
     assert main(["estimate", "--recipe", str(LLAMA_7B), "--deepspeed_config", str(config), "--nodes", "1"]) == 0
     table = capsys.readouterr().out
     assert "total nvme" in table and "NVMe optimizer swap buffers (pinned)" in table and "NVMe per node" in table
+
+
+@pytest.mark.launcher
+def test_the_command_opens_with_its_own_lines(tmp_path):
+    """As a user runs it, without a GPU: no "Setting accelerator to CPU" from DeepSpeed before (or in) the estimate.
+    On a machine with a GPU DeepSpeed has no such line to print, and only the estimate's first line is checked."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # DeepSpeed detects, as for a user
+    result = subprocess.run(
+        [sys.executable, "-m", "dstrain", "estimate", "--recipe", str(ROOT / "recipes/tiny.yaml")]
+        + ["--deepspeed_config", str(ROOT / "ds_configs/zero1.json"), "--gpus-per-node", "2", "model.vocab_size=512"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Setting accelerator" not in result.stdout + result.stderr
+    assert result.stdout.startswith("tiny under "), result.stdout.splitlines()[:2]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from dstrain.errors import DstrainError, OneLineArgumentParser
@@ -25,8 +26,22 @@ COMMANDS = {
 }
 
 
+ACCELERATOR_NOTICE = "Setting accelerator to CPU"
+
+
+def drop_deepspeed_accelerator_notice() -> None:
+    """DeepSpeed 0.19.x (accelerator/real_accelerator.py, get_accelerator) logs "Setting accelerator to CPU. If you
+    have GPU or other accelerator, we were unable to detect it." as a WARNING, on stdout, the first time anything
+    asks for the accelerator on a machine without one: the first line of `dstrain estimate`, `eval`, `generate` and
+    `export`, and a line in eval's JSON output. The commands work on a CPU by design; the line is dropped. Its logger
+    ("DeepSpeed") exists before deepspeed is imported, and keeps the filter when DeepSpeed configures it. Training
+    keeps the line in its rank logs (train/console.py)."""
+    logging.getLogger("DeepSpeed").addFilter(lambda record: not record.getMessage().startswith(ACCELERATOR_NOTICE))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    drop_deepspeed_accelerator_notice()
     parser = OneLineArgumentParser(prog="dstrain", description="DeepSpeed training recipes for GPT-style models")
     # The deepspeed launcher passes --local_rank before the command (`deepspeed --module dstrain eval ...`).
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
