@@ -308,3 +308,12 @@ def test_verify_tokenizer_rejects_another_tokenizer(tmp_path, tiny_corpus):
         verify_tokenizer(tiny_corpus, tmp_path / "other")
     message = str(error.value)
     assert "\n" not in message and "manifest.json tokenizer.hash" in message and str(tmp_path / "other") in message
+
+
+def test_training_a_tokenizer_into_a_log_leaves_no_empty_lines(capfd):
+    """tokenizers' progress bars draw on a terminal only; into a file or a pipe (pytest's capture here, a Slurm log,
+    the demo piped) each of its three stages used to leave an empty line."""
+    assert not sys.stderr.isatty()
+    train_bpe_tokenizer(iter([["hello world, hello tokens"] * 50]), 300, 50, show_progress=True)
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -75,7 +76,8 @@ def train_bpe_tokenizer(
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=show_progress,
+        # tokenizers' bars (indicatif) draw on a terminal only; elsewhere (a log, a pipe) each leaves an empty line
+        show_progress=show_progress and sys.stderr.isatty(),
     )
     backend.train_from_iterator(text_batches, trainer, length=num_docs)
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, clean_up_tokenization_spaces=False)
