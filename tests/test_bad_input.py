@@ -649,6 +649,14 @@ CLI_CASES = {
         ],
         ["is under", "/f, a file"],
     ),
+    "eval --samples 0": (
+        lambda t, c, o: ["eval", str(_run_folder(t, c)), "--samples", "0"],
+        ["--samples 0: must be positive"],
+    ),
+    "eval --micro-batch -1": (
+        lambda t, c, o: ["eval", str(_run_folder(t, c)), "--micro-batch", "-1"],
+        ["--micro-batch -1: must be positive"],
+    ),
     "eval of a run on data of another tokenizer of the same size": (
         lambda t, c, o: ["eval", str(_run_folder(t, c)), "--data", str(o)],
         ["was prepared with another tokenizer than the run", "--tokenizer"],

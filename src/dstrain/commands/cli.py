@@ -36,7 +36,11 @@ def drop_deepspeed_accelerator_notice() -> None:
     `export`, and a line in eval's JSON output. The commands work on a CPU by design; the line is dropped. Its logger
     ("DeepSpeed") exists before deepspeed is imported, and keeps the filter when DeepSpeed configures it. Training
     keeps the line in its rank logs (train/console.py)."""
-    logging.getLogger("DeepSpeed").addFilter(lambda record: not record.getMessage().startswith(ACCELERATOR_NOTICE))
+    logging.getLogger("DeepSpeed").addFilter(_not_the_accelerator_notice)  # once: a filter is added once
+
+
+def _not_the_accelerator_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(ACCELERATOR_NOTICE)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     from dstrain.model.gpt import GPT
     from dstrain.train import distributed
 
+    for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch), ("--samples", args.samples)):
+        if value is not None and value <= 0:  # before anything is read; the run's own values are validated
+            raise DstrainError(f"{flag} {value}: must be positive")
     run = RunDir(Path(args.model))
     if args.data and run.recipe.is_file():  # before the checkpoint is read
         from dstrain.config import load_recipe
@@ -83,9 +86,6 @@ def evaluate(args: argparse.Namespace) -> dict:
     else:
         sources = [(s.path, s.weight) for s in recipe.data.sources]
     _check_data(sources[0][0], args.model, config, recipe)
-    for flag, value in (("--seq-len", seq_len), ("--micro-batch", micro), ("--samples", args.samples or 1)):
-        if value <= 0:
-            raise DstrainError(f"{flag} {value}: must be positive")
     if config.position_limit and seq_len > config.position_limit:
         raise DstrainError(f"--seq-len {seq_len} exceeds the model's {config.position_limit} positions; lower it")
     sets = build_valid_sets(sources, seq_len, seed, valid_fraction, split=args.split)
