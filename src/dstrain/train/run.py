@@ -71,8 +71,8 @@ def check_run_dir(
     recipe: Recipe, recipe_file: str, run_dir: Path, tag: str | None, resume: str, data_fingerprint: str
 ) -> None:
     """Refuse to continue a checkpoint of another experiment: its own record, not run_dir's recipe.yaml, says
-    what it is. Without a checkpoint that records it (none yet, or one from before), run_dir's recipe.yaml does,
-    unless --resume none starts over (and moves that run aside)."""
+    what it is. Without a checkpoint that records it (none yet, or one saved with identity=None), run_dir's
+    recipe.yaml does, unless --resume none starts over (and moves that run aside)."""
     from dstrain.checkpoint import store
 
     files = RunDir(run_dir)
