@@ -7,6 +7,7 @@ this file only dispatches, so a command's flags live next to its code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
@@ -29,14 +30,20 @@ COMMANDS = {
 ACCELERATOR_NOTICE = "Setting accelerator to CPU"
 
 
-def drop_deepspeed_accelerator_notice() -> None:
+@contextlib.contextmanager
+def deepspeed_accelerator_notice_dropped():
     """DeepSpeed 0.19.x (accelerator/real_accelerator.py, get_accelerator) logs "Setting accelerator to CPU. If you
     have GPU or other accelerator, we were unable to detect it." as a WARNING, on stdout, the first time anything
     asks for the accelerator on a machine without one: the first line of `dstrain estimate`, `eval`, `generate` and
-    `export`, and a line in eval's JSON output. The commands work on a CPU by design; the line is dropped. Its logger
-    ("DeepSpeed") exists before deepspeed is imported, and keeps the filter when DeepSpeed configures it. Training
-    keeps the line in its rank logs (train/console.py)."""
-    logging.getLogger("DeepSpeed").addFilter(_not_the_accelerator_notice)  # once: a filter is added once
+    `export`, and a line in eval's JSON output. The commands work on a CPU by design; the line is dropped while a
+    command runs. Its logger ("DeepSpeed") exists before deepspeed is imported, and keeps the filter when DeepSpeed
+    configures it. Training keeps the line in its rank logs (train/console.py)."""
+    logger = logging.getLogger("DeepSpeed")
+    logger.addFilter(_not_the_accelerator_notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_the_accelerator_notice)
 
 
 def _not_the_accelerator_notice(record: logging.LogRecord) -> bool:
@@ -44,8 +51,11 @@ def _not_the_accelerator_notice(record: logging.LogRecord) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    drop_deepspeed_accelerator_notice()
+    with deepspeed_accelerator_notice_dropped():
+        return _main(sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
     parser = OneLineArgumentParser(prog="dstrain", description="DeepSpeed training recipes for GPT-style models")
     # The deepspeed launcher passes --local_rank before the command (`deepspeed --module dstrain eval ...`).
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
