@@ -202,3 +202,16 @@ def test_deepspeed_classic_moe_refuses_zero3():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     assert "Native DeepSpeed MoE is not supported with ZeRO Stage 3" in inspect.getsource(DeepSpeedEngine)
+
+
+def test_a_checkpoint_of_an_moe_model_reads_back_its_config(tmp_path):
+    """read_checkpoint rebuilds the model config from the client state's recipe, its nested MoEConfig included."""
+    from dstrain.checkpoint.consolidate import read_checkpoint
+
+    tag = tmp_path / "global_step1"
+    tag.mkdir()
+    module = GPT(CONFIG).state_dict()
+    torch.save({"recipe": {"model": dataclasses.asdict(CONFIG)}, "module": module}, tag / "mp_rank_00_model_states.pt")
+    config, state = read_checkpoint(tag)
+    assert config == CONFIG and isinstance(config.moe, MoEConfig)
+    assert state.keys() == module.keys()

@@ -197,7 +197,7 @@ def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
             state.update(torch.load(path, map_location="cpu", weights_only=True))
         return state
     if any(tag_dir.glob("layer_*-model_states.pt")) or any(tag_dir.glob("mp_rank_01_model_states.pt")):
-        # Pipeline layer files / AutoTP shards: the model-parallel converter of dstrain.model consolidates them.
+        # Pipeline layer files / AutoTP shards: read_checkpoint consolidates them into the plain model.
         return read_checkpoint(tag_dir)[1]
     if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):  # ZeRO-1/2/3 partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
