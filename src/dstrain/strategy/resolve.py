@@ -115,12 +115,6 @@ class Strategy:
     offload_optimizer: str | None  # "cpu", "nvme" or None
     offload_param: str | None
     ep_size: int = 1  # expert-parallel degree (ds_config "expert_parallel.autoep_size"; see check_expert_parallel)
-
-    def ep_rank(self, rank: int) -> int:
-        """The index of global `rank` in its expert-parallel group: DeepSpeed groups consecutive ranks
-        (deepspeed.utils.groups._create_expert_and_data_parallel, data-before-expert-parallel off)."""
-        return rank % self.ep_size
-
     sp_size: int = 1  # Ulysses sequence-parallel degree (ds_config "sequence_parallel_size"); Range: divides the
     # query and key/value heads and data.seq_len
     loss_tiles: int = 1  # the loss in this many sequence tiles (ds_config "tiling.loss"); Range: 1 (off) .. seq_len
@@ -129,6 +123,11 @@ class Strategy:
     @property
     def name(self) -> str:
         return Path(self.source).stem
+
+    def ep_rank(self, rank: int) -> int:
+        """The index of global `rank` in its expert-parallel group: DeepSpeed groups consecutive ranks
+        (deepspeed.utils.groups._create_expert_and_data_parallel, data-before-expert-parallel off)."""
+        return rank % self.ep_size
 
     @property
     def topology(self) -> Topology:
