@@ -1,15 +1,19 @@
-"""dstrain on one GPU, in one command: correctness, memory against `dstrain estimate`, speed, attention kernels.
+"""dstrain on one GPU, in one command that fits a short loan: speed and MFU, precision, memory, CUDA tests, kernels.
 
-    python3 bench/gpu_check.py OUT [--wheels .whl] [--parts correctness memory speed attention]
+    python3 bench/gpu_check.py OUT --budget-s 420 --skip-done bench/gpu_check_done.json     (on the GPU machine)
     .venv/bin/python bench/gpu_check.py OUT --dry-run      (CPU, toy sizes: the same code paths, for CI)
 
-Installs nothing over the machine's torch: wheels from --wheels (built by `scripts/gpu-wheels`) are unpacked into
-OUT/site and put on the path of every run. Each training run is `python -m dstrain.train` as a world of one in
-its own process (its own peak memory, an OOM costs only that run) on the demo corpus (prepared if missing).
-Writes OUT/gpu_check.md (the tables) and OUT/gpu_check.json (every figure); exit 1 if a correctness check fails.
+The parts run in a fixed priority order (PARTS). The plan (each part and its estimated seconds) is printed before
+the first part starts; a part whose estimate no longer fits what is left of --budget-s is skipped, saying so;
+--skip-done FILE (the gpu_check.json of an earlier loan) skips the parts it measured and carries their figures
+over, so two or three short loans add up to the whole table. After every part OUT/gpu_check.json (every figure),
+OUT/gpu_check.md (the tables) and OUT/logs.tar.gz are rewritten: a command cut off at its limit still returns
+what it finished. Run folders, configs and the unpacked wheels live in --work (default: a temporary folder).
 
-Tolerances: fp32 ZeRO 0-3, FusedAdam and CPU offload agree with ZeRO-0 within 1e-5 relative per step (TF32
-off); bf16 (fp32 accumulation) within 1e-2 of fp32; fp16 within 2e-2, with fewer than a quarter of steps skipped.
+Installs nothing over the machine's torch: wheels from --wheels (built here by `scripts/gpu-wheels`) are unpacked
+into WORK/site and put on the path of every run; the demo corpus (data/pydocs) is carried with the working tree
+(prepared here if missing). FusedAdam is the one thing compiled there (its JIT build is timed in `precision`).
+Exit 1 if a check fails, 2 if --skip-done cannot be read.
 """
 
 from __future__ import annotations
@@ -17,125 +21,171 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import gpu_parts as parts
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "ds_configs"
-QUIET = ["train.eval_interval=1000000", "train.checkpoint_interval=1000000", "train.eval_samples=16"]
+MEMORY_CONFIGS = ["zero0.json", "zero1_bf16.json", "zero2_bf16.json", "zero3_bf16.json"]
+MEMORY_CONFIGS += ["zero2_offload.json", "zero3_offload.json"]
+SPEED_125M = ("gpt2-125m", 1024, [32, 16], ["eager", "compile"])
+SPEED_1_3B = ("gpt-1.3b", 2048, [8, 4], ["eager", "compile"])
+MEMORY_MODELS = [("gpt2-125m", 8, 1024), ("gpt2-350m", 8, 1024), ("gpt-1.3b", 2, 2048)]  # (recipe, micro, seq)
+DRY_MEMORY = ("tiny", 2, 64)
+DRY_SPEED = ("tiny", 64, [4, 2], ["eager"])  # torch.compile is left to the GPU (minutes on 2 cores)
+SPEED_STEPS, PRECISION_STEPS, MEMORY_STEPS, DRY_STEPS = 30, 20, 5, 4
 
-# Memory: (recipe, micro-batch, sequence length) x ds_configs, 5 steps each.
-MEMORY_MODELS = [("gpt2-125m", 8, 1024), ("gpt2-350m", 8, 1024), ("gpt-1.3b", 2, 2048)]
-MEMORY_CONFIGS = [
-    "zero0.json",
-    "zero1_bf16.json",
-    "zero2_bf16.json",
-    "zero3_bf16.json",
-    "zero2_offload.json",
-    "zero3_offload.json",
-]
-# Speed: (recipe, sequence length, micro-batches to try, largest first; variants).
-SPEED_PLAN = [
-    ("gpt2-125m", 1024, [32, 16, 8], ["base", "compile", "doc_masking"]),
-    ("gpt2-350m", 1024, [16, 8, 4], ["base"]),
-    ("gpt-1.3b", 2048, [8, 4, 2], ["base", "compile", "checkpointing"]),
-]
-# The dry run (CI, CPU): every code path once at toy size; torch.compile is left to the GPU (minutes on 2 cores).
-DRY = {
-    "models": [("tiny", 2, 64)],
-    "memory_configs": ["zero1.json"],
-    "speed": [("tiny", 64, [4, 2], ["base"])],
-    "correctness": ["zero0", "zero3"],
-    "steps": 4,
-}
+# The estimate of a part: training runs x (start-up + steps at an assumed MFU) + what compiles. Start-up is the
+# process, the imports, the data index, the engine and the final evaluation; the GPU figures are guesses to be
+# replaced by the times the first loan measures (gpu_check.json keeps both), the CPU ones measured here.
+ASSUMED_MFU, BF16_PEAK = 0.3, 989e12  # H100 SXM dense bf16
+RUN_START_S = {True: 14.0, False: 35.0}  # {dry run: seconds}
+COMPILE_S, FLEX_COMPILE_S, FUSED_ADAM_BUILD_S, CPU_ADAM_BUILD_S = 90.0, 30.0, 90.0, 60.0
+HOST_ADAM_BYTES_PER_S = 4e9  # DeepSpeedCPUAdam over 16 bytes per parameter per step
 
 
-PARTS = ["cuda_tests", "correctness", "attention", "flops", "memory", "speed"]
+def flops_per_token(recipe: str, seq: int) -> tuple[float, int]:
+    from dstrain.model.config import GPTConfig, flops_per_token, num_params
+
+    model = yaml.safe_load((ROOT / "recipes" / f"{recipe}.yaml").read_text())["model"]
+    config = GPTConfig(**{"vocab_size": 4096, **model, "max_seq_len": seq})
+    return flops_per_token(config, seq), num_params(config)
 
 
-class Check:
-    """Runs, figures and verdicts of one invocation."""
-
-    def __init__(self, out: Path, runs: Path, data: Path, dry_run: bool, env: dict):
-        self.out, self.runs, self.data, self.dry_run, self.env = out, runs, data, dry_run, env
-        self.figures: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "dry_run": dry_run}
-        self.failures: list[str] = []
-
-    def train(self, name: str, recipe: str, config: Path | dict, overrides: list[str], steps: int) -> dict:
-        """One world-of-one training run; returns its status, log tail and metrics records."""
-        run_dir = self.runs / name
-        if isinstance(config, dict):
-            path = self.out / "configs" / f"{name}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(config, indent=2))
-            config = path
-        command = [
-            sys.executable,
-            "-m",
-            "dstrain.train",
-            "--recipe",
-            str(ROOT / "recipes" / f"{recipe}.yaml"),
-            "--deepspeed_config",
-            str(config),
-            "--resume",
-            "none",
-            f"run_dir={run_dir}",
-            f"data.sources=[{{path: {self.data}}}]",
-            f"train.steps={steps}",
-            "train.log_interval=1",
-            f"schedule.warmup_steps={max(1, steps // 4)}",
-            *QUIET,
-            *overrides,
-        ]
-        started = time.monotonic()
-        done = subprocess.run(command, env=self.env, capture_output=True, text=True)
-        log = done.stdout + done.stderr
-        (self.out / "logs").mkdir(exist_ok=True)
-        (self.out / "logs" / f"{name}.log").write_text(" ".join(command) + "\n\n" + log)
-        metrics = run_dir / "metrics.jsonl"
-        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-        steps_logged = [r for r in records if "loss" in r and "split" not in r and "event" not in r]
-        shutil.rmtree(run_dir, ignore_errors=True)  # a 1.3B model's final checkpoint is 18 GB
-        return {
-            "rc": done.returncode,
-            "seconds": round(time.monotonic() - started, 1),
-            "records": steps_logged,
-            "oom": "out of memory" in log.lower() or "OutOfMemoryError" in log,
-            "tail": log.strip().splitlines()[-3:],
-        }
-
-    def verdict(self, what: str, ok: bool, detail: str) -> dict:
-        if not ok:
-            self.failures.append(f"{what}: {detail}")
-        return {"check": what, "ok": ok, "detail": detail}
+def run_s(dry: bool, recipe: str, seq: int, micro: int, steps: int, offload: bool = False) -> float:
+    flops, params = flops_per_token(recipe, seq)
+    step = 0.05 if dry else flops * micro * seq / (BF16_PEAK * ASSUMED_MFU)
+    host_adam = 16 * params / HOST_ADAM_BYTES_PER_S if offload else 0.0
+    return RUN_START_S[dry] + 10 * params / 1e9 + steps * (step + host_adam)
 
 
-def setup_environment(out: Path, wheels: Path | None) -> dict:
+def speed_s(dry: bool, plan: tuple, steps: int) -> float:
+    recipe, seq, micros, variants = plan
+    compiles = sum(COMPILE_S for v in variants if v == "compile")
+    return len(variants) * run_s(dry, recipe, seq, 2 * micros[0], steps) + (0 if dry else compiles)
+
+
+def memory_s(dry: bool, recipe: str, micro: int, seq: int, configs: list[str]) -> float:
+    offloads = [c for c in configs if "offload" in c]
+    runs = sum(run_s(dry, recipe, seq, micro, MEMORY_STEPS, offload="offload" in c) for c in configs)
+    return runs + (CPU_ADAM_BUILD_S if offloads and not dry else 0.0)
+
+
+@dataclass
+class Part:
+    name: str
+    run: Callable[[parts.Check], list[dict]]
+    estimate_s: float
+    columns: list[str]
+    title: str
+
+
+VERDICT = ["check", "ok", "detail"]
+SPEED = ["recipe", "variant", "seq_len", "micro_batch", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gib"]
+MEMORY = ["recipe", "ds_config", "micro_batch", "seq_len", "measured_gib", "estimated_gib", "error", "status"]
+
+
+def plan_parts(dry: bool) -> list[Part]:
+    """Every part, in priority order, with its estimate for this mode (a dry run: toy sizes on a CPU)."""
+    steps = DRY_STEPS if dry else None
+    s125, s13 = (DRY_SPEED, DRY_SPEED) if dry else (SPEED_125M, SPEED_1_3B)
+    mem_configs = ["zero1.json"] if dry else MEMORY_CONFIGS
+    speed_steps, precision_steps, memory_steps = steps or SPEED_STEPS, steps or PRECISION_STEPS, 2 if dry else 5
+    recipes = ["tiny"] if dry else ["tiny", "gpt2-125m", "gpt-1.3b"]
+    tiny = run_s(dry, "tiny", 128, 16, precision_steps)
+    result = [
+        Part(
+            "speed_gpt2_125m",
+            lambda c: parts.speed(c, *s125, speed_steps),
+            speed_s(dry, s125, speed_steps),
+            SPEED,
+            "Speed and MFU of gpt2-125m (bf16, zero1_bf16, world of one; eager and compile)",
+        ),
+        Part(
+            "speed_gpt_1_3b",
+            lambda c: parts.speed(c, *s13, speed_steps),
+            speed_s(dry, s13, speed_steps),
+            SPEED,
+            "Speed and MFU of gpt-1.3b (bf16, zero1_bf16, world of one; eager and compile)",
+        ),
+        Part(
+            "precision",
+            lambda c: parts.precision(c, precision_steps),
+            (2 if dry else 4) * tiny + (0 if dry else FUSED_ADAM_BUILD_S),
+            VERDICT,
+            "bf16 and fp16 with FusedAdam against fp32 torch AdamW (tiny, world of one)",
+        ),
+    ]
+    for recipe, micro, seq in MEMORY_MODELS:
+        sized = DRY_MEMORY if dry else (recipe, micro, seq)
+        result.append(
+            Part(
+                f"memory_{recipe.replace('-', '_').replace('.', '_')}",
+                lambda c, sized=sized: parts.memory(c, *sized, mem_configs, memory_steps),
+                memory_s(dry, *sized, mem_configs),
+                MEMORY,
+                f"Peak device memory of {sized[0]} against `dstrain estimate`",
+            )
+        )
+    if dry:  # memory_* share one code path; in a dry run (toy sizes) the first stands for all
+        result = [p for p in result if p.name not in ("speed_gpt_1_3b", "memory_gpt2_350m", "memory_gpt_1_3b")]
+    return result + checks(dry, tiny, precision_steps, recipes)
+
+
+def checks(dry: bool, tiny: float, steps: int, recipes: list[str]) -> list[Part]:
+    """The parts after the headline figures: CUDA tests, document masking, a published family, every strategy's
+    correctness, kernels and FLOP accounting."""
+    masking_speed = None if dry else SPEED_125M
+    return [
+        Part("pytest_gpu", parts.cuda_tests, 30.0 if dry else 150.0, VERDICT, "CUDA tests (pytest -m gpu)"),
+        Part(
+            "doc_masking",
+            lambda c: parts.doc_masking(c, steps, masking_speed),
+            tiny + (0 if dry else tiny + FLEX_COMPILE_S + speed_s(dry, (*SPEED_125M[:3], ["eager"]), SPEED_STEPS)),
+            VERDICT + SPEED[:2] + SPEED[4:7],
+            "Document masking inside training (FlexAttention on a GPU)",
+        ),
+        Part("published_family", parts.published_family, 1.0, VERDICT, "A published-model family at ~1B"),
+        Part(
+            "correctness",
+            lambda c: parts.correctness(c, steps),
+            (2 if dry else 7) * tiny,
+            VERDICT,
+            "Every ZeRO stage, offload and FusedAdam (fp32) against ZeRO-0 (tiny, world of one)",
+        ),
+        Part(
+            "attention",
+            lambda c: parts.attention(c, recipes),
+            10.0 if dry else 40.0,
+            ["recipe", "doc_masking", "kernel"],
+            "Attention kernels (bf16 forward)",
+        ),
+        Part(
+            "flops",
+            lambda c: parts.flop_count(c, recipes),
+            10.0 if dry else 40.0,
+            ["recipe", "ours_per_token", "deepspeed_per_token", "ratio"],
+            "FLOPs per token: ours against DeepSpeed's profiler",
+        ),
+    ]
+
+
+def setup_environment(work: Path, wheels: Path | None) -> dict:
     """PYTHONPATH for every run: the repository's src, then the unpacked wheels (never over the machine's torch)."""
     paths = [str(ROOT / "src")]
     if wheels and any(wheels.glob("*.whl")):
-        site = out / "site"
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-index",
-                "--no-deps",
-                "--no-compile",
-                "--upgrade",
-                "--target",
-                str(site),
-                *map(str, sorted(wheels.glob("*.whl"))),
-            ],
-            check=True,
-        )
+        site = work / "site"
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade"]
+        subprocess.run([*pip, "--target", str(site), *map(str, sorted(wheels.glob("*.whl")))], check=True)
         paths.append(str(site))
     env = dict(
         os.environ,
@@ -149,26 +199,13 @@ def setup_environment(out: Path, wheels: Path | None) -> dict:
 
 
 def ensure_data(data: Path, env: dict) -> None:
+    """The demo corpus, prepared as scripts/demo does; carried to the GPU machine, so made there only if missing."""
     if (data / "manifest.json").exists():
         return
     raw = ROOT / "data" / "raw" / "pydocs.jsonl"
     subprocess.run([sys.executable, "-m", "dstrain.data.corpus", str(raw)], env=env, check=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dstrain",
-            "prepare",
-            "--dataset",
-            str(raw),
-            "--train-tokenizer",
-            "4096",
-            "--out",
-            str(data),
-        ],
-        env=env,
-        check=True,
-    )
+    prepare = ["prepare", "--dataset", str(raw), "--train-tokenizer", "4096", "--out", str(data)]
+    subprocess.run([sys.executable, "-m", "dstrain", *prepare], env=env, check=True)
 
 
 def machine() -> dict:
@@ -177,6 +214,7 @@ def machine() -> dict:
     from deepspeed.accelerator import get_accelerator
 
     info = {
+        "python": sys.version.split()[0],
         "torch": torch.__version__,
         "deepspeed": deepspeed.__version__,
         "cuda": torch.version.cuda,
@@ -188,233 +226,35 @@ def machine() -> dict:
     return info
 
 
-def losses(run: dict) -> list[float]:
-    return [r["loss"] for r in run["records"]]
-
-
-def worst_relative(a: list[float], b: list[float]) -> float:
-    if len(a) != len(b) or not a:
-        return float("inf")
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-def correctness(check: Check, steps: int) -> list[dict]:
-    """The tiny recipe under every precision and ZeRO stage, against ZeRO-0 fp32."""
-    plan = {
-        "zero0": "zero0.json",
-        "zero1": "zero1.json",
-        "zero2": "zero2.json",
-        "zero3": "zero3.json",
-        "fusedadam": "zero1_fusedadam.json",
-        "zero2_offload": "zero2_offload.json",
+def read_done(path: Path | None) -> dict:
+    """{part: its entry} of the parts an earlier loan measured; a file not there yet means none."""
+    if path is None:
+        return {}
+    if not path.exists():
+        print(f"--skip-done {path}: not there yet, so no part was measured before", flush=True)
+        return {}
+    try:
+        earlier = json.loads(path.read_text())
+        entries = earlier["parts"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"gpu_check: error: --skip-done {path}: not a gpu_check.json ({type(e).__name__}: {e})", file=sys.stderr)
+        raise SystemExit(2) from None
+    when = earlier.get("started", "?")
+    return {
+        name: {**entry, "measured": entry.get("measured", when)}
+        for name, entry in entries.items()
+        if entry.get("status") == "done"
     }
-    if not check.dry_run:
-        plan |= {
-            "zero1_bf16": "zero1_bf16.json",
-            "zero2_bf16": "zero2_bf16.json",
-            "zero3_bf16": "zero3_bf16.json",
-            "zero1_fp16": "zero1_fp16.json",
-            "zero2_fp16": "zero2_fp16.json",
-        }
-    if check.dry_run:
-        plan = {name: plan[name] for name in DRY["correctness"]}
-    runs = {name: check.train(f"correct-{name}", "tiny", CONFIGS / config, [], steps) for name, config in plan.items()}
-    check.figures["correctness_runs"] = {
-        n: {
-            "rc": r["rc"],
-            "seconds": r["seconds"],
-            "losses": losses(r),
-            "grad_norm": [x.get("grad_norm") for x in r["records"]],
-            "loss_scale": [x.get("loss_scale") for x in r["records"]],
-        }
-        for n, r in runs.items()
-    }
-    reference = losses(runs["zero0"])
-    rows = []
-    for name, run in runs.items():
-        if name == "zero0":
-            continue
-        error = worst_relative(losses(run), reference)
-        tolerance = 1e-2 if "bf16" in name else 2e-2 if "fp16" in name else 1e-5
-        detail = f"max relative loss difference to zero0 fp32 {error:.2e} (tolerance {tolerance:g})"
-        if run["rc"] != 0:
-            detail = f"exit {run['rc']}: {' | '.join(run['tail'])}"
-        if "fp16" in name and run["records"]:
-            skipped = run["records"][-1].get("skipped_steps") or 0
-            scales = sorted({x["loss_scale"] for x in run["records"] if x.get("loss_scale")})
-            detail += f"; {skipped} of {steps} steps skipped; scales seen {scales}"
-            error = error if skipped < steps / 4 else float("inf")
-        rows.append(check.verdict(name, run["rc"] == 0 and error <= tolerance, detail))
-    return rows
 
 
-def memory(check: Check, models, configs, steps: int) -> list[dict]:
-    """Measured peak device memory over a few steps beside `dstrain estimate`'s device peak, world of one."""
-    from dstrain.config import load_recipe
-    from dstrain.strategy.memory import estimate_file
-
-    rows = []
-    for recipe_name, micro, seq in models:
-        recipe_file = ROOT / "recipes" / f"{recipe_name}.yaml"
-        overrides = [f"data.seq_len={seq}", f"train.global_batch={micro}"]
-        for config_name in configs:
-            config = json.loads((CONFIGS / config_name).read_text()) | {"train_micro_batch_size_per_gpu": micro}
-            path = check.out / "configs" / f"mem-{recipe_name}-{config_name}"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(config))
-            recipe = load_recipe(recipe_file, overrides + [f"data.sources=[{{path: {check.data}}}]"])
-            est = estimate_file(recipe, recipe_file, path, 1, 1)
-            run = check.train(f"mem-{recipe_name}-{Path(config_name).stem}", recipe_name, path, overrides, steps)
-            measured = max((r.get("mem_peak_bytes") or 0 for r in run["records"]), default=0)
-            estimated = est.peak("device")
-            rows.append(
-                {
-                    "recipe": recipe_name,
-                    "ds_config": config_name,
-                    "micro_batch": micro,
-                    "seq_len": seq,
-                    "measured_gib": round(measured / 2**30, 2),
-                    "estimated_gib": round(estimated / 2**30, 2),
-                    "error": round(estimated / measured - 1, 3) if measured else None,
-                    "parts_gib": {
-                        p.name: round(max(p.step, p.backward) / 2**30, 3) for p in est.parts if p.where == "device"
-                    },
-                    "status": "ok" if run["rc"] == 0 else ("OOM" if run["oom"] else f"exit {run['rc']}"),
-                }
-            )
-    return rows
-
-
-def speed_config(variant: str, micro: int) -> dict:
-    config = json.loads((CONFIGS / "zero1_bf16.json").read_text()) | {"train_micro_batch_size_per_gpu": micro}
-    if variant == "compile":
-        config["compile"] = {}  # dstrain calls engine.compile() when the ds_config has this section
-    if variant == "checkpointing":
-        config["activation_checkpointing"] = {}  # every block recomputes its activations in the backward
-    return config
-
-
-def speed(check: Check, plan, steps: int) -> list[dict]:
-    """tokens/s, TFLOP/s and MFU per recipe (bf16, ZeRO-1): the largest micro-batch that runs, then its variants."""
-    rows = []
-    for recipe_name, seq, micros, variants in plan:
-        chosen = None
-        for variant in variants:
-            for micro in [chosen] if chosen else micros:
-                extra = ["model.doc_masking=true"] if variant == "doc_masking" else []
-                overrides = [
-                    f"data.seq_len={seq}",
-                    f"train.global_batch={2 * micro}",
-                    "schedule.warmup_steps=1",
-                    *extra,
-                ]
-                run = check.train(
-                    f"speed-{recipe_name}-{variant}-mb{micro}",
-                    recipe_name,
-                    speed_config(variant, micro),
-                    overrides,
-                    steps,
-                )
-                if run["rc"] == 0 or not run["oom"]:
-                    break
-            chosen = chosen or micro
-            timed = run["records"][
-                len(run["records"]) // 3 :
-            ]  # after start-up, compilation and the allocator's warm-up
-            row = {
-                "recipe": recipe_name,
-                "variant": variant,
-                "seq_len": seq,
-                "micro_batch": micro,
-                "status": "ok" if run["rc"] == 0 else ("OOM" if run["oom"] else f"exit {run['rc']}"),
-            }
-            for key in ("tokens_per_s", "tflops_per_device", "mfu"):
-                values = [r[key] for r in timed if r.get(key) is not None]
-                row[key] = statistics.median(values) if values else None
-            row["mem_peak_gib"] = round(
-                max((r.get("mem_peak_bytes") or 0 for r in run["records"]), default=0) / 2**30, 2
-            )
-            rows.append(row)
-    return rows
-
-
-def attention(check: Check, recipes: list[str]) -> list[dict]:
-    """Which scaled-dot-product-attention kernel each recipe dispatches (bf16), read off the profiler's op names."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    from dstrain.config import load_recipe
-    from dstrain.model.gpt import GPT
-
-    device = get_accelerator().current_device_name()
-    dtype = torch.bfloat16
-    kinds = {"flash": "flash", "efficient": "memory-efficient", "cudnn": "cudnn", "math": "math"}
-    rows = []
-    for name in recipes:
-        for doc_masking in (False, True):
-            recipe = load_recipe(
-                ROOT / "recipes" / f"{name}.yaml",
-                [f"data.sources=[{{path: {check.data}}}]", f"model.doc_masking={str(doc_masking).lower()}"],
-            )
-            config = recipe.model
-            model = GPT(config).to(device=device, dtype=dtype)
-            length = min(recipe.data.seq_len, 256 if check.dry_run else recipe.data.seq_len)
-            tokens = torch.randint(0, config.vocab_size, (1, length), device=device)
-            positions = torch.arange(length, device=device).remainder(length // 2)[None]  # two documents
-            with torch.no_grad(), torch.profiler.profile() as prof:
-                model(tokens, positions)
-            ops = {e.key for e in prof.key_averages() if "scaled_dot_product" in e.key}
-            used = sorted({label for key, label in kinds.items() for op in ops if key in op})
-            rows.append(
-                {"recipe": name, "doc_masking": doc_masking, "kernel": ", ".join(used) or "none", "ops": sorted(ops)}
-            )
-            del model
-    return rows
-
-
-def flop_count(check: Check, recipes: list[str]) -> list[dict]:
-    """The trainer's FLOPs per token against DeepSpeed's flops profiler (forward x 3 for forward + backward)."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.profiling.flops_profiler import get_model_profile
-
-    from dstrain.config import load_recipe
-    from dstrain.model.config import flops_per_token
-    from dstrain.model.gpt import GPT
-
-    rows = []
-    for name in recipes:
-        recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", [f"data.sources=[{{path: {check.data}}}]"])
-        length = recipe.data.seq_len
-        model = GPT(recipe.model).to(get_accelerator().current_device_name())
-        tokens = torch.zeros(1, length, dtype=torch.long, device=get_accelerator().current_device_name())
-        forward, _, _ = get_model_profile(model, args=[tokens], print_profile=False, as_string=False)
-        ours = flops_per_token(recipe.model, length)
-        rows.append(
-            {
-                "recipe": name,
-                "ours_per_token": ours,
-                "deepspeed_per_token": 3 * forward / length,
-                "ratio": round(ours / (3 * forward / length), 4),
-            }
-        )
-        del model
-    return rows
-
-
-def cuda_tests(check: Check) -> list[dict]:
-    """tests/test_gpu.py (FusedAdam, fused attention, the ZeRO-0 fp16 defect on CUDA); a CPU skips them, saying why."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py"],
-        cwd=ROOT,
-        env=check.env,
-        capture_output=True,
-        text=True,
-    )
-    (check.out / "logs").mkdir(exist_ok=True)
-    (check.out / "logs" / "test_gpu.log").write_text(done.stdout + done.stderr)
-    summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
-    return [check.verdict("tests/test_gpu.py", done.returncode in (0, 5) and "failed" not in summary, summary)]
+def calibration(done: dict, dry_run: bool) -> float:
+    """Measured over estimated seconds of the parts an earlier loan ran: the factor for this loan's estimates."""
+    timed = [e for e in done.values() if e.get("seconds") and e.get("estimated_s")]
+    if dry_run or not timed:
+        return 1.0
+    scale = sum(e["seconds"] for e in timed) / sum(e["estimated_s"] for e in timed)
+    print(f"estimates x {scale:.2f}: measured over estimated seconds of the {len(timed)} parts done before", flush=True)
+    return scale
 
 
 def table(rows: list[dict], columns: list[str]) -> str:
@@ -428,93 +268,106 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_report(check: Check) -> None:
-    f = check.figures
-    parts = [
-        f"# dstrain GPU check ({'dry run, CPU' if check.dry_run else f.get('machine', {}).get('device', '?')})",
+def write_report(out: Path, work: Path, figures: dict, plan: list[Part], failures: list[str]) -> None:
+    """gpu_check.json, gpu_check.md and logs.tar.gz in OUT (three files: what a loan's OUT brings back)."""
+    device = "dry run, CPU" if figures["dry_run"] else figures.get("machine", {}).get("device", "?")
+    lines = [
+        f"# dstrain GPU check ({device}), {figures['started']}",
         "",
         "```",
-        json.dumps(f.get("machine", {})),
+        json.dumps(figures.get("machine")),
         "```",
     ]
-    sections = [
-        ("cuda_tests", "CUDA-only tests", ["check", "ok", "detail"]),
-        ("correctness", "Correctness (tiny recipe, world of one)", ["check", "ok", "detail"]),
-        ("attention", "Attention kernels (bf16 forward)", ["recipe", "doc_masking", "kernel"]),
-        (
-            "flops",
-            "FLOPs per token: ours against DeepSpeed's profiler",
-            ["recipe", "ours_per_token", "deepspeed_per_token", "ratio"],
-        ),
-        (
-            "memory",
-            "Peak device memory against `dstrain estimate`",
-            ["recipe", "ds_config", "micro_batch", "seq_len", "measured_gib", "estimated_gib", "error", "status"],
-        ),
-        (
-            "speed",
-            "Speed (bf16, ZeRO-1, world of one)",
-            [
-                "recipe",
-                "variant",
-                "seq_len",
-                "micro_batch",
-                "tokens_per_s",
-                "tflops_per_device",
-                "mfu",
-                "mem_peak_gib",
-                "status",
-            ],
-        ),
-    ]
-    for key, title, columns in sections:
-        if key in f:
-            parts += ["", f"## {title}", "", table(f[key], columns)]
-    if check.failures:
-        parts += ["", "## Failures", ""] + [f"- {x}" for x in check.failures]
-    (check.out / "gpu_check.md").write_text("\n".join(parts) + "\n")
-    (check.out / "gpu_check.json").write_text(json.dumps(f, indent=1, default=str) + "\n")
+    lines += ["", "| part | status | seconds | estimated s | measured |", "|---|---|---|---|---|"]
+    for part in plan:
+        entry = figures["parts"].get(part.name, {"status": "not reached"})
+        status = entry["status"] + (f": {entry['reason']}" if entry.get("reason") else "")
+        lines.append(
+            f"| {part.name} | {status} | {entry.get('seconds', '')} | {part.estimate_s:.0f} | "
+            f"{entry.get('measured', '')} |"
+        )
+    for part in plan:
+        rows = figures["parts"].get(part.name, {}).get("rows")
+        if rows:
+            lines += ["", f"## {part.title}", "", table(rows, part.columns)]
+    if failures:
+        lines += ["", "## Failures", ""] + [f"- {x}" for x in failures]
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    (out / "gpu_check.json").write_text(json.dumps(figures, indent=1, default=str) + "\n")
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as logs:
+        logs.add(work / "logs", arcname="logs")
+
+
+def print_plan(plan: list[Part], done: dict, budget_s: float | None) -> None:
+    print(f"plan ({'no budget' if budget_s is None else f'budget {budget_s:.0f} s'}), in priority order:", flush=True)
+    total = 0.0
+    for part in plan:
+        if part.name in done:
+            print(f"  {part.name:<18} done on {done[part.name]['measured']}: skipped", flush=True)
+            continue
+        total += part.estimate_s
+        print(f"  {part.name:<18} ~{part.estimate_s:5.0f} s   (cumulative ~{total:.0f} s)", flush=True)
+
+
+def run_part(part: Part, check: parts.Check) -> dict:
+    started = time.monotonic()
+    try:
+        entry = {"status": "done", "rows": part.run(check)}
+    except parts.Skipped as e:
+        entry = {"status": "skipped", "reason": str(e)}
+    except Exception as e:  # a broken part must not cost the loan the parts after it
+        (check.work / "logs" / f"{part.name}.error.log").write_text(traceback.format_exc())
+        entry = {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        check.failures.append(f"{part.name}: {entry['reason']}")
+    entry.update(seconds=round(time.monotonic() - started, 1), estimated_s=round(part.estimate_s))
+    return entry
 
 
 def main() -> int:
+    started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="folder for gpu_check.md, gpu_check.json, logs/ and runs/")
+    parser.add_argument("out", type=Path, help="folder for gpu_check.md, gpu_check.json and logs.tar.gz")
+    parser.add_argument("--budget-s", type=float, default=None, help="seconds this command may take in all")
+    parser.add_argument("--skip-done", type=Path, default=None, help="an earlier gpu_check.json: skip what it measured")
+    parser.add_argument("--parts", nargs="+", default=None, help="only these parts (default: all, in priority order)")
     parser.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="wheelhouse from scripts/gpu-wheels")
-    parser.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS)
     parser.add_argument("--data", type=Path, default=ROOT / "data" / "pydocs", help="prepared corpus (made if missing)")
-    parser.add_argument(
-        "--runs", type=Path, default=None, help="run folders, deleted after each run (default: OUT/runs)"
-    )
+    parser.add_argument("--work", type=Path, default=None, help="run folders, configs, logs (default: a temp folder)")
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on any device (CI runs this on a CPU)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per correctness run (default 20; dry run 4)")
     args = parser.parse_args()
+    plan = plan_parts(args.dry_run)
+    unknown = sorted(set(args.parts or []) - {p.name for p in plan})
+    if unknown:
+        parser.error(f"--parts {' '.join(unknown)}: no such part; choose from {' '.join(p.name for p in plan)}")
+    plan = [p for p in plan if args.parts is None or p.name in args.parts]
+    done = read_done(args.skip_done)
+    scale = calibration(done, args.dry_run)
+    for part in plan:
+        part.estimate_s *= scale
+    print_plan(plan, done, args.budget_s)
     args.out.mkdir(parents=True, exist_ok=True)
-    check = Check(
-        args.out, args.runs or args.out / "runs", args.data, args.dry_run, setup_environment(args.out, args.wheels)
-    )
+    work = args.work or Path(tempfile.mkdtemp(prefix="dstrain-gpu-check-"))
+    check = parts.Check(args.out, work, args.data, args.dry_run, setup_environment(work, args.wheels))
     ensure_data(args.data, check.env)
-    check.figures["machine"] = machine()
-    steps = args.steps or (DRY["steps"] if args.dry_run else 20)
-    recipes = ["tiny"] if args.dry_run else ["tiny", "gpt2-125m", "gpt-1.3b"]
-    work = {
-        "cuda_tests": lambda: cuda_tests(check),
-        "correctness": lambda: correctness(check, steps),
-        "attention": lambda: attention(check, recipes),
-        "flops": lambda: flop_count(check, recipes),
-        "memory": lambda: memory(
-            check,
-            DRY["models"] if args.dry_run else MEMORY_MODELS,
-            DRY["memory_configs"] if args.dry_run else MEMORY_CONFIGS,
-            5 if not args.dry_run else 2,
-        ),
-        "speed": lambda: speed(check, DRY["speed"] if args.dry_run else SPEED_PLAN, steps if args.dry_run else 30),
+    figures = {
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "dry_run": args.dry_run,
+        "budget_s": args.budget_s,
+        "machine": machine(),
+        "parts": {},
     }
-    for part in args.parts:
-        started = time.monotonic()
-        check.figures[part] = work[part]()
-        check.figures[f"{part}_seconds"] = round(time.monotonic() - started, 1)
-        write_report(check)  # after every part: a command cut off by its time limit still leaves what it measured
-        print(f"{part}: {check.figures[f'{part}_seconds']} s", flush=True)
+    for part in plan:
+        left = None if args.budget_s is None else args.budget_s - (time.monotonic() - started)
+        if part.name in done:
+            figures["parts"][part.name] = done[part.name]
+        elif left is not None and part.estimate_s > left:
+            reason = f"estimated {part.estimate_s:.0f} s, {max(left, 0):.0f} s of the budget left"
+            figures["parts"][part.name] = {"status": "skipped", "reason": reason, "estimated_s": round(part.estimate_s)}
+        else:
+            figures["parts"][part.name] = run_part(part, check)
+        write_report(args.out, work, figures, plan, check.failures)  # after every part: a cut-off command keeps it
+        entry = figures["parts"][part.name]
+        print(f"{part.name}: {entry['status']} ({entry.get('reason') or str(entry.get('seconds')) + ' s'})", flush=True)
     print((args.out / "gpu_check.md").read_text())
     return 1 if check.failures else 0
 

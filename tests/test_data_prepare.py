@@ -211,8 +211,9 @@ def test_cli_unknown_tokenizer_exits_2_with_one_line(tmp_path, tiny_corpus):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(
-        "dstrain: error: tokenizer 'no-such-org/no-such-tokenizer' (--tokenizer) could not be found locally"
-    )
+        "dstrain: error: tokenizer 'no-such-org/no-such-tokenizer' (--tokenizer) is no folder under "
+    )  # a Hub id in form, and a path too: both said
+    assert "and could not be found locally" in lines[0]
     assert not out.exists()
 
 
@@ -236,7 +237,7 @@ def _bad_source(tmp_path: Path, tiny_corpus: Path, case: str) -> tuple[str, dict
         path.write_bytes(b'{"text": "plain"}\n{"text": "caf\xe9 cr\xe8me"}\n')
         return str(path), tokenizer, f"{path}: byte 31 (line 2) is not valid UTF-8"
     if case == "unknown tokenizer":
-        return good, {"tokenizer": str(tmp_path / "no_such_tokenizer_dir")}, "could not be found"
+        return good, {"tokenizer": str(tmp_path / "no_such_tokenizer_dir")}, "no such folder"
     if case == "no tokenizer":
         return good, {}, "pass exactly one of --tokenizer"
     raise AssertionError(case)

@@ -11,36 +11,74 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def gpu_check(out: Path, *args: str, corpus: Path | None = None) -> subprocess.CompletedProcess:
+    data = ["--data", str(corpus)] if corpus else []
+    command = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), str(out), "--wheels", str(out / "no-wheels")]
+    return subprocess.run([*command, *data, *args], capture_output=True, text=True, timeout=900)
+
+
 @pytest.mark.launcher
 def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
     out = tmp_path / "check"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "gpu_check.py"),
-            str(out),
-            "--dry-run",
-            "--data",
-            str(corpus),
-            "--wheels",
-            str(tmp_path / "no-wheels"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = gpu_check(out, "--dry-run", "--work", str(tmp_path / "work"), corpus=corpus)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    # The plan, every part with its estimate, comes before the first part's result.
+    plan, _, results = done.stdout.partition("speed_gpt2_125m: done")
+    assert results and all(f"  {name}" in plan for name in ("speed_gpt2_125m", "precision", "pytest_gpu", "flops"))
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md", "logs.tar.gz"]
     figures = json.loads((out / "gpu_check.json").read_text())
-    assert [row["ok"] for row in figures["correctness"]] == [True]  # ZeRO-3 against ZeRO-0, 1e-5 relative
-    (memory,) = figures["memory"]
+    parts = figures["parts"]
+    assert list(parts) == [
+        "speed_gpt2_125m",
+        "precision",
+        "memory_gpt2_125m",
+        "pytest_gpu",
+        "doc_masking",
+        "published_family",
+        "correctness",
+        "attention",
+        "flops",
+    ]
+    assert parts["published_family"]["status"] == "skipped" and "issue 24" in parts["published_family"]["reason"]
+    assert {p["status"] for name, p in parts.items() if name != "published_family"} == {"done"}
+    assert all(p["estimated_s"] > 0 and p["seconds"] >= 0 for p in parts.values())
+    assert [row["ok"] for row in parts["precision"]["rows"]] == [True]  # bf16 against fp32, 1e-2 relative
+    assert [row["ok"] for row in parts["correctness"]["rows"]] == [True]  # ZeRO-3 against ZeRO-0, 1e-5 relative
+    assert [row["ok"] for row in parts["doc_masking"]["rows"]] == [True]
+    (memory,) = parts["memory_gpt2_125m"]["rows"]
     assert memory["status"] == "ok" and memory["measured_gib"] > 0 and memory["estimated_gib"] > 0
-    (speed,) = figures["speed"]
+    (speed,) = parts["speed_gpt2_125m"]["rows"]
     assert speed["status"] == "ok" and speed["tokens_per_s"] > 0
-    assert figures["flops"][0]["ratio"] == pytest.approx(1.0, abs=1e-3)  # ours against DeepSpeed's profiler
-    assert {row["kernel"] for row in figures["attention"]} <= {"flash", "memory-efficient", "cudnn", "math"}
+    assert parts["flops"]["rows"][0]["ratio"] == pytest.approx(1.0, abs=1e-3)  # ours against DeepSpeed's profiler
+    assert {row["kernel"] for row in parts["attention"]["rows"]} <= {"flash", "memory-efficient", "cudnn", "math"}
     report = (out / "gpu_check.md").read_text()
-    for title in ("Correctness", "Peak device memory", "Speed", "Attention kernels", "FLOPs per token"):
+    for title in (
+        "Speed and MFU of gpt2-125m",
+        "bf16 and fp16 with FusedAdam",
+        "Peak device memory",
+        "FLOPs per token",
+    ):
         assert f"## {title}" in report
+
+
+@pytest.mark.launcher
+def test_the_gpu_check_skips_what_was_measured_and_what_does_not_fit(tmp_path, corpus):
+    earlier = tmp_path / "earlier.json"
+    measured = {"status": "done", "rows": [{"check": "bf16 FusedAdam", "ok": True}], "seconds": 80.0}
+    earlier.write_text(json.dumps({"started": "2026-11-30 10:00 UTC", "parts": {"precision": measured}}))
+    out = tmp_path / "check"
+    args = ["--parts", "precision", "flops", "--skip-done", str(earlier), "--budget-s", "0"]
+    done = gpu_check(out, *args, corpus=corpus)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "precision          done on 2026-11-30 10:00 UTC: skipped" in done.stdout
+    parts = json.loads((out / "gpu_check.json").read_text())["parts"]
+    assert parts["precision"] == {**measured, "measured": "2026-11-30 10:00 UTC"}  # carried over whole
+    assert parts["flops"]["status"] == "skipped" and "of the budget left" in parts["flops"]["reason"]
+
+    earlier.write_text("{not json")
+    refused = gpu_check(out, "--skip-done", str(earlier))
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [refused.stderr.strip()] and str(earlier) in refused.stderr
 
 
 @pytest.mark.deepspeed_defect(

@@ -139,6 +139,42 @@ class Recipe:
         return Path(self.run_dir or f"runs/{self.name}")
 
 
+# run_dir/recipe.yaml records the launch beside the recipe: the working directory and where each path the recipe
+# names resolved to there, {"cwd": "/abs", "paths": {"data.sources[0].path": "/abs/data/x", ...}}. Relative paths
+# keep meaning "relative to where you launch"; the record lets `dstrain eval` of a run find its data from anywhere.
+# load_recipe drops it, so a run's recipe.yaml launches again as it is.
+LAUNCH_KEY = "launch"
+
+
+def recipe_paths(recipe: Recipe) -> dict[str, str]:
+    """{dotted key: path as written} of every file or folder a recipe names."""
+    paths = {f"data.sources[{i}].path": s.path for i, s in enumerate(recipe.data.sources)}
+    if recipe.data.tokenizer:
+        paths["data.tokenizer"] = recipe.data.tokenizer
+    if recipe.init_from:
+        paths["init_from"] = recipe.init_from
+    return paths
+
+
+def launch_record(recipe: Recipe) -> dict:
+    """The launch record of LAUNCH_KEY: the working directory and each recipe path that exists there, absolute
+    (a tokenizer or init_from that names a Hub model has none)."""
+    cwd = Path.cwd()
+    resolved = {key: (cwd / path).resolve() for key, path in recipe_paths(recipe).items()}
+    return {"cwd": str(cwd), "paths": {key: str(path) for key, path in resolved.items() if path.exists()}}
+
+
+def read_launch(recipe_file: str | Path) -> dict[str, str]:
+    """{dotted key: absolute path at launch} recorded in a run's recipe.yaml; empty for runs from before."""
+    try:
+        raw = yaml.safe_load(Path(recipe_file).read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    launch = raw.get(LAUNCH_KEY) if isinstance(raw, dict) else None
+    paths = launch.get("paths") if isinstance(launch, dict) else None
+    return {str(k): str(v) for k, v in paths.items()} if isinstance(paths, dict) else {}
+
+
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read a recipe file, apply ``key=value`` overrides, and validate everything."""
     path = Path(path)
@@ -156,6 +192,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
         raise DstrainError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
     if not isinstance(raw, dict):
         raise DstrainError(f"{path}: a recipe is a YAML mapping of sections (model, data, train, ...)")
+    raw.pop(LAUNCH_KEY, None)  # what a run folder's recipe.yaml recorded of its launch: not a setting
     for item in overrides:
         apply_override(raw, item, path)
     refuse_moved_keys(raw, path)

@@ -1,6 +1,8 @@
 """The run folder: every file a run leaves in its ``run_dir``, and the names of its checkpoints, in one place.
 
-recipe.yaml, ds_config.json   what the run resolved (the recipe, the complete ds_config)
+recipe.yaml, ds_config.json   what the run resolved (the recipe, the complete ds_config); recipe.yaml also records
+                              the launch: its working directory and where the recipe's paths resolved there
+tokenizer/                    the tokenizer of the run's data, copied at its start: export, generate and eval read it
 metrics.jsonl, summary.json   one record per logged step / evaluation / event; the run's outcome
 checkpoints/global_step<N>/   DeepSpeed's checkpoint of step N, and `latest` naming the newest
 logs/rank<r>.log, loss.png    each rank's full output; train and valid loss with the learning rate
@@ -41,6 +43,7 @@ class RunDir:
         "summary.json",
         "recipe.yaml",
         "ds_config.json",
+        "tokenizer",
         "logs",
         "loss.png",
         "tensorboard",
@@ -58,6 +61,10 @@ class RunDir:
     @property
     def ds_config(self) -> Path:
         return self.root / "ds_config.json"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.root / "tokenizer"
 
     @property
     def metrics(self) -> Path:

@@ -1,6 +1,7 @@
 """`dstrain eval`: loss and perplexity of a run's checkpoint or a Hugging Face model over a prepared split.
 
     dstrain eval runs/tiny                              # the run's valid split, exactly as its trainer evaluates
+                                                        #   (its data where the run's launch found it)
     dstrain eval runs/tiny --samples 32                 # the first 32 samples only (a run's train.eval_samples)
     dstrain eval hf/tiny --data data/pydocs --seq-len 256 --micro-batch 8
     torchrun --nproc_per_node 8 -m dstrain eval runs/gpt2-125m      # or: deepspeed --module dstrain eval ...
@@ -68,10 +69,15 @@ def evaluate(args: argparse.Namespace) -> dict:
         if value is not None and value <= 0:  # before anything is read; the run's own values are validated
             raise DstrainError(f"{flag} {value}: must be positive")
     run = RunDir(Path(args.model))
-    if args.data and run.recipe.is_file():  # before the checkpoint is read
+    sources = [(args.data, 1.0)] if args.data else None
+    if run.recipe.is_file():  # before the checkpoint is read
         from dstrain.config import load_recipe
 
-        _check_run_tokenizer(args.data, args.model, load_recipe(run.recipe))
+        run_recipe = load_recipe(run.recipe)
+        if args.data:
+            _check_run_tokenizer(args.data, args.model, run_recipe)
+        else:
+            sources = _run_sources(args.model, run_recipe)
     config, state, recipe = load_model_source(args.model, args.tag)
     if recipe is None and not args.data:
         raise DstrainError(f"{args.model} is a Hugging Face model folder; name the prepared data with --data DIR")
@@ -81,10 +87,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     )
     seq_len = _first(args.seq_len, recipe and recipe.data.seq_len, config.max_seq_len)
     micro = _first(args.micro_batch, recipe and _run_micro_batch(Path(args.model)), DEFAULT_MICRO_BATCH)
-    if args.data:
-        sources = [(args.data, 1.0)]
-    else:
-        sources = [(s.path, s.weight) for s in recipe.data.sources]
+    assert sources is not None  # a run names its data, a Hugging Face folder needs --data (refused above)
     _check_data(sources[0][0], args.model, config, recipe)
     if config.position_limit and seq_len > config.position_limit:
         raise DstrainError(f"--seq-len {seq_len} exceeds the model's {config.position_limit} positions; lower it")
@@ -156,20 +159,38 @@ def _check_data(folder: str, model: str, config: GPTConfig, recipe: Recipe | Non
 
 
 def _check_run_tokenizer(folder: str, run: str, recipe) -> None:
-    """--data was prepared with the tokenizer of the run's data: equal vocabulary sizes are no proof, hashes are."""
-    from dstrain.data.tokenizer import TOKENIZER_DIR, check_same_tokenizer, verify_tokenizer
+    """--data was prepared with the run's tokenizer: equal vocabulary sizes are no proof, hashes are."""
+    from dstrain.data.manifest import read_manifest
+    from dstrain.data.tokenizer import load_run_tokenizer, tokenizer_hash
 
-    trained = recipe.data.sources[0].path
-    if Path(trained, "manifest.json").is_file():
-        check_same_tokenizer(
-            trained,
-            [folder],
-            f"prepare it with --tokenizer {Path(trained) / TOKENIZER_DIR}",
-            where="--data ",
-            reference_name=f"the run {run} was trained on ({trained})",
+    theirs = read_manifest(folder)["tokenizer"]["hash"]
+    ours = tokenizer_hash(load_run_tokenizer(run, recipe.data))
+    if ours != theirs:
+        raise DstrainError(
+            f"--data {folder} was prepared with another tokenizer than the run {run} was trained with (hash "
+            f"{theirs}, not {ours}); prepare it with --tokenizer {RunDir(Path(run)).tokenizer}"
         )
-    elif recipe.data.tokenizer:  # the run's data is gone: its recipe may still name the tokenizer
-        verify_tokenizer(folder, recipe.data.tokenizer)
+
+
+def _run_sources(run: str, recipe) -> list[tuple[str, float]]:
+    """The run's data sources where its launch found them (a relative path meant: relative to where it was launched);
+    for runs from before that was recorded, as the recipe wrote them."""
+    from dstrain.config import read_launch
+    from dstrain.data.manifest import MANIFEST_NAME
+
+    launch = read_launch(RunDir(Path(run)).recipe)
+    sources = []
+    for i, source in enumerate(recipe.data.sources):
+        at_launch = launch.get(f"data.sources[{i}].path")
+        found = next((c for c in (at_launch, source.path) if c and Path(c, MANIFEST_NAME).is_file()), None)
+        if found is None:
+            where = f"{at_launch}, where the run was launched with {source.path}" if at_launch else source.path
+            raise DstrainError(
+                f"the data of run {run} is gone from {where}; pass --data <folder> (its new place, or other data "
+                f"prepared with the run's tokenizer, {RunDir(Path(run)).tokenizer})"
+            )
+        sources.append((found, source.weight))
+    return sources
 
 
 def _run_micro_batch(run_dir: Path) -> int | None:

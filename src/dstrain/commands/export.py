@@ -4,7 +4,8 @@ starts training from one: dstrain.train.engine.load_init_from).
     dstrain export runs/tiny --out hf/tiny                  # newest complete checkpoint
     dstrain export runs/tiny --tag global_step200 --out hf/tiny-200
 
-The folder holds config.json, model.safetensors and the run's tokenizer. The weights are the fp32 master
+The folder holds config.json, model.safetensors and the run's tokenizer (the run folder's own tokenizer/: nothing
+outside the run folder is read). The weights are the fp32 master
 weights wherever the checkpoint holds them apart from the module's (bf16 runs: ZeRO's or BF16_Optimizer's
 partitions), else the module's own (fp32 runs); `--dtype bf16` writes them rounded to bf16; llama-flavour models
 become LlamaForCausalLM, gpt2-flavour ones GPT2LMHeadModel (dstrain.model.hf), so
@@ -46,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     from dstrain.model.hf import to_hf_model
 
     recipe, tag_dir = load_run(args.run_dir, args.tag)
-    tokenizer = load_run_tokenizer(recipe.data)
+    tokenizer = load_run_tokenizer(args.run_dir, recipe.data)
     model = to_hf_model(recipe.model, consolidated_state_dict(tag_dir, recipe.model), tokenizer)
     model.to(torch.float32 if args.dtype == "fp32" else torch.bfloat16)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

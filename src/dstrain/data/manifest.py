@@ -43,8 +43,10 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a prepared folder; a one-line DstrainError if there is none."""
     path = Path(folder) / MANIFEST_NAME
     if not path.is_file():
+        where = "" if Path(folder).is_absolute() else f" (relative to the working directory: {path.resolve()})"
         raise DstrainError(
-            f"{path}: no manifest, so {folder} holds no prepared data; run `dstrain prepare --out {folder} ...` first"
+            f"{path}: no manifest{where}, so {folder} holds no prepared data; name the folder `dstrain prepare` "
+            f"wrote (moved data: its new path), or run `dstrain prepare --out {folder} ...` first"
         )
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))

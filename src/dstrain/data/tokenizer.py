@@ -30,17 +30,34 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
+def is_hub_name(name: str) -> bool:
+    """Whether ``name`` can be a Hub model id ("gpt2", "org/name"); "data/x/tokenizer", "./tok", "/abs" cannot."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def load_tokenizer(name_or_dir: str, flag: str = "--tokenizer"):
     """A fast (Rust-backed) Hugging Face tokenizer with an EOS token, or a one-line DstrainError."""
     from transformers import AutoTokenizer
 
+    if not Path(name_or_dir).exists() and not is_hub_name(name_or_dir):
+        raise DstrainError(
+            f"tokenizer {name_or_dir} ({flag}): no such folder (relative paths are relative to the working "
+            f"directory, {Path.cwd()}); pass the folder's path from here, or an absolute one"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_dir)
     except (OSError, ValueError, KeyError) as e:
         where = "locally (offline: HF_HUB_OFFLINE=1)" if _offline() else "locally or on the Hugging Face Hub"
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        no_folder = f"is no folder under {Path.cwd()} and " if "/" in name_or_dir else ""
         raise DstrainError(
-            f"tokenizer {name_or_dir!r} ({flag}) could not be found {where}: {reason[:200]}; "
+            f"tokenizer {name_or_dir!r} ({flag}) {no_folder}could not be found {where}: {reason[:200]}; "
             f"pass a local tokenizer folder, download it first (`hf download {name_or_dir}`), or use --train-tokenizer"
         ) from None
     if getattr(tokenizer, "backend_tokenizer", None) is None:
@@ -143,5 +160,52 @@ def run_tokenizer_dir(data) -> Path:
     return Path(data.tokenizer or Path(data.sources[0].path) / TOKENIZER_DIR)
 
 
-def load_run_tokenizer(data):
-    return load_tokenizer(str(run_tokenizer_dir(data)), flag="the run's tokenizer")
+def copy_run_tokenizer(data, dest: Path) -> None:
+    """At a run's start: the tokenizer of its data into ``dest`` (run_dir/tokenizer), so the run folder alone can be
+    exported, evaluated and sampled from. A folder is copied byte for byte; a Hub name is saved from the cache."""
+    source = run_tokenizer_dir(data)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if source.is_dir():
+        shutil.copytree(source, tmp)
+    else:
+        load_tokenizer(str(source), flag="data.tokenizer").save_pretrained(tmp)
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+
+
+def check_run_tokenizer(run_tokenizer: Path, manifest_dir: str) -> None:
+    """On resume: the tokenizer the run started with is the one its data (now) was prepared with."""
+    expected = read_manifest(manifest_dir)["tokenizer"]["hash"]
+    actual = tokenizer_hash(load_tokenizer(str(run_tokenizer), flag="the run's tokenizer"))
+    if actual != expected:
+        raise DstrainError(
+            f"{run_tokenizer} (hash {actual}), the tokenizer this run started with, is not the one {manifest_dir} "
+            f"was prepared with (manifest.json tokenizer.hash {expected}); point data.sources at the run's data, "
+            f"or set run_dir=<new folder>"
+        )
+
+
+def load_run_tokenizer(run_dir: str | os.PathLike, data):
+    """The run folder's own tokenizer/; for runs from before it was copied there, the data's, where the run's
+    launch found it (recorded in its recipe.yaml) or, failing that, as the recipe wrote it."""
+    from dstrain.config import read_launch
+
+    own = Path(run_dir) / TOKENIZER_DIR
+    if own.is_dir():
+        return load_tokenizer(str(own), flag="the run's tokenizer")
+    launch = read_launch(Path(run_dir) / "recipe.yaml")
+    written = str(run_tokenizer_dir(data))
+    at_launch = launch.get("data.tokenizer") if data.tokenizer else launch.get("data.sources[0].path")
+    recorded = str(Path(at_launch) / TOKENIZER_DIR) if at_launch and not data.tokenizer else at_launch
+    for candidate in (recorded, written):
+        if candidate and Path(candidate).is_dir():
+            return load_tokenizer(candidate, flag="the run's tokenizer")
+    if data.tokenizer and is_hub_name(data.tokenizer):
+        return load_tokenizer(data.tokenizer, flag="the run's data.tokenizer")
+    where = f" (at launch {recorded})" if recorded and recorded != written else ""
+    raise DstrainError(
+        f"{own}: no such folder (the run predates run folders that carry their tokenizer) and the tokenizer of "
+        f"its data, {written}{where}, is gone too; copy the tokenizer/ folder of the run's data to {own}"
+    )

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from dstrain.config import Recipe, load_recipe, to_dict
+from dstrain.config import LAUNCH_KEY, Recipe, launch_record, load_recipe, to_dict
 from dstrain.errors import DstrainError, OneLineArgumentParser
 from dstrain.run_dir import RunDir, step_of
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
@@ -205,7 +205,11 @@ def claim_run_dir(run_dir: Path, recipe: Recipe, strategy: Strategy, tag: str | 
     if tag is None:
         move_previous_run(run_dir)
     files = RunDir(run_dir)
-    files.recipe.write_text(yaml.safe_dump(to_dict(recipe), sort_keys=False))
+    files.recipe.write_text(yaml.safe_dump({**to_dict(recipe), LAUNCH_KEY: launch_record(recipe)}, sort_keys=False))
+    if tag is None or not files.tokenizer.is_dir():  # a run from before run folders carried their tokenizer
+        from dstrain.data.tokenizer import copy_run_tokenizer
+
+        copy_run_tokenizer(recipe.data, files.tokenizer)
     files.ds_config.write_text(json.dumps(strategy.ds_config, indent=2) + "\n")
     from dstrain.metrics import drop_records_after
 
@@ -259,8 +263,11 @@ def checked_inputs(args: argparse.Namespace):
     check_run_dir(recipe, args.recipe, recipe.output_dir, tag, args.resume, fingerprint)
     if tag:
         from dstrain.checkpoint import nvme
+        from dstrain.data.tokenizer import check_run_tokenizer
 
         nvme.check_resume(RunDir(recipe.output_dir).checkpoints / tag, strategy)
+        if RunDir(recipe.output_dir).tokenizer.is_dir():
+            check_run_tokenizer(RunDir(recipe.output_dir).tokenizer, recipe.data.sources[0].path)
     return recipe, strategy, fingerprint, tag
 
 
