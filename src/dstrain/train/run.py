@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def checked_inputs(args: argparse.Namespace):
-    """(recipe, strategy, data fingerprint, checkpoint tag to resume or None): every input checked, nothing written."""
+    """(recipe, strategy, data fingerprint, checkpoint tag to resume or None, the train.tasks' items): every input
+    checked, nothing written."""
     recipe = load_recipe(args.recipe, args.overrides)
     strategy = resolve(
         recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, world_size_from_env()
@@ -265,13 +266,20 @@ def checked_inputs(args: argparse.Namespace):
         from dstrain.checkpoint import nvme
 
         nvme.check_resume(RunDir(recipe.output_dir).checkpoints / tag, strategy)
-    return recipe, strategy, fingerprint, tag
+    from dstrain.tasks.loading import load_tasks
+
+    return recipe, strategy, fingerprint, tag, load_tasks(recipe.train.tasks, args.recipe)
 
 
 def train(args: argparse.Namespace) -> int:
-    recipe, strategy, fingerprint, tag = checked_inputs(args)
+    recipe, strategy, fingerprint, tag, task_items = checked_inputs(args)
     run_dir = recipe.output_dir
     import torch
+
+    from dstrain.data.tokenizer import load_run_tokenizer
+    from dstrain.tasks import scoring
+
+    tasks = scoring.prepare(task_items, load_run_tokenizer(recipe.data), recipe.model.max_seq_len) if task_items else []
 
     from dstrain.data.dataset import build_dataset, build_valid_sets
     from dstrain.train import distributed
@@ -309,7 +317,7 @@ def train(args: argparse.Namespace) -> int:
         load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)
     engine = build_engine(recipe, strategy, model)
     trainer = Trainer(
-        recipe, strategy, engine, train_data, valid_sets, run_dir, fingerprint, identity(recipe, fingerprint)
+        recipe, strategy, engine, train_data, valid_sets, run_dir, fingerprint, identity(recipe, fingerprint), tasks
     )
     if tag:
         trainer.resume(tag)
