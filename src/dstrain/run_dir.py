@@ -4,6 +4,7 @@ recipe.yaml, ds_config.json   what the run resolved (the recipe, the complete ds
 metrics.jsonl, summary.json   one record per logged step / evaluation / event; the run's outcome
 checkpoints/global_step<N>/   DeepSpeed's checkpoint of step N, and `latest` naming the newest
 logs/rank<r>.log, loss.png    each rank's full output; train and valid loss with the learning rate
+tasks.png                     the train.tasks' accuracies at each evaluation (runs with train.tasks)
 hang/rank<r>.txt              every thread's stack of each rank when the hang watchdog fired, the stuck ranks named
 previous/<UTC time>/          an earlier run's files, moved aside by `--resume none`
 """
@@ -43,6 +44,7 @@ class RunDir:
         "ds_config.json",
         "logs",
         "loss.png",
+        "tasks.png",
         "tensorboard",
         "csv",
         "hang",
@@ -74,6 +76,10 @@ class RunDir:
     @property
     def loss_plot(self) -> Path:
         return self.root / "loss.png"
+
+    @property
+    def tasks_plot(self) -> Path:
+        return self.root / "tasks.png"
 
     @property
     def previous(self) -> Path:

@@ -244,6 +244,7 @@ def read_run(run_dir: Path, ds_file: str | None = None) -> Row:
         row.mem_peak_gib = max(peaks) / GIB if peaks else None
     if evals:
         row.valid_loss = evals[-1]["loss"]
+        row.tasks = task_summary(evals[-1])
     summary = files.summary
     if summary.is_file():
         row.status = json.loads(summary.read_text()).get("status", "incomplete")
@@ -255,6 +256,15 @@ def read_run(run_dir: Path, ds_file: str | None = None) -> Row:
     elif not row.ok:
         row.status, row.reason = "missing", f"{run_dir} holds no log and no summary.json"
     return row
+
+
+def task_summary(record: dict) -> str:
+    """``hellaswag 0.312/0.344, lambada 0.050``: an eval record's task accuracies (acc/acc_norm)."""
+    parts = []  # the keys of metrics.task_names (dstrain.metrics loads torch, which compare does not)
+    for name in [key.split("/")[1] for key in record if key.startswith("task/") and key.endswith("/acc")]:
+        norm = record.get(f"task/{name}/acc_norm")
+        parts.append(f"{name} {record[f'task/{name}/acc']:.3f}" + ("" if norm is None else f"/{norm:.3f}"))
+    return ", ".join(parts)
 
 
 def add_estimates(
