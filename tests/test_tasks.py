@@ -205,3 +205,42 @@ def test_lm_eval_builds_the_requests_we_build(referee, tmp_path):
     for fmt in FORMATS:
         ours = [list(CONVERTERS[fmt](doc).requests) for doc in task_docs(fmt, 14)[:12]]
         assert [[(c, x) for c, x, *_ in item] for item in theirs[fmt]] == ours
+
+
+VALID = {"split": "valid", "loss": 5.0, "ppl": 148.4, "samples": 8, "tasks_s": 1.25, "duration_s": 2.0}
+TASKS_AT = {
+    2: {"task/piqa/acc": 0.5, "task/piqa/acc_norm": 0.25, "task/piqa/samples": 4, "task/lambada/acc": 0.0},
+    4: {"task/piqa/acc": 0.75, "task/piqa/acc_norm": 0.5, "task/piqa/samples": 4, "task/lambada/acc": 0.25},
+}
+
+
+def write_run(run_dir):
+    run_dir.mkdir()
+    lines = [{"step": s, "loss": 5.0, "lr": 1e-3} for s in (1, 2, 3, 4)]
+    lines += [{"step": s, **VALID, **numbers} for s, numbers in TASKS_AT.items()]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed"}))
+
+
+def test_the_eval_line_names_each_tasks_accuracies(tmp_path, capsys):
+    from dstrain.metrics import MetricsLog
+
+    MetricsLog(tmp_path, True, 4).print_eval({"step": 4, **VALID, **TASKS_AT[4]})
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "eval step 4 | valid loss 5.0000 | ppl 148.40 | piqa acc 0.750 norm 0.500 | lambada acc 0.250 | tasks 1.2s"
+    )
+
+
+def test_tasks_png_beside_loss_png_and_the_compare_row(tmp_path):
+    from dstrain.commands.compare import read_run
+    from dstrain.train.plot import read_task_curves, try_plot_run
+
+    write_run(tmp_path / "zero1")
+    assert try_plot_run(tmp_path / "zero1") == tmp_path / "zero1" / "loss.png"
+    assert (tmp_path / "zero1" / "tasks.png").stat().st_size > 0
+    assert read_task_curves(tmp_path / "zero1" / "metrics.jsonl") == {
+        "piqa/acc": [(2, 0.5), (4, 0.75)],
+        "piqa/acc_norm": [(2, 0.25), (4, 0.5)],
+        "lambada/acc": [(2, 0.0), (4, 0.25)],
+    }
+    assert read_run(tmp_path / "zero1").tasks == "piqa 0.750/0.500, lambada 0.250"
