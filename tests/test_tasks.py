@@ -244,3 +244,17 @@ def test_tasks_png_beside_loss_png_and_the_compare_row(tmp_path):
         "lambada/acc": [(2, 0.0), (4, 0.25)],
     }
     assert read_run(tmp_path / "zero1").tasks == "piqa 0.750/0.500, lambada 0.250"
+
+
+def test_requests_are_padded_to_their_own_bucket():
+    """A request's shape depends on its own length only (so its numbers do not depend on its neighbours or on the
+    number of replicas); multiples of the SP size, within the model's length."""
+    import torch
+
+    from dstrain.tasks.scoring import BUCKET, Layout, lengths
+
+    rows = [([1] * n, 1) for n in (2, BUCKET + 1, BUCKET + 2, 3 * BUCKET, 10 * BUCKET)]
+    layout = Layout(replica=0, replicas=2, micro=4, max_len=4 * BUCKET, device=torch.device("cpu"))
+    assert lengths(rows, layout) == {BUCKET: [0, 1], 2 * BUCKET: [2], 3 * BUCKET: [3], 4 * BUCKET: [4]}
+    sp3 = Layout(replica=0, replicas=1, micro=4, max_len=100, device=torch.device("cpu"), multiple_of=3)
+    assert lengths(rows, sp3) == {66: [0, 1, 2], 99: [3, 4]}  # steps of 66, up to 99 = 100 - 100 % 3

@@ -6,8 +6,9 @@ family's framing: Llama's BOS, none for GPT-2) and the context's tokens are cut 
 is the BOS (else EOS) token; the last ``max_len`` + 1 tokens are kept. The log-likelihood is the sum over the
 continuation of log_softmax(logits) in fp32; ``greedy``: every continuation token is the argmax.
 
-Requests of one task are padded on the right to one length (the task's longest, so that a request's numbers do not
-depend on its neighbours) and split among the data-parallel replicas in a fixed order (request j to replica
+Each request is padded on the right to its length rounded up to a multiple of ``BUCKET`` tokens: its shape, and so
+its numbers, depend on itself alone, not on the requests beside it in a forward or on the number of replicas. The
+requests of one length are split among the data-parallel replicas in a fixed order (the j-th to replica
 j mod replicas, ``micro`` per forward; every rank makes the same number of forwards, as ZeRO-3 and the pipeline
 need). Each rank that sees the whole result of a forward adds (log-likelihood, misses, 1) to its rows of one
 float64 table; one all-reduce over the world gathers it, and the counts undo the model-parallel copies.
@@ -90,10 +91,31 @@ def prepare(tasks: Sequence[tuple[str, list[Item]]], tokenizer, max_len: int) ->
     return [PreparedTask(name, items, request_rows(tokenizer, items, max_len)) for name, items in tasks]
 
 
-def padded_length(rows, max_len: int, multiple_of: int) -> int:
-    """The task's longest input, rounded up to ``multiple_of`` (the sequence-parallel size), within ``max_len``."""
-    longest = max(len(tokens) - 1 for tokens, _ in rows)
-    return min(math.ceil(longest / multiple_of) * multiple_of, max_len - max_len % multiple_of)
+@dataclass
+class Layout:
+    """How the scorer's forwards are spread: ``replica`` of ``replicas`` data-parallel replicas, ``micro`` requests
+    per forward, lengths a multiple of ``multiple_of`` (the sequence-parallel size) within ``max_len`` tokens."""
+
+    replica: int
+    replicas: int
+    micro: int
+    max_len: int
+    device: torch.device
+    multiple_of: int = 1
+
+
+BUCKET = 64  # tokens: a request costs at most BUCKET - 1 padded positions
+
+
+def lengths(rows, layout: Layout) -> dict[int, list[int]]:
+    """{padded length: the indices of its requests}, shortest first; lengths are multiples of ``multiple_of`` (the
+    sequence-parallel size) within ``max_len`` (a longer request keeps its last tokens, as lm-eval's does)."""
+    step = math.ceil(BUCKET / layout.multiple_of) * layout.multiple_of
+    limit = layout.max_len - layout.max_len % layout.multiple_of
+    groups: dict[int, list[int]] = {}
+    for index, (tokens, _) in enumerate(rows):
+        groups.setdefault(min(math.ceil((len(tokens) - 1) / step) * step, limit), []).append(index)
+    return dict(sorted(groups.items()))
 
 
 def batch_of(rows, indices: Sequence[int], length: int, micro: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,47 +133,34 @@ def batch_of(rows, indices: Sequence[int], length: int, micro: int, device) -> t
     return inputs.to(device), targets.to(device)
 
 
-@dataclass
-class Layout:
-    """How the scorer's forwards are spread: ``replica`` of ``replicas`` data-parallel replicas, ``micro`` requests
-    per forward, lengths a multiple of ``multiple_of`` (the sequence-parallel size) within ``max_len`` tokens."""
-
-    replica: int
-    replicas: int
-    micro: int
-    max_len: int
-    device: torch.device
-    multiple_of: int = 1
-
-
-def score(rows, forward: Forward, layout: Layout) -> tuple[list[float], list[bool]]:
-    """(log-likelihoods, greedy flags) of every request, on every rank; a collective over the default group."""
-    length = padded_length(rows, layout.max_len, layout.multiple_of)
-    mine = list(range(layout.replica, len(rows), layout.replicas))
-    chunks = [mine[start : start + layout.micro] for start in range(0, len(mine), layout.micro)]
-    calls = math.ceil(math.ceil(len(rows) / layout.replicas) / layout.micro)
+def score(rows, forward: Forward, layout: Layout, new_length=None) -> tuple[list[float], list[bool]]:
+    """(log-likelihoods, greedy flags) of every request, on every rank; a collective over the default group.
+    ``new_length()`` runs before the forwards of each padded length (the pipeline resets its buffers)."""
     table = torch.zeros(len(rows), 3, dtype=torch.float64, device=layout.device)
-    for call in range(calls):
-        indices = chunks[min(call, len(chunks) - 1)] if chunks else [0]
-        stats = forward(*batch_of(rows, indices, length, layout.micro, layout.device))
-        if stats is not None and call < len(chunks):
-            table[indices, :2] += stats[: len(indices)].to(table.dtype)
-            table[indices, 2] += 1
+    for length, requests in lengths(rows, layout).items():
+        if new_length is not None:
+            new_length()
+        mine = requests[layout.replica :: layout.replicas]
+        chunks = [mine[start : start + layout.micro] for start in range(0, len(mine), layout.micro)]
+        calls = math.ceil(math.ceil(len(requests) / layout.replicas) / layout.micro)
+        for call in range(calls):
+            indices = chunks[min(call, len(chunks) - 1)] if chunks else requests[:1]
+            stats = forward(*batch_of(rows, indices, length, layout.micro, layout.device))
+            if stats is not None and call < len(chunks):
+                table[indices, :2] += stats[: len(indices)].to(table.dtype)
+                table[indices, 2] += 1
     torch.distributed.all_reduce(table)
     table = table.cpu()
     return (table[:, 0] / table[:, 2]).tolist(), (table[:, 1] == 0).tolist()
 
 
 @torch.no_grad()
-def evaluate(tasks: Sequence[PreparedTask], forward: Forward, layout: Layout, before_each=None) -> dict:
-    """Every task's metrics (``task/<name>/...``) and the seconds they took (``tasks_s``); ``before_each()``
-    runs before each task (the pipeline resets its buffers for the task's length)."""
+def evaluate(tasks: Sequence[PreparedTask], forward: Forward, layout: Layout, new_length=None) -> dict:
+    """Every task's metrics (``task/<name>/...``) and the seconds they took (``tasks_s``)."""
     start = time.perf_counter()
     metrics: dict = {}
     for task in tasks:
-        if before_each is not None:
-            before_each()
-        lls, greedy = score(task.rows, forward, layout)
+        lls, greedy = score(task.rows, forward, layout, new_length)
         metrics.update(task_metrics(task.name, task.items, lls, greedy))
     return {**metrics, "tasks_s": time.perf_counter() - start}
 

@@ -32,7 +32,7 @@ class TaskEvaluator:
         engine.eval()
         reset = engine.reset_activation_shape if self.trainer.pipeline else None
         try:
-            return scoring.evaluate(self.tasks, self._forward, self.layout, before_each=reset)
+            return scoring.evaluate(self.tasks, self._forward, self.layout, new_length=reset)
         finally:
             if reset is not None:
                 reset()  # the next train_batch sends its own shapes again
