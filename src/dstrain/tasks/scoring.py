@@ -104,7 +104,7 @@ class Layout:
     multiple_of: int = 1
 
 
-BUCKET = 64  # tokens: a request costs at most BUCKET - 1 padded positions
+BUCKET = 32  # tokens: a request costs at most BUCKET - 1 padded positions
 
 
 def lengths(rows, layout: Layout) -> dict[int, list[int]]:
