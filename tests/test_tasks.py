@@ -257,4 +257,5 @@ def test_requests_are_padded_to_their_own_bucket():
     layout = Layout(replica=0, replicas=2, micro=4, max_len=4 * BUCKET, device=torch.device("cpu"))
     assert lengths(rows, layout) == {BUCKET: [0, 1], 2 * BUCKET: [2], 3 * BUCKET: [3], 4 * BUCKET: [4]}
     sp3 = Layout(replica=0, replicas=1, micro=4, max_len=100, device=torch.device("cpu"), multiple_of=3)
-    assert lengths(rows, sp3) == {66: [0, 1, 2], 99: [3, 4]}  # steps of 66, up to 99 = 100 - 100 % 3
+    step = -(-BUCKET // 3) * 3  # the bucket rounded up to a multiple of 3, up to 99 = 100 - 100 % 3
+    assert lengths(rows, sp3) == {step: [0, 1, 2], 99: [3, 4]}
