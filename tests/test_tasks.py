@@ -259,3 +259,22 @@ def test_requests_are_padded_to_their_own_bucket():
     sp3 = Layout(replica=0, replicas=1, micro=4, max_len=100, device=torch.device("cpu"), multiple_of=3)
     step = -(-BUCKET // 3) * 3  # the bucket rounded up to a multiple of 3, up to 99 = 100 - 100 % 3
     assert lengths(rows, sp3) == {step: [0, 1, 2], 99: [3, 4]}
+
+
+def test_dstrain_eval_refuses_bad_task_arguments_in_one_line(tmp_path, capsys):
+    from dstrain.commands.cli import main
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (tmp_path / "tasks.yaml").write_text("- {name: p, format: piqa, path: p.jsonl, limt: 3}\n")
+    cases = [
+        (["eval", hf, "--harness"], "--harness scores downstream tasks: add --tasks [YAML]"),
+        (["eval", hf, "--tasks"], f"--tasks alone: {hf} is not a run with train.tasks; pass --tasks FILE.yaml"),
+        (["eval", hf, "--tasks", tmp_path / "none.yaml"], "none.yaml: no such file"),
+        (["eval", hf, "--tasks", tmp_path / "tasks.yaml"], "unknown key tasks[0].limt; did you mean tasks[0].limit?"),
+    ]
+    for argv, message in cases:
+        assert main([str(a) for a in argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert message in err[-1] and err[-1].startswith("dstrain: error: "), err

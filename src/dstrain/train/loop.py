@@ -357,7 +357,7 @@ class Trainer:
         with self.clock.paused("eval"):
             records = self.evaluate()
             if self.tasks is not None:  # downstream accuracies join the valid record
-                records[-1].update(self.tasks.evaluate())
+                next(r for r in records if r["split"] == "valid").update(self.tasks.evaluate())
         records[-1]["duration_s"] = time.perf_counter() - start
         self.progress.last_eval = records[-1]
         for record in records:
