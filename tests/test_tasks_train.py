@@ -111,7 +111,7 @@ def test_every_strategy_logs_the_same_accuracies(runs):
 @pytest.mark.parametrize("strategy", [*STRATEGIES, "ep2_zero1"])
 def test_dstrain_eval_gives_the_loops_numbers(runs, strategy):
     """`dstrain eval RUN --tasks` on the last checkpoint: the numbers of the loop's last evaluation, exactly."""
-    dirs, evaluated = runs
+    dirs, evaluated, _ = runs
     assert task_numbers(evaluated[strategy]) == task_numbers(evals(dirs[strategy])[-1])
 
 

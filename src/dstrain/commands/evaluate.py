@@ -216,6 +216,8 @@ def _task_configs(args: argparse.Namespace) -> tuple[list, str]:
 
 
 def _harness(args: argparse.Namespace, tasks: list) -> dict:
+    from importlib.metadata import version
+
     from dstrain.tasks.harness import run_harness
 
     if not (Path(args.model) / "config.json").is_file():
@@ -227,7 +229,7 @@ def _harness(args: argparse.Namespace, tasks: list) -> dict:
     micro = args.micro_batch or DEFAULT_MICRO_BATCH
     result = run_harness(str(args.model), tasks, micro, get_accelerator().current_device_name())
     result.pop("items")  # each request's log-likelihood: for tests/test_tasks.py, not for the console
-    return {"model": str(args.model), "harness": "lm-evaluation-harness", **result}
+    return {"model": str(args.model), "harness": f"lm-evaluation-harness {version('lm_eval')}", **result}
 
 
 def _check_data(folder: str, model: str, config, recipe) -> None:
