@@ -22,7 +22,7 @@ def corpus(tiny_corpus):
     return tiny_corpus
 
 
-KINDS = ("distributed", "launcher", "slurm", "gpu")
+KINDS = ("distributed", "launcher", "slurm", "gpu", "harness")
 
 
 def pytest_collection_modifyitems(items):

@@ -356,11 +356,11 @@ def test_deepspeed_leaks_the_pipeline_grid(runs):
 
 
 @pytest.mark.deepspeed_defect(
-    "PipelineEngine.eval_batch(reduce_output=None) breaks the monitor (train/loop.py::monitor_paused)"
+    "PipelineEngine.eval_batch(reduce_output=None) breaks the monitor (train/engine.py::monitor_paused)"
 )
 def test_deepspeed_pipeline_eval_monitor_defect(runs):
     """PipelineEngine.eval_batch(reduce_output=None) feeds its monitor/broadcast a list when a monitor is on;
-    loop.monitor_paused works around it. If this fails, drop the workaround."""
+    engine.monitor_paused works around it. If this fails, drop the workaround."""
     assert runs["results"]["pipeline_eval_with_monitor:monitor"] == ["AttributeError"] * 2
 
 

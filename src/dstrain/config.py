@@ -100,6 +100,20 @@ class WatchdogConfig:
 
 
 @dataclass
+class TaskConfig:
+    """A downstream task scored at each evaluation (dstrain.tasks; README "Downstream tasks"): its first ``limit``
+    items, each choice scored by the log-likelihood of its continuation, as lm-evaluation-harness scores them
+    zero-shot, with the run's tokenizer."""
+
+    name: str  # names its metrics: task/<name>/acc, task/<name>/acc_norm, task/<name>/samples
+    format: Literal["hellaswag", "arc", "piqa", "winogrande", "lambada"]  # the Hugging Face dataset format of its items
+    path: str  # a .jsonl file (one item a line, in that format) or a Hugging Face dataset id
+    subset: str | None = None  # Hub datasets only: the dataset's configuration, e.g. ARC-Easy
+    split: str = "validation"  # Hub datasets only: the split scored
+    limit: Positive | None = 200  # the first `limit` items, in the file's order; None = every item
+
+
+@dataclass
 class TrainConfig:
     global_batch: Positive  # samples per optimizer step, whatever the world size, micro-batch or accumulation
     steps: NonNegative | None = None  # optimizer steps; exactly one of steps / tokens
@@ -113,6 +127,7 @@ class TrainConfig:
     async_checkpoint: bool = False  # write checkpoints in the background from a host-memory snapshot
     spike_guard: SpikeGuardConfig = field(default_factory=SpikeGuardConfig)  # loss-spike rollback
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)  # hang watchdog
+    tasks: list[TaskConfig] = field(default_factory=list)  # downstream tasks scored at each evaluation
 
 
 @dataclass
@@ -327,6 +342,10 @@ def validate(recipe: Recipe, file: Path) -> None:
             f"{file}: data.seq_len={recipe.data.seq_len} exceeds model.max_seq_len={max_len}; "
             f"lower data.seq_len or raise model.max_seq_len"
         )
+    names = [task.name for task in t.tasks]
+    if len(set(names)) != len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        raise DstrainError(f"{file}: train.tasks names {twice!r} twice; give each task its own name")
     w = t.watchdog
     if w.floor_s > w.ceiling_s:
         raise DstrainError(

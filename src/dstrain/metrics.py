@@ -18,9 +18,10 @@ import json
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Required, TypedDict, cast
+from typing import Any, Required, TypedDict, cast
 
 from tqdm import tqdm
 
@@ -231,6 +232,20 @@ def _logged_step(line: str) -> float:
     return float("inf") if record is None else record["step"]
 
 
+def task_names(record: Mapping[str, Any]) -> list[str]:
+    """The downstream tasks an eval record holds (``task/<name>/acc``), in logged order."""
+    return [key.split("/")[1] for key in record if key.startswith("task/") and key.endswith("/acc")]
+
+
+def task_parts(record: Mapping[str, Any]) -> list[str]:
+    """The console's words for an eval record's tasks: ``hellaswag acc 0.312 norm 0.344``, then their time."""
+    parts = []
+    for name in task_names(record):
+        norm = record.get(f"task/{name}/acc_norm")
+        parts.append(f"{name} acc {record[f'task/{name}/acc']:.3f}" + ("" if norm is None else f" norm {norm:.3f}"))
+    return parts + ([f"tasks {record['tasks_s']:.1f}s"] if "tasks_s" in record else [])
+
+
 class MetricsLog:
     """metrics.jsonl (one object per log or eval) plus rank 0's console line; other ranks write nothing."""
 
@@ -270,10 +285,8 @@ class MetricsLog:
 
     def print_eval(self, record: dict) -> None:
         if self.enabled:
-            print(
-                f"eval step {record['step']} | {record['split']} loss {record['loss']:.4f} | ppl {record['ppl']:.2f}",
-                flush=True,
-            )
+            line = f"eval step {record['step']} | {record['split']} loss {record['loss']:.4f} | ppl {record['ppl']:.2f}"
+            print(line + "".join(f" | {part}" for part in task_parts(record)), flush=True)
 
     def note(self, line: str) -> None:
         """An event's console line (rank 0)."""

@@ -6,6 +6,7 @@ tokenizer/                    the tokenizer of the run's data, copied at its sta
 metrics.jsonl, summary.json   one record per logged step / evaluation / event; the run's outcome
 checkpoints/global_step<N>/   DeepSpeed's checkpoint of step N, and `latest` naming the newest
 logs/rank<r>.log, loss.png    each rank's full output; train and valid loss with the learning rate
+tasks.png                     the train.tasks' accuracies at each evaluation (runs with train.tasks)
 hang/rank<r>.txt              every thread's stack of each rank when the hang watchdog fired, the stuck ranks named
 previous/<UTC time>/          an earlier run's files, moved aside by `--resume none`
 """
@@ -46,6 +47,7 @@ class RunDir:
         "tokenizer",
         "logs",
         "loss.png",
+        "tasks.png",
         "tensorboard",
         "csv",
         "hang",
@@ -81,6 +83,10 @@ class RunDir:
     @property
     def loss_plot(self) -> Path:
         return self.root / "loss.png"
+
+    @property
+    def tasks_plot(self) -> Path:
+        return self.root / "tasks.png"
 
     @property
     def previous(self) -> Path:

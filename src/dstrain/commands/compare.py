@@ -23,11 +23,13 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from dstrain.commands.report import GIB, Row, plot_losses, plot_memory, plot_throughput, write_csv, write_markdown
 from dstrain.errors import DstrainError
-from dstrain.metrics import read_records
+from dstrain.metrics import read_records, task_names
 from dstrain.run_dir import RunDir
 
 LOG_NAME = "launcher.log"
@@ -231,6 +233,7 @@ def read_run(run_dir: Path, ds_file: str | None = None) -> Row:
         row.mem_peak_gib = max(peaks) / GIB if peaks else None
     if evals:
         row.valid_loss = evals[-1]["loss"]
+        row.tasks = task_summary(evals[-1])
     summary = files.summary
     if summary.is_file():
         row.status = json.loads(summary.read_text()).get("status", "incomplete")
@@ -242,6 +245,15 @@ def read_run(run_dir: Path, ds_file: str | None = None) -> Row:
     elif not row.ok:
         row.status, row.reason = "missing", f"{run_dir} holds no log and no summary.json"
     return row
+
+
+def task_summary(record: Mapping[str, Any]) -> str:
+    """``hellaswag 0.312/0.344, lambada 0.050``: an eval record's task accuracies (acc/acc_norm)."""
+    parts = []
+    for name in task_names(record):
+        norm = record.get(f"task/{name}/acc_norm")
+        parts.append(f"{name} {record[f'task/{name}/acc']:.3f}" + ("" if norm is None else f"/{norm:.3f}"))
+    return ", ".join(parts)
 
 
 def add_estimates(

@@ -49,11 +49,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="the data split's seed (default: the run's seed, else 1234)")
     parser.add_argument("--valid-fraction", type=float, help="default: the run's data.valid_fraction, else 0.01")
     parser.add_argument("--tag", help="checkpoint tag of a run (default: the newest complete)")
+    parser.add_argument(
+        "--tasks",
+        nargs="?",
+        const="",
+        metavar="YAML",
+        help="score downstream tasks instead of the loss: with no value the run's train.tasks, else a YAML file "
+        "holding a list of tasks in train.tasks' form (README: Downstream tasks)",
+    )
+    parser.add_argument(
+        "--harness",
+        action="store_true",
+        help="with --tasks, on a Hugging Face folder: score with lm-evaluation-harness's hf model instead "
+        "(pip install -e '.[harness]')",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    result = evaluate(args)
-    if torch.distributed.get_rank() == 0:
+    if args.tasks is not None:
+        result = evaluate_tasks(args)
+    elif args.harness:
+        raise DstrainError("--harness scores downstream tasks: add --tasks [YAML]")
+    else:
+        result = evaluate(args)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(json.dumps(result), flush=True)
     return 0
 
@@ -142,6 +161,82 @@ def _mean_loss(model, data, n: int, micro: int, device) -> tuple[float, int]:
     if sums[1] == 0:
         raise DstrainError(f"the split holds no samples to evaluate (n={n})")
     return (sums[0] / sums[1]).item(), int(sums[1].item())
+
+
+def evaluate_tasks(args: argparse.Namespace) -> dict:
+    """``--tasks``: the scorer of the training loop (dstrain.tasks.scoring) on a plain model, each rank one
+    data-parallel replica; with ``--harness``, lm-evaluation-harness's hf model on the Hugging Face folder."""
+    from dstrain.tasks.loading import load_tasks
+
+    tasks, where = _task_configs(args)
+    items = load_tasks(tasks, where)  # every task file checked before the model is read
+    if args.harness:
+        return _harness(args, tasks)
+    from dstrain.checkpoint.consolidate import load_model_source
+    from dstrain.data.tokenizer import load_run_tokenizer, load_tokenizer
+    from dstrain.model.gpt import GPT
+    from dstrain.tasks import scoring
+    from dstrain.train import distributed
+
+    config, state, recipe = load_model_source(args.model, args.tag)
+    tokenizer = (
+        load_run_tokenizer(args.model, recipe.data) if recipe else load_tokenizer(args.model, flag="the model folder")
+    )
+    micro = _first(args.micro_batch, recipe and _run_micro_batch(Path(args.model)), DEFAULT_MICRO_BATCH)
+    if micro <= 0:
+        raise DstrainError(f"--micro-batch {micro}: must be positive")
+    distributed.init()
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())
+    model = GPT(config)
+    model.load_state_dict(state, strict=True)
+    model.to(device).eval()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    layout = scoring.Layout(replica=rank, replicas=world, micro=micro, max_len=config.max_seq_len, device=device)
+
+    def forward(inputs, targets):
+        return scoring.continuation_stats(model(inputs), targets)
+
+    metrics = scoring.evaluate(scoring.prepare(items, tokenizer, config.max_seq_len), forward, layout)
+    return {"model": str(args.model), **metrics}
+
+
+def _task_configs(args: argparse.Namespace) -> tuple[list, str]:
+    """(the tasks, the file that names them): --tasks YAML, else the run's recipe's train.tasks."""
+    import yaml
+
+    from dstrain.config import TaskConfig, coerce, load_recipe
+
+    if args.tasks:
+        path = Path(args.tasks)
+        if not path.is_file():
+            raise DstrainError(f"--tasks {path}: no such file; pass a YAML list of tasks, or --tasks alone for a run's")
+        return coerce(list[TaskConfig], yaml.safe_load(path.read_text()), path, "tasks"), str(path)
+    run = RunDir(Path(args.model))
+    if not run.recipe.is_file():
+        raise DstrainError(f"--tasks alone: {args.model} is not a run with train.tasks; pass --tasks FILE.yaml")
+    recipe = load_recipe(run.recipe)
+    if not recipe.train.tasks:
+        raise DstrainError(f"{run.recipe} lists no train.tasks; pass --tasks FILE.yaml")
+    return recipe.train.tasks, str(run.recipe)
+
+
+def _harness(args: argparse.Namespace, tasks: list) -> dict:
+    from importlib.metadata import version
+
+    from dstrain.tasks.harness import run_harness
+
+    if not (Path(args.model) / "config.json").is_file():
+        raise DstrainError(
+            f"--harness scores a Hugging Face folder; export {args.model} first (dstrain export {args.model} --out DIR)"
+        )
+    from deepspeed.accelerator import get_accelerator
+
+    micro = args.micro_batch or DEFAULT_MICRO_BATCH
+    result = run_harness(str(args.model), tasks, micro, get_accelerator().current_device_name())
+    result.pop("items")  # each request's log-likelihood: for tests/test_tasks.py, not for the console
+    return {"model": str(args.model), "harness": f"lm-evaluation-harness {version('lm_eval')}", **result}
 
 
 def _check_data(folder: str, model: str, config: GPTConfig, recipe: Recipe | None) -> None:

@@ -40,6 +40,7 @@ class Row:
     final_loss: float | None = None  # the last logged training loss
     loss_diff: float | None = None  # final_loss minus the first config's
     valid_loss: float | None = None  # the final evaluation
+    tasks: str = ""  # the final evaluation's train.tasks: "<name> <acc>[/<acc_norm>]" each, comma-separated
     curve: list[tuple[int, float]] = field(default_factory=list, repr=False)  # (step, loss), not in the CSV
 
     @property
@@ -66,6 +67,7 @@ COLUMNS = [  # markdown header, Row attribute, format
     ("final loss", "final_loss", "{:.4f}"),
     ("Δ loss", "loss_diff", "{:+.2e}"),
     ("valid loss", "valid_loss", "{:.4f}"),
+    ("tasks acc/norm", "tasks", "{}"),
     ("status", "status", "{}"),
     ("reason", "reason", "{}"),
 ]

@@ -270,3 +270,16 @@ def load_init_from(model: torch.nn.Module, recipe, recipe_file: str | os.PathLik
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if rank == 0:
                     param.copy_(state[name])
+
+
+@contextlib.contextmanager
+def monitor_paused(engine):
+    """PipelineEngine.eval_batch(reduce_output=None) hands its monitor and its loss broadcast a list, or None off
+    the last stage, whenever the ds_config enables a monitor (DeepSpeed 0.19.8; tests/test_parallel.py::
+    test_deepspeed_pipeline_eval_monitor_defect). Our own eval record reaches the monitor through MetricsLog."""
+    enabled = engine.monitor.enabled
+    engine.monitor.enabled = False
+    try:
+        yield
+    finally:
+        engine.monitor.enabled = enabled

@@ -13,7 +13,6 @@ pipeline read the same samples.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -33,10 +32,11 @@ from dstrain.model.config import describe_params, flops_per_token
 from dstrain.model.gpt import lm_loss, token_loss_sum
 from dstrain.run_dir import RunDir
 from dstrain.train import sequence, tiling
-from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline
+from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline, monitor_paused
 from dstrain.train.heal import SpikeGuard, StepHealth, roll_back
 from dstrain.train.moe_metrics import MoEMeter
 from dstrain.train.stop import StopSignal
+from dstrain.train.task_eval import TaskEvaluator
 from dstrain.train.watchdog import NoWatchdog, Watchdog
 
 
@@ -47,24 +47,12 @@ class Progress:
     last_eval: dict = field(default_factory=dict)
 
 
-@contextlib.contextmanager
-def monitor_paused(engine):
-    """PipelineEngine.eval_batch(reduce_output=None) hands its monitor and its loss broadcast a list, or None off
-    the last stage, whenever the ds_config enables a monitor (DeepSpeed 0.19.8; tests/test_parallel.py::
-    test_deepspeed_pipeline_eval_monitor_defect). Our own eval record reaches the monitor through MetricsLog."""
-    enabled = engine.monitor.enabled
-    engine.monitor.enabled = False
-    try:
-        yield
-    finally:
-        engine.monitor.enabled = enabled
-
-
 class Trainer:
     def __init__(
-        self, recipe, strategy, engine, train_data, valid_sets, run_dir: Path, data_fingerprint, identity=None
+        self, recipe, strategy, engine, train_data, valid_sets, run_dir: Path, data_fingerprint, identity=None, tasks=()
     ):
-        """``valid_sets``: (name, weight, dataset) per data source (``dstrain.data.dataset.build_valid_sets``)."""
+        """``valid_sets``: (name, weight, dataset) per data source (``dstrain.data.dataset.build_valid_sets``);
+        ``tasks``: the recipe's train.tasks, prepared (``dstrain.tasks.scoring.prepare``)."""
         self.recipe, self.strategy, self.engine = recipe, strategy, engine
         self.train_data, self.valid_sets = train_data, valid_sets
         # Only DeepSpeed's groups know the pipeline/TP layout, so the data-parallel rank comes from them.
@@ -93,6 +81,7 @@ class Trainer:
         backend = get_accelerator().communication_backend_name()
         watch = recipe.train.watchdog
         self.watch = Watchdog(watch, run_dir, self.rank, self.world, backend) if watch.enabled else NoWatchdog()
+        self.tasks = TaskEvaluator(self, list(tasks)) if tasks else None
 
     # --- data -------------------------------------------------------------------------
     def _to_device(self, samples: list[int], data) -> dict:
@@ -367,6 +356,8 @@ class Trainer:
         start = time.perf_counter()
         with self.clock.paused("eval"):
             records = self.evaluate()
+            if self.tasks is not None:  # downstream accuracies join the valid record
+                next(r for r in records if r["split"] == "valid").update(self.tasks.evaluate())
         records[-1]["duration_s"] = time.perf_counter() - start
         self.progress.last_eval = records[-1]
         for record in records:

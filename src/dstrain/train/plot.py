@@ -1,4 +1,5 @@
-"""run_dir/loss.png: the train and valid loss and the learning rate of a run, drawn from its metrics.jsonl."""
+"""run_dir/loss.png: the train and valid loss and the learning rate of a run, drawn from its metrics.jsonl; and
+beside it, for a run with train.tasks, run_dir/tasks.png: each task's accuracy at each evaluation."""
 
 from __future__ import annotations
 
@@ -48,10 +49,53 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     return path
 
 
+def read_task_curves(metrics: Path) -> dict[str, list[tuple[float, float]]]:
+    """(step, value) lists of each ``task/<name>/acc`` and ``acc_norm`` of the ``valid`` records."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for record in read_records(metrics):
+        if record.get("split") != "valid":
+            continue
+        for key, value in record.items():
+            if key.startswith("task/") and key.endswith(("/acc", "/acc_norm")):
+                curves.setdefault(key.removeprefix("task/"), []).append((record["step"], value))
+    return curves
+
+
+def plot_tasks(run_dir: Path, title: str = "") -> Path | None:
+    """Write run_dir/tasks.png (acc solid, acc_norm dashed, one colour per task); None when no task was logged."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    curves = read_task_curves(RunDir(run_dir).metrics)
+    if not curves:
+        return None
+    fig = Figure(figsize=(8, 4))
+    ax = fig.subplots()
+    colours: dict[str, str] = {}
+    for key, points in curves.items():
+        name, metric = key.rsplit("/", 1)
+        colour = colours.setdefault(name, f"C{len(colours) % 10}")
+        style = "o-" if metric == "acc" else "s--"
+        ax.plot(*zip(*points), style, color=colour, label=f"{name} {metric}", markersize=4)
+    ax.set_ylabel("accuracy")
+    ax.set_xlabel("optimizer step")
+    ax.set_title(title or run_dir.name)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    path = RunDir(run_dir).tasks_plot
+    fig.savefig(path, dpi=100)
+    return path
+
+
 def try_plot_run(run_dir: Path, title: str = "") -> Path | None:
-    """plot_run, where a failure (no matplotlib, a broken metrics file) is a warning: a picture never fails a run."""
+    """plot_run (and plot_tasks), where a failure (no matplotlib, a broken metrics file) is a warning: a picture
+    never fails a run."""
     try:
-        return plot_run(run_dir, title)
+        path = plot_run(run_dir, title)
+        plot_tasks(run_dir, title)
+        return path
     except Exception as e:  # noqa: BLE001
         warnings.warn(f"could not draw {run_dir / 'loss.png'}: {type(e).__name__}: {e}", stacklevel=2)
         return None

@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def checked_inputs(args: argparse.Namespace):
-    """(recipe, strategy, data fingerprint, checkpoint tag to resume or None): every input checked, nothing written."""
+    """(recipe, strategy, data fingerprint, checkpoint tag to resume or None, the train.tasks' items): every input
+    checked, nothing written."""
     recipe = load_recipe(args.recipe, args.overrides)
     strategy = resolve(
         recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, env_world_size()
@@ -268,13 +269,21 @@ def checked_inputs(args: argparse.Namespace):
         nvme.check_resume(RunDir(recipe.output_dir).checkpoints / tag, strategy)
         if RunDir(recipe.output_dir).tokenizer.is_dir():
             check_run_tokenizer(RunDir(recipe.output_dir).tokenizer, recipe.data.sources[0].path)
-    return recipe, strategy, fingerprint, tag
+    from dstrain.tasks.loading import load_tasks
+
+    return recipe, strategy, fingerprint, tag, load_tasks(recipe.train.tasks, args.recipe)
 
 
 def train(args: argparse.Namespace) -> int:
-    recipe, strategy, fingerprint, tag = checked_inputs(args)
+    recipe, strategy, fingerprint, tag, task_items = checked_inputs(args)
     run_dir = recipe.output_dir
     import torch
+
+    from dstrain.data.tokenizer import load_tokenizer, run_tokenizer_dir
+    from dstrain.tasks import scoring
+
+    tokenizer = load_tokenizer(str(run_tokenizer_dir(recipe.data)), flag="data.tokenizer") if task_items else None
+    tasks = scoring.prepare(task_items, tokenizer, recipe.model.max_seq_len) if task_items else []
 
     from dstrain.data.dataset import build_dataset, build_valid_sets
     from dstrain.train import distributed
@@ -312,7 +321,7 @@ def train(args: argparse.Namespace) -> int:
         load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)
     engine = build_engine(recipe, strategy, model)
     trainer = Trainer(
-        recipe, strategy, engine, train_data, valid_sets, run_dir, fingerprint, identity(recipe, fingerprint)
+        recipe, strategy, engine, train_data, valid_sets, run_dir, fingerprint, identity(recipe, fingerprint), tasks
     )
     if tag:
         trainer.resume(tag)
