@@ -57,7 +57,7 @@ def read_task_curves(metrics: Path) -> dict[str, list[tuple[float, float]]]:
             continue
         for key, value in record.items():
             if key.startswith("task/") and key.endswith(("/acc", "/acc_norm")):
-                curves.setdefault(key.removeprefix("task/"), []).append((record["step"], value))
+                curves.setdefault(key.removeprefix("task/"), []).append((record["step"], float(value)))  # type: ignore[arg-type]
     return curves
 
 
