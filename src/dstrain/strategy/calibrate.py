@@ -1,8 +1,9 @@
 """``dstrain plan --calibrate``: the time model's Device for the machine it runs on, measured in a few seconds.
 
-The matmul rate is measured on the recipe's own shapes (tokens x d_model by d_model x ff_dim, fp32, with the
-threads each rank will have when ``ranks`` share this machine's cores) at two token counts, which fixes both the
-rate and the half-rate token count of ``Device.rate``. The collective bandwidth is an all-reduce of 16 MiB between
+The compute rate is measured on the recipe's own model: a forward and backward (fp32, with the threads each rank
+will have when ``ranks`` share this machine's cores) at micro-batches of 1 and 4 samples, which fixes both the
+rate (FLOPs per token over the seconds each added sample costs) and the fixed cost of a micro-batch (framework,
+kernel launches: ``Device.micro_batch_overhead_s``). The collective bandwidth is an all-reduce of 16 MiB between
 two gloo processes on this host (the bus bandwidth, as nccl-tests and the time model count it).
 """
 
@@ -18,19 +19,26 @@ from dstrain.strategy.time_model import Device
 ALL_REDUCE_BYTES = 16 * 2**20
 
 
-def matmul_flops_per_s(tokens: int, d_in: int, d_out: int, threads: int, seconds: float = 0.3) -> float:
-    """Forward + backward rate of one linear layer (3 matmuls of 2·tokens·d_in·d_out FLOPs), fp32."""
+def forward_backward_seconds(recipe: Recipe, micro: int, threads: int, seconds: float = 1.0) -> float:
+    """Median seconds of one forward + backward of the recipe's model on ``micro`` samples, on this host's CPU."""
+    import statistics
+
     import torch
+
+    from dstrain.model.gpt import GPT, lm_loss
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x, w, g = torch.randn(tokens, d_in), torch.randn(d_in, d_out), torch.randn(tokens, d_out)
-        runs, start = 0, time.perf_counter()
-        while runs < 3 or time.perf_counter() - start < seconds:
-            x @ w, g @ w.t(), x.t() @ g
-            runs += 1
-        return 6 * tokens * d_in * d_out * runs / (time.perf_counter() - start)
+        torch.manual_seed(0)
+        model = GPT(recipe.model)
+        ids = torch.randint(0, recipe.model.vocab_size, (micro, recipe.data.seq_len))
+        times: list[float] = []
+        while len(times) < 3 or (sum(times) < seconds and len(times) < 20):
+            start = time.perf_counter()
+            lm_loss(model(ids), ids).backward()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
     finally:
         torch.set_num_threads(previous)
 
@@ -71,26 +79,27 @@ def all_reduce_gbps() -> float:
 
 def calibrated_device(recipe: Recipe, ranks: int) -> Device:
     """This machine as the time model's Device, for ``ranks`` ranks sharing its cores and memory."""
+    from dstrain.model.config import flops_per_token
+
     threads = max(1, (os.cpu_count() or 1) // ranks)
-    m = recipe.model
-    small, large = recipe.data.seq_len, 8 * recipe.data.seq_len
-    rate_small = matmul_flops_per_s(small, m.d_model, m.ff_dim, threads)
-    rate_large = matmul_flops_per_s(large, m.d_model, m.ff_dim, threads)
-    # rate(T) = R·T / (T + h) through both points; a flat or noisy curve falls back to no small-matmul penalty.
-    ratio = rate_large / rate_small
-    half = (large - small * ratio) / (ratio - 1) if ratio > 1 else 0.0
-    half = max(0.0, half)
-    top = rate_large * (large + half) / large
+    small, large = 1, 4
+    t_small = forward_backward_seconds(recipe, small, threads)
+    t_large = forward_backward_seconds(recipe, large, threads)
+    # t(micro) = overhead + micro / rate_per_sample through both points
+    per_sample = max((t_large - t_small) / (large - small), 1e-9)
+    overhead = max(0.0, t_small - small * per_sample)
+    rate = flops_per_token(recipe.model, recipe.data.seq_len) * recipe.data.seq_len / per_sample
     gbps = all_reduce_gbps()
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / ranks
     return Device(
         name="this machine (calibrated)",
         memory_gib=memory_gib,
-        peak_tflops={"fp32": top / 1e12},
+        peak_tflops={"fp32": rate / 1e12},
         efficiency=1.0,
-        half_tokens=int(half),
+        half_tokens=0,
         intra_node_gbps=gbps,
         inter_node_gbps=gbps,
         host_gbps=gbps,
-        cpu_adam_params_per_s=top / 20,  # Adam: ~20 FLOPs per parameter, at the matmul rate (an upper bound)
+        cpu_adam_params_per_s=rate / 20,  # Adam: ~20 FLOPs per parameter, at the model's rate (an upper bound)
+        micro_batch_overhead_s=overhead,
     )

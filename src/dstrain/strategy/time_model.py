@@ -4,9 +4,10 @@ Stated assumptions (each replaceable, each named in the plan's output):
 
 - Compute: the trainer's FLOPs per token (dstrain.model.config.flops_per_token, 6N + 12·layers·d·seq) times the
   tokens a rank processes, over ``Device.efficiency`` x peak, scaled by T / (T + half_tokens) for a micro-batch of T
-  tokens per rank (small matmuls run below the device's best rate); +1/3 with activation checkpointing (the
-  forward runs twice); under tensor parallelism the replicated output head is computed on every TP rank.
-  ``dstrain plan --calibrate`` measures the rate on this machine instead.
+  tokens per rank (small matmuls run below the device's best rate), plus a fixed cost per micro-batch
+  (``Device.micro_batch_overhead_s``); +1/3 of the FLOPs with activation checkpointing (the forward runs
+  twice); under tensor parallelism the replicated output head is computed on every TP rank.
+  ``dstrain plan --calibrate`` measures the rate and the fixed cost on this machine instead.
 - Communication: the bytes of dstrain.strategy.traffic (checked against DeepSpeed's comms logger) over the
   bandwidth of the group that carries them: intra-node when the group's ranks share a node, inter-node otherwise.
   Ranks are laid out tensor-, then sequence-, then data-parallel innermost, pipeline stages outermost.
@@ -46,6 +47,7 @@ class Device:
     inter_node_gbps: float  # Gbit/s per device between nodes
     host_gbps: float  # Gbit/s between a device and its host memory (offload)
     cpu_adam_params_per_s: float  # DeepSpeed's CPU Adam: parameters updated per second for one device's share
+    micro_batch_overhead_s: float = 0.0  # fixed seconds of each micro-batch's forward + backward (launches, hooks)
 
     def rate(self, precision: str, tokens: int) -> float:
         """FLOP/s reached by a matmul of ``tokens`` rows."""
@@ -116,7 +118,8 @@ def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cl
     if strategy.activation_checkpointing:
         flops *= 4 / 3
     matmul_tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
-    pred = Prediction(compute_s=flops / cluster.device.rate(strategy.precision, matmul_tokens))
+    overhead = strategy.grad_accum * cluster.device.micro_batch_overhead_s
+    pred = Prediction(compute_s=flops / cluster.device.rate(strategy.precision, matmul_tokens) + overhead)
     backward_s = pred.compute_s * 2 / 3
     hidden = 0.0  # overlapped communication, hidden behind the backward
     for t in step_traffic(recipe, strategy, counts, expert_share(recipe, strategy, counts)):
