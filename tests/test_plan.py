@@ -135,3 +135,27 @@ def test_config_written_by_plan_trains_as_written(tmp_path, corpus):
     assert len(train_losses(run)) == 2
     assert out.read_text() == written and json.loads(written)["train_batch_size"] == AUTO
     assert not Path(f"{out}.tmp").exists()
+
+
+def test_compare_plan_refuses_configs_beside_plan(capsys):
+    argv = ["compare", "--recipe", str(GPT2), "--plan", "2", "--deepspeed_configs", "ds_configs/zero1.json"]
+    assert cli([*argv, "--out", "x"]) == 2
+    assert "--plan K" in capsys.readouterr().err
+
+
+def _steps(run: Path, rates: list[float]) -> None:
+    run.mkdir(parents=True)
+    lines = [json.dumps({"step": i + 1, "loss": 1.0, "tokens_per_s": r}) for i, r in enumerate(rates)]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_compare_plan_table_sets_predicted_beside_measured_and_judges_by_the_runs_spread(tmp_path):
+    from dstrain.commands.compare_plan import prediction_lines
+
+    _steps(tmp_path / "a", [50, 100, 100, 95, 105, 100])  # 1 s per step of 100 tokens (the first is start-up)
+    _steps(tmp_path / "b", [50, 97, 98, 99, 98, 97])  # 1.02 s: within a's spread
+    table = "\n".join(prediction_lines(tmp_path, {"a": 0.8, "b": 0.9}, 100))
+    assert "| a | 0.800 | 1.000 | 1.25 |" in table
+    assert "Fastest predicted `a` is the fastest measured `a`" in table
+    table = "\n".join(prediction_lines(tmp_path, {"b": 0.8, "a": 0.9}, 100))
+    assert "`b` within noise of the fastest measured `a`" in table
