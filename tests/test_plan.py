@@ -159,3 +159,13 @@ def test_compare_plan_table_sets_predicted_beside_measured_and_judges_by_the_run
     assert "Fastest predicted `a` is the fastest measured `a`" in table
     table = "\n".join(prediction_lines(tmp_path, {"b": 0.8, "a": 0.9}, 100))
     assert "`b` within noise of the fastest measured `a`" in table
+
+
+def test_time_model_hides_zero3_collectives_only_where_the_device_overlaps_them():
+    recipe = load_recipe(GPT2)
+    strategy = _strategy(recipe, Layout(zero=3, micro=8), 16)
+    counts = count_params(recipe.model, persistence_threshold=100_000)
+    streams = predict(recipe, strategy, counts, Cluster(H100, 2, 8))
+    inline = predict(recipe, strategy, counts, Cluster(dataclasses.replace(H100, overlaps_communication=False), 2, 8))
+    assert "all_gather_into_tensor (dp)" not in streams.comm_s
+    assert inline.comm_s["all_gather_into_tensor (dp)"] > 0 and inline.step_s > streams.step_s

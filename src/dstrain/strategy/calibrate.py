@@ -101,4 +101,5 @@ def calibrated_device(recipe: Recipe, ranks: int) -> Device:
         host_gbps=gbps,
         cpu_adam_params_per_s=rate / 20,  # Adam: ~20 FLOPs per parameter, at the model's rate (an upper bound)
         micro_batch_overhead_s=overhead,
+        overlaps_communication=False,
     )

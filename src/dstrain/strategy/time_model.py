@@ -11,10 +11,10 @@ Stated assumptions (each replaceable, each named in the plan's output):
 - Communication: the bytes of dstrain.strategy.traffic (checked against DeepSpeed's comms logger) over the
   bandwidth of the group that carries them: intra-node when the group's ranks share a node, inter-node otherwise.
   Ranks are laid out tensor-, then sequence-, then data-parallel innermost, pipeline stages outermost.
-- Overlap: ZeRO-3's parameter gathers and, with overlap_comm, ZeRO-2/3's gradient reductions run behind the
-  backward (only what exceeds the compute they hide behind is exposed); ZeRO-0/1's all-reduce after the last
-  backward, the updated partitions' all-gather, TP's, SP's and EP's collectives and the pipeline's sends are on
-  the critical path.
+- Overlap: on devices with communication streams (not a CPU, where gloo runs each collective inline), ZeRO-3's
+  parameter gathers and, with overlap_comm, ZeRO-2/3's gradient reductions run behind the backward (only what
+  exceeds the compute they hide behind is exposed); ZeRO-0/1's all-reduce after the last backward, the updated
+  partitions' all-gather, TP's, SP's and EP's collectives and the pipeline's sends are on the critical path.
 - Pipeline (1F1B): a bubble of (stages - 1) / accumulation steps of the compute.
 - Offload: the optimizer's partition crosses the host link twice per step (gradients down, parameters up) and
   DeepSpeed's CPU Adam updates it at ``Device.cpu_adam_params_per_s``; ZeRO-3 parameter offload brings every
@@ -48,6 +48,7 @@ class Device:
     host_gbps: float  # Gbit/s between a device and its host memory (offload)
     cpu_adam_params_per_s: float  # DeepSpeed's CPU Adam: parameters updated per second for one device's share
     micro_batch_overhead_s: float = 0.0  # fixed seconds of each micro-batch's forward + backward (launches, hooks)
+    overlaps_communication: bool = True  # collectives on their own streams; False on a CPU (gloo runs them inline)
 
     def rate(self, precision: str, tokens: int) -> float:
         """FLOP/s reached by a matmul of ``tokens`` rows."""
@@ -125,7 +126,7 @@ def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cl
     for t in step_traffic(recipe, strategy, counts, expert_share(recipe, strategy, counts)):
         seconds = t.wire_bytes / cluster.bandwidth(t.group, strategy)
         name = f"{t.op} ({t.group})"
-        if t.overlapped:
+        if t.overlapped and cluster.device.overlaps_communication:
             hidden += seconds
             continue
         pred.comm_s[name] = pred.comm_s.get(name, 0.0) + seconds
