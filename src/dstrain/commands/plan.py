@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--calibrate",
         action="store_true",
-        help="plan for this machine: measure its matmul rate and collective bandwidth first (a few seconds)",
+        help="plan for this machine: time the recipe's forward+backward and a gloo all-reduce first (seconds)",
     )
     parser.add_argument("--top", type=int, default=5, help="layouts to show (default: 5)")
     parser.add_argument("--out", type=Path, default=None, help="write the fastest layout's ds_config here")
@@ -92,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
     if not found:
         raise DstrainError(
             f"{args.recipe}: no layout dstrain accepts fits {args.nodes} x {args.gpus_per_node} devices of "
-            f"{device.memory_gib:g} GiB; add nodes or pick a device with more memory"
+            f"{device.memory_gib:.4g} GiB; add nodes or pick a device with more memory"
         )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -125,8 +125,9 @@ def summary(p: Planned) -> dict:
 def print_plan(best: list[Planned], cluster: Cluster, total: int, out: Path | None) -> None:
     d = cluster.device
     print(
-        f"{total} layouts fit {cluster.nodes} x {cluster.gpus_per_node} {d.name} ({d.memory_gib:g} GiB, "
-        f"{d.efficiency:.0%} of peak on large matmuls, {d.intra_node_gbps:g}/{d.inter_node_gbps:g} Gbit/s "
+        f"{total} layouts fit {cluster.nodes} x {cluster.gpus_per_node} {d.name} ({d.memory_gib:.4g} GiB, "
+        f"{d.efficiency:.0%} of {max(d.peak_tflops.values()):.4g} TFLOP/s reached, "
+        f"{d.intra_node_gbps:.4g}/{d.inter_node_gbps:.4g} Gbit/s "
         f"intra/inter-node); fastest first:"
     )
     columns = f"{'micro':>5} {'accum':>5} {'GiB':>6} {'step s':>9} {'tokens/s':>10} {'MFU':>6}"
