@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from dstrain.config import load_recipe
-from dstrain.strategy.parallel import count_params
 from dstrain.strategy.resolve import load_ds_config, resolve
-from dstrain.strategy.time_model import expert_share
+from dstrain.strategy.time_model import expert_share, layout_counts
 from dstrain.strategy.traffic import step_traffic
 
 from ranks import run_ranks
@@ -123,9 +122,7 @@ def predicted(tmp: Path, name: str, imbalance: float) -> dict:
     recipe = load_recipe(recipe_file)
     config_file = tmp / f"traffic-{name}.json"
     strategy = resolve(recipe, recipe_file, load_ds_config(config_file), config_file, 2)
-    zero = strategy.ds_config["zero_optimization"]
-    threshold = zero.get("stage3_param_persistence_threshold", 100_000) if strategy.zero_stage == 3 else 0
-    counts = count_params(recipe.model, strategy.tp_size, strategy.pp_stages, threshold, "parameters", strategy.ep_size)
+    counts = layout_counts(recipe, strategy)
     totals: dict = {}
     for t in step_traffic(recipe, strategy, counts, expert_share(recipe, strategy, counts), imbalance):
         totals[t.op] = totals.get(t.op, 0) + t.logged_bytes

@@ -19,9 +19,8 @@ from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.strategy.ds_schema import validate_ds_config
 from dstrain.strategy.memory import Estimate, estimate
-from dstrain.strategy.parallel import count_params
 from dstrain.strategy.resolve import AUTO, Strategy, resolve
-from dstrain.strategy.time_model import Cluster, Prediction, predict
+from dstrain.strategy.time_model import Cluster, Prediction, layout_counts, predict
 
 # AutoTP's split of dstrain's projections (the layer_specs of ds_configs/tp2_zero1.json).
 TP_SPECS = [
@@ -175,11 +174,7 @@ def _timed(
 ) -> Planned:
     from dstrain.model.config import flops_per_token
 
-    method = "parameters"
-    zero = strategy.ds_config["zero_optimization"]
-    threshold = zero.get("stage3_param_persistence_threshold", 100_000) if strategy.zero_stage == 3 else 0
-    counts = count_params(recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size)
-    pred = predict(recipe, strategy, counts, cluster)
+    pred = predict(recipe, strategy, layout_counts(recipe, strategy), cluster)
     tokens_per_s = recipe.train.global_batch * recipe.data.seq_len / pred.step_s
     world = cluster.nodes * cluster.gpus_per_node
     peak = cluster.device.peak_tflops.get(precision)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from dstrain.config import Recipe
 from dstrain.model.config import flops_per_token
-from dstrain.strategy.parallel import ParamCounts
+from dstrain.strategy.parallel import ParamCounts, count_params
 from dstrain.strategy.resolve import Strategy
 from dstrain.strategy.traffic import Traffic, dtype_bytes, step_traffic
 
@@ -136,6 +136,14 @@ def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cl
         pred.bubble_s = pred.compute_s * (strategy.pp_stages - 1) / strategy.grad_accum
     pred.offload_s = offload_seconds(strategy, counts, cluster.device)
     return pred
+
+
+def layout_counts(recipe: Recipe, strategy: Strategy) -> ParamCounts:
+    """The parameter counts of one rank under ``strategy``, as the memory model counts them."""
+    zero = strategy.ds_config.get("zero_optimization", {})
+    threshold = zero.get("stage3_param_persistence_threshold", 100_000) if strategy.zero_stage == 3 else 0
+    method = str(strategy.ds_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
+    return count_params(recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size)
 
 
 def expert_share(recipe: Recipe, strategy: Strategy, counts: ParamCounts) -> int:

@@ -74,11 +74,7 @@ def dtype_bytes(precision: str) -> int:
 def comm_bytes(strategy: Strategy) -> int:
     """Bytes per gradient element on the wire: communication_data_type, else the model's dtype."""
     kind = strategy.ds_config.get("communication_data_type")
-    return (
-        {"fp32": 4, "fp16": 2, "bf16": 2}.get(kind, dtype_bytes(strategy.precision))
-        if kind
-        else (dtype_bytes(strategy.precision))
-    )
+    return {"fp32": 4, "fp16": 2, "bf16": 2}.get(kind or "", dtype_bytes(strategy.precision))
 
 
 def step_traffic(
