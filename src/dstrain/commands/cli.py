@@ -21,6 +21,7 @@ COMMANDS = {
         "run one recipe under several ds_configs and report speed, memory and loss",
     ),
     "estimate": ("dstrain.commands.estimate", "memory per device of a recipe under a ds_config, and whether it fits"),
+    "plan": ("dstrain.commands.plan", "the fastest ds_config that fits a recipe on a cluster, predicted and written"),
     "export": ("dstrain.commands.export", "write a run's checkpoint as a Hugging Face model folder"),
     "eval": ("dstrain.commands.evaluate", "loss and perplexity of a run or Hugging Face model on a prepared split"),
     "generate": ("dstrain.commands.generate", "sample text from a run or Hugging Face model"),

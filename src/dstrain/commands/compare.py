@@ -326,6 +326,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="train.steps for every run (default: the recipe's)")
     parser.add_argument("--out", type=Path, help="report folder; each config runs in OUT/<config stem>/")
     parser.add_argument("--collect", type=Path, metavar="DIR", help="report on the run folders in DIR; run nothing")
+    parser.add_argument(
+        "--plan", type=int, default=None, metavar="K", help="run the K fastest layouts dstrain plan predicts here"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted recipe overrides for every run, e.g. optim.lr=1e-3")
 
 
@@ -348,7 +351,9 @@ def main(args: argparse.Namespace) -> int:
         nproc = args.nproc
         context = [f"Collected from the run folders in `{out}`."]
     else:
-        if not args.recipe or not configs or not args.out:
+        if args.plan is not None and (configs or args.plan < 1):
+            raise DstrainError("--plan K: K >= 1 planned layouts take the place of --deepspeed_configs; pass one")
+        if not args.recipe or not (configs or args.plan) or not args.out:
             raise DstrainError("dstrain compare needs --recipe, --deepspeed_configs and --out (or --collect DIR)")
         from deepspeed.accelerator import get_accelerator
 
@@ -359,6 +364,11 @@ def main(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe, overrides)  # a bad recipe or override stops here, before any launch
         nproc = args.nproc or get_accelerator().device_count()
         out = args.out
+        if args.plan:
+            from dstrain.commands.compare_plan import write_planned
+
+            configs, predicted = write_planned(recipe, args.recipe, nproc, args.plan, out)
+            sources = {Path(c).stem: c for c in configs}
         check_fresh(out, configs)
         check_configs(recipe, args.recipe, configs, nproc)
         run_all(args.recipe, configs, out, nproc, overrides)
@@ -368,6 +378,13 @@ def main(args: argparse.Namespace) -> int:
             f"{recipe.data.seq_len} tokens, {recipe.total_steps} steps) on {nproc} ranks per config, "
             f"one config after another. Overrides: `{' '.join(overrides)}`."
         ]
+        if args.plan:
+            from dstrain.commands.compare_plan import prediction_lines
+
+            tokens = recipe.train.global_batch * recipe.data.seq_len
+            table = prediction_lines(out, predicted, tokens)
+            context += ["", *table]
+            print("\n".join(table))
     add_estimates(rows, out, args.recipe, overrides, nproc, sources)
     build_report(out, rows, f"dstrain compare: {len(rows)} configs", context)
     completed = sum(r.ok for r in rows)

@@ -160,7 +160,15 @@ def count_params(
 ) -> ParamCounts:
     """Count on a meta-device model: no memory, a 70B recipe in seconds; checked against num_params.
     Expert parallelism `ep` divides each MoE layer's experts over `ep` ranks."""
-    named = _meta_params(json.dumps(asdict(model)))
+    return _count_params(json.dumps(asdict(model)), tp, pp, persistence_threshold, partition_method, ep)
+
+
+@functools.lru_cache(maxsize=256)  # dstrain plan counts each layout shape once, not once per micro-batch
+def _count_params(
+    config_json: str, tp: int, pp: int, persistence_threshold: int, partition_method: str, ep: int
+) -> ParamCounts:
+    model = _config_of(config_json)
+    named = _meta_params(config_json)
     total = sum(numel for _, numel in named)
     if total != num_params(model):
         raise AssertionError(f"meta-device count {total} != num_params {num_params(model)} for {model}")
@@ -213,12 +221,16 @@ def _meta_params(config_json: str) -> tuple[tuple[str, int], ...]:
 
     from dstrain.model.gpt import GPT
 
+    with torch.device("meta"):
+        gpt = GPT(_config_of(config_json))
+    return tuple((name, p.numel()) for name, p in gpt.named_parameters())
+
+
+def _config_of(config_json: str) -> GPTConfig:
     fields = json.loads(config_json)
     if fields.get("moe") is not None:
         fields["moe"] = MoEConfig(**fields["moe"])
-    with torch.device("meta"):
-        gpt = GPT(GPTConfig(**fields))
-    return tuple((name, p.numel()) for name, p in gpt.named_parameters())
+    return GPTConfig(**fields)
 
 
 # What AutoTP must do to each projection of a block (gpt2 has no gate_proj; nothing else is sharded).

@@ -1,0 +1,78 @@
+"""``dstrain compare --plan K``: the K fastest layouts the planner predicts for this machine (calibrated), run
+one after another like any compared configs, with the predicted step time beside the measured one.
+
+Measured step time: the recipe's tokens per step over the run's steady tokens/s (the median over the logged
+steps after the first). Noise: the spread of a run's own per-step times (half its interquartile range over the
+median); the fastest predicted layout counts as the fastest measured when the two differ by less than the
+larger spread of the two runs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from dstrain.config import Recipe
+from dstrain.errors import DstrainError
+from dstrain.run_dir import RunDir
+
+
+def write_planned(recipe: Recipe, recipe_file: str, nproc: int, k: int, out: Path) -> tuple[list[str], dict]:
+    """The K fastest layouts for nproc ranks on this machine as ds_config files in OUT/planned/, and the predicted
+    seconds per step of each (by stem)."""
+    from dstrain.strategy.calibrate import calibrated_device
+    from dstrain.strategy.layouts import plan
+    from dstrain.strategy.time_model import Cluster
+
+    cluster = Cluster(calibrated_device(recipe, nproc), 1, nproc)
+    kept, _ = plan(recipe, recipe_file, cluster, "fp32", k, torch_adam=True)
+    if not kept:
+        raise DstrainError(f"{recipe_file}: no layout dstrain accepts fits {nproc} ranks of this machine")
+    folder = out / "planned"
+    folder.mkdir(parents=True, exist_ok=True)
+    configs, predicted = [], {}
+    for i, p in enumerate(kept, 1):
+        stem = f"plan{i}_" + p.layout.describe().replace(" ", "_").replace("+", "_").lower() + f"_m{p.layout.micro}"
+        path = folder / f"{stem}.json"
+        path.write_text(json.dumps(p.ds_config, indent=2) + "\n")
+        configs.append(str(path))
+        predicted[stem] = p.prediction.step_s
+    return configs, predicted
+
+
+def step_seconds(run_dir: Path, tokens_per_step: int) -> list[float]:
+    """Seconds of each logged training step after the first (from tokens/s of one-step log intervals)."""
+    metrics = RunDir(run_dir).metrics
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    records = [json.loads(line) for line in lines if line.strip()]
+    rates = [r["tokens_per_s"] for r in records if "split" not in r and "event" not in r and r.get("tokens_per_s")]
+    return [tokens_per_step / rate for rate in rates[1:]]
+
+
+def prediction_lines(out: Path, predicted: dict, tokens_per_step: int) -> list[str]:
+    """A markdown table: predicted beside measured seconds per step, and whether the fastest was picked."""
+    lines = ["| layout | predicted s/step | measured s/step | measured / predicted | spread |", "|---|---|---|---|---|"]
+    measured: dict[str, tuple[float, float]] = {}
+    for stem, seconds in predicted.items():
+        steps = step_seconds(out / stem, tokens_per_step)
+        if len(steps) < 4:
+            lines.append(f"| {stem} | {seconds:.3f} | - | - | - |")
+            continue
+        median = statistics.median(steps)
+        q1, _, q3 = statistics.quantiles(steps, n=4)
+        measured[stem] = (median, (q3 - q1) / 2 / median)
+        lines.append(f"| {stem} | {seconds:.3f} | {median:.3f} | {median / seconds:.2f} | ±{measured[stem][1]:.0%} |")
+    if measured:
+        first = next(iter(predicted))
+        fastest = min(measured, key=lambda s: measured[s][0])
+        if first in measured:
+            gap = measured[first][0] / measured[fastest][0] - 1
+            noise = max(measured[first][1], measured[fastest][1])
+            verdict = "is" if first == fastest else ("within noise of" if gap <= noise else "is NOT")
+            lines += [
+                "",
+                f"Fastest predicted `{first}` {verdict} the fastest measured `{fastest}` "
+                f"({gap:+.0%}, noise ±{noise:.0%}).",
+            ]
+    return lines

@@ -1,0 +1,182 @@
+"""The layouts ``dstrain plan`` weighs: ds_configs in DeepSpeed's schema, resolved by the same ``resolve`` that
+dstrain.train runs (its refusals are the planner's), sized by the memory model, timed by the time model.
+
+Enumerated: ZeRO 0-3; CPU offload of the optimizer (stage 1-3) and of the parameters (stage 3); tensor-parallel,
+pipeline, sequence-parallel and expert-parallel sizes (powers of two; TP and SP within a node, a planner policy:
+their per-block collectives across nodes never win); micro-batches (powers of two); activation checkpointing.
+Not enumerated: NVMe offload (it needs a path on the cluster's nodes), tiling (the memory model does not count
+what it saves, so a tiled layout would look the same), fp32 and fp16 where bf16 runs (bf16 is as exact here:
+dstrain sums its gradients in fp32).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+from dstrain.config import Recipe
+from dstrain.errors import DstrainError
+from dstrain.strategy.ds_schema import validate_ds_config
+from dstrain.strategy.memory import Estimate, estimate
+from dstrain.strategy.resolve import AUTO, Strategy, resolve
+from dstrain.strategy.time_model import Cluster, Prediction, layout_counts, predict
+
+# AutoTP's split of dstrain's projections (the layer_specs of ds_configs/tp2_zero1.json).
+TP_SPECS = [
+    {"patterns": [".*\\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\\.weight$"], "partition_type": "column"},
+    {"patterns": [".*\\.(o_proj|down_proj)\\.weight$"], "partition_type": "row"},
+]
+CHECKPOINTING = {"partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False}
+
+
+@dataclass(frozen=True)
+class Layout:
+    zero: int
+    micro: int
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    ep: int = 1
+    offload: str = "none"  # "none", "optimizer" (to the CPU) or "optimizer+params"
+    checkpointing: bool = False
+
+    def ds_config(self, precision: str, torch_adam: bool) -> dict:
+        """This layout as a ds_config: the recipe's fields "auto", the strategy's set."""
+        zero: dict = {"stage": self.zero, "reduce_bucket_size": 50_000_000}
+        if self.zero >= 2:
+            zero.update(overlap_comm=True, contiguous_gradients=True)
+        if self.zero == 3:
+            zero.update(
+                stage3_prefetch_bucket_size=50_000_000,
+                stage3_param_persistence_threshold=100_000,
+                stage3_gather_16bit_weights_on_model_save=True,
+            )
+        if self.offload != "none":
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if self.offload == "optimizer+params":
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        params: dict = {key: AUTO for key in ("lr", "betas", "eps", "weight_decay")}
+        if torch_adam and self.offload == "none":
+            params["torch_adam"] = True
+        config: dict = {
+            "train_batch_size": AUTO,
+            "train_micro_batch_size_per_gpu": self.micro,
+            "gradient_accumulation_steps": AUTO,
+            "gradient_clipping": AUTO,
+            "optimizer": {"type": "AdamW", "params": params},
+            "zero_optimization": zero,
+        }
+        if precision != "fp32":
+            config[precision] = {"enabled": True}
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+            config["communication_data_type"] = "fp32"
+        if self.tp > 1:
+            config["tensor_parallel"] = {
+                "autotp_size": self.tp,
+                "partition_config": {"use_default_specs": False, "layer_specs": copy.deepcopy(TP_SPECS)},
+            }
+        if self.pp > 1:
+            config["pipeline"] = {
+                "stages": self.pp,
+                "partition_method": "parameters",
+                "activation_checkpoint_interval": int(self.checkpointing),
+            }
+        elif self.checkpointing:
+            config["activation_checkpointing"] = dict(CHECKPOINTING)
+        if self.sp > 1:
+            config["sequence_parallel_size"] = self.sp
+        if self.ep > 1:
+            config["expert_parallel"] = {"enabled": True, "autoep_size": self.ep}
+        return config
+
+    def describe(self) -> str:
+        sizes = (("TP", self.tp), ("PP", self.pp), ("SP", self.sp), ("EP", self.ep))
+        parts = [f"ZeRO-{self.zero}"] + [f"{name}{size}" for name, size in sizes if size > 1]
+        if self.offload != "none":
+            parts.append(f"offload {self.offload}")
+        if self.checkpointing:
+            parts.append("act-ckpt")
+        return " ".join(parts)
+
+
+@dataclass
+class Planned:
+    layout: Layout
+    ds_config: dict  # as written: "auto" where the recipe owns the value
+    strategy: Strategy
+    estimate: Estimate
+    prediction: Prediction
+    tokens_per_s: float
+    mfu: float | None
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+
+def candidate_layouts(recipe: Recipe, cluster: Cluster) -> list[list[Layout]]:
+    """Every layout shape, each a list of its micro-batch sizes in increasing order (memory grows with them)."""
+    world, g = cluster.nodes * cluster.gpus_per_node, cluster.gpus_per_node
+    experts = recipe.model.moe.num_experts if recipe.model.moe else 1
+    micros = powers_of_two(min(recipe.train.global_batch, 64))
+    shapes = []
+    for tp in powers_of_two(g):
+        for sp in powers_of_two(g):
+            for pp in powers_of_two(min(world, recipe.model.n_layer)):
+                for ep in powers_of_two(experts):
+                    if tp * sp * pp * ep > world:
+                        continue
+                    for zero in range(4):
+                        for offload in ("none", "optimizer", "optimizer+params")[: 1 + (zero > 0) + (zero == 3)]:
+                            for ckpt in (False, True):
+                                shapes.append([Layout(zero, m, tp, pp, sp, ep, offload, ckpt) for m in micros])
+    return shapes
+
+
+def plan(
+    recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: str, top: int, torch_adam: bool = False
+) -> tuple[list[Planned], int]:
+    """The ``top`` fastest layouts that dstrain accepts and that fit, fastest first, and how many fit in all.
+    DeepSpeed's own parser (resolve's last check, 40 ms a config) runs on those kept only."""
+    world = cluster.nodes * cluster.gpus_per_node
+    device = cluster.device
+    found = []
+    for shape in candidate_layouts(recipe, cluster):
+        for layout in shape:
+            config = layout.ds_config(precision, torch_adam)
+            try:
+                name = f"plan:{layout.describe()}"
+                strategy = resolve(recipe, recipe_file, config, name, world, check_device=False, validate=False)
+                est = estimate(recipe, strategy, cluster.nodes, cluster.gpus_per_node, device.memory_gib)
+            except DstrainError:  # refused by dstrain.train's own checks
+                continue
+            if not est.fits:
+                break  # a larger micro-batch needs more memory still
+            found.append(_timed(recipe, layout, config, strategy, est, cluster, precision))
+    # Equal predictions (compute-bound, communication hidden): fewer micro-batches first, since each costs engine
+    # time the model does not see (measured on 2 CPU ranks: ~1 s per ZeRO-3 micro-batch, BENCHMARKS.md).
+    found.sort(key=lambda p: (float(f"{p.prediction.step_s:.6g}"), p.strategy.grad_accum))
+    kept = []
+    for planned in found:
+        try:
+            validate_ds_config(planned.strategy.ds_config, planned.strategy.source)
+        except DstrainError:
+            continue
+        kept.append(planned)
+        if len(kept) == top:
+            break
+    return kept, len(found)
+
+
+def _timed(
+    recipe: Recipe, layout: Layout, config: dict, strategy: Strategy, est: Estimate, cluster: Cluster, precision: str
+) -> Planned:
+    from dstrain.model.config import flops_per_token
+
+    pred = predict(recipe, strategy, layout_counts(recipe, strategy), cluster)
+    tokens_per_s = recipe.train.global_batch * recipe.data.seq_len / pred.step_s
+    world = cluster.nodes * cluster.gpus_per_node
+    peak = cluster.device.peak_tflops.get(precision)
+    mfu = flops_per_token(recipe.model, recipe.data.seq_len) * tokens_per_s / (world * peak * 1e12) if peak else None
+    return Planned(layout, config, strategy, est, pred, tokens_per_s, mfu)

@@ -1,0 +1,172 @@
+"""The step-time model behind ``dstrain plan``: compute, communication, pipeline bubble and offload per step.
+
+Stated assumptions (each replaceable, each named in the plan's output):
+
+- Compute: the trainer's FLOPs per token (dstrain.model.config.flops_per_token, 6N + 12·layers·d·seq) times the
+  tokens a rank processes, over ``Device.efficiency`` x peak, scaled by T / (T + half_tokens) for a micro-batch of T
+  tokens per rank (small matmuls run below the device's best rate), plus a fixed cost per micro-batch
+  (``Device.micro_batch_overhead_s``); +1/3 of the FLOPs with activation checkpointing (the forward runs
+  twice); under tensor parallelism the replicated output head is computed on every TP rank.
+  ``dstrain plan --calibrate`` measures the rate and the fixed cost on this machine instead.
+- Communication: the bytes of dstrain.strategy.traffic (checked against DeepSpeed's comms logger) over the
+  bandwidth of the group that carries them: intra-node when the group's ranks share a node, inter-node otherwise.
+  Ranks are laid out tensor-, then sequence-, then data-parallel innermost, pipeline stages outermost.
+- Overlap: on devices with communication streams (not a CPU, where gloo runs each collective inline), ZeRO-3's
+  parameter gathers and, with overlap_comm, ZeRO-2/3's gradient reductions run behind the backward (only what
+  exceeds the compute they hide behind is exposed); ZeRO-0/1's all-reduce after the last backward, the updated
+  partitions' all-gather, TP's, SP's and EP's collectives and the pipeline's sends are on the critical path.
+- Pipeline (1F1B): a bubble of (stages - 1) / accumulation steps of the compute.
+- Offload: the optimizer's partition crosses the host link twice per step (gradients down, parameters up) and
+  DeepSpeed's CPU Adam updates it at ``Device.cpu_adam_params_per_s``; ZeRO-3 parameter offload brings every
+  parameter up once per forward and backward. Not overlapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dstrain.config import Recipe
+from dstrain.model.config import flops_per_token
+from dstrain.strategy.parallel import ParamCounts, count_params
+from dstrain.strategy.resolve import Strategy
+from dstrain.strategy.traffic import Traffic, dtype_bytes, step_traffic
+
+GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the time model knows of one accelerator kind and the links between them."""
+
+    name: str
+    memory_gib: float  # usable memory per device
+    peak_tflops: dict  # precision -> dense TFLOP/s (datasheet)
+    efficiency: float  # fraction of peak a large training matmul reaches (the model's ceiling on MFU)
+    half_tokens: int  # tokens per matmul at which half of that efficiency is reached
+    intra_node_gbps: float  # Gbit/s per device between devices of one node (bus bandwidth)
+    inter_node_gbps: float  # Gbit/s per device between nodes
+    host_gbps: float  # Gbit/s between a device and its host memory (offload)
+    cpu_adam_params_per_s: float  # DeepSpeed's CPU Adam: parameters updated per second for one device's share
+    micro_batch_overhead_s: float = 0.0  # fixed seconds of each micro-batch's forward + backward (launches, hooks)
+    overlaps_communication: bool = True  # collectives on their own streams; False on a CPU (gloo runs them inline)
+
+    def rate(self, precision: str, tokens: int) -> float:
+        """FLOP/s reached by a matmul of ``tokens`` rows."""
+        peak = self.peak_tflops.get(precision) or self.peak_tflops["fp32"]
+        return peak * 1e12 * self.efficiency * tokens / (tokens + self.half_tokens)
+
+
+# Efficiency 0.6 is the fraction of the bf16 peak large GEMMs sustain in training on H100 SXM (Megatron-LM reports
+# 41-48% MFU end to end); NVLink 4 all-reduce bus bandwidth ~360 GB/s; one 400 Gbit/s NDR NIC per GPU; PCIe 5 x16.
+DEVICES = {
+    "h100-sxm": Device("h100-sxm", 80, {"bf16": 989.5, "fp16": 989.5, "fp32": 67.0}, 0.5, 512, 2880, 360, 400, 1e9),
+    "a100-80gb": Device("a100-80gb", 80, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, 0.5, 512, 2000, 180, 200, 5e8),
+}
+
+
+@dataclass
+class Prediction:
+    compute_s: float  # forward + backward (+ recompute) of this rank's share
+    comm_s: dict[str, float] = field(default_factory=dict)  # exposed seconds per named collective
+    bubble_s: float = 0.0
+    offload_s: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + sum(self.comm_s.values()) + self.bubble_s + self.offload_s
+
+    @property
+    def bound(self) -> str:
+        """What the step spends most of its time on."""
+        parts = {"compute": self.compute_s, "pipeline bubble": self.bubble_s, "offload traffic": self.offload_s}
+        parts.update(self.comm_s)
+        return max(parts, key=lambda k: parts[k])
+
+
+@dataclass(frozen=True)
+class Cluster:
+    device: Device
+    nodes: int
+    gpus_per_node: int
+
+    def bandwidth(self, group: str, strategy: Strategy) -> float:
+        """Bytes/s per device of a group: intra-node when its ranks share a node (tp innermost, then sp, dp, ep;
+        pipeline stages outermost)."""
+        inner = {"tp": 1, "sp": strategy.tp_size, "ep": strategy.tp_size * strategy.sp_size}
+        inner.update(dp=inner["ep"], edp=inner["ep"] * strategy.ep_size)
+        size = {
+            "tp": strategy.tp_size,
+            "sp": strategy.sp_size,
+            "dp": strategy.zero_partitions // strategy.sp_size,
+            "ep": strategy.ep_size,
+            "edp": strategy.dp_size // strategy.ep_size,
+        }
+        if group == "pp":
+            span = strategy.tp_size * strategy.sp_size * strategy.dp_size * strategy.pp_stages
+        else:
+            span = inner[group] * size[group]
+        gbps = self.device.intra_node_gbps if span <= self.gpus_per_node else self.device.inter_node_gbps
+        return gbps * GBIT
+
+
+def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cluster) -> Prediction:
+    """Seconds of one optimizer step of ``strategy`` on ``cluster`` (module docstring)."""
+    m, world = recipe.model, cluster.nodes * cluster.gpus_per_node
+    tokens_step = recipe.train.global_batch * recipe.data.seq_len
+    flops = flops_per_token(m, recipe.data.seq_len) * tokens_step / world
+    if strategy.tp_size > 1:  # the output head is not sharded: each TP rank computes all of it
+        flops += 6 * m.vocab_size * m.d_model * tokens_step / world * (strategy.tp_size - 1)
+    if strategy.activation_checkpointing:
+        flops *= 4 / 3
+    matmul_tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
+    overhead = strategy.grad_accum * cluster.device.micro_batch_overhead_s
+    pred = Prediction(compute_s=flops / cluster.device.rate(strategy.precision, matmul_tokens) + overhead)
+    backward_s = pred.compute_s * 2 / 3
+    hidden = 0.0  # overlapped communication, hidden behind the backward
+    for t in step_traffic(recipe, strategy, counts, expert_share(recipe, strategy, counts)):
+        seconds = t.wire_bytes / cluster.bandwidth(t.group, strategy)
+        name = f"{t.op} ({t.group})"
+        if t.overlapped and cluster.device.overlaps_communication:
+            hidden += seconds
+            continue
+        pred.comm_s[name] = pred.comm_s.get(name, 0.0) + seconds
+    if hidden > backward_s:
+        pred.comm_s["overlapped collectives (exposed)"] = hidden - backward_s
+    if strategy.pp_stages > 1:
+        pred.bubble_s = pred.compute_s * (strategy.pp_stages - 1) / strategy.grad_accum
+    pred.offload_s = offload_seconds(strategy, counts, cluster.device)
+    return pred
+
+
+def layout_counts(recipe: Recipe, strategy: Strategy) -> ParamCounts:
+    """The parameter counts of one rank under ``strategy``, as the memory model counts them."""
+    zero = strategy.ds_config.get("zero_optimization", {})
+    threshold = zero.get("stage3_param_persistence_threshold", 100_000) if strategy.zero_stage == 3 else 0
+    method = str(strategy.ds_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
+    return count_params(recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size)
+
+
+def expert_share(recipe: Recipe, strategy: Strategy, counts: ParamCounts) -> int:
+    """Expert parameters a rank holds (reduced over the expert-data-parallel group, not the data-parallel one)."""
+    moe = recipe.model.moe
+    if moe is None:
+        return 0
+    from dstrain.model.config import mlp_params
+
+    per_layer = mlp_params(recipe.model, recipe.model.expert_dim) * moe.num_experts // strategy.ep_size
+    return per_layer * recipe.model.n_moe_layers
+
+
+def offload_seconds(strategy: Strategy, counts: ParamCounts, device: Device) -> float:
+    part = counts.per_rank / strategy.zero_partitions
+    b = dtype_bytes(strategy.precision)
+    seconds = 0.0
+    if strategy.offload_optimizer:
+        seconds += part * (4 + b) / (device.host_gbps * GBIT) + part / device.cpu_adam_params_per_s
+    if strategy.offload_param:
+        seconds += 2 * strategy.grad_accum * counts.per_rank * b / (device.host_gbps * GBIT)
+    return seconds
+
+
+def traffic_table(recipe: Recipe, strategy: Strategy, counts: ParamCounts) -> list[Traffic]:
+    return step_traffic(recipe, strategy, counts, expert_share(recipe, strategy, counts))
