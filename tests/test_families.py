@@ -153,3 +153,64 @@ def test_unsupported_family_features_are_named():
     config.family = "llama"
     with pytest.raises(DstrainError, match="model.qk_norm='head' has no counterpart in LlamaForCausalLM"):
         to_hf(config, state)
+
+
+def published_qwen3(folder, corpus) -> transformers.PreTrainedModel:
+    """A small random Qwen3 on the corpus' tokenizer, saved as a published model is: weights, tokenizer files and a
+    generation_config.json of its own."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(corpus / "tokenizer")
+    vocab = -(-len(tokenizer) // 64) * 64
+    config = transformers.Qwen3Config(**(SMALL | dict(vocab_size=vocab, head_dim=16, initializer_range=0.02)))
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    generation = transformers.GenerationConfig(eos_token_id=tokenizer.eos_token_id, do_sample=True, temperature=0.6)
+    generation.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.distributed
+def test_a_recipe_without_model_continues_a_published_qwen3_and_exports_it(tmp_path, corpus):
+    import yaml
+
+    from dstrain.commands.cli import main as cli
+    from dstrain.commands.generate import generate
+    from dstrain.config import load_recipe
+    from dstrain.train.preflight import check_init_from
+
+    from ranks import run_ranks
+    from train_helpers import ROOT, small_recipe, train_each, train_losses
+
+    published = tmp_path / "published"
+    hf = published_qwen3(published, corpus)
+    path = small_recipe(tmp_path, corpus, init_from=str(published))
+    recipe = yaml.safe_load(path.read_text())
+    del recipe["model"]
+    path.write_text(yaml.safe_dump(recipe))
+    assert load_recipe(path).model == from_hf(published)[0]  # the architecture is the folder's config.json
+    assert load_recipe(path, ["model.doc_masking=true"]).model.doc_masking  # training choices stay the recipe's
+    with pytest.raises(DstrainError, match=r"model.n_layer=3 vs 2"):
+        check_init_from(load_recipe(path, ["model.n_layer=3"]), str(path))
+
+    run = tmp_path / "run"
+    argv = ["--recipe", str(path), "--deepspeed_config", str(ROOT / "ds_configs/zero1.json"), f"run_dir={run}"]
+    assert run_ranks(2, train_each, [argv]) == [[0], [0]]
+    losses = train_losses(run)
+    assert len(losses) == 10 and losses[-1] < losses[0]
+
+    out = tmp_path / "export"
+    assert cli(["export", str(run), "--out", str(out)]) == 0
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(loaded) is transformers.Qwen3ForCausalLM
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+    assert not torch.equal(loaded.model.embed_tokens.weight, hf.model.embed_tokens.weight)  # it trained
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (published / name).read_bytes(), name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("The module", return_tensors="pt").input_ids
+    with torch.no_grad():
+        theirs = loaded.eval().generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
+    assert theirs.shape[1] > ids.shape[1]
+    assert generate(str(out), "The module", 12, temperature=0) == tokenizer.decode(theirs[0], skip_special_tokens=True)

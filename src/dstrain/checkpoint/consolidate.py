@@ -18,7 +18,6 @@ optimizer partitions). `dstrain export` (dstrain.commands.export) writes the res
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import os
 import re
@@ -132,8 +131,7 @@ def read_checkpoint(path: str | Path) -> tuple[GPTConfig, StateDict]:
     first = torch.load(ranks[0][1], map_location="cpu", weights_only=False)
     if "recipe" not in first:
         raise DstrainError(f"{ranks[0][1]}: not written by dstrain (no recipe in its client state)")
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}  # checkpoints from before 0.2 also hold
-    config = GPTConfig(**{k: v for k, v in first["recipe"]["model"].items() if k in fields})  # activation_checkpointing
+    config = GPTConfig.from_dict(first["recipe"]["model"])  # drops activation_checkpointing of checkpoints before 0.2
     layer_files = {int(m.group(1)): p for p in tag.iterdir() if (m := LAYER_FILE.match(p.name))}
     if layer_files:
         layers = {i: torch.load(p, map_location="cpu", weights_only=True) for i, p in layer_files.items()}

@@ -3,6 +3,7 @@ commands' argument checks read it without importing the model (dstrain.model.gpt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -108,6 +109,18 @@ class GPTConfig:
         None  # Mistral's attention window; not implemented: refused when shorter than data.seq_len
     )
     rope_scaling: RopeScaling | None = None  # RoPE scaling (Llama 3.x: llama3); None = unscaled
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> GPTConfig:
+        """The config of dataclasses.asdict(config) (a record, a recipe.yaml), nested sections rebuilt; keys of
+        older versions that are no fields any more are dropped."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in fields.items() if k in known}
+        if isinstance(values.get("moe"), dict):
+            values["moe"] = MoEConfig(**values["moe"])
+        if isinstance(values.get("rope_scaling"), dict):
+            values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+        return cls(**values)
 
     def is_moe_block(self, index: int) -> bool:
         """Block `index` (0-based) holds a mixture of experts: every moe.every-th block, the last of each run."""

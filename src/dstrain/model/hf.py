@@ -98,13 +98,20 @@ def config_from_hf(folder: str | os.PathLike) -> GPTConfig:
     """The GPTConfig of a save_pretrained folder, from its config.json alone: a cheap check that a folder
     is a model dstrain can load (it holds weights, of a supported architecture), before any work."""
     folder = Path(folder)
-    hf_config, architecture = _read_config(folder)
+    config = architecture_from_hf(folder)
     weights = [p for pattern in ("*.safetensors", "pytorch_model*.bin") for p in folder.glob(pattern)]
     if not weights:
         raise DstrainError(
             f"{folder}: no weights (*.safetensors or pytorch_model.bin); pass a folder written by "
             f"save_pretrained or dstrain export"
         )
+    return config
+
+
+def architecture_from_hf(folder: str | os.PathLike) -> GPTConfig:
+    """The GPTConfig that config.json describes (no weights needed nor read): a recipe's model fields with init_from."""
+    folder = Path(folder)
+    hf_config, architecture = _read_config(folder)
     if ARCHITECTURES[architecture] == "gpt2":
         return _gpt2_config_from_hf(hf_config, str(folder / "config.json"))
     return families.config_from_hf(hf_config, ARCHITECTURES[architecture], str(folder / "config.json"))
