@@ -214,3 +214,54 @@ def test_a_recipe_without_model_continues_a_published_qwen3_and_exports_it(tmp_p
         theirs = loaded.eval().generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
     assert theirs.shape[1] > ids.shape[1]
     assert generate(str(out), "The module", 12, temperature=0) == tokenizer.decode(theirs[0], skip_special_tokens=True)
+
+
+def family_tokenizers(corpus) -> dict:
+    """The corpus' BPE with a BOS token: added by its post-processor before every text (Llama 3's framing), or
+    declared but never added (Qwen's, GPT-2's): the same vocabulary, so the same tokenizer hash."""
+    from tokenizers import Tokenizer, processors
+
+    base = transformers.AutoTokenizer.from_pretrained(corpus / "tokenizer")
+    made = {}
+    for name, adds_bos in (("llama3", True), ("qwen", False)):
+        backend = Tokenizer.from_str(base.backend_tokenizer.to_str())
+        backend.add_special_tokens(["<|begin_of_text|>"])
+        bos = backend.token_to_id("<|begin_of_text|>")
+        if adds_bos:
+            template = processors.TemplateProcessing(
+                single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+            )
+            backend.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False), template])
+        made[name] = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token=base.eos_token
+        )
+    return made
+
+
+def test_prepare_frames_documents_as_the_tokenizers_family(tmp_path, corpus):
+    from dstrain.data.prepare import prepare
+    from dstrain.data.shards import ShardReader
+    from dstrain.data.tokenizer import tokenizer_hash, verify_tokenizer
+
+    from data_fixtures import corpus_file, read_texts
+
+    source = corpus_file(tmp_path, n_docs=20)
+    texts = read_texts(source)
+    tokenizers = family_tokenizers(corpus)
+    assert tokenizer_hash(tokenizers["llama3"]) == tokenizer_hash(tokenizers["qwen"])
+    for name, tokenizer in tokenizers.items():
+        tokenizer.save_pretrained(tmp_path / f"{name}-tokenizer")
+        manifest = prepare(
+            str(source), str(tmp_path / name), tokenizer=str(tmp_path / f"{name}-tokenizer"), num_proc=2, progress=False
+        )
+        bos = tokenizer.bos_token_id if name == "llama3" else None
+        assert manifest["framing"] == {"bos_id": bos, "eos_id": tokenizer.eos_token_id}
+        readers = [ShardReader.open(tmp_path / name / s["prefix"]) for s in manifest["shards"]]
+        documents = [reader[i].tolist() for reader in readers for i in range(len(reader))]
+        assert len(documents) == len(texts) == 20
+        for text, ids in zip(texts, documents):
+            assert ids == tokenizer(text).input_ids + [tokenizer.eos_token_id]
+        assert (documents[0][0] == bos) == (name == "llama3")
+    verify_tokenizer(tmp_path / "llama3", tmp_path / "llama3-tokenizer")
+    with pytest.raises(DstrainError, match=r"framed as \{'bos_id': None.*frames them as \{'bos_id': \d+"):
+        verify_tokenizer(tmp_path / "qwen", tmp_path / "llama3-tokenizer", flag="init_from's tokenizer")
