@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -265,3 +266,26 @@ def test_prepare_frames_documents_as_the_tokenizers_family(tmp_path, corpus):
     verify_tokenizer(tmp_path / "llama3", tmp_path / "llama3-tokenizer")
     with pytest.raises(DstrainError, match=r"framed as \{'bos_id': None.*frames them as \{'bos_id': \d+"):
         verify_tokenizer(tmp_path / "qwen", tmp_path / "llama3-tokenizer", flag="init_from's tokenizer")
+
+
+CONTINUE_RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("continue-*.yaml"))
+
+
+@pytest.mark.parametrize("recipe_file", CONTINUE_RECIPES, ids=lambda p: p.stem)
+def test_shipped_continue_recipe_fits_one_node_under_its_ds_config(recipe_file):
+    """Each recipe names its ds_config in a `# ds_config:` line; the model: it writes out is its family's (exports to
+    the published class) and `dstrain estimate` fits it on one node of 8 x 80 GiB without the weights at hand."""
+    import re
+
+    from dstrain.config import load_recipe
+    from dstrain.model.families import CLASSES, check_exportable
+    from dstrain.strategy.memory import GIB, estimate_file
+
+    root = recipe_file.parents[1]
+    ds_config = root / re.search(r"^# ds_config: (\S+)", recipe_file.read_text(), re.M).group(1)
+    recipe = load_recipe(recipe_file)
+    assert recipe.init_from and not (root / recipe.init_from).exists()  # answered from the recipe alone
+    family = check_exportable(recipe.model, str(recipe_file))
+    assert CLASSES[family][0] in recipe_file.read_text()
+    est = estimate_file(recipe, recipe_file, ds_config, nodes=1, gpus_per_node=8)
+    assert est.fits and est.peak() < 79 * GIB, (ds_config.name, est.peak() / GIB)

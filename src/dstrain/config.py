@@ -190,6 +190,8 @@ def fill_model_from_init_from(raw: dict, path: Path) -> None:
 
     if RunDir(Path(source)).recipe.is_file():
         return  # a dstrain run: train/preflight.py says to export it first
+    if model and not (Path(source) / "config.json").is_file():
+        return  # written out (a shipped recipe on a machine without the weights): preflight checks the folder
     from dstrain.model.hf import architecture_from_hf  # torch and transformers: only for a recipe with init_from
 
     try:
