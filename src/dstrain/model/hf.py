@@ -151,7 +151,7 @@ def architecture_diff(ours: GPTConfig, theirs: GPTConfig) -> list[tuple[str, obj
     fields = [f.name for f in dataclasses.fields(ours) if f.name not in NOT_ARCHITECTURE]
     if ours.flavour != "llama" or theirs.flavour != "llama":
         fields.remove("rope_theta")  # gpt2 has no RoPE
-    if ours.moe is not None and theirs.moe is not None and ours.moe.every == 1 and theirs.moe.every == 1:
+    if ours.n_moe_layers == ours.n_layer and theirs.n_moe_layers == theirs.n_layer:
         fields.remove("d_ff")  # no dense block uses it
     values = [(k, getattr(ours, resolved.get(k, k)), getattr(theirs, resolved.get(k, k))) for k in fields]
     values = [(k, _moe_shape(a), _moe_shape(b)) if k == "moe" else (k, a, b) for k, a, b in values]

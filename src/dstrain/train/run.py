@@ -60,8 +60,29 @@ def identity(recipe: Recipe, data_fingerprint: str) -> dict:
     return _identity(to_dict(recipe), data_fingerprint)
 
 
+# Model fields added after checkpoints first recorded their identity: left out at their defaults, so that a checkpoint
+# written before them still resumes (its record has no such key).
+LATER_MODEL_DEFAULTS = {
+    "family": None,
+    "d_head": None,
+    "qkv_bias": False,
+    "qk_norm": None,
+    "norm_placement": "pre",
+    "sliding_window": None,
+    "rope_scaling": None,
+}
+LATER_MOE_DEFAULTS = {"norm_topk_prob": True, "dense_layers": []}
+
+
+def _without_later_defaults(fields: dict, defaults: dict) -> dict:
+    return {k: v for k, v in fields.items() if k not in defaults or defaults[k] != v}
+
+
 def _identity(recipe: dict, data) -> dict:
     model = {k: v for k, v in recipe["model"].items() if k != "activation_checkpointing"}  # the ds_config's now
+    model = _without_later_defaults(model, LATER_MODEL_DEFAULTS)
+    if isinstance(model.get("moe"), dict):
+        model["moe"] = _without_later_defaults(model["moe"], LATER_MOE_DEFAULTS)
     return {
         "model": model,
         "seq_len": recipe["data"]["seq_len"],
