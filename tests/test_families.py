@@ -91,15 +91,17 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-@pytest.fixture(params=list(FAMILIES))
-def family(request):
-    return request.param
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def imported(request):
+    """(the transformers model, from_hf's config and state dict) of one family, built once for its tests."""
+    hf = build_hf(request.param)
+    return (hf, *from_hf(hf))
 
 
 @torch.no_grad()
-def test_imported_family_gives_transformers_logits(family):
-    hf = build_hf(family)
-    config, state = from_hf(hf)
+def test_imported_family_gives_transformers_logits(imported):
+    hf, config, state = imported
+    config = dataclasses.replace(config)  # a copy: doc_masking is flipped below
     ours = GPT(config).eval()
     ours.load_state_dict(state, strict=True)
     ids = torch.randint(0, VOCAB, (2, 20))
@@ -114,9 +116,8 @@ def test_imported_family_gives_transformers_logits(family):
 
 
 @torch.no_grad()
-def test_exported_family_is_the_same_class_with_the_same_logits(family, tmp_path):
-    hf = build_hf(family)
-    config, state = from_hf(hf)
+def test_exported_family_is_the_same_class_with_the_same_logits(imported, tmp_path):
+    hf, config, state = imported
     hf_config, hf_state = to_hf(config, state)
     assert hf_config.architectures == [type(hf).__name__]
     hf_config._attn_implementation = "sdpa"
@@ -209,6 +210,10 @@ def test_a_recipe_without_model_continues_a_published_qwen3_and_exports_it(tmp_p
     assert not torch.equal(loaded.model.embed_tokens.weight, hf.model.embed_tokens.weight)  # it trained
     for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (published / name).read_bytes(), name
+    assert cli(["export", str(run), "--out", str(tmp_path / "export-bf16"), "--dtype", "bf16"]) == 0
+    halved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export-bf16", dtype="auto")
+    assert type(halved) is transformers.Qwen3ForCausalLM and halved.dtype == torch.bfloat16
+    assert torch.equal(halved.model.embed_tokens.weight, loaded.model.embed_tokens.weight.bfloat16())
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     ids = tokenizer("The module", return_tensors="pt").input_ids
     with torch.no_grad():
@@ -305,3 +310,36 @@ def test_checkpoints_recorded_before_the_family_fields_still_resume():
     assert _identity(recipe(now), "d") == _identity(recipe(before), "d")
     qwen3 = dataclasses.asdict(GPTConfig(flavour="llama", family="qwen3", qk_norm="head", d_head=32))
     assert _identity(recipe(qwen3), "d") != _identity(recipe(before), "d")
+
+
+def test_estimate_answers_from_config_json_alone(tmp_path, capsys):
+    """init_from a folder holding only config.json (no weights) and a recipe without model: estimate reads the
+    architecture from it; training would refuse the folder (no weights) before any work."""
+    from dstrain.commands.cli import main as cli
+    from dstrain.config import load_recipe
+    from dstrain.train.preflight import check_init_from
+
+    root = Path(__file__).resolve().parents[1]
+    folder = tmp_path / "qwen3"
+    features = dict(head_dim=16, max_position_embeddings=4096, architectures=["Qwen3ForCausalLM"])
+    transformers.Qwen3Config(**(SMALL | features)).save_pretrained(folder)
+    recipe = yaml_without_model(root / "recipes" / "continue-qwen3-0.6b.yaml", tmp_path, init_from=str(folder))
+    loaded = load_recipe(recipe)
+    assert (loaded.model.d_model, loaded.model.d_head, loaded.model.qk_norm) == (32, 16, "head")
+    capsys.readouterr()
+    assert (
+        cli(["estimate", "--recipe", str(recipe), "--deepspeed_config", str(root / "ds_configs/zero1_bf16.json")]) == 0
+    )
+    assert "fits" in capsys.readouterr().out
+    with pytest.raises(DstrainError, match="no weights"):
+        check_init_from(loaded, str(recipe))
+
+
+def yaml_without_model(source: Path, folder: Path, **changes) -> Path:
+    import yaml
+
+    recipe = yaml.safe_load(source.read_text())
+    del recipe["model"]
+    path = folder / source.name
+    path.write_text(yaml.safe_dump({**recipe, **changes}))
+    return path
