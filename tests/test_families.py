@@ -343,3 +343,18 @@ def yaml_without_model(source: Path, folder: Path, **changes) -> Path:
     path = folder / source.name
     path.write_text(yaml.safe_dump({**recipe, **changes}))
     return path
+
+
+def test_init_from_under_expert_parallelism_loads_each_ranks_experts():
+    """Under EP2 build_model gives rank r the experts 2r, 2r+1 of each MoE layer, named 0, 1: load_init_from cuts the
+    published state dict to them (dstrain.model.hf_moe.local_experts)."""
+    from dstrain.model.hf_moe import expert_name, local_experts
+
+    config, state = from_hf(build_hf("qwen3_moe"))
+    for rank in (0, 1):
+        model = GPT(config, 2, rank)
+        model.load_state_dict(local_experts(state, config, 2, rank), strict=True)
+        for block in (0, 2):  # block 1 is dense (mlp_only_layers)
+            for local in (0, 1):
+                got = model.state_dict()[expert_name(block, local, "down_proj")]
+                assert torch.equal(got, state[expert_name(block, 2 * rank + local, "down_proj")])

@@ -42,3 +42,20 @@ def experts_from_hf(config: GPTConfig, take, block: int, out: StateDict) -> None
         out[expert_name(block, e, "gate_proj")] = gate_up[e, :ff]
         out[expert_name(block, e, "up_proj")] = gate_up[e, ff:]
         out[expert_name(block, e, "down_proj")] = down[e]
+
+
+def local_experts(state: StateDict, config: GPTConfig, ep_size: int, ep_rank: int) -> StateDict:
+    """A whole model's state dict cut to what GPT(config, ep_size, ep_rank) holds: its experts e = ep_rank * E/ep_size
+    ..., named by their local index as DeepSpeed's MoE layer names them; the other experts left out."""
+    assert config.moe is not None
+    local, marker = config.moe.num_experts // ep_size, ".experts.deepspeed_experts."
+    out = {}
+    for name, tensor in state.items():
+        if marker not in name:
+            out[name] = tensor
+            continue
+        head, rest = name.split(marker)
+        index, tail = rest.split(".", 1)
+        if 0 <= int(index) - ep_rank * local < local:
+            out[f"{head}{marker}{int(index) - ep_rank * local}.{tail}"] = tensor
+    return out

@@ -259,7 +259,9 @@ def data_parallel_rank(engine, strategy: Strategy) -> int:
     return rank
 
 
-def load_init_from(model: torch.nn.Module, recipe, recipe_file: str | os.PathLike, zero3: bool) -> None:
+def load_init_from(
+    model: torch.nn.Module, recipe, recipe_file: str | os.PathLike, zero3: bool, ep_size: int = 1, ep_rank: int = 0
+) -> None:
     """Copy the weights of the Hugging Face folder ``recipe.init_from`` into the freshly built ``model``.
 
     Under ZeRO-3 the model was built inside deepspeed.zero.Init, so each parameter is gathered, filled on
@@ -274,6 +276,10 @@ def load_init_from(model: torch.nn.Module, recipe, recipe_file: str | os.PathLik
             f"{recipe_file}: init_from {recipe.init_from} has another architecture ({'; '.join(differ)}); "
             f"set those model fields to the Hugging Face values"
         )
+    if ep_size > 1:  # this rank holds its share of the experts (build_model)
+        from dstrain.model.hf_moe import local_experts
+
+        state = local_experts(state, recipe.model, ep_size, ep_rank)
     if not isinstance(model, GPT):  # a PipelineModule: this rank's stage only
         from dstrain.checkpoint.consolidate import load_into_pipeline
 

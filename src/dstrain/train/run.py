@@ -327,7 +327,8 @@ def train(args: argparse.Namespace) -> int:
         )
     model = build_model(recipe, strategy)
     if recipe.init_from and not tag:  # continued pretraining starts from a Hugging Face model, once
-        load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)
+        ep_rank = strategy.ep_rank(torch.distributed.get_rank())
+        load_init_from(model, recipe, args.recipe, strategy.zero_stage == 3, strategy.ep_size, ep_rank)
     engine = build_engine(recipe, strategy, model)
     trainer = Trainer(
         recipe, strategy, engine, train_data, valid_sets, run_dir, fingerprint, identity(recipe, fingerprint)
