@@ -358,3 +358,47 @@ def test_init_from_under_expert_parallelism_loads_each_ranks_experts():
             for local in (0, 1):
                 got = model.state_dict()[expert_name(block, local, "down_proj")]
                 assert torch.equal(got, state[expert_name(block, 2 * rank + local, "down_proj")])
+
+
+@pytest.mark.distributed
+def test_every_family_continues_training_from_init_from_and_exports_to_its_class(tmp_path, corpus):
+    """Each family published (weights only: the run keeps the data's tokenizer), trained 3 steps from init_from by a
+    recipe without model: on 2 ranks (ZeRO-1; EP2 for the MoE families), then exported: its own class, weights moved."""
+    from dstrain.commands.cli import main as cli
+
+    from ranks import run_ranks
+    from train_helpers import ROOT, small_recipe, train_each, train_losses
+
+    families = ["llama3", "mistral", "qwen2", "qwen3", "olmo2", "qwen3_moe", "mixtral"]
+    argvs, runs = [], {}
+    for family in families:
+        config_class, features = FAMILIES[family]
+        hf_config = config_class(**(SMALL | features | dict(vocab_size=512, initializer_range=0.02)))
+        torch.manual_seed(0)
+        published = tmp_path / f"{family}-published"
+        getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))(hf_config).save_pretrained(
+            published
+        )
+        recipe = yaml_without_model(small_recipe(tmp_path, corpus, name=family), tmp_path, init_from=str(published))
+        ds = "ep2_zero1" if "moe" in family or family == "mixtral" else "zero1"
+        runs[family] = tmp_path / f"{family}-run"
+        argvs.append(
+            [
+                "--recipe",
+                str(recipe),
+                "--deepspeed_config",
+                str(ROOT / f"ds_configs/{ds}.json"),
+                f"run_dir={runs[family]}",
+            ]
+            + ["train.steps=3", "schedule.warmup_steps=1"]
+        )
+    assert run_ranks(2, train_each, argvs) == [[0] * len(families)] * 2
+    for family in families:
+        losses = train_losses(runs[family])
+        assert len(losses) == 3 and all(0 < loss < 10 for loss in losses), family
+        out = tmp_path / f"{family}-export"
+        assert cli(["export", str(runs[family]), "--out", str(out)]) == 0
+        loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        published = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-published")
+        assert type(loaded) is type(published) and not info["missing_keys"] and not info["unexpected_keys"], family
+        assert not torch.equal(loaded.lm_head.weight, published.lm_head.weight), family
