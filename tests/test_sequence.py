@@ -61,6 +61,7 @@ def runs(tmp_path_factory, tiny_corpus):
         ("train", [train_argv(gpt2, "sp2_zero3", tmp / "gpt2_sp2_zero3")]),
         ("train", [train_argv(qwen3, "zero0", tmp / "qwen3_zero0")]),
         ("train", [train_argv(qwen3, "sp2_zero3", tmp / "qwen3_sp2_zero3")]),
+        ("train", [train_argv(qwen3, tiled, tmp / "qwen3_sp2_zero3_tiled")]),
         ("train_and_signal_at", [train_argv(llama, "sp2_zero1", tmp / "sp_then_plain"), 5]),
         ("train", [train_argv(llama, "zero2", tmp / "sp_then_plain")]),  # through the universal checkpoint
         ("train_and_signal_at", [train_argv(llama, "zero0", tmp / "plain_then_sp"), 5]),
@@ -93,6 +94,7 @@ def close(got: list[float], want: list[float]) -> bool:
         ("llama_sp2_dp2_zero3", "llama_zero0"),
         ("gpt2_sp2_dp2_zero1", "gpt2_zero0"),
         ("qwen3_sp2_zero3", "qwen3_zero0"),
+        ("qwen3_sp2_zero3_tiled", "qwen3_zero0"),
     ],
 )
 def test_sequence_parallel_gives_zero0_losses_and_grad_norms(runs, run, reference):

@@ -139,7 +139,9 @@ class Attention(nn.Module):
         self.k_proj = Linear(d, kv_width, qkv_bias, std)
         self.v_proj = Linear(d, kv_width, qkv_bias, std)
         self.o_proj = Linear(q_width, d, bias, std / math.sqrt(2 * config.n_layer))
-        if config.qk_norm is not None:  # per head: one weight shared by the heads, so a TP/SP rank's heads use it too
+        # Per head: one weight every head uses, whole on each TP/SP rank (under TP its gradient is summed over the
+        # group: train/engine.py). Over the projection (OLMo 2): it spans every head, so TP is refused.
+        if config.qk_norm is not None:
             per_head = config.qk_norm == "head"
             self.q_norm = make_norm(config, self.head_dim if per_head else q_width)
             self.k_norm = make_norm(config, self.head_dim if per_head else kv_width)
