@@ -45,7 +45,6 @@ SMALL = dict(
 # family test id -> (transformers config class, what sets the family apart, at a small size)
 FAMILIES = {
     "llama3": (transformers.LlamaConfig, dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
-    "llama-plain": (transformers.LlamaConfig, dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
     "mistral": (transformers.MistralConfig, dict(sliding_window=64, head_dim=16, rope_parameters=LINEAR_ROPE)),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True, rope_parameters=YARN_ROPE)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
