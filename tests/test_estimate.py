@@ -229,14 +229,19 @@ def saved_tensor_bytes(config: GPTConfig, batch: int, seq: int, dtype, checkpoin
     return sum(saved.values())
 
 
-@pytest.mark.parametrize("flavour", ["llama", "gpt2"])
+# Qwen3's features: per-head q/k norms (their saved fp32 copies) and a head width apart from d_model / n_head
+QWEN3 = {"flavour": "llama", "family": "qwen3", "qk_norm": "head", "d_head": 64}
+
+
+@pytest.mark.parametrize("flavour", ["llama", "gpt2", "qwen3"])
 @pytest.mark.parametrize("config", ["zero2", "zero2_bf16"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_activation_formula_matches_saved_tensors(tmp_path, flavour, config, checkpointing):
     import torch
 
-    kv = {"n_kv_head": 2} if flavour == "llama" else {"n_kv_head": None}
-    recipe_file = write_recipe(tmp_path, flavour=flavour, n_layer=3, **kv)
+    kv = {"n_kv_head": 2} if flavour != "gpt2" else {"n_kv_head": None}
+    features = QWEN3 if flavour == "qwen3" else {"flavour": flavour}
+    recipe_file = write_recipe(tmp_path, n_layer=3, **features, **kv)
     recipe = load_recipe(recipe_file)
     path = ROOT / "ds_configs" / f"{config}.json"
     ds = load_ds_config(path)

@@ -127,8 +127,8 @@ def test_hf_generate_matches_our_greedy_decoding(pair):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    transformers.MistralConfig(architectures=["MistralForCausalLM"]).save_pretrained(tmp_path)
-    with pytest.raises(DstrainError, match="MistralForCausalLM") as error:
+    transformers.PhiConfig(architectures=["PhiForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(DstrainError, match="PhiForCausalLM") as error:
         from_hf(tmp_path)
     assert str(tmp_path / "config.json") in str(error.value)
     with pytest.raises(DstrainError, match="no such file"):

@@ -17,6 +17,13 @@ pytestmark = pytest.mark.distributed
 # them: the same fp32 sums in another order. Measured: agreement to ~1e-7 relative over 10 steps.
 RTOL = 1e-5
 MOE = {"num_experts": 4, "top_k": 2}
+# Qwen3-MoE's features: q/k norms per head, a decoupled head width, unnormalised top-k weights, a dense first block
+QWEN3_MOE = {
+    "family": "qwen3_moe",
+    "qk_norm": "head",
+    "d_head": 32,
+    "moe": {**MOE, "norm_topk_prob": False, "dense_layers": [0]},
+}
 
 
 def run_all(calls: list) -> list:
@@ -27,6 +34,7 @@ def run_all(calls: list) -> list:
 def runs(tmp_path_factory, corpus):
     tmp = tmp_path_factory.mktemp("moe")
     recipe = small_recipe(tmp, corpus, name="moe", model={"moe": MOE})
+    qwen3_moe = small_recipe(tmp, corpus, name="qwen3_moe", model=QWEN3_MOE)
     zero2 = ds_config(tmp, "zero2")
     ep2_zero2 = ds_config(tmp, "zero2", expert_parallel={"enabled": True, "autoep_size": 2})
     configs = {
@@ -35,8 +43,9 @@ def runs(tmp_path_factory, corpus):
         "zero2": zero2,
         "ep2_zero2": ep2_zero2,
     }
-    d = {name: tmp / name for name in [*configs, "ep2_resumed"]}
+    d = {name: tmp / name for name in [*configs, "ep2_resumed", "qwen3_moe_zero1", "qwen3_moe_ep2_zero1"]}
     calls = [("train", [train_argv(recipe, config, d[name])]) for name, config in configs.items()]
+    calls += [("train", [train_argv(qwen3_moe, configs[n], d[f"qwen3_moe_{n}"])]) for n in ("zero1", "ep2_zero1")]
     resumed = train_argv(recipe, configs["ep2_zero1"], d["ep2_resumed"], "train.checkpoint_interval=3")
     calls += [
         ("train_and_signal_at", [resumed, 4]),
@@ -57,7 +66,14 @@ def train_records(run_dir) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "run, reference", [("ep2_zero1", "zero1"), ("ep2_zero2", "zero2"), ("zero2", "zero1"), ("ep2_dp4", "zero1_dp4")]
+    "run, reference",
+    [
+        ("ep2_zero1", "zero1"),
+        ("ep2_zero2", "zero2"),
+        ("zero2", "zero1"),
+        ("ep2_dp4", "zero1_dp4"),
+        ("qwen3_moe_ep2_zero1", "qwen3_moe_zero1"),
+    ],
 )
 def test_expert_parallel_gives_the_same_losses_and_gradients(runs, run, reference):
     ours, theirs = train_records(runs[run]), train_records(runs[reference])

@@ -135,7 +135,7 @@ def test_only_every_layer_llama_moe_exports():
     from dstrain.model.hf import to_hf
 
     config = dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, every=2))
-    with pytest.raises(DstrainError, match="moe.every 1 exports to MixtralForCausalLM"):
+    with pytest.raises(DstrainError, match="MixtralForCausalLM needs model.moe.every 1"):
         to_hf(config, GPT(config).state_dict())
 
 

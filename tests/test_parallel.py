@@ -12,6 +12,7 @@ import yaml
 import train_helpers
 from ranks import run_ranks
 from train_helpers import (
+    QWEN3_MODEL,
     ROOT,
     ds_config,
     read_metrics,
@@ -143,6 +144,9 @@ def runs(tmp_path_factory, corpus):
     gpt2 = small_recipe(
         tmp, corpus, name="gpt2", model={"flavour": "gpt2", "n_kv_head": None}, train={"eval_samples": 30}
     )
+    qwen3 = small_recipe(
+        tmp, corpus, name="qwen3", model={"doc_masking": True, **QWEN3_MODEL}, train={"eval_samples": 30}
+    )
     deep = small_recipe(tmp, corpus, name="deep", model={"doc_masking": True, "n_layer": 4}, train={"eval_samples": 30})
     pp4 = ds_config(tmp, "pp2_zero1", pipeline={"stages": 4})
     gpt2_pipe = ds_config(
@@ -165,6 +169,9 @@ def runs(tmp_path_factory, corpus):
         "zero1_bf16",
         "pp2_zero1_bf16",
         "tp2_zero1_bf16",
+        "qwen3_zero1",
+        "qwen3_pp2",
+        "qwen3_tp2",
     ]
     d = {name: tmp / name for name in names}
     calls = [
@@ -188,14 +195,17 @@ def runs(tmp_path_factory, corpus):
             [train_argv(recipe, CONFIGS["tp2_zero1"], d["tp2_resumed"], "train.checkpoint_interval=3"), 4],
         ),
         ("train", [train_argv(recipe, CONFIGS["tp2_zero1"], d["tp2_resumed"])]),
-        *(("train", [train_argv(recipe, CONFIGS[name], d[name])]) for name in names[-3:]),  # bf16
+        *(("train", [train_argv(recipe, CONFIGS[name], d[name])]) for name in names[-6:-3]),  # bf16
+        ("train", [train_argv(qwen3, CONFIGS["zero1"], d["qwen3_zero1"])]),
+        ("train", [train_argv(qwen3, CONFIGS["pp2_zero1"], d["qwen3_pp2"])]),
+        ("train", [train_argv(qwen3, CONFIGS["tp2_zero1"], d["qwen3_tp2"])]),
         ("pipeline_round_trip_logits", [d["pp2"], CONFIGS["pp2_zero1"]]),
         ("tensor_parallel_logits", [d["tp2"], CONFIGS["tp2_zero1"]]),
         ("tensor_parallel_logits", [d["gpt2_tp2"], CONFIGS["tp2_zero1"]]),
     ]
     results = run_ranks(2, run_all, calls)
     assert [[code for (name, _), code in zip(calls, rank) if name.startswith("train")] for rank in results] == [
-        [0] * 15
+        [0] * 18
     ] * 2
     d["results"] = {
         f"{name}:{args[0].name if args else ''}": [rank[i] for rank in results]
@@ -217,7 +227,15 @@ def runs(tmp_path_factory, corpus):
 
 @pytest.mark.parametrize(
     "run, reference",
-    [("pp2", "zero1"), ("tp2", "zero1"), ("pp2_x_dp2", "zero1"), ("tp2_x_dp2", "zero1"), ("deep_pp4", "deep_zero1")],
+    [
+        ("pp2", "zero1"),
+        ("tp2", "zero1"),
+        ("pp2_x_dp2", "zero1"),
+        ("tp2_x_dp2", "zero1"),
+        ("deep_pp4", "deep_zero1"),
+        ("qwen3_pp2", "qwen3_zero1"),
+        ("qwen3_tp2", "qwen3_zero1"),
+    ],
 )
 def test_model_parallel_runs_give_the_data_parallel_losses(runs, run, reference):
     expected, losses = train_losses(runs[reference]), train_losses(runs[run])
@@ -251,6 +269,8 @@ def test_pipeline_starts_from_the_plain_models_weights(runs):
         ("gpt2_pp2", "gpt2_zero1"),
         ("gpt2_tp2", "gpt2_zero1"),
         ("gpt2_pp2_zero0", "gpt2_zero1"),
+        ("qwen3_pp2", "qwen3_zero1"),
+        ("qwen3_tp2", "qwen3_zero1"),
     ],
 )
 def test_grad_norm_is_the_global_norm_under_every_layout(runs, run, reference):

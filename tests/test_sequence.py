@@ -10,7 +10,7 @@ import pytest
 
 import train_helpers
 from ranks import run_ranks
-from train_helpers import ds_config, read_metrics, small_recipe, train, train_argv
+from train_helpers import QWEN3_MODEL, ds_config, read_metrics, small_recipe, train, train_argv
 
 pytestmark = pytest.mark.distributed
 
@@ -49,6 +49,7 @@ def runs(tmp_path_factory, tiny_corpus):
     tmp = tmp_path_factory.mktemp("sequence")
     llama = small_recipe(tmp, tiny_corpus, name="llama", model={"doc_masking": True})
     gpt2 = small_recipe(tmp, tiny_corpus, name="gpt2", model={"flavour": "gpt2", "n_kv_head": 4})
+    qwen3 = small_recipe(tmp, tiny_corpus, name="qwen3", model={"doc_masking": True, **QWEN3_MODEL})
     # memory, not math: tiled loss and MLP, and activation checkpointing (each block's all-to-alls run again)
     checkpointing = {"partition_activations": False}
     tiled = ds_config(tmp, "sp2_zero3", tiling={"loss": 4, "mlp": 2}, activation_checkpointing=checkpointing)
@@ -58,6 +59,9 @@ def runs(tmp_path_factory, tiny_corpus):
         ("train", [train_argv(llama, "sp2_zero3", tmp / "llama_sp2_zero3")]),
         ("train", [train_argv(gpt2, "zero0", tmp / "gpt2_zero0")]),
         ("train", [train_argv(gpt2, "sp2_zero3", tmp / "gpt2_sp2_zero3")]),
+        ("train", [train_argv(qwen3, "zero0", tmp / "qwen3_zero0")]),
+        ("train", [train_argv(qwen3, "sp2_zero3", tmp / "qwen3_sp2_zero3")]),
+        ("train", [train_argv(qwen3, tiled, tmp / "qwen3_sp2_zero3_tiled")]),
         ("train_and_signal_at", [train_argv(llama, "sp2_zero1", tmp / "sp_then_plain"), 5]),
         ("train", [train_argv(llama, "zero2", tmp / "sp_then_plain")]),  # through the universal checkpoint
         ("train_and_signal_at", [train_argv(llama, "zero0", tmp / "plain_then_sp"), 5]),
@@ -89,6 +93,8 @@ def close(got: list[float], want: list[float]) -> bool:
         ("gpt2_sp2_zero3", "gpt2_zero0"),
         ("llama_sp2_dp2_zero3", "llama_zero0"),
         ("gpt2_sp2_dp2_zero1", "gpt2_zero0"),
+        ("qwen3_sp2_zero3", "qwen3_zero0"),
+        ("qwen3_sp2_zero3_tiled", "qwen3_zero0"),
     ],
 )
 def test_sequence_parallel_gives_zero0_losses_and_grad_norms(runs, run, reference):

@@ -11,6 +11,7 @@ import yaml
 
 from ranks import run_ranks
 from train_helpers import (
+    QWEN3_MODEL,
     ROOT,
     ds_config,
     read_metrics,
@@ -41,8 +42,13 @@ def equivalence_runs(tmp_path_factory, corpus):
     }
     configs["zero0_micro2_accum2"] = ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=2)
     runs = {name: tmp / name for name in configs}
-    codes = run_ranks(2, train_each, [train_argv(recipe, configs[n], runs[n]) for n in configs])
-    assert codes == [[0] * len(configs)] * 2
+    qwen3 = small_recipe(tmp, corpus, name="qwen3", model=QWEN3_MODEL)
+    argvs = [train_argv(recipe, configs[n], runs[n]) for n in configs]
+    for name in ("zero0", "zero3"):
+        runs[f"qwen3_{name}"] = tmp / f"qwen3_{name}"
+        argvs.append(train_argv(qwen3, configs[name], runs[f"qwen3_{name}"]))
+    codes = run_ranks(2, train_each, argvs)
+    assert codes == [[0] * len(argvs)] * 2
     return runs
 
 
@@ -58,12 +64,25 @@ def test_strategies_give_the_same_losses(equivalence_runs, strategy):
     assert reference[-1] < reference[0] - 0.3
 
 
+def test_qwen3_features_give_the_same_losses_and_grad_norms_under_zero3(equivalence_runs):
+    """q/k norms, a decoupled head width and YaRN RoPE partitioned by ZeRO-3 (zero.Init builds the norms)."""
+    want, got = (
+        [r for r in read_metrics(equivalence_runs[n]) if "split" not in r] for n in ("qwen3_zero0", "qwen3_zero3")
+    )
+    assert len(got) == len(want) == 10
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=LOSS_RTOL, err_msg=key)
+    assert want[-1]["loss"] < want[0]["loss"] - 0.3
+
+
 def test_grad_norm_is_the_same_under_every_strategy(equivalence_runs):
     """The pre-clip global norm: computed by dstrain under ZeRO-0 (DeepSpeed keeps none), by DeepSpeed's ZeRO
     optimizers elsewhere. Step 1 has the same weights everywhere: only the reduction order differs (measured
     <3e-7); later steps carry the losses' Adam-amplified rounding (LOSS_RTOL)."""
     norms = {
-        name: [r["grad_norm"] for r in read_metrics(run) if "split" not in r] for name, run in equivalence_runs.items()
+        name: [r["grad_norm"] for r in read_metrics(run) if "split" not in r]
+        for name, run in equivalence_runs.items()
+        if not name.startswith("qwen3")
     }
     reference = norms.pop("zero0")
     assert len(reference) == 10 and all(n is not None and n > 0 for n in reference)

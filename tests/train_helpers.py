@@ -17,6 +17,16 @@ from dstrain.run_dir import RunDir
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Qwen3's features (q/k RMSNorm per head, a head width apart from d_model / n_head) with YaRN RoPE scaling (its
+# attention factor scales cos and sin): the published family the strategy suites train beside plain llama.
+QWEN3_MODEL = {
+    "family": "qwen3",
+    "qk_norm": "head",
+    "d_head": 32,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+}
+
+
 def small_recipe(folder: Path, corpus: Path, name: str = "small", **sections) -> Path:
     """A 2-block Llama-style model on the prepared stdlib corpus: 10 steps of 8 x 32 tokens."""
     recipe = {

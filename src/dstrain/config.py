@@ -133,7 +133,9 @@ class TrainConfig:
 @dataclass
 class Recipe:
     name: str  # names the run directory and reports
-    model: GPTConfig  # architecture; model.vocab_size None = the data's vocabulary rounded up to a multiple of 64
+    # architecture; model.vocab_size None = the data's vocabulary rounded up to a multiple of 64. With init_from, the
+    # fields left out (or the whole section) come from the folder's config.json; the fields given must agree with it.
+    model: GPTConfig
     data: DataConfig
     train: TrainConfig
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -211,6 +213,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     for item in overrides:
         apply_override(raw, item, path)
     refuse_moved_keys(raw, path)
+    fill_model_from_init_from(raw, path)
     fill_model_defaults(raw, path)
     recipe = parse(Recipe, raw, path, "")
     validate(recipe, path)
@@ -225,6 +228,33 @@ def refuse_moved_keys(raw: dict, path: Path) -> None:
             f"{path}: model.activation_checkpointing is a ds_config setting; remove it here and add "
             f'"activation_checkpointing": {{"partition_activations": false}} to your ds_config'
         )
+
+
+def fill_model_from_init_from(raw: dict, path: Path) -> None:
+    """With init_from, the model fields the recipe leaves out are the folder's (config.json only; no weights read).
+    Training choices (doc_masking) stay the recipe's; the fields it gives are checked against the folder before any
+    work (train/preflight.py), so a differing one is refused by name."""
+    source, model = raw.get("init_from"), raw.get("model")
+    if not isinstance(source, str) or not (model is None or isinstance(model, dict)):
+        return  # no init_from, or parse() reports the malformed section
+    from dstrain.run_dir import RunDir
+
+    if RunDir(Path(source)).recipe.is_file():
+        return  # a dstrain run: train/preflight.py says to export it first
+    if model and not (Path(source) / "config.json").is_file():
+        return  # written out (a shipped recipe on a machine without the weights): preflight checks the folder
+    from dstrain.model.hf import architecture_from_hf  # torch and transformers: only for a recipe with init_from
+
+    try:
+        folder = dataclasses.asdict(architecture_from_hf(source))
+    except DstrainError as e:
+        raise DstrainError(f"{path}: init_from: {e}") from None
+    del folder["doc_masking"]
+    given = model or {}
+    for key in ("moe", "rope_scaling"):  # one level deeper: moe.aux_loss_coef alone keeps the folder's experts
+        if isinstance(given.get(key), dict) and isinstance(folder.get(key), dict):
+            given[key] = {**folder[key], **given[key]}
+    raw["model"] = {**folder, **given}
 
 
 def fill_model_defaults(raw: dict, path: Path) -> None:
@@ -346,6 +376,12 @@ def validate(recipe: Recipe, file: Path) -> None:
     if len(set(names)) != len(names):
         twice = next(name for name in names if names.count(name) > 1)
         raise DstrainError(f"{file}: train.tasks names {twice!r} twice; give each task its own name")
+    window = recipe.model.sliding_window
+    if window is not None and window < recipe.data.seq_len:
+        raise DstrainError(
+            f"{file}: model.sliding_window={window} is shorter than data.seq_len={recipe.data.seq_len} and dstrain "
+            f"attends over the whole sequence; set data.seq_len <= {window}"
+        )
     w = t.watchdog
     if w.floor_s > w.ceiling_s:
         raise DstrainError(

@@ -5,10 +5,13 @@ starts training from one: dstrain.train.engine.load_init_from).
     dstrain export runs/tiny --tag global_step200 --out hf/tiny-200
 
 The folder holds config.json, model.safetensors and the run's tokenizer (the run folder's own tokenizer/: nothing
-outside the run folder is read). The weights are the fp32 master
+outside the run folder is read). A run continued from a published model
+(`init_from`) exports as that model's own class, with its generation_config.json and its tokenizer files as they
+were (when the run's data was tokenised with the same vocabulary). The weights are the fp32 master
 weights wherever the checkpoint holds them apart from the module's (bf16 runs: ZeRO's or BF16_Optimizer's
 partitions), else the module's own (fp32 runs); `--dtype bf16` writes them rounded to bf16; llama-flavour models
-become LlamaForCausalLM, gpt2-flavour ones GPT2LMHeadModel (dstrain.model.hf), so
+become their family's class (LlamaForCausalLM, Qwen3ForCausalLM, ...), gpt2-flavour ones GPT2LMHeadModel
+(dstrain.model.hf), so
 `AutoModelForCausalLM.from_pretrained(folder)` computes what our GPT computed.
 """
 
@@ -54,10 +57,51 @@ def main(args: argparse.Namespace) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)  # safetensors
     tokenizer.save_pretrained(tmp)
+    carried = carry_published_files(recipe.init_from, tokenizer, tmp) if recipe.init_from else []
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)  # replaces an empty folder, never a full one
     print(
         f"{out}: {type(model).__name__} from {tag_dir} ({args.dtype} safetensors of the {weights_kind(tag_dir)} "
-        f"weights, tokenizer)"
+        f"weights, tokenizer{''.join(f', {name}' for name in carried)})"
     )
     return 0
+
+
+# A published model's tokenizer and generation files, copied as they are: save_pretrained of a loaded tokenizer may
+# rewrite them (added tokens, chat template, normalisation settings), which inference servers read.
+PUBLISHED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
+
+def carry_published_files(init_from: str, tokenizer, out: Path) -> list[str]:
+    """Copies init_from's generation_config.json, and its tokenizer files when the run's tokenizer has the same
+    vocabulary (the data was prepared with it); returns the names copied from init_from."""
+    source = Path(init_from)
+    if not source.is_dir():
+        return []
+    copied = []
+    if (source / "generation_config.json").is_file():
+        shutil.copyfile(source / "generation_config.json", out / "generation_config.json")
+        copied.append("generation_config.json")
+    from dstrain.data.tokenizer import load_tokenizer
+
+    try:
+        published = load_tokenizer(str(source), flag="init_from's tokenizer")
+    except DstrainError:
+        return copied  # a model folder without a tokenizer: the run's stays
+    if published.get_vocab() != tokenizer.get_vocab():
+        print(f"{source}: its tokenizer differs from the run's; the export holds the run's tokenizer")
+        return copied
+    for name in PUBLISHED_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+            copied.append(name)
+    return copied

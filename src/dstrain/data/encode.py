@@ -22,21 +22,23 @@ from tokenizers import Tokenizer
 _worker: dict = {}
 
 
-def init_encoder(tokenizer_json: str, eos_id: int, dtype: str, threads: bool) -> None:
-    """Load the tokenizer once per process. ``threads``: let the Rust side use every core."""
+def init_encoder(tokenizer_json: str, eos_id: int, dtype: str, threads: bool, bos_id: int | None = None) -> None:
+    """Load the tokenizer once per process. ``threads``: let the Rust side use every core. ``bos_id``: the token
+    that starts every document, where the tokenizer puts one (dstrain.data.tokenizer.document_framing)."""
     if not threads:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one single-threaded worker per core
     tokenizer = Tokenizer.from_str(tokenizer_json)
     # A document that quotes "<|endoftext|>" must not become two documents: special tokens
     # written in the text are tokenized as plain text; only the appended EOS is special.
     tokenizer.encode_special_tokens = True
-    _worker.update(tokenizer=tokenizer, eos_id=eos_id, dtype=np.dtype(dtype))
+    _worker.update(tokenizer=tokenizer, eos_id=eos_id, dtype=np.dtype(dtype), bos=[] if bos_id is None else [bos_id])
 
 
 def encode_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of every text with EOS appended, back to back, and each document's size."""
+    """Token ids of every text framed as its family frames it (BOS first where the tokenizer puts one, EOS
+    appended), back to back, and each document's size."""
     encodings = _worker["tokenizer"].encode_batch_fast(texts, add_special_tokens=False)
-    id_lists = [e.ids for e in encodings]
+    id_lists = [_worker["bos"] + e.ids for e in encodings]
     sizes = np.fromiter((len(ids) + 1 for ids in id_lists), dtype=np.int64, count=len(id_lists))
     ends = np.cumsum(sizes)
     flat = np.empty(int(ends[-1]) if sizes.size else 0, dtype=_worker["dtype"])
@@ -53,10 +55,19 @@ class ParallelEncoder:
     ``2 * num_proc`` in flight, so memory stays bounded whatever the corpus size.
     """
 
-    def __init__(self, tokenizer_json: str, eos_id: int, dtype: np.dtype, num_proc: int):
+    def __init__(self, tokenizer_json: str, eos_id: int, dtype: np.dtype, num_proc: int, bos_id: int | None = None):
         self.num_proc = num_proc
         self._init_args = (tokenizer_json, int(eos_id), np.dtype(dtype).str)
+        self._bos_id = bos_id
         self._pool: ProcessPoolExecutor | None = None
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, dtype: np.dtype, num_proc: int) -> ParallelEncoder:
+        """An encoder framing documents as `tokenizer`'s family does (dstrain.data.tokenizer.document_framing)."""
+        from dstrain.data.tokenizer import document_framing
+
+        framing = document_framing(tokenizer)
+        return cls(tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id, dtype, num_proc, framing["bos_id"])
 
     def __enter__(self) -> ParallelEncoder:
         if self.num_proc > 1:
@@ -65,10 +76,13 @@ class ParallelEncoder:
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload([__name__])
             self._pool = ProcessPoolExecutor(
-                self.num_proc, mp_context=context, initializer=init_encoder, initargs=(*self._init_args, False)
+                self.num_proc,
+                mp_context=context,
+                initializer=init_encoder,
+                initargs=(*self._init_args, False, self._bos_id),
             )
         else:
-            init_encoder(*self._init_args, True)
+            init_encoder(*self._init_args, True, self._bos_id)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -5,6 +5,8 @@ Its presence means every shard it lists is complete. Keys::
     format, format_version     "dstrain-packed-shards", 1
     tokenizer                  {"name", "path" (relative), "hash", "trained_vocab_size"}
     vocab_size, eos_id, dtype  len(tokenizer), the EOS id ending every document, token dtype
+    framing                    {"bos_id", "eos_id"}: BOS starting each document where the tokenizer puts one
+                               (Llama 3), else null; EOS ending each (dstrain.data.tokenizer.document_framing)
     shards                     [{"prefix", "documents", "tokens"}, ...] in document order
     documents, tokens          totals
     shard_tokens               the --shard-tokens bound the shards were cut with

@@ -31,6 +31,7 @@ from dstrain.data.shards import ShardReader, ShardWriter, shard_paths, token_dty
 from dstrain.data.sources import Source, SourceSpec, describe, open_source, text_batches
 from dstrain.data.tokenizer import (
     TOKENIZER_DIR,
+    document_framing,
     load_tokenizer,
     save_tokenizer,
     tokenizer_hash,
@@ -326,6 +327,7 @@ def run(opts: PrepareOptions) -> dict:
         **inputs,
         "vocab_size": len(tokenizer),
         "eos_id": int(tokenizer.eos_token_id),
+        "framing": document_framing(tokenizer),
         "dtype": dtype.name,
         "shards": shards,
         "documents": sum(s["documents"] for s in shards),
@@ -340,7 +342,7 @@ def _tokenize(out: Path, source, tokenizer, opts: PrepareOptions) -> tuple[list[
     """Every document into shards (the complete ones of an interrupted run kept); (shard records, token dtype)."""
     dtype = token_dtype(len(tokenizer))
     num_proc = opts.num_proc or len(os.sched_getaffinity(0))
-    encoder = ParallelEncoder(tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id, dtype, num_proc)
+    encoder = ParallelEncoder.for_tokenizer(tokenizer, dtype, num_proc)
     progress = _Progress(source.num_docs or source.announced_docs, opts.progress)
     try:
         shards = _write_shards(out, source, encoder, dtype, opts.shard_tokens, progress)

@@ -122,16 +122,41 @@ def save_tokenizer(tokenizer, folder: Path) -> None:
     os.replace(tmp, folder)
 
 
-def verify_tokenizer(manifest_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike) -> None:
-    """DstrainError unless ``tokenizer_dir`` is the tokenizer ``manifest_dir``'s data was made with."""
+def document_framing(tokenizer) -> dict[str, int | None]:
+    """How `dstrain prepare` frames each document for this tokenizer: {"bos_id", "eos_id"}.
+
+    EOS ends every document (all families). BOS starts each one where the tokenizer itself puts it before a text
+    (its post-processor adds it: Llama 3's <|begin_of_text|>); a tokenizer that has a BOS token but does not add it
+    (GPT-2, Qwen) frames without. A document's ids are then tokenizer(text).input_ids + [EOS]."""
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [bos]
+    return {"bos_id": int(bos) if adds_bos else None, "eos_id": int(tokenizer.eos_token_id)}
+
+
+def manifest_framing(manifest: dict) -> dict[str, int | None]:
+    """The framing a manifest records; folders prepared before it was recorded framed with EOS only."""
+    return manifest.get("framing") or {"bos_id": None, "eos_id": manifest["eos_id"]}
+
+
+def verify_tokenizer(
+    manifest_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, flag: str = "recipe tokenizer"
+) -> None:
+    """DstrainError unless ``tokenizer_dir`` is the tokenizer ``manifest_dir``'s data was made with, and framed for."""
     manifest = read_manifest(manifest_dir)
     expected = manifest["tokenizer"]["hash"]
-    actual = tokenizer_hash(load_tokenizer(str(tokenizer_dir), flag="recipe tokenizer"))
+    tokenizer = load_tokenizer(str(tokenizer_dir), flag=flag)
+    actual = tokenizer_hash(tokenizer)
+    fix = f"re-run `dstrain prepare --tokenizer {tokenizer_dir}` into a new --out"
     if actual != expected:
         raise DstrainError(
-            f"tokenizer {tokenizer_dir} (hash {actual}) is not the one {manifest_dir} was prepared with "
-            f"(manifest.json tokenizer.hash {expected}); use {Path(manifest_dir) / TOKENIZER_DIR} "
-            f"or re-run `dstrain prepare --tokenizer {tokenizer_dir}` into a new --out"
+            f"tokenizer {tokenizer_dir} ({flag}, hash {actual}) is not the one {manifest_dir} was prepared with "
+            f"(manifest.json tokenizer.hash {expected}); use {Path(manifest_dir) / TOKENIZER_DIR} or {fix}"
+        )
+    framing, recorded = document_framing(tokenizer), manifest_framing(manifest)
+    if framing != recorded:
+        raise DstrainError(
+            f"{Path(manifest_dir) / 'manifest.json'}: documents were framed as {recorded} but tokenizer "
+            f"{tokenizer_dir} ({flag}) frames them as {framing}; {fix}"
         )
 
 

@@ -3,14 +3,42 @@ commands' argument checks read it without importing the model (dstrain.model.gpt
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Annotated
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
 from dstrain.errors import DstrainError
 from dstrain.ranges import Range
 
 FLAVOURS = ("gpt2", "llama")
+# The published families of the llama flavour, each exported as its own transformers class (dstrain.model.families).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe")
+
+
+@dataclass
+class RopeScaling:
+    """RoPE scaling as transformers defines it (its `rope_parameters` without rope_theta; see
+    transformers.modeling_rope_utils). Unscaled RoPE ("default") is model.rope_scaling: null."""
+
+    type: Literal["linear", "llama3", "yarn"]  # transformers' rope_type
+    factor: Annotated[float, Range(gt=0)]  # context extension factor (positions / factor for linear)
+    original_max_position_embeddings: Annotated[int, Range(ge=1)] | None = None  # llama3, yarn: pretraining length
+    low_freq_factor: Annotated[float, Range(gt=0)] = 1.0  # llama3: wavelengths above orig/low are divided by factor
+    high_freq_factor: Annotated[float, Range(gt=0)] = 4.0  # llama3: wavelengths below orig/high are kept
+    beta_fast: Annotated[float, Range(gt=0)] = 32.0  # yarn: rotations where extrapolation starts
+    beta_slow: Annotated[float, Range(gt=0)] = 1.0  # yarn: rotations where interpolation ends
+    attention_factor: Annotated[float, Range(gt=0)] | None = None  # yarn: cos/sin scale; None = 0.1 ln(factor) + 1
+    mscale: float | None = None  # yarn (DeepSeek form): with mscale_all_dim, attention_factor = ratio of the two
+    mscale_all_dim: float | None = None  # yarn: see mscale
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+
+    def __post_init__(self) -> None:
+        if self.type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+            raise DstrainError(
+                f"model.rope_scaling.original_max_position_embeddings: {self.type} needs it; "
+                f"set the pretraining context length"
+            )
 
 
 @dataclass
@@ -31,6 +59,10 @@ class MoEConfig:
         0.01  # weight of the load-balancing loss (HF Mixtral's router_aux_loss_coef), mean over MoE layers
     )
     z_loss_coef: Annotated[float, Range(ge=0)] = 0.001  # weight of the router z-loss mean(logsumexp(logits)^2)
+    norm_topk_prob: bool = True  # renormalise the top_k probabilities to sum to 1 (Mixtral yes; Qwen3-MoE's flag)
+    dense_layers: list[Annotated[int, Range(ge=0)]] = field(
+        default_factory=list
+    )  # blocks (0-based) kept dense whatever `every` says (Qwen3-MoE's mlp_only_layers)
 
     def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
@@ -63,10 +95,36 @@ class GPTConfig:
     )
     doc_masking: bool = False  # attend only within the current document (segments start where position_ids == 0)
     moe: MoEConfig | None = None  # mixture of experts in place of the MLPs (see MoEConfig); None = dense
+    # --- features of published llama-flavour families (model/families.py maps each family onto them) ---
+    family: str | None = None  # transformers class export writes (FAMILIES); None = llama, or mixtral with moe
+    d_head: Annotated[int, Range(ge=2)] | None = None  # width of one head; None = d_model / n_head (Qwen3: 128)
+    qkv_bias: bool = False  # biases on q_proj, k_proj, v_proj only (Qwen2/2.5)
+    qk_norm: Literal["head", "projection"] | None = (
+        None  # RMSNorm of q and k before RoPE: per head over d_head (Qwen3), or over the whole projection (OLMo 2)
+    )
+    norm_placement: Literal["pre", "post"] = (
+        "pre"  # pre: x + f(norm(x)); post: x + norm(f(x)) on attention and MLP outputs (OLMo 2)
+    )
+    sliding_window: Annotated[int, Range(ge=1)] | None = (
+        None  # Mistral's attention window; not implemented: refused when shorter than data.seq_len
+    )
+    rope_scaling: RopeScaling | None = None  # RoPE scaling (Llama 3.x: llama3); None = unscaled
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> GPTConfig:
+        """The config of dataclasses.asdict(config) (a record, a recipe.yaml), nested sections rebuilt; keys of
+        older versions that are no fields any more are dropped."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in fields.items() if k in known}
+        if isinstance(values.get("moe"), dict):
+            values["moe"] = MoEConfig(**values["moe"])
+        if isinstance(values.get("rope_scaling"), dict):
+            values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+        return cls(**values)
 
     def is_moe_block(self, index: int) -> bool:
         """Block `index` (0-based) holds a mixture of experts: every moe.every-th block, the last of each run."""
-        return self.moe is not None and (index + 1) % self.moe.every == 0
+        return self.moe is not None and (index + 1) % self.moe.every == 0 and index not in self.moe.dense_layers
 
     @property
     def n_moe_layers(self) -> int:
@@ -86,8 +144,14 @@ class GPTConfig:
         for key in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
                 raise bad(key, f"{getattr(self, key)!r} is not a positive integer", "set a positive integer")
-        if self.d_model % self.n_head:
+        if self.d_head is None and self.d_model % self.n_head:
             raise bad("n_head", f"{self.n_head} does not divide d_model={self.d_model}", "pick a divisor of d_model")
+        if self.family is not None and self.family not in FAMILIES:
+            raise bad("family", f"{self.family!r} is not a known family", f"use one of {', '.join(FAMILIES)}")
+        if self.flavour == "gpt2" and (self.family or self.d_head or self.qkv_bias or self.qk_norm):
+            raise bad("flavour", "family, d_head, qkv_bias and qk_norm need flavour 'llama'", "set flavour: llama")
+        if self.flavour == "gpt2" and (self.norm_placement != "pre" or self.sliding_window or self.rope_scaling):
+            raise bad("flavour", "norm_placement, sliding_window, rope_scaling need 'llama'", "set flavour: llama")
         if self.n_kv_head is not None and (self.n_kv_head <= 0 or self.n_head % self.n_kv_head):
             raise bad("n_kv_head", f"{self.n_kv_head} does not divide n_head={self.n_head}", "pick a divisor of n_head")
         if self.flavour == "gpt2" and self.kv_heads != self.n_head:
@@ -95,7 +159,7 @@ class GPTConfig:
                 "n_kv_head", "grouped-query attention needs flavour 'llama'", "remove n_kv_head or set it to n_head"
             )
         if self.flavour == "llama" and self.head_dim % 2:
-            raise bad("n_head", f"RoPE needs an even head size, got d_model/n_head={self.head_dim}", "change n_head")
+            raise bad("n_head", f"RoPE needs an even head size, got {self.head_dim}", "change n_head or d_head")
         if self.d_ff is not None and self.d_ff <= 0:
             raise bad("d_ff", f"{self.d_ff} is not positive", "set a positive integer or remove it")
         if self.moe is not None and self.n_moe_layers == 0:
@@ -103,7 +167,15 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        """d_head with None resolved."""
+        return self.d_model // self.n_head if self.d_head is None else self.d_head
+
+    @property
+    def resolved_family(self) -> str:
+        """family with None resolved: gpt2, llama or mixtral."""
+        if self.family is not None:
+            return self.family
+        return "gpt2" if self.flavour == "gpt2" else "mixtral" if self.moe is not None else "llama"
 
     @property
     def kv_heads(self) -> int:
@@ -150,6 +222,10 @@ def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool
     attention = d * q_out + 2 * d * kv_out + q_out * d
     if config.flavour == "gpt2":
         attention += q_out + 2 * kv_out + d
+    if config.qkv_bias:
+        attention += q_out + 2 * kv_out
+    if config.qk_norm is not None:
+        attention += 2 * config.head_dim if config.qk_norm == "head" else q_out + kv_out
     norm = 2 * d if config.flavour == "gpt2" else d
     dense_block = attention + mlp_params(config, config.ff_dim) + 2 * norm
     total = (config.n_layer - config.n_moe_layers) * dense_block + norm + (0 if config.tied else v * d)
@@ -173,7 +249,8 @@ def describe_params(config: GPTConfig) -> str:
 
 
 def flops_per_token(config: GPTConfig, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward): 6*N + 12*n_layer*d_model*seq_len.
+    """Training FLOPs per token (forward + backward): 6*N + 12*n_layer*n_head*head_dim*seq_len (head_dim*n_head is
+    d_model unless model.d_head decouples them).
 
     N = the ACTIVE non-embedding parameters (with MoE: the router and the top_k experts of each MoE layer)
     plus the vocab_size*d_model output projection, counted whether or not it is tied (the logits matmul
@@ -184,4 +261,4 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> int:
     n = num_params(config, exclude_embeddings=True, active=True) + (
         config.vocab_size * config.d_model if config.tied else 0
     )
-    return 6 * n + 12 * config.n_layer * config.d_model * seq_len
+    return 6 * n + 12 * config.n_layer * config.n_head * config.head_dim * seq_len

@@ -3,10 +3,15 @@
 gpt2:  learned absolute positions, LayerNorm with bias, GELU (tanh), 4*d MLP, biases, tied embeddings.
 llama: RoPE (HF rotate_half convention), RMSNorm, SwiGLU MLP, no biases, optional GQA, untied embeddings.
 
+The published llama-like families are features of the llama flavour, each a model.* field (model/config.py):
+RoPE scaling (rope_scaling, model/rope.py), q/k/v biases (qkv_bias), q/k RMSNorm per head or over the projection
+(qk_norm), a head width apart from d_model/n_head (d_head), norms after attention and MLP (norm_placement), and
+MoE routing options (moe.norm_topk_prob, moe.dense_layers). model/families.py says which family uses which.
+
 Module tree (shared by both flavours, so a pipeline engine can cut the same blocks into stages):
 
     GPT.embed   Embedding(tok[, pos])
-    GPT.blocks  ModuleList[Block(attn_norm, self_attn(q_proj, k_proj, v_proj, o_proj), mlp_norm,
+    GPT.blocks  ModuleList[Block(attn_norm, self_attn(q_proj, k_proj, v_proj, o_proj[, q_norm, k_norm]), mlp_norm,
                                  mlp([gate_proj,] up_proj, down_proj))]
     GPT.norm    final norm
     GPT.lm_head nn.Linear, weight tied to embed.tok.weight when tied
@@ -30,6 +35,7 @@ from torch import nn
 from dstrain.model.config import GPTConfig
 from dstrain.model.doc_attention import doc_attention
 from dstrain.model.moe import MoEMLP
+from dstrain.model.rope import rope_cos_sin
 
 StateDict = dict[str, torch.Tensor]  # a model's weights by parameter name
 
@@ -73,29 +79,15 @@ class EmbeddingTable(nn.Embedding):
         normal_init(self.weight, self.std)
 
 
-def make_norm(config: GPTConfig) -> nn.Module:
+def make_norm(config: GPTConfig, width: int | None = None) -> nn.Module:
+    """The flavour's norm over `width` features (default d_model)."""
     # torch's norms set weight=1 (and bias=0) in their own constructors; RMSNorm is one fused kernel.
     if config.flavour == "gpt2":
-        return nn.LayerNorm(config.d_model, eps=config.norm_eps)
-    return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        return nn.LayerNorm(width or config.d_model, eps=config.norm_eps)
+    return nn.RMSNorm(width or config.d_model, eps=config.norm_eps)
 
 
-# --- positions ---
-
-
-def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (B|1, L, head_dim), exactly as HF LlamaRotaryEmbedding computes them.
-
-    Angles are computed in fp32 on every call (cheap) rather than kept in a buffer, which a
-    `model.to(bfloat16)` would silently round.
-    """
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids.device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponent)
-    freqs = position_ids[..., None].float() * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+# --- positions (the angles: model/rope.py) ---
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -140,22 +132,35 @@ class Attention(nn.Module):
         self.config = config
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         bias = config.flavour == "gpt2"
+        qkv_bias = bias or config.qkv_bias
         d, std = config.d_model, config.init_std
-        self.q_proj = Linear(d, self.n_head * self.head_dim, bias, std)
-        self.k_proj = Linear(d, self.n_kv_head * self.head_dim, bias, std)
-        self.v_proj = Linear(d, self.n_kv_head * self.head_dim, bias, std)
-        self.o_proj = Linear(self.n_head * self.head_dim, d, bias, std / math.sqrt(2 * config.n_layer))
+        q_width, kv_width = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        self.q_proj = Linear(d, q_width, qkv_bias, std)
+        self.k_proj = Linear(d, kv_width, qkv_bias, std)
+        self.v_proj = Linear(d, kv_width, qkv_bias, std)
+        self.o_proj = Linear(q_width, d, bias, std / math.sqrt(2 * config.n_layer))
+        # Per head: one weight every head uses, whole on each TP/SP rank (under TP its gradient is summed over the
+        # group: train/engine.py). Over the projection (OLMo 2): it spans every head, so TP is refused.
+        if config.qk_norm is not None:
+            per_head = config.qk_norm == "head"
+            self.q_norm = make_norm(config, self.head_dim if per_head else q_width)
+            self.k_norm = make_norm(config, self.head_dim if per_head else kv_width)
         self.core = CoreAttention(config)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         batch, length, _ = x.shape
         # Head counts come from the shapes (-1): under tensor parallelism each rank holds a slice of the heads.
-        q = self.q_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.config.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(batch, length, -1, self.head_dim), k.view(batch, length, -1, self.head_dim)
+        if self.config.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
         if self.config.flavour == "llama":
             positions = position_ids if position_ids is not None else torch.arange(length, device=x.device)[None]
-            cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, q.dtype)
+            cos, sin = rope_cos_sin(positions, self.config, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # (B, L, heads, head_dim) in and out of the core: the layout sequence parallelism exchanges.
         y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), position_ids)
@@ -180,8 +185,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a mixture of experts
-    (dstrain.model.moe) in the blocks model.moe names, holding this rank's share of the experts."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); with norm_placement post (OLMo 2)
+    x + norm(attn(x)), then x + norm(mlp(x)). The MLP is a mixture of experts (dstrain.model.moe) in the blocks
+    model.moe names, holding this rank's share of the experts."""
 
     def __init__(self, config: GPTConfig, index: int = 0, ep_size: int = 1, ep_rank: int = 0) -> None:
         super().__init__()
@@ -195,8 +201,12 @@ class Block(nn.Module):
             self.mlp = MoEMLP(config, wg, experts, ep_size, ep_rank)
         else:
             self.mlp = MLP(config)
+        self.post_norm = config.norm_placement == "post"
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.post_norm:
+            x = x + self.attn_norm(self.self_attn(x, position_ids))
+            return x + self.mlp_norm(self.mlp(x))
         x = x + self.self_attn(self.attn_norm(x), position_ids)
         return x + self.mlp(self.mlp_norm(x))
 

@@ -1,9 +1,10 @@
-"""Conversion between our GPT and Hugging Face transformers (GPT2LMHeadModel / LlamaForCausalLM).
+"""Conversion between our GPT and Hugging Face transformers: GPT2LMHeadModel, and the llama-flavour families
+(Llama, Mistral, Qwen2, Qwen3, OLMo 2, Mixtral, Qwen3-MoE: dstrain.model.families has their tables).
 
     hf_config, hf_state = to_hf(config, model.state_dict())   # then HFClass(hf_config).load_state_dict(hf_state)
     config, state = from_hf("path/to/hf_folder")               # then GPT(config).load_state_dict(state)
 
-The llama flavour maps onto LlamaForCausalLM almost name for name (both use the rotate_half RoPE
+The llama flavour maps onto the llama-like classes almost name for name (all use the rotate_half RoPE
 convention). The gpt2 flavour maps onto GPT2LMHeadModel, whose Conv1D layers store weights as
 (in, out), i.e. transposed, and whose attention fuses q/k/v into one `c_attn` of width 3*d.
 """
@@ -18,37 +19,27 @@ import torch
 import transformers
 
 from dstrain.errors import DstrainError
+from dstrain.model import families
 from dstrain.model.config import GPTConfig
 from dstrain.model.gpt import StateDict
+from dstrain.model.hf_moe import experts_from_hf, experts_to_hf
 
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama"}
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", **families.ARCHITECTURE_FAMILY}
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are GELU's tanh approximation
 # Non-parameter entries some transformers versions keep in state_dict (attention-mask and RoPE buffers).
 IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
-
-# (our name inside blocks.{i}, HF name inside model.layers.{i}) for the llama flavour
-LLAMA_BLOCK_NAMES = [
-    ("attn_norm.weight", "input_layernorm.weight"),
-    *((f"self_attn.{p}_proj.weight",) * 2 for p in "qkvo"),
-    ("mlp_norm.weight", "post_attention_layernorm.weight"),
-    *((f"mlp.{p}_proj.weight",) * 2 for p in ("gate", "up", "down")),
-]
 
 
 def to_hf(
     config: GPTConfig, state_dict: StateDict, bos_token_id: int | None = None, eos_token_id: int | None = None
 ) -> tuple[transformers.PretrainedConfig, StateDict]:
-    """Our config and GPT.state_dict() -> (GPT2Config | LlamaConfig, state dict for the matching HF class).
+    """Our config and GPT.state_dict() -> (the family's transformers config, state dict for its model class).
 
     state_dict has the keys of GPT.state_dict(). The HF model built from the returned config computes
     the same function as GPT(config), also in train mode (dropout is 0). For doc_masking, HF does the
     same when given position_ids without attention_mask or cache (its packed-sequence detection).
     With tied embeddings lm_head.weight is the embedding tensor itself.
     """
-    if config.moe is not None:
-        from dstrain.model.hf_mixtral import to_mixtral
-
-        return to_mixtral(config, state_dict, bos_token_id, eos_token_id)
     if config.flavour == "gpt2":
         hf_config: transformers.PretrainedConfig = transformers.GPT2Config(
             vocab_size=config.vocab_size,
@@ -69,31 +60,11 @@ def to_hf(
             architectures=["GPT2LMHeadModel"],
         )
         return hf_config, _gpt2_to_hf(config, state_dict)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.d_model,
-        intermediate_size=config.ff_dim,
-        num_hidden_layers=config.n_layer,
-        num_attention_heads=config.n_head,
-        num_key_value_heads=config.kv_heads,
-        head_dim=config.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=config.max_seq_len,
-        initializer_range=config.init_std,
-        rms_norm_eps=config.norm_eps,
-        tie_word_embeddings=config.tied,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        attention_bias=False,
-        mlp_bias=False,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        architectures=["LlamaForCausalLM"],
-    )
-    return hf_config, _llama_to_hf(config, state_dict)
+    return families.hf_config(config, bos_token_id, eos_token_id), _llama_to_hf(config, state_dict)
 
 
 def from_hf(hf_model_or_dir: transformers.PreTrainedModel | str | os.PathLike) -> tuple[GPTConfig, StateDict]:
-    """A GPT2LMHeadModel / LlamaForCausalLM (object or local save_pretrained folder) -> (GPTConfig, state dict).
+    """A transformers model of a supported class (object or local save_pretrained folder) -> (GPTConfig, state dict).
 
     The state dict has exactly the keys of GPT(config).state_dict(); tensors keep the checkpoint's dtype
     and may share storage with the HF model. doc_masking is a training
@@ -119,12 +90,7 @@ def from_hf(hf_model_or_dir: transformers.PreTrainedModel | str | os.PathLike) -
     if ARCHITECTURES[supported[0]] == "gpt2":
         config = _gpt2_config_from_hf(model.config, source)  # type: ignore[arg-type]  # a GPT2Config here
         return config, _gpt2_from_hf(config, hf_state, source)
-    config = _llama_config_from_hf(model.config, source)  # type: ignore[arg-type]  # a LlamaConfig here
-    if supported[0] == "MixtralForCausalLM":
-        from dstrain.model.hf_mixtral import from_mixtral, mixtral_config_from_hf
-
-        config = mixtral_config_from_hf(model.config, config, source)  # type: ignore[arg-type]
-        return config, from_mixtral(config, _WeightTaker(hf_state, source))
+    config = families.config_from_hf(model.config, ARCHITECTURES[supported[0]], source)
     return config, _llama_from_hf(config, hf_state, source)
 
 
@@ -132,21 +98,23 @@ def config_from_hf(folder: str | os.PathLike) -> GPTConfig:
     """The GPTConfig of a save_pretrained folder, from its config.json alone: a cheap check that a folder
     is a model dstrain can load (it holds weights, of a supported architecture), before any work."""
     folder = Path(folder)
-    hf_config, architecture = _read_config(folder)
+    config = architecture_from_hf(folder)
     weights = [p for pattern in ("*.safetensors", "pytorch_model*.bin") for p in folder.glob(pattern)]
     if not weights:
         raise DstrainError(
             f"{folder}: no weights (*.safetensors or pytorch_model.bin); pass a folder written by "
             f"save_pretrained or dstrain export"
         )
+    return config
+
+
+def architecture_from_hf(folder: str | os.PathLike) -> GPTConfig:
+    """The GPTConfig that config.json describes (no weights needed nor read): a recipe's model fields with init_from."""
+    folder = Path(folder)
+    hf_config, architecture = _read_config(folder)
     if ARCHITECTURES[architecture] == "gpt2":
         return _gpt2_config_from_hf(hf_config, str(folder / "config.json"))
-    config = _llama_config_from_hf(hf_config, str(folder / "config.json"))
-    if architecture == "MixtralForCausalLM":
-        from dstrain.model.hf_mixtral import mixtral_config_from_hf
-
-        return mixtral_config_from_hf(hf_config, config, str(folder / "config.json"))
-    return config
+    return families.config_from_hf(hf_config, ARCHITECTURES[architecture], str(folder / "config.json"))
 
 
 def _read_config(folder: Path):
@@ -173,10 +141,18 @@ NOT_ARCHITECTURE = ("doc_masking", "init_std")
 
 def architecture_diff(ours: GPTConfig, theirs: GPTConfig) -> list[tuple[str, object, object]]:
     """(field, ours, theirs) for every architecture field that differs, with None defaults resolved."""
-    resolved = {"n_kv_head": "kv_heads", "d_ff": "ff_dim", "tie_embeddings": "tied"}
+    resolved = {
+        "n_kv_head": "kv_heads",
+        "d_ff": "ff_dim",
+        "tie_embeddings": "tied",
+        "d_head": "head_dim",
+        "family": "resolved_family",
+    }
     fields = [f.name for f in dataclasses.fields(ours) if f.name not in NOT_ARCHITECTURE]
     if ours.flavour != "llama" or theirs.flavour != "llama":
         fields.remove("rope_theta")  # gpt2 has no RoPE
+    if ours.n_moe_layers == ours.n_layer and theirs.n_moe_layers == theirs.n_layer:
+        fields.remove("d_ff")  # no dense block uses it
     values = [(k, getattr(ours, resolved.get(k, k)), getattr(theirs, resolved.get(k, k))) for k in fields]
     values = [(k, _moe_shape(a), _moe_shape(b)) if k == "moe" else (k, a, b) for k, a, b in values]
     return [(k, a, b) for k, a, b in values if a != b]
@@ -184,7 +160,9 @@ def architecture_diff(ours: GPTConfig, theirs: GPTConfig) -> list[tuple[str, obj
 
 def _moe_shape(moe) -> object:
     """The architecture of model.moe (its loss coefficients are training choices)."""
-    return None if moe is None else (moe.num_experts, moe.top_k, moe.every, moe.d_expert)
+    if moe is None:
+        return None
+    return (moe.num_experts, moe.top_k, moe.every, moe.d_expert, moe.norm_topk_prob, sorted(moe.dense_layers))
 
 
 # --- gpt2 ---
@@ -278,62 +256,29 @@ def _gpt2_from_hf(config: GPTConfig, hf_state: StateDict, source: str) -> StateD
     return out
 
 
-# --- llama ---
+# --- the llama flavour (every family) ---
 
 
 def _llama_to_hf(config: GPTConfig, sd: StateDict) -> StateDict:
     out = {"model.embed_tokens.weight": sd["embed.tok.weight"]}
     for i in range(config.n_layer):
-        for ours, hf in LLAMA_BLOCK_NAMES:
+        for ours, hf in families.block_names(config, i):
             out[f"model.layers.{i}.{hf}"] = sd[f"blocks.{i}.{ours}"]
+        if config.is_moe_block(i):
+            experts_to_hf(config, sd, i, out)
     out["model.norm.weight"] = sd["norm.weight"]
     out["lm_head.weight"] = out["model.embed_tokens.weight"] if config.tied else sd["lm_head.weight"]
     return out
-
-
-def _llama_config_from_hf(hf: transformers.LlamaConfig, source: str) -> GPTConfig:
-    rope = hf.rope_parameters or {}
-    _require(
-        rope.get("rope_type", "default") == "default",
-        source,
-        "rope_parameters.rope_type",
-        rope.get("rope_type"),
-        "only 'default' RoPE (no scaling) converts",
-    )
-    _require(hf.hidden_act == "silu", source, "hidden_act", hf.hidden_act, "dstrain's llama flavour uses silu")
-    bias = getattr(hf, "attention_bias", False), getattr(hf, "mlp_bias", False)  # Mixtral has neither key
-    _require(not bias[0], source, "attention_bias", bias[0], "only false converts")
-    _require(not bias[1], source, "mlp_bias", bias[1], "only false converts")
-    head_dim = hf.head_dim or hf.hidden_size // hf.num_attention_heads
-    _require(
-        head_dim * hf.num_attention_heads == hf.hidden_size,
-        source,
-        "head_dim",
-        head_dim,
-        "dstrain needs head_dim * num_attention_heads == hidden_size",
-    )
-    return GPTConfig(
-        flavour="llama",
-        vocab_size=hf.vocab_size,
-        max_seq_len=hf.max_position_embeddings,
-        n_layer=hf.num_hidden_layers,
-        n_head=hf.num_attention_heads,
-        n_kv_head=hf.num_key_value_heads or hf.num_attention_heads,
-        d_model=hf.hidden_size,
-        d_ff=hf.intermediate_size,
-        tie_embeddings=hf.tie_word_embeddings,
-        norm_eps=hf.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta") or 10000.0),
-        init_std=hf.initializer_range,
-    )
 
 
 def _llama_from_hf(config: GPTConfig, hf_state: StateDict, source: str) -> StateDict:
     take = _WeightTaker(hf_state, source)
     out = {"embed.tok.weight": take("model.embed_tokens.weight")}
     for i in range(config.n_layer):
-        for ours, hf in LLAMA_BLOCK_NAMES:
+        for ours, hf in families.block_names(config, i):
             out[f"blocks.{i}.{ours}"] = take(f"model.layers.{i}.{hf}")
+        if config.is_moe_block(i):
+            experts_from_hf(config, take, i, out)
     out["norm.weight"] = take("model.norm.weight")
     out["lm_head.weight"] = out["embed.tok.weight"] if config.tied else take("lm_head.weight")
     take.discard("lm_head.weight")  # a tied head may or may not be listed

@@ -28,14 +28,15 @@ from torch import nn
 from dstrain.model.config import GPTConfig
 
 
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mixtral's routing of (tokens, experts) logits: (probabilities in fp32, top-k weights, top-k experts).
 
-    As transformers' MixtralTopKRouter: softmax over all experts in fp32, top_k largest, renormalised to sum to 1.
+    As transformers' MixtralTopKRouter: softmax over all experts in fp32, top_k largest, renormalised to sum to 1;
+    normalize=False keeps the raw probabilities (Qwen3MoeTopKRouter with norm_topk_prob false).
     """
     probs = F.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
-    return probs, weights / weights.sum(dim=-1, keepdim=True), experts
+    return probs, weights / weights.sum(dim=-1, keepdim=True) if normalize else weights, experts
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -64,6 +65,7 @@ class Router(nn.Module):
         super().__init__()
         assert config.moe is not None
         self.top_k, self.num_experts = config.moe.top_k, config.moe.num_experts
+        self.normalize = config.moe.norm_topk_prob
         self.wg = wg  # d_model -> num_experts logits, without bias
         self.ep_group = None  # set by DeepSpeed (MOELayer._set_ep_group) once the engine made the groups
         self.aux_loss = self.z_loss = torch.zeros(())
@@ -79,7 +81,7 @@ class Router(nn.Module):
         if used_token is not None or not sparse_routes or use_tutel:
             raise NotImplementedError("dstrain's Router serves MOELayer's sparse routes only")
         logits = self.wg(x)  # in the model's dtype, as HF's router
-        probs, weights, experts = route(logits, self.top_k)
+        probs, weights, experts = route(logits, self.top_k, self.normalize)
         self.aux_loss, self.z_loss = load_balancing_loss(probs, experts), z_loss(logits)
         routes = experts.t().reshape(-1)  # first choices of all tokens, then second choices, ...
         one_hot = F.one_hot(routes, self.num_experts)

@@ -17,9 +17,12 @@ def activation_bytes(recipe: Recipe, strategy: Strategy) -> tuple[int, int]:
     seq = recipe.data.seq_len // strategy.sp_size  # a sequence-parallel rank's slice of each sample
     tokens = strategy.micro_batch * seq
     h, kv, f, heads = m.d_model, m.kv_heads * m.head_dim, m.ff_dim, m.n_head
+    q = m.n_head * m.head_dim  # d_model unless model.d_head decouples them (Qwen3)
     if m.flavour == "llama":
         norm = 8 * h + 4  # torch's RMSNorm keeps fp32 copies of its input and output, and rstd
-        inner = 2 * h + 2 * kv + 4 * f  # q, k, v, attention output; gate, up, silu(gate), their product
+        inner = 2 * q + 2 * kv + 4 * f  # q, k, v, attention output; gate, up, silu(gate), their product
+        if m.qk_norm is not None:  # the q and k norms keep theirs too, with an rstd per head (or per token)
+            inner += (8 * (q + kv) + 4 * (heads + m.kv_heads if m.qk_norm == "head" else 2)) // a
     else:
         norm = a * (h + 2)  # LayerNorm keeps its input, mean and rstd
         inner = 2 * h + 2 * kv + 2 * f  # q, k, v, attention output; up, gelu(up)
@@ -43,4 +46,4 @@ def sp_exchange_bytes(recipe: Recipe, strategy: Strategy) -> int:
     context's exchange back is smaller); the tensors saved for the backward are counted in activation_bytes."""
     m, a = recipe.model, 4 if strategy.precision == "fp32" else 2
     tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
-    return 2 * a * tokens * (m.d_model + 2 * m.kv_heads * m.head_dim)
+    return 2 * a * tokens * (m.n_head * m.head_dim + 2 * m.kv_heads * m.head_dim)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
-from dstrain.model.config import GPTConfig, MoEConfig, num_params
+from dstrain.model.config import GPTConfig, num_params
 from dstrain.strategy.precision import Precision
 
 EXPERTS = ".deepspeed_experts."  # in the names of expert parameters (DeepSpeed's MoE layer)
@@ -167,7 +167,7 @@ def count_params(
 def _count_params(
     config_json: str, tp: int, pp: int, persistence_threshold: int, partition_method: str, ep: int
 ) -> ParamCounts:
-    model = _config_of(config_json)
+    model = GPTConfig.from_dict(json.loads(config_json))
     named = _meta_params(config_json)
     total = sum(numel for _, numel in named)
     if total != num_params(model):
@@ -222,15 +222,8 @@ def _meta_params(config_json: str) -> tuple[tuple[str, int], ...]:
     from dstrain.model.gpt import GPT
 
     with torch.device("meta"):
-        gpt = GPT(_config_of(config_json))
+        gpt = GPT(GPTConfig.from_dict(json.loads(config_json)))
     return tuple((name, p.numel()) for name, p in gpt.named_parameters())
-
-
-def _config_of(config_json: str) -> GPTConfig:
-    fields = json.loads(config_json)
-    if fields.get("moe") is not None:
-        fields["moe"] = MoEConfig(**fields["moe"])
-    return GPTConfig(**fields)
 
 
 # What AutoTP must do to each projection of a block (gpt2 has no gate_proj; nothing else is sharded).
@@ -268,6 +261,11 @@ def check_tensor_parallel(tp: dict, recipe: Recipe, recipe_file, ds_file: str, p
             f"use ds_configs/tp2_zero1.json or ds_configs/pp2_zero1.json"
         )
     model = recipe.model
+    if model.qk_norm == "projection":
+        raise DstrainError(
+            f"{ds_file}: tensor_parallel with model.qk_norm projection (OLMo 2) is not supported: the norm spans every "
+            f"head, AutoTP splits the heads; use a ZeRO or sequence-parallel config"
+        )
     if model.kv_heads % size:
         raise DstrainError(
             f"{ds_file}: tensor_parallel.autotp_size={size} does not divide the {model.kv_heads} key/value heads of "

@@ -133,6 +133,8 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
     )
     if strategy.activation_checkpointing:
         configure_activation_checkpointing(engine, strategy)
+    if strategy.tp_size > 1:
+        sum_head_norm_grads_over_tp(engine.module)
     check_expert_groups(engine, strategy)
     if "compile" in strategy.ds_config:
         # DeepSpeed 0.19.8 reads the "compile" section but leaves engine.compile() to the caller: here the
@@ -140,6 +142,26 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
         engine.compile()
     grad_norm.install(engine)  # ZeRO-0 fp32: DeepSpeed keeps no norm (and pipelines clip by the wrong one)
     return engine
+
+
+def sum_head_norm_grads_over_tp(model: torch.nn.Module) -> None:
+    """q/k norms per head (model.qk_norm head: Qwen3) hold one weight that every head uses. Under AutoTP each rank
+    keeps the whole weight but only its slice of the heads, so its gradient is a partial sum over those heads; AutoTP
+    (DeepSpeed 0.19.8) reduces no replicated parameter over the tensor-parallel group (the others see the whole hidden
+    state, so their gradients agree already). A hook sums the partial gradients, as Megatron-LM all-reduces its
+    sequence-parallel norm gradients; tests/test_parallel.py holds TP2 to the plain model's gradient norms."""
+    from deepspeed.utils import groups
+
+    group = groups.get_tensor_model_parallel_group()
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=group)
+        return grad
+
+    for name, param in model.named_parameters():
+        if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            param.register_hook(summed)
 
 
 def check_expert_groups(engine, strategy: Strategy) -> None:
@@ -239,7 +261,9 @@ def data_parallel_rank(engine, strategy: Strategy) -> int:
     return rank
 
 
-def load_init_from(model: torch.nn.Module, recipe, recipe_file: str | os.PathLike, zero3: bool) -> None:
+def load_init_from(
+    model: torch.nn.Module, recipe, recipe_file: str | os.PathLike, zero3: bool, ep_size: int = 1, ep_rank: int = 0
+) -> None:
     """Copy the weights of the Hugging Face folder ``recipe.init_from`` into the freshly built ``model``.
 
     Under ZeRO-3 the model was built inside deepspeed.zero.Init, so each parameter is gathered, filled on
@@ -254,6 +278,10 @@ def load_init_from(model: torch.nn.Module, recipe, recipe_file: str | os.PathLik
             f"{recipe_file}: init_from {recipe.init_from} has another architecture ({'; '.join(differ)}); "
             f"set those model fields to the Hugging Face values"
         )
+    if ep_size > 1:  # this rank holds its share of the experts (build_model)
+        from dstrain.model.hf_moe import local_experts
+
+        state = local_experts(state, recipe.model, ep_size, ep_rank)
     if not isinstance(model, GPT):  # a PipelineModule: this rank's stage only
         from dstrain.checkpoint.consolidate import load_into_pipeline
 

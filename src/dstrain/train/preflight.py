@@ -70,3 +70,19 @@ def check_init_from(recipe: Recipe, recipe_file: str) -> None:
             f"{recipe_file}: init_from {recipe.init_from} has another architecture ({'; '.join(differ)}); "
             f"set those model fields to the Hugging Face values"
         )
+    check_data_tokenizer(recipe, recipe_file)
+
+
+def check_data_tokenizer(recipe: Recipe, recipe_file: str) -> None:
+    """Data for a published model is tokenised and framed with that model's tokenizer (when its folder has one)."""
+    from dstrain.data.tokenizer import verify_tokenizer
+
+    assert recipe.init_from is not None
+    folder = Path(recipe.init_from)
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return  # weights only: the data's own tokenizer stays the run's
+    for source in recipe.data.sources:
+        try:
+            verify_tokenizer(source.path, folder, flag="init_from's tokenizer")
+        except DstrainError as e:
+            raise DstrainError(f"{recipe_file}: data.sources {source.path}: {e}") from None

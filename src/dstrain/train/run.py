@@ -56,8 +56,28 @@ def identity(recipe: Recipe, data_fingerprint: str) -> dict:
     return _identity(to_dict(recipe), data_fingerprint)
 
 
+# Model fields added after checkpoints first recorded their identity: left out at their defaults, so that a checkpoint
+# written before them still resumes (its record has no such key).
+LATER_MODEL_DEFAULTS = {
+    "family": None,
+    "d_head": None,
+    "qkv_bias": False,
+    "qk_norm": None,
+    "norm_placement": "pre",
+    "sliding_window": None,
+    "rope_scaling": None,
+}
+LATER_MOE_DEFAULTS = {"norm_topk_prob": True, "dense_layers": []}
+
+
+def _without_later_defaults(fields: dict, defaults: dict) -> dict:
+    return {k: v for k, v in fields.items() if k not in defaults or defaults[k] != v}
+
+
 def _identity(recipe: dict, data) -> dict:
-    model = recipe["model"]
+    model = _without_later_defaults(recipe["model"], LATER_MODEL_DEFAULTS)
+    if isinstance(model.get("moe"), dict):
+        model["moe"] = _without_later_defaults(model["moe"], LATER_MOE_DEFAULTS)
     return {
         "model": model,
         "seq_len": recipe["data"]["seq_len"],
@@ -318,7 +338,8 @@ def train(args: argparse.Namespace) -> int:
         )
     model = build_model(recipe, strategy)
     if recipe.init_from and not tag:  # continued pretraining starts from a Hugging Face model, once
-        load_init_from(model, recipe, args.recipe, zero3=strategy.zero_stage == 3)
+        ep_rank = strategy.ep_rank(torch.distributed.get_rank())
+        load_init_from(model, recipe, args.recipe, strategy.zero_stage == 3, strategy.ep_size, ep_rank)
     engine = build_engine(recipe, strategy, model)
     trainer = Trainer(
         recipe, strategy, engine, train_data, valid_sets, run_dir, fingerprint, identity(recipe, fingerprint), tasks

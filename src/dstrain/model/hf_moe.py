@@ -1,0 +1,61 @@
+"""The expert weights of an MoE block between our names and transformers' (Mixtral, Qwen3-MoE).
+
+transformers stores each MoE layer's experts as two stacked tensors: experts.gate_up_proj (E, 2*ff, d) = [gate; up]
+per expert, experts.down_proj (E, d, ff); the router is mlp.gate.weight (E, d). Our names are DeepSpeed MoE's
+(global expert index e, as in an EP1 state dict and in DeepSpeed's per-expert checkpoint files). Routing itself is
+dstrain.model.moe.route (softmax over all experts in fp32, top-k, renormalised unless moe.norm_topk_prob is false).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dstrain.model.config import GPTConfig
+from dstrain.model.gpt import StateDict
+
+MOE_PREFIX = "mlp.moe.deepspeed_moe"
+ROUTER = f"{MOE_PREFIX}.gate.wg.weight"
+
+
+def expert_name(block: int, expert: int, proj: str) -> str:
+    return f"blocks.{block}.{MOE_PREFIX}.experts.deepspeed_experts.{expert}.{proj}.weight"
+
+
+def experts_to_hf(config: GPTConfig, sd: StateDict, block: int, out: StateDict) -> None:
+    """Adds block `block`'s router and stacked experts to the HF state dict `out`."""
+    assert config.moe is not None
+    layer, experts = f"model.layers.{block}", range(config.moe.num_experts)
+    out[f"{layer}.mlp.gate.weight"] = sd[f"blocks.{block}.{ROUTER}"]
+    out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([sd[expert_name(block, e, "gate_proj")], sd[expert_name(block, e, "up_proj")]]) for e in experts]
+    )
+    out[f"{layer}.mlp.experts.down_proj"] = torch.stack([sd[expert_name(block, e, "down_proj")] for e in experts])
+
+
+def experts_from_hf(config: GPTConfig, take, block: int, out: StateDict) -> None:
+    """Adds block `block`'s router and each expert to our state dict `out`; `take`: hf.WeightTaker."""
+    assert config.moe is not None
+    layer, ff = f"model.layers.{block}", config.expert_dim
+    out[f"blocks.{block}.{ROUTER}"] = take(f"{layer}.mlp.gate.weight")
+    gate_up, down = take(f"{layer}.mlp.experts.gate_up_proj"), take(f"{layer}.mlp.experts.down_proj")
+    for e in range(config.moe.num_experts):
+        out[expert_name(block, e, "gate_proj")] = gate_up[e, :ff]
+        out[expert_name(block, e, "up_proj")] = gate_up[e, ff:]
+        out[expert_name(block, e, "down_proj")] = down[e]
+
+
+def local_experts(state: StateDict, config: GPTConfig, ep_size: int, ep_rank: int) -> StateDict:
+    """A whole model's state dict cut to what GPT(config, ep_size, ep_rank) holds: its experts e = ep_rank * E/ep_size
+    ..., named by their local index as DeepSpeed's MoE layer names them; the other experts left out."""
+    assert config.moe is not None
+    local, marker = config.moe.num_experts // ep_size, ".experts.deepspeed_experts."
+    out = {}
+    for name, tensor in state.items():
+        if marker not in name:
+            out[name] = tensor
+            continue
+        head, rest = name.split(marker)
+        index, tail = rest.split(".", 1)
+        if 0 <= int(index) - ep_rank * local < local:
+            out[f"{head}{marker}{int(index) - ep_rank * local}.{tail}"] = tensor
+    return out

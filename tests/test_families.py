@@ -1,0 +1,155 @@
+"""Published families in and out: a small random transformers model of each family, built from its own config class
+(never downloaded) -> from_hf -> our GPT gives its logits (fp32, 1e-5), also on packed documents; to_hf gives the same
+class back with the same logits, and the exported folder loads in transformers with no missing or unexpected weight."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+
+from dstrain.errors import DstrainError  # noqa: E402
+from dstrain.model.gpt import GPT  # noqa: E402
+from dstrain.model.hf import from_hf, to_hf  # noqa: E402
+from dstrain.model.rope import inverse_frequencies  # noqa: E402
+
+VOCAB = 101
+ATOL = 1e-5
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+)
+# family test id -> (transformers config class, what sets the family apart, at a small size)
+FAMILIES = {
+    "llama3": (transformers.LlamaConfig, dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=64, head_dim=16, rope_parameters=LINEAR_ROPE)),
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True, rope_parameters=YARN_ROPE)),
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
+    "olmo2": (transformers.Olmo2Config, dict(pad_token_id=None, eos_token_id=1)),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            router_aux_loss_coef=0.02,
+        ),
+    ),
+    "qwen3_moe-sparse-step": (
+        transformers.Qwen3MoeConfig,
+        dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=2),
+    ),
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+}
+
+
+def build_hf(family: str) -> transformers.PreTrainedModel:
+    """A random model of the family, every norm and bias perturbed so that a swapped or dropped one shows."""
+    config_class, features = FAMILIES[family]
+    config = config_class(**(SMALL | features))
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model_class = getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def imported(request):
+    """(the transformers model, from_hf's config and state dict) of one family, built once for its tests."""
+    hf = build_hf(request.param)
+    return (hf, *from_hf(hf))
+
+
+@torch.no_grad()
+def test_imported_family_gives_transformers_logits(imported):
+    hf, config, state = imported
+    config = dataclasses.replace(config)  # a copy: doc_masking is flipped below
+    ours = GPT(config).eval()
+    ours.load_state_dict(state, strict=True)
+    ids = torch.randint(0, VOCAB, (2, 20))
+    assert max_diff(ours(ids), hf(ids).logits) <= ATOL
+    position_ids = torch.cat([torch.arange(7), torch.arange(13)]).expand(2, -1)
+    plain = hf(ids, position_ids=position_ids, attention_mask=torch.ones_like(ids)).logits
+    assert max_diff(ours(ids, position_ids), plain) <= ATOL
+    assert max_diff(plain, hf(ids).logits) > 1e-3  # the positions did matter
+    packed = hf(ids, position_ids=position_ids, use_cache=False).logits  # HF's packed-document detection
+    config.doc_masking = True
+    assert max_diff(ours(ids, position_ids), packed) <= ATOL
+
+
+@torch.no_grad()
+def test_exported_family_is_the_same_class_with_the_same_logits(imported, tmp_path):
+    hf, config, state = imported
+    hf_config, hf_state = to_hf(config, state)
+    assert hf_config.architectures == [type(hf).__name__]
+    hf_config._attn_implementation = "sdpa"
+    again = type(hf)(hf_config).eval()
+    again.load_state_dict(hf_state, strict=True)
+    ids = torch.randint(0, VOCAB, (2, 20))
+    assert torch.equal(again(ids).logits, hf(ids).logits)
+    again.save_pretrained(tmp_path)
+    loaded, info = type(hf).from_pretrained(tmp_path, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    assert type(transformers.AutoModelForCausalLM.from_config(loaded.config)) is type(hf)
+    assert max_diff(loaded.eval()(ids).logits, hf(ids).logits) <= ATOL
+    assert from_hf(tmp_path)[0] == config  # config.json -> the same model.* fields
+
+
+@pytest.mark.parametrize("rope", [LLAMA3_ROPE, YARN_ROPE, LINEAR_ROPE], ids=lambda r: r["rope_type"])
+def test_rope_scaling_equals_transformers_inverse_frequencies(rope):
+    hf_config = transformers.LlamaConfig(**(SMALL | dict(head_dim=64, rope_parameters=rope)))
+    config, _ = from_hf(transformers.LlamaForCausalLM(hf_config))
+    inv_freq, scale = inverse_frequencies(config, torch.device("cpu"))
+    theirs, their_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, "cpu")
+    assert torch.equal(inv_freq, theirs) and scale == their_scale
+    unscaled = dataclasses.replace(config, rope_scaling=None)
+    assert not torch.equal(inv_freq, inverse_frequencies(unscaled, torch.device("cpu"))[0])
+
+
+def test_unsupported_family_features_are_named():
+    dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    with pytest.raises(DstrainError, match="rope_type='dynamic'"):
+        from_hf(transformers.LlamaForCausalLM(transformers.LlamaConfig(**(SMALL | dict(rope_parameters=dynamic)))))
+    sliding = transformers.Qwen2Config(**(SMALL | dict(use_sliding_window=True, sliding_window=8)))
+    with pytest.raises(DstrainError, match="use_sliding_window=True"):
+        from_hf(transformers.Qwen2ForCausalLM(sliding))
+    config, state = from_hf(build_hf("qwen3"))
+    config.family = "llama"
+    with pytest.raises(DstrainError, match="model.qk_norm='head' has no counterpart in LlamaForCausalLM"):
+        to_hf(config, state)
