@@ -10,6 +10,8 @@ Its presence means every shard it lists is complete. Keys::
     shard_tokens               the --shard-tokens bound the shards were cut with
     source                     {"dataset", "config", "split", "text_field", "fingerprint"}
     command                    the equivalent `dstrain prepare ...` command line
+    task                       only in a task's folder before the merge: {"index", "count", and
+                               "files": [a, b] + "file_digests", or "rows": [a, b]} (data/tasks.py)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 from dstrain.errors import DstrainError
 
 MANIFEST_NAME = "manifest.json"
+INPUTS_NAME = "prepare_inputs.json"  # what a folder is being made from, written first (checked on re-runs)
 FORMAT = "dstrain-packed-shards"
 FORMAT_VERSION = 1
 
@@ -61,6 +64,7 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
 
 
 def manifest_hash(manifest: dict[str, Any]) -> str:
-    """Hash of what the data is (not of how the command was spelled): keys the index cache."""
-    content = {k: v for k, v in manifest.items() if k != "command"}
+    """Hash of what the data is (not how the command was spelled, nor where the shards were cut: a
+    merged N-task prepare is the same data as one process's): keys the index cache and a run's identity."""
+    content = {k: v for k, v in manifest.items() if k not in ("command", "shards")}
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
