@@ -64,7 +64,6 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
 
 
 def manifest_hash(manifest: dict[str, Any]) -> str:
-    """Hash of what the data is (not how the command was spelled, nor where the shards were cut: a
-    merged N-task prepare is the same data as one process's): keys the index cache and a run's identity."""
-    content = {k: v for k, v in manifest.items() if k not in ("command", "shards")}
+    """Hash of what the data is (not of how the command was spelled): keys the index cache."""
+    content = {k: v for k, v in manifest.items() if k != "command"}
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
