@@ -7,8 +7,12 @@
    Target >= 20,000.
 3. index: build_dataset on a simulated 10-billion-token corpus (real .idx files of
    ~10M documents, sparse .bin files), cold cache then warm. Target <= 30 s.
+4. tasks: the whole command as N concurrent tasks (`--num-tasks N`, each with cores/N workers, --streaming,
+   the corpus in 4N files, the last task merging), in tokens/s per core, against one process's
+   single-threaded `tokenizer(batch)` (TOKENIZERS_PARALLELISM=false) x cores; beside it the one-process
+   prepare of (1) per core. Target ratio >= 0.9. Also each task's peak RSS (its largest process).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_data.py [--copies 12] [--repeats 3]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_data.py [--copies 12] [--repeats 3] [--only tasks --tasks 2]
 """
 
 from __future__ import annotations
@@ -40,15 +44,20 @@ def make_corpus(tmp: Path, copies: int) -> tuple[Path, list[str]]:
     return path, texts * copies
 
 
+def make_tokenizer(tmp: Path, texts: list[str]) -> None:
+    from dstrain.data.tokenizer import save_tokenizer, train_bpe_tokenizer
+
+    if not (tmp / "tokenizer").is_dir():
+        one_copy = len(set(texts))
+        save_tokenizer(train_bpe_tokenizer(iter([texts[:one_copy]]), BENCH_VOCAB, one_copy), tmp / "tokenizer")
+
+
 def bench_prepare(tmp: Path, corpus: Path, texts: list[str], repeats: int) -> dict:
     from transformers import AutoTokenizer
 
     from dstrain.data.prepare import BATCH_DOCS, prepare
-    from dstrain.data.tokenizer import save_tokenizer, train_bpe_tokenizer
 
-    one_copy = len(set(texts))
-    trained = train_bpe_tokenizer(iter([texts[:one_copy]]), BENCH_VOCAB, one_copy)
-    save_tokenizer(trained, tmp / "tokenizer")
+    make_tokenizer(tmp, texts)
     tokenizer = AutoTokenizer.from_pretrained(tmp / "tokenizer")
 
     def raw() -> tuple[float, int]:
@@ -82,6 +91,72 @@ def bench_prepare(tmp: Path, corpus: Path, texts: list[str], repeats: int) -> di
         "prepare_cold_tok_s": tokens / cold_seconds,
         "ratios_per_run": [r / o for (r, _), o in zip(raw_runs, ours_runs)],
         "folder": str(tmp / "prepared_1"),
+    }
+
+
+def _run_tasks(tmp: Path, parts: Path, out: Path, tasks: int, cores: int) -> tuple[float, list[int]]:
+    """Wall seconds of N concurrent `dstrain prepare` tasks, and each task's peak RSS (bytes)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "dstrain", "prepare", "--dataset", str(parts / "part_*.jsonl"), "--streaming"]
+    command += ["--tokenizer", str(tmp / "tokenizer"), "--out", str(out), "--num-tasks", str(tasks), "--no-progress"]
+    command += ["--num-proc", str(max(1, cores // tasks))]
+    start = time.perf_counter()
+    procs = [
+        subprocess.Popen([*command, "--task-index", str(i)], stdout=subprocess.DEVNULL, env=os.environ.copy())
+        for i in range(tasks)
+    ]
+    peaks = []
+    for process in procs:
+        _, status, usage = os.wait4(process.pid, 0)  # ru_maxrss: the largest process of the task's tree, KiB
+        assert os.waitstatus_to_exitcode(status) == 0, f"task exited {os.waitstatus_to_exitcode(status)}"
+        process.returncode = 0
+        peaks.append(usage.ru_maxrss * 1024)
+    return time.perf_counter() - start, peaks
+
+
+def bench_tasks(tmp: Path, texts: list[str], tasks: int, repeats: int, one_process_tok_s: float | None) -> dict:
+    from transformers import AutoTokenizer
+
+    from dstrain.data.prepare import BATCH_DOCS
+
+    cores = len(os.sched_getaffinity(0))
+    make_tokenizer(tmp, texts)
+    parts = tmp / "parts"
+    parts.mkdir(exist_ok=True)
+    for k, rows in enumerate(np.array_split(np.arange(len(texts)), 4 * tasks)):
+        with open(parts / f"part_{k:03d}.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": texts[i]}) + "\n" for i in rows)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core: the per-core reference
+    tokenizer = AutoTokenizer.from_pretrained(tmp / "tokenizer")
+
+    def raw_one_core() -> tuple[float, int]:
+        start, tokens = time.perf_counter(), 0
+        for i in range(0, len(texts), BATCH_DOCS):
+            tokens += sum(map(len, tokenizer(texts[i : i + BATCH_DOCS], add_special_tokens=False)["input_ids"]))
+        return time.perf_counter() - start, tokens
+
+    raw_runs, task_runs = [], []
+    for run in range(repeats):  # alternating, so that load from other processes hits both alike
+        raw_runs.append(raw_one_core())
+        task_runs.append(_run_tasks(tmp, parts, tmp / f"tasks_{run}", tasks, cores))
+    tokens = raw_runs[0][1]
+    manifest = json.loads((tmp / "tasks_0" / "manifest.json").read_text())
+    assert manifest["tokens"] == tokens + manifest["documents"], "the merged tasks and the bare tokenizer disagree"
+    raw_core = tokens / statistics.median(t for t, _ in raw_runs)
+    tasks_core = tokens / statistics.median(t for t, _ in task_runs) / cores
+    return {
+        "cores": cores,
+        "tasks": tasks,
+        "tokens": tokens,
+        "raw_one_core_tok_s": raw_core,
+        "tasks_tok_s_per_core": tasks_core,
+        "ratio": tasks_core / raw_core,
+        "one_process_tok_s_per_core": None if one_process_tok_s is None else one_process_tok_s / cores,
+        "one_process_ratio": None if one_process_tok_s is None else one_process_tok_s / cores / raw_core,
+        "peak_rss_per_task_mib": max(max(peaks) for _, peaks in task_runs) / 2**20,
+        "ratios_per_run": [tokens / s / cores / (tokens / r) for (r, _), (s, _) in zip(raw_runs, task_runs)],
     }
 
 
@@ -160,7 +235,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating raw/prepare runs (median)")
     parser.add_argument("--loader-samples", type=int, default=20_000)
     parser.add_argument("--index-tokens", type=float, default=10e9)
-    parser.add_argument("--only", choices=["prepare", "loader", "index"], default=None)
+    parser.add_argument("--only", choices=["prepare", "loader", "index", "tasks"], default=None)
+    parser.add_argument("--tasks", type=int, default=2, help="tasks of the multi-task prepare (default 2)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="dstrain-bench-data-"))
     os.environ["HF_DATASETS_CACHE"] = str(tmp / "hf_datasets")  # before datasets is imported
@@ -192,6 +268,19 @@ def main() -> None:
             print(
                 f"index: {idx['tokens']:,} tokens, {idx['documents']:,} docs, {idx['samples']:,} samples | "
                 f"build {idx['cold_s']:.1f} s (target <= 30 s), cached {idx['warm_s']:.2f} s",
+                flush=True,
+            )
+        if args.only in (None, "tasks"):
+            if args.only == "tasks":
+                _, texts = make_corpus(tmp, args.copies)
+            one_process = results.get("prepare", {}).get("prepare_tok_s")
+            results["tasks"] = t = bench_tasks(tmp, texts, args.tasks, args.repeats, one_process)
+            beside = f" | one process: {t['one_process_ratio']:.2f}" if t["one_process_ratio"] is not None else ""
+            print(
+                f"tasks: {t['tasks']} tasks on {t['cores']} cores, {t['tokens']:,} tokens | tokenizer(batch) on one "
+                f"core {t['raw_one_core_tok_s']:,.0f} tok/s | whole command {t['tasks_tok_s_per_core']:,.0f} tok/s per "
+                f"core | ratio {t['ratio']:.2f} (runs: {', '.join(f'{r:.2f}' for r in t['ratios_per_run'])}; target "
+                f">= 0.9){beside} | peak RSS per task {t['peak_rss_per_task_mib']:,.0f} MiB",
                 flush=True,
             )
         print(json.dumps(results, indent=2, default=str))

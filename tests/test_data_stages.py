@@ -3,6 +3,7 @@ sources that go on across stages, an order that only the recipe, the seed and th
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -153,3 +154,25 @@ def test_bad_stages_are_one_line_errors(tmp_path, sources, stages, message):
     with pytest.raises(DstrainError, match=message) as error:
         load_recipe(_recipe(tmp_path, sources, stages=stages))
     assert "\n" not in str(error.value) and "staged.yaml" in str(error.value)
+
+
+def test_the_shipped_anneal_recipe_starts_its_anneal_with_the_wsd_decay():
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "gpt2-125m-anneal.yaml")
+    (_, first), (anneal, second) = recipe.stage_starts()
+    assert anneal == recipe.total_steps - round(recipe.schedule.decay_fraction * recipe.total_steps)
+    assert first[2] == 0.0 and second == [0.3, 0.1, 0.6] and recipe.data.sources[2].max_epochs == 4
+
+
+def test_compare_plots_the_realised_mix(tmp_path):
+    from dstrain.commands.compare import build_report, read_run
+
+    run = tmp_path / "zero1"
+    run.mkdir()
+    records = [{"step": s, "loss": 5.0, "mix_web": 1.0 - s / 10, "mix_hq": s / 10} for s in range(1, 5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "summary.json").write_text(json.dumps({"status": "completed"}))
+    row = read_run(run)
+    assert row.mix == [(s, {"web": 1.0 - s / 10, "hq": s / 10}) for s in range(1, 5)]
+    build_report(tmp_path, [row], "staged", [])
+    assert (tmp_path / "mix.png").stat().st_size > 0 and "mix.png" in (tmp_path / "report.md").read_text()
+    assert "mix" not in (tmp_path / "results.csv").read_text().splitlines()[0]

@@ -48,7 +48,7 @@ class DataStage:
     weights: list[Annotated[float, Range(ge=0)]]  # one per data.sources entry, in that order; 0 leaves a source out
     start_step: Annotated[int, Range(ge=1)] | None = None  # the first step (counted from 1) of this stage
     start_tokens: Annotated[int, Range(ge=1)] | None = None  # the first step whose consumed tokens reach this
-    start_fraction: Annotated[float, Range(gt=0, lt=1)] | None = None  # this fraction of train steps (rounded)
+    start_fraction: Annotated[float, Range(gt=0, lt=1)] | None = None  # after this fraction of the steps (as wsd)
 
 
 @dataclass
@@ -160,7 +160,8 @@ class Recipe:
                 first = -(-stage.start_tokens // steps_of_tokens)
             else:
                 assert stage.start_fraction is not None  # validate: exactly one start
-                first = round(stage.start_fraction * self.total_steps)
+                # Counted as wsd counts its decay (the last round(T * fraction) steps): 1 - decay_fraction aligns.
+                first = self.total_steps - round(round(1 - stage.start_fraction, 12) * self.total_steps)
             starts.append((first, list(stage.weights)))
         return starts
 
