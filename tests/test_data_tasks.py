@@ -14,6 +14,7 @@ from dstrain.data import tasks
 from dstrain.data.dataset import build_dataset
 from dstrain.data.prepare import prepare
 from dstrain.data.shards import ShardReader
+from dstrain.data.tokenizer import save_tokenizer, train_bpe_tokenizer
 from dstrain.errors import DstrainError
 
 from data_fixtures import TINY_SHARD_TOKENS, corpus_file
@@ -162,6 +163,11 @@ def test_merge_command_waits_for_every_task_and_is_idempotent(tmp_path, inputs):
     assert tasks.merge(out) == json.loads(merged) and (out / "manifest.json").read_bytes() == merged
     again = _prepare(inputs["files"], out, inputs["tokenizer"], num_tasks=3, task_index=1)  # a late requeue
     assert again == json.loads(merged) and not (out / tasks.TASKS_DIR).exists()
+    other = tmp_path / "other_tokenizer"
+    save_tokenizer(train_bpe_tokenizer(iter([["a few words of text"] * 10]), 300, 10), other)
+    with pytest.raises(DstrainError, match="already holds data prepared from a different tokenizer"):
+        _prepare(inputs["files"], out, other, num_tasks=3, task_index=1)
+    assert (out / "manifest.json").read_bytes() == merged
 
 
 def test_interrupted_merge_is_finished_by_the_next(tmp_path, inputs, monkeypatch):

@@ -64,6 +64,8 @@ def test_metrics_log_the_realised_mix_of_each_stage(staged):
     assert len(logged) == STEPS and all(set(m) == {corpus, "mix_code", "mix_hq"} for m in logged)
     assert all(m["mix_hq"] == 0.0 and m[corpus] == pytest.approx(0.75, abs=1 / 8) for m in logged[: BOUNDARY - 1])
     assert all(m[corpus] == 0.0 and m["mix_hq"] > m["mix_code"] for m in logged[BOUNDARY - 1 :])
+    evals = {r["split"] for r in read_metrics(full) if "split" in r}  # per-source validation, hq (weight 0) too
+    assert evals == {f"valid/{corpus[4:]}", "valid/code", "valid/hq", "valid"}
     total = {k: sum(m[k] for m in logged[BOUNDARY - 1 :]) / (STEPS - BOUNDARY + 1) for k in logged[0]}
     assert total["mix_hq"] == pytest.approx(0.75, abs=1 / 24)  # 24 samples: within one of 3/4
 

@@ -321,7 +321,11 @@ def _conflict_ignoring_fingerprint(manifest: dict, spec: SourceSpec, opts: Prepa
     """How a merged folder's inputs differ from a task's options (its content fingerprint is not recomputed)."""
     inputs = {
         "source": {**describe(spec), "fingerprint": manifest["source"].get("fingerprint")},
-        "tokenizer": {**manifest["tokenizer"], "trained_vocab_size": opts.train_tokenizer},
+        "tokenizer": {
+            **manifest["tokenizer"],
+            "hash": tokenizer_hash(load_tokenizer(opts.tokenizer)) if opts.tokenizer else None,
+            "trained_vocab_size": opts.train_tokenizer,
+        },
         "shard_tokens": opts.shard_tokens,
     }
     return _conflict(manifest, inputs)

@@ -248,6 +248,12 @@ def merge(out: str | os.PathLike) -> dict:
         fingerprint = combine_digests([d for record in records for d in record["file_digests"]])
     else:
         fingerprint = parts[0][1]["source"]["fingerprint"]
+        for folder, manifest in parts[1:]:
+            if manifest["source"]["fingerprint"] != fingerprint:
+                raise DstrainError(
+                    f"{folder / MANIFEST_NAME}: prepared from other content than {parts[0][0] / MANIFEST_NAME} "
+                    f"(the input changed while the tasks ran); rerun every task into a new --out"
+                )
     shards: list[dict] = []
     for folder, manifest in parts:
         for shard in manifest["shards"]:
