@@ -97,8 +97,8 @@ def bench_prepare(tmp: Path, corpus: Path, texts: list[str], repeats: int) -> di
     }
 
 
-def _run_tasks(tmp: Path, parts: Path, out: Path, tasks: int, cores: int) -> tuple[float, list[int]]:
-    """Wall seconds of N concurrent `dstrain prepare` tasks, and each task's peak RSS (bytes)."""
+def _run_tasks(tmp: Path, parts: Path, out: Path, tasks: int, cores: int) -> tuple[float, float, list[int]]:
+    """Wall seconds of N concurrent `dstrain prepare` tasks, their CPU seconds, and each task's peak RSS (bytes)."""
     import subprocess
     import sys
 
@@ -110,13 +110,14 @@ def _run_tasks(tmp: Path, parts: Path, out: Path, tasks: int, cores: int) -> tup
         subprocess.Popen([*command, "--task-index", str(i)], stdout=subprocess.DEVNULL, env=os.environ.copy())
         for i in range(tasks)
     ]
-    peaks = []
+    peaks, cpu = [], 0.0
     for process in procs:
         _, status, usage = os.wait4(process.pid, 0)  # ru_maxrss: the largest process of the task's tree, KiB
         assert os.waitstatus_to_exitcode(status) == 0, f"task exited {os.waitstatus_to_exitcode(status)}"
         process.returncode = 0
         peaks.append(usage.ru_maxrss * 1024)
-    return time.perf_counter() - start, peaks
+        cpu += usage.ru_utime + usage.ru_stime  # with its reaped children (the tokenizer workers)
+    return time.perf_counter() - start, cpu, peaks
 
 
 def _write_parts(folder: Path, texts: list[str], files: int) -> None:
@@ -140,20 +141,22 @@ def bench_tasks(tmp: Path, texts: list[str], tasks: int, repeats: int, one_proce
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core: the per-core reference
     tokenizer = AutoTokenizer.from_pretrained(tmp / "tokenizer")
 
-    def raw_one_core() -> tuple[float, int]:
-        start, tokens = time.perf_counter(), 0
+    def raw_one_core() -> tuple[float, float, int]:
+        start, cpu, tokens = time.perf_counter(), time.process_time(), 0
         for i in range(0, len(texts), BATCH_DOCS):
             tokens += sum(map(len, tokenizer(texts[i : i + BATCH_DOCS], add_special_tokens=False)["input_ids"]))
-        return time.perf_counter() - start, tokens
+        return time.perf_counter() - start, time.process_time() - cpu, tokens
 
-    raw_runs, small, large, peaks = [], [], [], []
+    raw_runs, raw_cpu, small, large, small_cpu, large_cpu, peaks = [], [], [], [], [], [], []
     for run in range(repeats):  # alternating, so that load from other processes hits all alike
-        raw_runs.append(raw_one_core()[0])
-        for size, runs in (("1x", small), ("2x", large)):
-            seconds, task_peaks = _run_tasks(tmp, tmp / f"parts_{size}", tmp / f"tasks_{size}_{run}", tasks, cores)
+        wall, cpu, tokens = raw_one_core()
+        raw_runs.append(wall)
+        raw_cpu.append(cpu)
+        for size, runs, cpus in (("1x", small, small_cpu), ("2x", large, large_cpu)):
+            seconds, cpu, task_peaks = _run_tasks(tmp, tmp / f"parts_{size}", tmp / f"tasks_{size}_{run}", tasks, cores)
             runs.append(seconds)
+            cpus.append(cpu)
             peaks += task_peaks
-    tokens = raw_one_core()[1]
     manifest = json.loads((tmp / "tasks_1x_0" / "manifest.json").read_text())
     assert manifest["tokens"] == tokens + manifest["documents"], "the merged tasks and the bare tokenizer disagree"
     raw_core = tokens / statistics.median(raw_runs)
@@ -170,6 +173,11 @@ def bench_tasks(tmp: Path, texts: list[str], tasks: int, repeats: int, one_proce
         "ratio": statistics.median(marginal) / raw_core,
         "ratios_per_run": [m / (tokens / r) for m, r in zip(marginal, raw_runs)],
         "startup_s_per_task": statistics.median(2 * a - b for a, b in zip(small, large)),
+        # per CPU-second, which other processes on a shared machine do not distort
+        "raw_tok_per_cpu_s": tokens / statistics.median(raw_cpu),
+        "whole_tok_per_cpu_s": tokens / statistics.median(small_cpu),
+        "marginal_tok_per_cpu_s": tokens / statistics.median(b - a for a, b in zip(small_cpu, large_cpu)),
+        "startup_cpu_s_per_task": statistics.median(2 * a - b for a, b in zip(small_cpu, large_cpu)) / tasks,
         "one_process_ratio": None if one_process_tok_s is None else one_process_tok_s / cores / raw_core,
         "peak_rss_per_task_mib": max(peaks) / 2**20,
     }
@@ -244,6 +252,23 @@ def bench_index(tmp: Path, total_tokens: int) -> dict:
     return {"tokens": total_tokens, "documents": documents, "samples": len(ds), **timings}
 
 
+def print_tasks(t: dict) -> None:
+    beside = f" | one process: {t['one_process_ratio']:.2f}" if t["one_process_ratio"] is not None else ""
+    print(
+        f"tasks: {t['tasks']} tasks on {t['cores']} cores, {t['tokens']:,} tokens | tokenizer(batch) on one "
+        f"core {t['raw_one_core_tok_s']:,.0f} tok/s | whole command, start-up included "
+        f"{t['whole_tok_s_per_core']:,.0f} tok/s per core ({t['whole_ratio']:.2f}); start-up "
+        f"{t['startup_s_per_task']:.1f} s per task; past it {t['marginal_tok_s_per_core']:,.0f} tok/s per core "
+        f"| ratio {t['ratio']:.2f} (runs: {', '.join(f'{r:.2f}' for r in t['ratios_per_run'])}; target "
+        f">= 0.9){beside} | peak RSS per task {t['peak_rss_per_task_mib']:,.0f} MiB | per CPU-second: "
+        f"tokenizer(batch) {t['raw_tok_per_cpu_s']:,.0f}, whole command {t['whole_tok_per_cpu_s']:,.0f} "
+        f"({t['whole_tok_per_cpu_s'] / t['raw_tok_per_cpu_s']:.2f}), past start-up "
+        f"{t['marginal_tok_per_cpu_s']:,.0f} ({t['marginal_tok_per_cpu_s'] / t['raw_tok_per_cpu_s']:.2f}); "
+        f"start-up {t['startup_cpu_s_per_task']:.1f} CPU-s per task",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--copies", type=int, default=12, help="stdlib corpus copies tokenized (default 12)")
@@ -290,16 +315,7 @@ def main() -> None:
                 _, texts = make_corpus(tmp, args.copies)
             one_process = results.get("prepare", {}).get("prepare_tok_s")
             results["tasks"] = t = bench_tasks(tmp, texts, args.tasks, args.repeats, one_process)
-            beside = f" | one process: {t['one_process_ratio']:.2f}" if t["one_process_ratio"] is not None else ""
-            print(
-                f"tasks: {t['tasks']} tasks on {t['cores']} cores, {t['tokens']:,} tokens | tokenizer(batch) on one "
-                f"core {t['raw_one_core_tok_s']:,.0f} tok/s | whole command, start-up included "
-                f"{t['whole_tok_s_per_core']:,.0f} tok/s per core ({t['whole_ratio']:.2f}); start-up "
-                f"{t['startup_s_per_task']:.1f} s per task; past it {t['marginal_tok_s_per_core']:,.0f} tok/s per core "
-                f"| ratio {t['ratio']:.2f} (runs: {', '.join(f'{r:.2f}' for r in t['ratios_per_run'])}; target "
-                f">= 0.9){beside} | peak RSS per task {t['peak_rss_per_task_mib']:,.0f} MiB",
-                flush=True,
-            )
+            print_tasks(t)
         print(json.dumps(results, indent=2, default=str))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -240,17 +240,8 @@ def build_dataset(
     }
     if staged:
         assert num_samples is not None, "stages and max_epochs need num_samples"
-        mixtures = [(0, weights), *(stages or [])]
-        budgets = [
-            None if m is None else int(m * packed(p, None).samples_per_epoch)
-            for p, m in zip(prepared, max_epochs or [None] * len(prepared))
-        ]
-        key.update(kind="staged blend", stages=mixtures, budgets=budgets)
-        blend = index_lib.cached_arrays(
-            cache_of(prepared[0]), key, lambda: index_lib.build_staged_blend(mixtures, num_samples, budgets)
-        )
-        counts = np.bincount(blend["source"], minlength=len(prepared)).tolist()
-        datasets = [packed(p, count) for p, count in zip(prepared, counts)]
+        epochs = [None if m is None else packed(p, None).samples_per_epoch for p, m in zip(prepared, max_epochs or [])]
+        blend = _staged_blend(key, cache_of(prepared[0]), num_samples, stages or [], max_epochs or [], epochs)
     elif num_samples is None:
         datasets = [packed(p, None) for p in prepared]
         counts = [len(d) for d in datasets]
@@ -259,10 +250,21 @@ def build_dataset(
         )
     else:
         blend = index_lib.cached_arrays(cache_of(prepared[0]), key, lambda: index_lib.build_blend(weights, num_samples))
+    if staged or num_samples is not None:
         counts = np.bincount(blend["source"], minlength=len(prepared)).tolist()
         datasets = [packed(p, count) for p, count in zip(prepared, counts)]
     arguments = (sources, split, seq_len, seed, num_samples, valid_fraction, cache_dir, stages, max_epochs)
     return BlendedDataset(datasets, blend, arguments)
+
+
+def _staged_blend(key: dict, cache: Path, num_samples: int, stages, max_epochs, epoch_samples) -> dict:
+    """``index.build_staged_blend`` of the sources' weights then ``stages``, each source capped at ``max_epochs``
+    of its ``epoch_samples`` (samples per epoch of its split)."""
+    mixtures = [(0, key["weights"]), *stages]
+    budgets = [None if m is None else int(m * n) for m, n in zip(max_epochs, epoch_samples)]
+    budgets += [None] * (len(key["weights"]) - len(budgets))
+    key = {**key, "kind": "staged blend", "stages": mixtures, "budgets": budgets}
+    return index_lib.cached_arrays(cache, key, lambda: index_lib.build_staged_blend(mixtures, num_samples, budgets))
 
 
 def source_names(folders: list[str]) -> list[str]:
