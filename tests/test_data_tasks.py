@@ -258,3 +258,24 @@ def test_folder_prepared_before_per_file_hashes_still_continues(tmp_path, inputs
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     assert _prepare(inputs["rows"], out, inputs["tokenizer"])["source"]["fingerprint"] == legacy
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_requeued_task_finishes_a_merge_cut_short_after_its_manifest(tmp_path, inputs, monkeypatch):
+    out = tmp_path / "out"
+
+    real_rmtree = tasks.shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if Path(path).name == tasks.TASKS_DIR:
+            raise Killed  # the merge, killed once its manifest is written, before it cleans up
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(tasks.shutil, "rmtree", rmtree)
+    with pytest.raises(Killed):
+        _run_tasks(inputs["files"], out, inputs["tokenizer"], 2)
+    monkeypatch.undo()
+    assert (out / "manifest.json").is_file() and (out / tasks.TASKS_DIR).is_dir()
+    monkeypatch.setattr(prepare_module, "ShardWriter", None)  # a requeued task writes no shard: it only merges
+    _prepare(inputs["files"], out, inputs["tokenizer"], num_tasks=2, task_index=0)
+    assert not (out / tasks.TASKS_DIR).exists()
+    _assert_trains_the_same(out, inputs["one"]["files"])

@@ -306,10 +306,10 @@ def run(opts: PrepareOptions) -> dict:
     if slot is None:
         return _prepare_folder(Path(opts.out), opts, open_source(spec), {})
     out = Path(opts.out)
-    if (merged := _complete_manifest(out)) is not None and not (out / tasks.TASKS_DIR).exists():
+    if (merged := _complete_manifest(out)) is not None:
         if (conflict := _conflict_ignoring_fingerprint(merged, spec, opts)) is not None:
             raise _refuse(out, conflict)
-        return merged
+        return tasks.merge(out) if (out / tasks.TASKS_DIR).exists() else merged  # a merge cut short: finish it
     tasks.check_layout(out, slot)
     source, record = tasks.open_part(spec, slot)
     part = _prepare_folder(tasks.task_folder(out, slot), opts, source, {"task": record})
