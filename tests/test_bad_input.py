@@ -354,7 +354,7 @@ CASES = {
     "negative seed": (_override("seed=-1"), ["seed=-1", ">= 0"]),
     "zero source weight": (
         _override(f"data.sources=[{{path: {'{corpus}'}, weight: 0}}]"),
-        ["data.sources[0].weight=0.0", "> 0"],
+        ["every data.sources weight is 0", "give at least one source a positive weight"],
     ),
     "decay_fraction above 1": (_override("schedule.decay_fraction=2"), ["schedule.decay_fraction=2.0", "<= 1"]),
     "zero model layers": (_override("model.n_layer=0"), ["model.n_layer=0", ">= 1"]),

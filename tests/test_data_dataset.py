@@ -250,7 +250,8 @@ def test_collate_shifts_tokens_into_inputs_and_labels(tiny_corpus, tmp_path):
     [
         ({"split": "valid", "valid_fraction": 0.0}, "split 'valid' with valid_fraction 0 is empty"),
         ({"split": "test"}, "split 'test': must be one of train, valid"),
-        ({"weight": 0.0}, "weight 0.0 must be a positive number"),
+        ({"weight": 0.0}, "every weight is 0; give at least one source a positive weight"),
+        ({"weight": -1.0}, "weight -1.0 must be a number >= 0"),
         ({"seq_len": 10**9}, "not enough for one sample"),
     ],
 )

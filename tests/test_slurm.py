@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import yaml
 
+from dstrain.data.shards import ShardReader
+
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture: one cluster for the whole run)
 from train_helpers import ROOT, read_metrics, small_recipe, train_losses
 
@@ -258,3 +260,50 @@ def test_a_bad_override_fails_the_job_at_once_with_the_reason(slurm_cluster, wor
     log = log_of(work, job)
     assert re.search(r"train\.sbatch: error: .*train\.stepz", log), log
     assert not run_of(work, job).exists()
+
+
+PREPARE = str(ROOT / "slurm" / "prepare.sbatch")
+
+
+def test_prepare_array_on_two_nodes_then_dependent_merge(slurm_cluster, work, corpus):
+    """`sbatch --array=0-1 prepare.sbatch ...` (each task a whole node: one on dsnode1, one on dsnode2), then the
+    `--merge` job with --dependency=afterok: the merged folder holds one process's documents, order and tokens."""
+    from dstrain.data.prepare import prepare
+
+    from data_fixtures import read_texts
+
+    parts = work / "parts"
+    parts.mkdir()
+    texts = read_texts(json.loads((corpus / "manifest.json").read_text())["source"]["dataset"])
+    for i in range(5):  # 5 files for 2 tasks: split by files
+        lines = [json.dumps({"text": t}) + "\n" for t in texts[i * 60 : (i + 1) * 60]]
+        (parts / f"part_{i}.jsonl").write_text("".join(lines), encoding="utf-8")
+    source, tokenizer = str(parts / "part_*.jsonl"), str(corpus / "tokenizer")
+    options = ["--dataset", source, "--tokenizer", tokenizer, "--shard-tokens", "20000", "--num-proc", "1"]
+    array = submit(
+        slurm_cluster,
+        work,
+        ["--array=0-1", "--cpus-per-task=2", PREPARE, *options, "--out", "prepared"],
+        wait=False,
+    )
+    merge = submit(slurm_cluster, work, [f"--dependency=afterok:{array}", PREPARE, "--merge", "prepared"])
+    logs = {i: (work / "runs" / f"slurm-prepare-{array}_{i}.out").read_text() for i in range(2)}
+    assert "array task 0 of 2" in logs[0] and "array task 1 of 2" in logs[1], logs
+    nodes = {re.search(r"\) on (\S+),", log).group(1) for log in logs.values()}
+    assert nodes == {"dsnode1", "dsnode2"}, logs
+    (merge_log,) = (work / "runs").glob(f"slurm-prepare-{merge}_*.out")  # not an array: Slurm fills in a NO_VAL
+    assert "merged" in merge_log.read_text()
+
+    single = prepare(source, work / "single", tokenizer=tokenizer, shard_tokens=20000, num_proc=1, progress=False)
+    merged = json.loads((work / "prepared" / "manifest.json").read_text())
+    ignored = ("shards", "command")
+    assert {k: v for k, v in merged.items() if k not in ignored} == {
+        k: v for k, v in single.items() if k not in ignored
+    }
+    for name in ("tokens", "sizes"):
+        ours, theirs = (
+            np.concatenate([getattr(ShardReader.open(folder / s["prefix"]), name) for s in m["shards"]])
+            for folder, m in ((work / "prepared", merged), (work / "single", single))
+        )
+        assert np.array_equal(ours, theirs)
+    assert not (work / "prepared" / "tasks").exists()

@@ -34,17 +34,32 @@ Beta = Annotated[float, Range(ge=0, lt=1)]
 @dataclass
 class DataSource:
     path: str  # a folder written by `dstrain prepare`
-    weight: Annotated[float, Range(gt=0)] = 1.0  # relative sampling weight when blending several sources
+    weight: Annotated[float, Range(ge=0)] = 1.0  # relative sampling weight when blending (0: only in later stages)
+    max_epochs: Annotated[float, Range(gt=0)] | None = (
+        None  # most passes over this source's train split (OLMo-core's max_repetition_factor); None = no cap
+    )
+
+
+@dataclass
+class DataStage:
+    """From its start on (exactly one of start_step, start_tokens, start_fraction), the run samples the sources by
+    ``weights`` instead; stages apply in order. A step boundary: a stage starts with a whole global batch."""
+
+    weights: list[Annotated[float, Range(ge=0)]]  # one per data.sources entry, in that order; 0 leaves a source out
+    start_step: Annotated[int, Range(ge=1)] | None = None  # the first step (counted from 1) of this stage
+    start_tokens: Annotated[int, Range(ge=1)] | None = None  # the first step whose consumed tokens reach this
+    start_fraction: Annotated[float, Range(gt=0, lt=1)] | None = None  # after this fraction of the steps (as wsd)
 
 
 @dataclass
 class DataConfig:
-    sources: list[DataSource]  # prepared folders and their blending weights
+    sources: list[DataSource]  # prepared folders and their blending weights (those of the first stage)
     seq_len: Positive  # tokens per training sample (the model sees seq_len inputs, predicts seq_len labels)
     tokenizer: str | None = None  # tokenizer folder; None = the first source's `tokenizer/`; must match every manifest
     valid_fraction: Annotated[float, Range(gt=0, lt=1)] = (
         0.01  # fraction of documents held out for the valid split (document-level, seeded)
     )
+    stages: list[DataStage] = field(default_factory=list)  # later mixtures (e.g. an anneal on high-quality data)
 
 
 @dataclass
@@ -150,6 +165,22 @@ class Recipe:
             return self.train.steps
         assert self.train.tokens is not None  # validation requires exactly one of steps / tokens
         return -(-self.train.tokens // (self.train.global_batch * self.data.seq_len))
+
+    def stage_starts(self) -> list[tuple[int, list[float]]]:
+        """(first step, counted from 0, weights) of every mixture: data.sources' weights from step 0, then stages."""
+        steps_of_tokens = self.train.global_batch * self.data.seq_len
+        starts = [(0, [s.weight for s in self.data.sources])]
+        for stage in self.data.stages:
+            if stage.start_step is not None:
+                first = stage.start_step - 1
+            elif stage.start_tokens is not None:
+                first = -(-stage.start_tokens // steps_of_tokens)
+            else:
+                assert stage.start_fraction is not None  # validate: exactly one start
+                # Counted as wsd counts its decay (the last round(T * fraction) steps): 1 - decay_fraction aligns.
+                first = self.total_steps - round(round(1 - stage.start_fraction, 12) * self.total_steps)
+            starts.append((first, list(stage.weights)))
+        return starts
 
     @property
     def output_dir(self) -> Path:
@@ -366,6 +397,7 @@ def validate(recipe: Recipe, file: Path) -> None:
             raise DstrainError(f"{file}: {key} must be positive, got {value}")
     if not recipe.data.sources:
         raise DstrainError(f"{file}: data.sources is empty; name at least one folder written by dstrain prepare")
+    validate_stages(recipe, file)
     max_len = recipe.model.max_seq_len
     if max_len is not None and recipe.data.seq_len > max_len:
         raise DstrainError(
@@ -392,6 +424,32 @@ def validate(recipe: Recipe, file: Path) -> None:
         raise DstrainError(
             f"{file}: schedule.warmup_steps={recipe.schedule.warmup_steps} exceeds the run's {recipe.total_steps} steps"
         )
+
+
+def validate_stages(recipe: Recipe, file: Path) -> None:
+    """Each mixture names every source and samples some; stages start in order, inside the run."""
+    sources = recipe.data.sources
+    if not any(s.weight > 0 for s in sources):
+        raise DstrainError(f"{file}: every data.sources weight is 0; give at least one source a positive weight")
+    for i, stage in enumerate(recipe.data.stages):
+        key = f"data.stages[{i}]"
+        given = [k for k in ("start_step", "start_tokens", "start_fraction") if getattr(stage, k) is not None]
+        if len(given) != 1:
+            raise DstrainError(f"{file}: {key}: set exactly one of start_step, start_tokens, start_fraction")
+        if len(stage.weights) != len(sources):
+            raise DstrainError(
+                f"{file}: {key}.weights has {len(stage.weights)} entries for {len(sources)} data.sources; "
+                f"give one weight per source, in the order of data.sources"
+            )
+        if not any(w > 0 for w in stage.weights):
+            raise DstrainError(f"{file}: {key}.weights are all 0; give at least one source a positive weight")
+    starts = recipe.stage_starts()
+    for i, ((before, _), (first, _)) in enumerate(zip(starts, starts[1:])):
+        if not before < first < recipe.total_steps:
+            raise DstrainError(
+                f"{file}: data.stages[{i}] starts at step {first + 1}, which is not after the stage before "
+                f"(step {before + 1}) and inside the run's {recipe.total_steps} steps; order the stages by start"
+            )
 
 
 def to_dict(recipe: Recipe) -> dict:

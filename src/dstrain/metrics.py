@@ -232,6 +232,11 @@ def _logged_step(line: str) -> float:
     return float("inf") if record is None else record["step"]
 
 
+def realised_mix(record: Mapping[str, Any]) -> dict[str, float]:
+    """Each source's share of a logged interval's samples (``mix_<source>``, logged when the data blends sources)."""
+    return {key.removeprefix("mix_"): float(value) for key, value in record.items() if key.startswith("mix_")}
+
+
 def task_names(record: Mapping[str, Any]) -> list[str]:
     """The downstream tasks an eval record holds (``task/<name>/acc``), in logged order."""
     return [key.split("/")[1] for key in record if key.startswith("task/") and key.endswith("/acc")]

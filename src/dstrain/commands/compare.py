@@ -27,9 +27,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dstrain.commands.report import GIB, Row, plot_losses, plot_memory, plot_throughput, write_csv, write_markdown
+from dstrain.commands.report import (
+    GIB,
+    Row,
+    plot_losses,
+    plot_memory,
+    plot_mix,
+    plot_throughput,
+    write_csv,
+    write_markdown,
+)
 from dstrain.errors import DstrainError
-from dstrain.metrics import read_records, task_names
+from dstrain.metrics import read_records, realised_mix, task_names
 from dstrain.run_dir import RunDir
 
 LOG_NAME = "launcher.log"
@@ -225,6 +234,7 @@ def read_run(run_dir: Path, ds_file: str | None = None) -> Row:
     evals = [r for r in records if r.get("split") == "valid"]  # the weighted total, not a source's valid/<name>
     if train:
         row.curve = [(r["step"], r["loss"]) for r in train]
+        row.mix = [(r["step"], mix) for r in train if (mix := realised_mix(r))]
         row.final_loss, row.steps = train[-1]["loss"], train[-1]["step"]
         row.tokens_per_s = steady([r.get("tokens_per_s") for r in train])
         row.tflops_per_device = steady([r.get("tflops_per_device") for r in train])
@@ -295,6 +305,9 @@ def build_report(out: Path, rows: list[Row], title: str, context: list[str]) -> 
     plot_losses(rows, out / plots[0])
     plot_throughput(rows, out / plots[1])
     plot_memory(rows, out / plots[2])
+    if any(row.mix for row in rows):
+        plots.append("mix.png")
+        plot_mix(rows, out / plots[-1])
     write_csv(rows, out / "results.csv")
     baseline = f"`{base.config}`" if base else "none (the first config did not complete)"
     notes = [

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import fields
+from pathlib import Path
 
+from dstrain.data.manifest import MANIFEST_NAME
 from dstrain.data.prepare import DEFAULT_SHARD_TOKENS, PrepareOptions, run
+from dstrain.data.tasks import merge
+from dstrain.errors import DstrainError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("source")
     source.add_argument(
         "--dataset",
-        required=True,
         help="Hub id, save_to_disk folder, data folder, or json/jsonl(.gz)/parquet/csv/txt file(s) or glob",
     )
     source.add_argument("--dataset-config", default=None, help="dataset configuration name")
@@ -24,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="stream the dataset instead of downloading/converting it first (corpora larger than disk)",
     )
-    tok = parser.add_mutually_exclusive_group(required=True)
+    tok = parser.add_mutually_exclusive_group()
     tok.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="Hugging Face fast tokenizer (name or folder)")
     tok.add_argument(
         "--train-tokenizer",
@@ -32,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="train a byte-level BPE of this vocabulary size on the data",
     )
-    parser.add_argument("--out", required=True, help="output folder (shards, tokenizer/, manifest.json)")
+    parser.add_argument("--out", help="output folder (shards, tokenizer/, manifest.json)")
     parser.add_argument(
         "--shard-tokens",
         type=int,
@@ -41,16 +45,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: all cores)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tasks = parser.add_argument_group("across nodes (README: Preparing across nodes)")
+    tasks.add_argument(
+        "--num-tasks",
+        type=int,
+        default=None,
+        help="prepare as one of N tasks, each a 1/N part under OUT/tasks/ (default: SLURM_ARRAY_TASK_COUNT)",
+    )
+    tasks.add_argument(
+        "--task-index", type=int, default=None, help="this task's index in [0, N) (default: SLURM_ARRAY_TASK_ID)"
+    )
+    tasks.add_argument(
+        "--merge",
+        metavar="OUT",
+        default=None,
+        help="write OUT/manifest.json over every finished task's shards (the last task to finish does it too)",
+    )
+
+
+def _merge(args: argparse.Namespace) -> int:
+    given = [flag for flag, value in (("--dataset", args.dataset), ("--out", args.out)) if value is not None]
+    if given:
+        raise DstrainError(f"dstrain prepare --merge OUT takes only the output folder; drop {' and '.join(given)}")
+    manifest = merge(args.merge)
+    print(
+        f"{args.merge}: merged {len(manifest['shards'])} shard(s), {manifest['documents']:,} documents, "
+        f"{manifest['tokens']:,} tokens"
+    )
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.merge is not None:
+        return _merge(args)
+    missing = [flag for flag, value in (("--dataset", args.dataset), ("--out", args.out)) if value is None]
+    if missing:
+        raise DstrainError(f"dstrain prepare: {' and '.join(missing)} required (or --merge OUT alone)")
     start = time.perf_counter()
     options = {f.name: getattr(args, f.name) for f in fields(PrepareOptions) if f.name != "progress"}
     manifest = run(PrepareOptions(**options, progress=not args.no_progress))
     seconds = time.perf_counter() - start
+    task = manifest.get("task")
+    where = f"{args.out} (task {task['index']} of {task['count']})" if task else args.out
     print(
-        f"{args.out}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
+        f"{where}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
         f"in {len(manifest['shards'])} shard(s), {manifest['dtype']}, vocab {manifest['vocab_size']:,} "
         f"({seconds:.1f} s)"
     )
+    if task and (merged := Path(args.out) / MANIFEST_NAME).is_file():
+        total = json.loads(merged.read_text(encoding="utf-8"))
+        print(f"{args.out}: every task done, merged: {total['documents']:,} documents, {total['tokens']:,} tokens")
     return 0

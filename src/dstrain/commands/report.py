@@ -42,13 +42,14 @@ class Row:
     valid_loss: float | None = None  # the final evaluation
     tasks: str = ""  # the final evaluation's train.tasks: "<name> <acc>[/<acc_norm>]" each, comma-separated
     curve: list[tuple[int, float]] = field(default_factory=list, repr=False)  # (step, loss), not in the CSV
+    mix: list[tuple[int, dict[str, float]]] = field(default_factory=list, repr=False)  # (step, share per source)
 
     @property
     def ok(self) -> bool:
         return self.status == "completed"
 
 
-CSV_FIELDS = [f.name for f in fields(Row) if f.name != "curve"]
+CSV_FIELDS = [f.name for f in fields(Row) if f.name not in ("curve", "mix")]
 COLUMNS = [  # markdown header, Row attribute, format
     ("config", "config", "`{}`"),
     ("ZeRO", "zero_stage", "{}"),
@@ -136,6 +137,25 @@ def plot_losses(rows: list[Row], path: Path) -> None:
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_mix(rows: list[Row], path: Path) -> None:
+    """The realised data mixture (metrics.jsonl's mix_<source> per interval) of the first run that logged one:
+    the same recipe under every strategy reads the same samples, so one run shows them all."""
+    row = next(row for row in rows if row.mix)
+    names = sorted({name for _, shares in row.mix for name in shares})
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps = [step for step, _ in row.mix]
+    ax.stackplot(steps, [[shares.get(name, 0.0) for _, shares in row.mix] for name in names], labels=names, step="pre")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("share of the interval's samples")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"Realised data mixture ({row.config})")
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

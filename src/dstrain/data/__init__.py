@@ -7,6 +7,7 @@
     shards.py    Megatron MMIDIDX v1 writer and reader
     manifest.py  manifest.json of a prepared folder
     prepare.py   the work of `dstrain prepare` (resumable)
+    tasks.py     prepare as N tasks (a Slurm array): each task's part of the input, and the merge
     index.py     vectorised index builders + their cache (split, epochs, blend)
     dataset.py   build_dataset / collate: packed samples with document-aware position ids
     sampler.py   micro_batches: data-parallel sample assignment, resumable

@@ -144,16 +144,24 @@ class PackedDataset:
 
 
 class BlendedDataset:
-    """Several PackedDatasets interleaved by weight (see ``index.build_blend``)."""
+    """Several PackedDatasets interleaved by weight (``index.build_blend``), or by stages (``build_staged_blend``)."""
 
     def __init__(self, datasets: list[PackedDataset], blend: dict[str, np.ndarray], build_arguments: tuple):
         self.datasets = datasets
         self.source = blend["source"]
         self.sample = blend["sample"]
+        self.exhausted = blend.get("exhausted", np.full(len(datasets), -1))  # sample where each source ran out
+        self.names = source_names([folder for folder, _ in build_arguments[0]])
         self._build_arguments = build_arguments
 
     def __reduce__(self):
         return (build_dataset, self._build_arguments)
+
+    def mix(self, start: int, end: int) -> dict[str, float]:
+        """Each source's share of samples ``[start, end)``: ``{"mix_<name>": share}``."""
+        n = len(self)
+        counts = np.bincount(self.source[np.arange(start, end) % n], minlength=len(self.datasets))
+        return {f"mix_{name}": float(c) / max(end - start, 1) for name, c in zip(self.names, counts)}
 
     def __len__(self) -> int:
         return self.source.size
@@ -168,8 +176,10 @@ def _check_arguments(sources, split, seq_len, num_samples, valid_fraction) -> No
     if not sources:
         raise DstrainError("data sources: the list is empty; name at least one prepared folder")
     for folder, weight in sources:
-        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
-            raise DstrainError(f"data source {folder}: weight {weight!r} must be a positive number")
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+            raise DstrainError(f"data source {folder}: weight {weight!r} must be a number >= 0")
+    if not any(weight > 0 for _, weight in sources):
+        raise DstrainError("data sources: every weight is 0; give at least one source a positive weight")
     if split not in SPLITS:
         raise DstrainError(f"split {split!r}: must be one of {', '.join(SPLITS)}")
     if seq_len < 1:
@@ -190,11 +200,15 @@ def build_dataset(
     num_samples: int | None,
     valid_fraction: float,
     cache_dir: str | os.PathLike | None = None,
+    stages: list[tuple[int, list[float]]] | None = None,
+    max_epochs: list[float | None] | None = None,
 ) -> PackedDataset | BlendedDataset:
     """The ``split`` of prepared folders blended by weight; see the module docstring.
 
     ``num_samples=None``: exactly one epoch of every source. Index arrays are cached in
-    ``FOLDER/index_cache/`` (or ``cache_dir``) and memory-mapped.
+    ``FOLDER/index_cache/`` (or ``cache_dir``) and memory-mapped. ``stages``: (first sample, weights) of
+    each mixture after the first (``sources``' weights from sample 0); ``max_epochs``: per source, the most
+    passes over its split (None: no cap). Both need ``num_samples``.
     """
     _check_arguments(sources, split, seq_len, num_samples, valid_fraction)
     prepared = [PreparedTokens(folder) for folder, _ in sources]
@@ -208,7 +222,8 @@ def build_dataset(
     def packed(p: PreparedTokens, count: int | None) -> PackedDataset:
         return PackedDataset(p.folder, split, seq_len, seed, count, valid_fraction, cache_of(p))
 
-    if len(prepared) == 1:
+    staged = bool(stages) or any(m is not None for m in max_epochs or []) or min(w for _, w in sources) == 0
+    if len(prepared) == 1 and not staged:
         return packed(prepared[0], num_samples)
     weights = [float(weight) for _, weight in sources]
     key = {
@@ -221,7 +236,11 @@ def build_dataset(
         "valid_fraction": valid_fraction,
         "num_samples": num_samples,
     }
-    if num_samples is None:
+    if staged:
+        assert num_samples is not None, "stages and max_epochs need num_samples"
+        epochs = [None if m is None else packed(p, None).samples_per_epoch for p, m in zip(prepared, max_epochs or [])]
+        blend = _staged_blend(key, cache_of(prepared[0]), num_samples, stages or [], max_epochs or [], epochs)
+    elif num_samples is None:
         datasets = [packed(p, None) for p in prepared]
         counts = [len(d) for d in datasets]
         blend = index_lib.cached_arrays(
@@ -229,10 +248,21 @@ def build_dataset(
         )
     else:
         blend = index_lib.cached_arrays(cache_of(prepared[0]), key, lambda: index_lib.build_blend(weights, num_samples))
+    if staged or num_samples is not None:
         counts = np.bincount(blend["source"], minlength=len(prepared)).tolist()
         datasets = [packed(p, count) for p, count in zip(prepared, counts)]
-    arguments = (sources, split, seq_len, seed, num_samples, valid_fraction, cache_dir)
+    arguments = (sources, split, seq_len, seed, num_samples, valid_fraction, cache_dir, stages, max_epochs)
     return BlendedDataset(datasets, blend, arguments)
+
+
+def _staged_blend(key: dict, cache: Path, num_samples: int, stages, max_epochs, epoch_samples) -> dict:
+    """``index.build_staged_blend`` of the sources' weights then ``stages``, each source capped at ``max_epochs``
+    of its ``epoch_samples`` (samples per epoch of its split)."""
+    mixtures = [(0, key["weights"]), *stages]
+    budgets = [None if m is None else int(m * n) for m, n in zip(max_epochs, epoch_samples)]
+    budgets += [None] * (len(key["weights"]) - len(budgets))
+    key = {**key, "kind": "staged blend", "stages": mixtures, "budgets": budgets}
+    return index_lib.cached_arrays(cache, key, lambda: index_lib.build_staged_blend(mixtures, num_samples, budgets))
 
 
 def source_names(folders: list[str]) -> list[str]:

@@ -146,3 +146,44 @@ def cached_arrays(cache_dir: Path, key: dict, build: Callable[[], dict[str, np.n
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
     return {path.stem: np.load(path, mmap_mode="r") for path in sorted(entry.glob("*.npy"))}
+
+
+def build_staged_blend(
+    stages: list[tuple[int, list[float]]], num_samples: int, budgets: list[int | None]
+) -> dict[str, np.ndarray]:
+    """``build_blend`` stage by stage: samples ``[first_s, first_{s+1})`` interleave the sources by stage s's
+    weights, each source going on from where the stages before left it (its samples are numbered across
+    stages, so none repeats before its epochs do). ``budgets[k]``: the most samples source k may give (None: no
+    cap); the sample that would pass it is where the source runs out, and the rest of the stage interleaves the
+    others by their weights. Also returns ``exhausted``: per source, the sample at which it ran out, or -1.
+    """
+    n = len(stages[0][1])
+    taken = np.zeros(n, dtype=np.int64)
+    exhausted = np.full(n, -1, dtype=np.int64)
+    parts_source, parts_sample = [], []
+    bounds = [first for first, _ in stages[1:]] + [num_samples]
+    for (first, weights), end in zip(stages, bounds):
+        position = first
+        while position < end:
+            live = [k for k in range(n) if weights[k] > 0 and exhausted[k] < 0]
+            if not live:
+                raise DstrainError(
+                    f"every source of the mixture from sample {first} on has run out by sample {position} "
+                    f"(data.sources max_epochs); raise max_epochs or give other sources weight there"
+                )
+            part = build_blend([weights[k] for k in live], end - position)
+            source = np.asarray(live, dtype=np.int64)[part["source"]]
+            sample = taken[source] + part["sample"]
+            cut = end - position
+            for k in live:
+                if budgets[k] is not None:
+                    over = np.flatnonzero((source == k) & (sample >= budgets[k]))
+                    if over.size and over[0] < cut:
+                        cut, runs_out = int(over[0]), k
+            if cut < end - position:
+                exhausted[runs_out] = position + cut
+            parts_source.append(source[:cut])
+            parts_sample.append(sample[:cut])
+            taken += np.bincount(source[:cut], minlength=n)
+            position += cut
+    return {"source": np.concatenate(parts_source), "sample": np.concatenate(parts_sample), "exhausted": exhausted}

@@ -12,6 +12,8 @@ Its presence means every shard it lists is complete. Keys::
     shard_tokens               the --shard-tokens bound the shards were cut with
     source                     {"dataset", "config", "split", "text_field", "fingerprint"}
     command                    the equivalent `dstrain prepare ...` command line
+    task                       only in a task's folder before the merge: {"index", "count", and
+                               "files": [a, b] + "file_digests", or "rows": [a, b]} (data/tasks.py)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from dstrain.errors import DstrainError
 
 MANIFEST_NAME = "manifest.json"
+INPUTS_NAME = "prepare_inputs.json"  # what a folder is being made from, written first (checked on re-runs)
 FORMAT = "dstrain-packed-shards"
 FORMAT_VERSION = 1
 

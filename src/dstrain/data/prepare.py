@@ -10,6 +10,9 @@ OUT/
 Shard k starts where shard k-1 ends and closes before the first document that would
 overflow it, so shard boundaries depend only on the inputs. A re-run with the same
 inputs keeps every complete shard and writes only the missing ones.
+
+As one of N tasks (``--num-tasks``, or a Slurm array), the same happens in
+``OUT/tasks/<i>-of-<N>/`` for the task's part of the input; tasks.py splits and merges.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from dstrain.data import tasks
 from dstrain.data.encode import ParallelEncoder
-from dstrain.data.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, write_json_atomic
-from dstrain.data.shards import ShardReader, ShardWriter, shard_paths, token_dtype
+from dstrain.data.manifest import FORMAT, FORMAT_VERSION, INPUTS_NAME, MANIFEST_NAME, write_json_atomic
+from dstrain.data.shards import SHARD_NAME, ShardReader, ShardWriter, shard_paths, token_dtype
 from dstrain.data.sources import Source, SourceSpec, describe, open_source, text_batches
 from dstrain.data.tokenizer import (
     TOKENIZER_DIR,
@@ -40,8 +44,6 @@ from dstrain.data.tokenizer import (
 )
 from dstrain.errors import DstrainError
 
-INPUTS_NAME = "prepare_inputs.json"
-SHARD_NAME = "shard_{:05d}"
 DEFAULT_SHARD_TOKENS = 100_000_000
 BATCH_DOCS = 1000  # documents per tokenisation task: large enough to amortise IPC, small in memory
 
@@ -63,9 +65,11 @@ class PrepareOptions:
     shard_tokens: int = DEFAULT_SHARD_TOKENS  # upper bound on tokens per shard (unless one document is longer)
     num_proc: int | None = None  # tokenizer processes; None = every core this process may use
     progress: bool = True  # show a progress bar on stderr
+    num_tasks: int | None = None  # prepare as one of this many tasks (default: SLURM_ARRAY_TASK_COUNT, else 1)
+    task_index: int | None = None  # this task's index in [0, num_tasks) (default: SLURM_ARRAY_TASK_ID)
 
     def command(self) -> str:
-        """The equivalent command line, recorded in the manifest."""
+        """The equivalent one-process command line, recorded in the manifest (tasks make the same data)."""
         parts = ["dstrain", "prepare", "--dataset", self.dataset, "--out", self.out]
         if self.tokenizer is not None:
             parts += ["--tokenizer", self.tokenizer]
@@ -99,10 +103,10 @@ def _existing_inputs(out: Path) -> dict | None:
     )
 
 
-def _conflict(existing: dict, inputs: dict) -> str | None:
+def _conflict(existing: dict, inputs: dict, legacy_fingerprint: str | None = None) -> str | None:
     """How ``existing`` inputs differ from this run's, or None if this run may continue them."""
     old_src, new_src = existing.get("source", {}), inputs["source"]
-    if old_src.get("fingerprint") != new_src["fingerprint"]:
+    if old_src.get("fingerprint") not in (new_src["fingerprint"], legacy_fingerprint or new_src["fingerprint"]):
         return f"a different dataset ({old_src.get('dataset')}, content fingerprint {old_src.get('fingerprint')})"
     for key, flag in (("split", "--split"), ("config", "--dataset-config"), ("text_field", "--text-field")):
         if old_src.get(key) != new_src[key]:
@@ -286,15 +290,52 @@ def _trained_tokenizer(opts: PrepareOptions, source, saved, earlier_hash: str | 
 
 
 def run(opts: PrepareOptions) -> dict:
+    """Prepare ``opts.dataset`` into ``opts.out``; as one of N tasks, only this task's part (see tasks.py),
+    merged by the task that finishes last. Returns the manifest written (the task's part, or the merged one)."""
     _check_options(opts)
+    slot = tasks.task_slot(opts.num_tasks, opts.task_index, os.environ)
+    if slot is not None and opts.train_tokenizer is not None:
+        raise DstrainError(
+            f"--train-tokenizer with {slot.count} tasks: each task would train its own tokenizer; "
+            f"train one first (a one-process prepare of a sample) and pass it with --tokenizer"
+        )
     if not opts.progress:
         import datasets
 
         datasets.disable_progress_bars()
-    out = Path(opts.out)
     spec = SourceSpec(opts.dataset, opts.dataset_config, opts.split, opts.text_field, opts.streaming)
-    source = open_source(spec)
+    if slot is None:
+        return _prepare_folder(Path(opts.out), opts, open_source(spec), {})
+    out = Path(opts.out)
+    if (merged := _complete_manifest(out)) is not None:
+        if (conflict := _conflict_ignoring_fingerprint(merged, spec, opts)) is not None:
+            raise _refuse(out, conflict)
+        return tasks.merge(out) if (out / tasks.TASKS_DIR).exists() else merged  # a merge cut short: finish it
+    tasks.check_layout(out, slot)
+    source, record = tasks.open_part(spec, slot)
+    part = _prepare_folder(tasks.task_folder(out, slot), opts, source, {"task": record})
+    tasks.merge_if_last(out, slot.count)
+    return part
+
+
+def _conflict_ignoring_fingerprint(manifest: dict, spec: SourceSpec, opts: PrepareOptions) -> str | None:
+    """How a merged folder's inputs differ from a task's options (its content fingerprint is not recomputed)."""
+    inputs = {
+        "source": {**describe(spec), "fingerprint": manifest["source"].get("fingerprint")},
+        "tokenizer": {
+            **manifest["tokenizer"],
+            "hash": tokenizer_hash(load_tokenizer(opts.tokenizer)) if opts.tokenizer else None,
+            "trained_vocab_size": opts.train_tokenizer,
+        },
+        "shard_tokens": opts.shard_tokens,
+    }
+    return _conflict(manifest, inputs)
+
+
+def _prepare_folder(out: Path, opts: PrepareOptions, source: Source, extra_inputs: dict) -> dict:
+    """Prepare ``source`` into ``out`` (a whole prepare, or one task's folder); resumes what is there."""
     tokenizer = load_tokenizer(opts.tokenizer) if opts.tokenizer is not None else None
+    spec = source.spec
     inputs: dict[str, Any] = {
         "source": {**describe(spec), "fingerprint": source.fingerprint},
         "tokenizer": {
@@ -304,9 +345,10 @@ def run(opts: PrepareOptions) -> dict:
             "trained_vocab_size": opts.train_tokenizer,
         },
         "shard_tokens": opts.shard_tokens,
+        **extra_inputs,
     }
     existing = _existing_inputs(out)
-    if existing is not None and (conflict := _conflict(existing, inputs)):
+    if existing is not None and (conflict := _conflict(existing, inputs, source.legacy_fingerprint)):
         raise _refuse(out, conflict)
     if existing is not None and (done := _complete_manifest(out)) is not None:
         return done

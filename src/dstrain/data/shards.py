@@ -29,6 +29,7 @@ import numpy as np
 
 from dstrain.errors import DstrainError
 
+SHARD_NAME = "shard_{:05d}"  # a prepared folder's k-th shard, OUT/shard_00000.bin/.idx, ...
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES: dict[int, type[np.generic]] = {

@@ -58,6 +58,7 @@ class Source:
     num_docs: int | None  # None when streaming (unknown until read)
     fingerprint: str  # identifies the content; equal fingerprints mean the same documents
     announced_docs: int | None = None  # when streaming: the row count the dataset's info gives, if any
+    legacy_fingerprint: str | None = None  # what versions before tasks.py wrote as the fingerprint of these files
 
 
 def _builder_of(path: str) -> str | None:
@@ -67,39 +68,58 @@ def _builder_of(path: str) -> str | None:
     return BUILDER_OF_EXTENSION.get(suffixes[-1]) if suffixes else None
 
 
-def _hash_files(files: list[str], check_utf8: bool) -> str:
-    """Content hash of ``files`` (decompressed), checking UTF-8 on the way: one read of each."""
+def _hash_file(name: str, check_utf8: bool, legacy=None) -> str:
+    """Content hash of one file (decompressed), checking UTF-8 on the way: one read. ``legacy``: a
+    running hash of every file back to back, updated too (the fingerprint of earlier versions)."""
     digest = hashlib.blake2b(digest_size=16)
-    for name in files:
-        compression = Path(name).suffix.lower()
-        # No zstd module in the stdlib: hash the compressed bytes, leave UTF-8 to datasets.
-        opener = OPENER_OF_COMPRESSION.get(compression, open) or open
-        check = check_utf8 and compression != ".zst"
-        decoder = codecs.getincrementaldecoder("utf-8")() if check else None
-        offset = lines = 0
-        with opener(name, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
-                if decoder is not None:
-                    try:
-                        decoder.decode(chunk)
-                    except UnicodeDecodeError as e:
-                        line = lines + chunk.count(b"\n", 0, e.start) + 1
-                        raise DstrainError(
-                            f"{name}: byte {offset + e.start} (line {line}) is not valid UTF-8 ({e.reason}); "
-                            f"re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
-                        ) from None
-                    lines += chunk.count(b"\n")
-                offset += len(chunk)
-        if decoder is not None:
-            try:
-                decoder.decode(b"", final=True)
-            except UnicodeDecodeError as e:
-                raise DstrainError(
-                    f"{name}: ends inside a UTF-8 sequence ({e.reason}); re-encode the file as UTF-8"
-                ) from None
-        digest.update(b"\0")
+    compression = Path(name).suffix.lower()
+    # No zstd module in the stdlib: hash the compressed bytes, leave UTF-8 to datasets.
+    opener = OPENER_OF_COMPRESSION.get(compression, open) or open
+    check = check_utf8 and compression != ".zst"
+    decoder = codecs.getincrementaldecoder("utf-8")() if check else None
+    offset = lines = 0
+    with opener(name, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            if legacy is not None:
+                legacy.update(chunk)
+            if decoder is not None:
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as e:
+                    line = lines + chunk.count(b"\n", 0, e.start) + 1
+                    raise DstrainError(
+                        f"{name}: byte {offset + e.start} (line {line}) is not valid UTF-8 ({e.reason}); "
+                        f"re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+                    ) from None
+                lines += chunk.count(b"\n")
+            offset += len(chunk)
+    if decoder is not None:
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            raise DstrainError(
+                f"{name}: ends inside a UTF-8 sequence ({e.reason}); re-encode the file as UTF-8"
+            ) from None
+    if legacy is not None:
+        legacy.update(b"\0")
     return digest.hexdigest()
+
+
+def combine_digests(digests: list[str]) -> str:
+    """The fingerprint of files from their own hashes, in order: tasks that each hash some of the
+    files give, together, the fingerprint of one process hashing them all."""
+    digest = hashlib.blake2b(digest_size=16)
+    for file_digest in digests:
+        digest.update(bytes.fromhex(file_digest))
+    return digest.hexdigest()
+
+
+def _hash_files(files: list[str], check_utf8: bool) -> tuple[str, str]:
+    """(fingerprint, the fingerprint earlier versions wrote for the same files: a folder they prepared
+    continues rather than being refused as another dataset)."""
+    legacy = hashlib.blake2b(digest_size=16)
+    return combine_digests([_hash_file(name, check_utf8, legacy) for name in files]), legacy.hexdigest()
 
 
 def _data_files(spec: str) -> list[str]:
@@ -143,40 +163,74 @@ def _load(path: str, spec: SourceSpec, **kwargs):
         raise _unreadable(spec, e) from None
 
 
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def _folder_files(path: Path, spec: SourceSpec) -> list[str]:
+    """The files of ``spec.split`` that ``load_dataset(folder)`` reads, in its order (its own split inference)."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    try:
+        files = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+    except (FileNotFoundError, ValueError):
+        return []
+    return [str(f) for f in files.get(spec.split, []) if _builder_of(str(f))]
+
+
+def local_files(spec: SourceSpec) -> list[str] | None:
+    """The data files a local folder, file or glob is read from, in reading order; None for a Hub id
+    or a ``save_to_disk`` folder (read by rows)."""
+    path = Path(spec.dataset)
+    if _is_saved_dataset(path):
+        return None
+    if path.is_dir():
+        return _folder_files(path, spec)
+    if path.is_file() or any(c in spec.dataset for c in "*?["):
+        return _data_files(spec.dataset)
+    return None
+
+
+def _files_builder(spec: SourceSpec, files: list[str]) -> str:
+    builders = {_builder_of(f) for f in files}
+    if None in builders or len(builders) > 1:
+        raise DstrainError(
+            f"--dataset {spec.dataset!r}: files must share one known format "
+            f"({', '.join(BUILDER_OF_EXTENSION)}, optionally compressed); got {sorted(map(str, builders))}"
+        )
+    builder = builders.pop()
+    assert builder is not None  # None was refused above
+    return builder
+
+
 def _open_rows(spec: SourceSpec):
-    """(rows, fingerprint) for any supported --dataset."""
+    """(rows, fingerprint, legacy fingerprint or None) for any supported --dataset."""
     import datasets
 
     path = Path(spec.dataset)
-    if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+    if _is_saved_dataset(path):
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if spec.split not in loaded:
                 raise DstrainError(f"{path}: no split {spec.split!r} (--split); available: {', '.join(loaded)}")
             loaded = loaded[spec.split]
         rows = loaded.to_iterable_dataset() if spec.streaming else loaded
-        return rows, f"disk:{loaded._fingerprint}"
+        return rows, f"disk:{loaded._fingerprint}", None
     if path.is_dir():
-        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and _builder_of(str(p)))
-        if not files:
+        if not any(p.is_file() and _builder_of(str(p)) for p in path.rglob("*")):
             raise DstrainError(f"--dataset {path}: folder holds no data files ({', '.join(BUILDER_OF_EXTENSION)})")
-        check = any(_builder_of(f) in TEXT_BUILDERS for f in files)
-        return _load(str(path), spec), _hash_files(files, check_utf8=check)
-    if path.is_file() or any(c in spec.dataset for c in "*?["):
-        files = _data_files(spec.dataset)
-        builders = {_builder_of(f) for f in files}
-        if None in builders or len(builders) > 1:
-            raise DstrainError(
-                f"--dataset {spec.dataset!r}: files must share one known format "
-                f"({', '.join(BUILDER_OF_EXTENSION)}, optionally compressed); got {sorted(map(str, builders))}"
-            )
-        builder = builders.pop()
-        assert builder is not None  # None was refused above
+        rows = _load(str(path), spec)
+        split_files = _folder_files(path, spec)
+        return rows, *_hash_files(split_files, check_utf8=any(_builder_of(f) in TEXT_BUILDERS for f in split_files))
+    files = local_files(spec)
+    if files is not None:
+        builder = _files_builder(spec, files)
         rows = _load(builder, spec, data_files={spec.split: files})
-        return rows, _hash_files(files, check_utf8=builder in TEXT_BUILDERS)
+        return rows, *_hash_files(files, check_utf8=builder in TEXT_BUILDERS)
     rows = _load(spec.dataset, spec)
     hub_fingerprint = getattr(rows, "_fingerprint", None)
-    return rows, f"hub:{hub_fingerprint}" if hub_fingerprint else f"hub:{spec.dataset}:{spec.config}:{spec.split}"
+    fingerprint = f"hub:{hub_fingerprint}" if hub_fingerprint else f"hub:{spec.dataset}:{spec.config}:{spec.split}"
+    return rows, fingerprint, None
 
 
 def _check_text_field(spec: SourceSpec, columns: list[str]) -> None:
@@ -192,9 +246,20 @@ def _check_text_field(spec: SourceSpec, columns: list[str]) -> None:
 
 def open_source(spec: SourceSpec) -> Source:
     """Load and validate the source: text column present and textual, at least one row."""
+    return _validated(spec, *_open_rows(spec))
+
+
+def open_files(spec: SourceSpec, files: list[str]) -> tuple[Source, list[str]]:
+    """Only ``files`` of ``spec`` (a task's part), validated; and each file's content hash."""
+    builder = _files_builder(spec, files)
+    digests = [_hash_file(name, builder in TEXT_BUILDERS) for name in files]
+    rows = _load(builder, spec, data_files={spec.split: files})
+    return _validated(spec, rows, combine_digests(digests)), digests
+
+
+def _validated(spec: SourceSpec, rows, fingerprint: str, legacy: str | None = None) -> Source:
     import datasets
 
-    rows, fingerprint = _open_rows(spec)
     if isinstance(rows, datasets.Dataset):
         _check_text_field(spec, rows.column_names)
         feature = rows.features[spec.text_field]
@@ -205,14 +270,14 @@ def open_source(spec: SourceSpec) -> Source:
             )
         if len(rows) == 0:
             raise _empty(spec)
-        return Source(spec, rows.select_columns([spec.text_field]), len(rows), fingerprint)
+        return Source(spec, rows.select_columns([spec.text_field]), len(rows), fingerprint, legacy_fingerprint=legacy)
     first = next(_guarded(spec, iter(rows.take(1)), 0), None)
     if first is None:
         raise _empty(spec)
     _check_text_field(spec, list(first))
     splits = getattr(rows.info, "splits", None) or {}
     announced = splits[spec.split].num_examples if spec.split in splits else None
-    return Source(spec, rows.select_columns([spec.text_field]), None, fingerprint, announced or None)
+    return Source(spec, rows.select_columns([spec.text_field]), None, fingerprint, announced or None, legacy)
 
 
 def _guarded(spec: SourceSpec, items: Iterator, start: int) -> Iterator:

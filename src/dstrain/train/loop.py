@@ -31,7 +31,7 @@ from dstrain.metrics import IntervalClock, MetricsLog, device_peak, largest_peak
 from dstrain.model.config import describe_params, flops_per_token
 from dstrain.model.gpt import lm_loss, token_loss_sum
 from dstrain.run_dir import RunDir
-from dstrain.train import sequence, tiling
+from dstrain.train import mixture, sequence, tiling
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline, monitor_paused
 from dstrain.train.heal import SpikeGuard, StepHealth, roll_back
 from dstrain.train.moe_metrics import MoEMeter
@@ -274,8 +274,8 @@ class Trainer:
         start_step = self.progress.step
         interval_loss, interval_steps = 0.0, 0
         if self.is_rank0:
-            print(describe_params(self.recipe.model), flush=True)
-            print(self.peak_line, flush=True)
+            print(describe_params(self.recipe.model), self.peak_line, sep="\n", flush=True)
+            mixture.print_stages(self.recipe, self.train_data)
         self.clock = IntervalClock()
         health = StepHealth(self.engine, t, self.strategy.precision, RunDir(self.run_dir).checkpoints)
         status = "completed"
@@ -387,4 +387,5 @@ class Trainer:
             "elapsed_s": time.time() - self.log.start,
             **seconds,
             **(self.moe.record() if self.moe.enabled else {}),
+            **mixture.realised(self.recipe, self.train_data, self.progress.consumed_samples, steps, self.is_rank0),
         }

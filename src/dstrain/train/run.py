@@ -313,8 +313,11 @@ def train(args: argparse.Namespace) -> int:
     # Index arrays are built under a file lock by whichever rank comes first; broken shards fail here.
     sources = [(s.path, s.weight) for s in recipe.data.sources]
     d = recipe.data
+    gb = recipe.train.global_batch
+    stages = [(first * gb, weights) for first, weights in recipe.stage_starts()[1:]]
+    max_epochs = [s.max_epochs for s in d.sources]
     train_data = build_dataset(
-        sources, "train", d.seq_len, recipe.seed, recipe.total_steps * recipe.train.global_batch, d.valid_fraction
+        sources, "train", d.seq_len, recipe.seed, recipe.total_steps * gb, d.valid_fraction, None, stages, max_epochs
     )
     valid_sets = build_valid_sets(sources, d.seq_len, recipe.seed, d.valid_fraction)
 
