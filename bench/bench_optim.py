@@ -36,7 +36,8 @@ def train(data: str, seed: int, overrides: list[str], steps: int, run_dir: Path)
 
     env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     env["MASTER_PORT"] = str(free_port())
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if not (run_dir / "summary.json").is_file():  # a finished run in --out is read again, not repeated
+        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "split" not in r and "event" not in r]
 
@@ -50,7 +51,7 @@ def steps_to(records: list[dict], target: float) -> int | None:
 
 
 def step_seconds(records: list[dict]) -> float:
-    tokens = [r["tokens"] for r in records]
+    tokens = [r["consumed_tokens"] for r in records]
     rates = [r["tokens_per_s"] for r in records[10:] if r.get("tokens_per_s")]
     per_step = (tokens[-1] - tokens[0]) / (len(tokens) - 1) if len(tokens) > 1 else 0
     return per_step / statistics.median(rates)

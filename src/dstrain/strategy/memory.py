@@ -149,7 +149,7 @@ def estimate(
     persistent = min(counts.persistent, zero.model_persistence_threshold // n) if stage == 3 else 0
     # Expert parallelism: E/ep experts held, partitioned over N/ep expert-data-parallel ranks: the share is total/N.
     part = math.ceil(counts.total / n) if strategy.ep_size > 1 else None
-    muon = muon_params(recipe.model) if recipe.optim.kind == "muon" else 0  # Muon runs at ZeRO-0 fp32 only: psi whole
+    muon = muon_params(recipe.model) if recipe.optim.kind == "muon" else 0  # accepted on plain data parallelism only
     est.parts = model_state_parts(strategy, counts.per_rank, persistent, part, muon)
     saved, transient = activation_bytes(recipe, strategy)
     est.parts += [
@@ -173,7 +173,7 @@ def model_state_parts(
 ) -> list[Part]:
     """Parameters, gradients and optimizer states per rank (module docstring); ``part``: a ZeRO share other than Ψ/N;
     ``muon``: parameters Muon takes (one fp32 momentum each instead of two Adam moments; resolve accepts Muon at
-    ZeRO-0 fp32 only, where every rank holds them whole)."""
+    ZeRO-0 fp32, whole on every rank, and under BF16_Optimizer, partitioned like the master weights)."""
     s, n, dtype = strategy.zero_stage, strategy.zero_partitions, strategy.precision
     b = 4 if dtype == "fp32" else 2
     opt, par = strategy.offload_optimizer, strategy.offload_param
@@ -199,9 +199,10 @@ def model_state_parts(
             Part("optimizer states", "fp32 master weights", opt or "device", 4 * share, 4 * share, f"4{label}")
         )
     if muon:
+        muon, of = (muon, "") if share == psi else (math.ceil(muon / n), "/N")
         adam = share - muon
-        parts.append(Part("optimizer states", "Adam moments (fp32)", "device", 8 * adam, 8 * adam, "8(Ψ-M)"))
-        parts.append(Part("optimizer states", "Muon momentum (fp32)", "device", 4 * muon, 4 * muon, "4M"))
+        parts.append(Part("optimizer states", "Adam moments (fp32)", "device", 8 * adam, 8 * adam, f"8(Ψ-M){of}"))
+        parts.append(Part("optimizer states", "Muon momentum (fp32)", "device", 4 * muon, 4 * muon, f"4M{of}"))
         return parts
     parts.append(Part("optimizer states", "Adam moments (fp32)", opt or "device", 8 * share, 8 * share, f"8{label}"))
     return parts

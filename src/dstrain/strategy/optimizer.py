@@ -14,7 +14,7 @@ from dstrain.errors import DstrainError
 
 MUON = "Muon"
 ADAM_TYPES = ("adam", "adamw")  # what a ds_config may name as the implementation of Muon's AdamW half
-ZERO0_CONFIG = "ds_configs/zero0.json"
+ACCEPTED = "ds_configs/zero0.json, or zero1_bf16.json for bf16"
 
 
 def fill_optimizer(config: dict, recipe: Recipe, recipe_file: str, ds_file: str, fill: Callable) -> None:
@@ -53,23 +53,31 @@ def fill_optimizer(config: dict, recipe: Recipe, recipe_file: str, ds_file: str,
             fill(params, key, value, owner)
 
 
-def check_muon(recipe: Recipe, ds_file: str, stage: int, precision: str, sizes: tuple[int, int, int, int]) -> None:
+def check_muon(
+    recipe: Recipe, config: dict, ds_file: str, stage: int, precision: str, sizes: tuple[int, int, int, int]
+) -> None:
     """Refuse, before launch and in one line, the strategies under which Muon would not be the math of ZeRO-0 fp32:
     the raw gradient clipped by its global norm, then momentum and Newton-Schulz on the whole matrix."""
     if recipe.optim.kind != "muon":
         return
     tp_size, pp_stages, sp_size, ep_size = sizes
     reason = None
-    if stage > 0:
+    offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
+    if stage == 1 and precision == "bf16" and not offload:
+        # DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1, fp32 accumulation): it takes the norm of the raw fp32 gradient,
+        # clips it, and only then runs Muon on whole matrices (bf16_optimizer.step, _prepare_muon_updates).
+        plain = tp_size * pp_stages * sp_size * ep_size == 1 and recipe.model.moe is None
+        reason = None if plain else "DeepSpeed's bf16 Muon takes dense data parallelism only (no TP, PP, SP, MoE)"
+    elif stage > 0:
         # DeepSpeed 0.19.8 runs Muon inside the ZeRO optimizers (stage_1_and_2.get_flat_partition,
         # stage3._apply_muon_to_accumulated_grads) and then takes the norm, and clips, over the orthogonalised update
         # (tests/test_muon.py::test_deepspeed_zero_clips_the_orthogonalised_update).
         reason = (
-            f"under ZeRO stage {stage} DeepSpeed 0.19.8 clips Muon's orthogonalised update and reports its norm, "
-            f"not the raw gradient's"
+            f"under ZeRO stage {stage} ({precision}{', offload' if offload else ''}) DeepSpeed 0.19.8 clips Muon's "
+            f"orthogonalised update and reports its norm, not the raw gradient's"
         )
     elif precision != "fp32":
-        reason = f"{precision} needs ZeRO 1 or more here, where DeepSpeed clips after orthogonalising"
+        reason = f"{precision} at ZeRO-0 is not accepted here; bf16 Muon runs under ds_configs/zero1_bf16.json"
     elif pp_stages > 1:
         # deepspeed.set_optimizer_flags picks Muon's parameters by name ("embed", "lm_head"), which a
         # PipelineModule's layers ("0.tok.weight") do not carry: the embedding and head would take Muon.
@@ -83,4 +91,4 @@ def check_muon(recipe: Recipe, ds_file: str, stage: int, precision: str, sizes: 
     elif ep_size > 1 or recipe.model.moe is not None:
         reason = "DeepSpeed's Muon orthogonalises expert matrices on their own path, not proven here"
     if reason:
-        raise DstrainError(f"{ds_file}: optim.kind=muon is refused: {reason}; use {ZERO0_CONFIG}")
+        raise DstrainError(f"{ds_file}: optim.kind=muon is refused: {reason}; use {ACCEPTED}")

@@ -205,7 +205,7 @@ def resolve(
     tp_size, pp_stages, sp_size, dp_size = _parallel_sizes(config, recipe, recipe_file, ds_file, world_size)
     ep_size = parallel.check_expert_parallel(config, recipe, recipe_file, ds_file, dp_size, pp_stages, tp_size, sp_size)
     loss_tiles, mlp_tiles = parallel.check_tiling(config, recipe, ds_file, pp_stages)
-    check_muon(recipe, ds_file, stage, precision, (tp_size, pp_stages, sp_size, ep_size))
+    check_muon(recipe, config, ds_file, stage, precision, (tp_size, pp_stages, sp_size, ep_size))
     micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages > 1 or sp_size > 1)
     _fill_recipe_values(config, recipe, recipe_file, ds_file)
     leftover = _find_auto(config)
