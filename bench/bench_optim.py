@@ -4,7 +4,8 @@ Each seed trains the tiny recipe twice, AdamW then Muon (interleaved, so that lo
 alike), as one process under ds_configs/zero0.json (the strategy Muon is accepted under). Reported per optimizer: the
 first step at which the mean training loss of the last WINDOW steps is at or below --target (median and range over
 the seeds), the final loss, and the median step time over the logged steps after the first 10 (compilation of
-Muon's kernels included in neither).
+Muon's kernels included in neither). Then the optimizer step alone on the tiny model's parameters: DeepSpeed's
+MuonWithAuxAdam (eager, as dstrain runs it on a CPU) against torch's AdamW, alternating, median of --repeats.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_optim.py --data data/pydocs [--seeds 1 2 3] [--target 5.0]
 """
@@ -57,6 +58,37 @@ def step_seconds(records: list[dict]) -> float:
     return per_step / statistics.median(rates)
 
 
+def optimizer_step_ms(repeats: int) -> dict[str, float]:
+    """Median ms of one optimizer step on the tiny model's parameters (random gradients), the two alternating."""
+    import time
+
+    import torch
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    from dstrain.config import load_recipe
+    from dstrain.model.gpt import GPT
+
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", ["model.vocab_size=4096", "data.sources=[{path: none}]"])
+    model = GPT(recipe.model)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param) * 1e-2
+    hidden = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n and "lm_head" not in n]
+    rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
+    muon = MuonWithAuxAdam(
+        [{"params": hidden, "use_muon": True, "lr": 0.02}, {"params": rest, "use_muon": False, "lr": 3e-3}],
+        adam_optimizer=torch.optim.AdamW,
+    )
+    optimizers = {"adamw": torch.optim.AdamW(model.parameters(), lr=3e-3), "muon": muon}
+    times: dict[str, list[float]] = {name: [] for name in optimizers}
+    with torch.compiler.set_stance("force_eager"), torch.no_grad():
+        for _ in range(repeats):
+            for name, optimizer in optimizers.items():
+                start = time.perf_counter()
+                optimizer.step()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t[2:]) * 1000 for name, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="a `dstrain prepare` folder (the demo's data/pydocs)")
@@ -64,7 +96,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--target", type=float, default=5.0, help="mean training loss over the last 10 steps")
     parser.add_argument("--out", type=Path, default=None, help="keep the run folders here (default: a temp folder)")
+    parser.add_argument("--repeats", type=int, default=30, help="optimizer steps timed per optimizer")
+    parser.add_argument("--step-only", action="store_true", help="time the optimizer step alone, train nothing")
     args = parser.parse_args()
+    step_ms = optimizer_step_ms(args.repeats)
+    print(
+        f"optimizer step alone (tiny, median of {args.repeats}): "
+        + ", ".join(f"{k} {v:.1f} ms" for k, v in step_ms.items())
+    )
+    if args.step_only:
+        return
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_optim_"))
     results: dict[str, list[tuple[int | None, float, float]]] = {name: [] for name in OPTIMIZERS}
     for seed in args.seeds:
