@@ -330,3 +330,25 @@ def test_compare_refuses_a_muon_entry_under_zero1_before_launching(tmp_path, cap
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "zero1.json: optim.kind=muon is refused: under ZeRO stage 1" in error
     assert not (tmp_path / "out").exists()  # nothing launched
+
+
+def test_an_adamw_checkpoint_is_not_resumed_with_muon(tmp_path):
+    """The checkpoint holds AdamW's moments: continuing it with Muon is another experiment (optim.kind is identity)."""
+    from dstrain.checkpoint.record import RECORD
+    from dstrain.config import load_recipe
+    from dstrain.errors import DstrainError
+    from dstrain.train.run import check_run_dir, identity
+
+    resolve_muon(tmp_path, "zero0", 2)  # writes r.yaml, a Muon recipe
+    muon = load_recipe(tmp_path / "r.yaml")
+    adamw = load_recipe(tmp_path / "r.yaml", ["optim.kind=adamw"])
+    tag = tmp_path / "run" / "checkpoints" / "global_step4"
+    tag.mkdir(parents=True)
+    (tag / RECORD).write_text(json.dumps({"identity": identity(adamw, "data")}))
+    check_run_dir(adamw, "r.yaml", tmp_path / "run", tag.name, "auto", "data")  # the same experiment resumes
+    with pytest.raises(DstrainError, match=r"holds a run of a different recipe \(optimizer differ from r.yaml\)"):
+        check_run_dir(muon, "r.yaml", tmp_path / "run", tag.name, "auto", "data")
+    old = identity(adamw, "data")
+    del old["optimizer"]  # a checkpoint from before the key was recorded: AdamW's
+    (tag / RECORD).write_text(json.dumps({"identity": old}))
+    check_run_dir(adamw, "r.yaml", tmp_path / "run", tag.name, "auto", "data")
