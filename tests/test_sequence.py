@@ -16,8 +16,8 @@ pytestmark = pytest.mark.distributed
 
 # Measured: SP2 losses and grad norms within 2e-7 (relative) of ZeRO-0 for 10 steps (the same fp32 sums in
 # another order). A lost gradient share or a mis-sliced label moves the first step by 1e-2, a factor sp in the
-# gradients halves or doubles the norm.
-RTOL = 1e-5
+# gradients halves or doubles the norm; ZeRO-0's norm taken in fp32 on a CPU was 1e-5 off on the tiny recipe.
+RTOL = 1e-6
 
 
 # --- rank targets --------------------------------------------------------------------------------------

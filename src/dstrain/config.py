@@ -63,7 +63,26 @@ class DataConfig:
 
 
 @dataclass
+class MuonConfig:
+    """Muon (optim.kind: muon), run by DeepSpeed's MuonWithAuxAdam. Which parameters go where is DeepSpeed's rule
+    (deepspeed.set_optimizer_flags): every parameter of 2 or more dimensions whose name holds neither "embed" nor
+    "lm_head" (the blocks' attention and MLP matrices) takes Muon; the embeddings, the head, norms and biases take
+    AdamW with optim.lr, betas and eps. Both decay their matrices by optim.weight_decay (decoupled: w -= lr x wd x w);
+    both lrs follow the recipe's schedule. Clipping (optim.grad_clip) scales the raw gradient by its global norm
+    before Muon's momentum and Newton-Schulz see it, under every accepted strategy."""
+
+    lr: Annotated[float, Range(gt=0)] = 0.02  # the Muon group's peak lr, in units of spectral norm per update
+    momentum: Beta = 0.95  # momentum of the gradient buffer that Newton-Schulz orthogonalises
+    nesterov: Literal[True] = True  # Nesterov momentum: DeepSpeed 0.19.8's call sites always use it (no switch)
+    ns_steps: Annotated[int, Range(ge=5, le=5)] = 5  # Newton-Schulz iterations: fixed at 5 by DeepSpeed 0.19.8
+    ns_method: Literal["gram", "standard"] = (
+        "gram"  # Newton-Schulz on the Gram matrix (fp16 where the device has it, else fp32) or the original (bf16)
+    )
+
+
+@dataclass
 class OptimConfig:
+    kind: Literal["adamw", "muon"] = "adamw"  # the optimizer; muon: Muon for hidden matrices + AdamW (optim.muon)
     lr: Annotated[float, Range(gt=0)] = 3e-4  # peak learning rate, reached at the end of warmup
     min_lr: Annotated[float, Range(ge=0)] = 3e-5  # learning rate at the end of the decay
     betas: tuple[Beta, Beta] = (0.9, 0.95)  # Adam betas
@@ -72,6 +91,7 @@ class OptimConfig:
         0.1  # decoupled weight decay, applied to matrices only (not to norms, biases)
     )
     grad_clip: Annotated[float, Range(ge=0)] = 1.0  # global gradient-norm clipping; 0 disables
+    muon: MuonConfig = field(default_factory=MuonConfig)  # optim.kind: muon only
 
 
 @dataclass

@@ -93,6 +93,14 @@ def prepare_resume(
     if old is None or not needs_conversion(old, new):
         return False
 
+    if strategy.ds_config.get("optimizer", {}).get("type") == "Muon":
+        # ds_to_universal and universal_from_zero0 carry fp32 weights and Adam moments: Muon's momentum would be lost.
+        raise DstrainError(
+            f"{tag_dir}: a Muon run cannot change topology ({old.describe()} -> {new.describe()}): the universal "
+            f"checkpoint does not carry Muon's momentum; resume with the saved ds_config (ZeRO-0 fp32 resumes on any "
+            f"number of ranks)"
+        )
+
     def convert_once() -> None:
         check_convertible(tag_dir, old, new, moe=model_config.moe is not None)
         print(f"{tag} was saved under {old.describe()}; converting it for {new.describe()}", flush=True)

@@ -3,6 +3,9 @@
     dstrain compare --recipe R --deepspeed_configs C1 C2 ... [--nproc N] [--steps S] --out DIR [key=value ...]
     dstrain compare --collect DIR [--deepspeed_configs C1 C2 ...] [--recipe R]
 
+A config may carry recipe overrides of its own, joined by "+": ``ds_configs/zero0.json+optim.kind=muon`` runs the
+recipe with Muon in ``DIR/zero0+optim.kind=muon/``, beside ``ds_configs/zero0.json`` with AdamW; the row is named so.
+
 The first form runs each config, one after another, through the ``deepspeed`` launcher into
 ``DIR/<config stem>/`` (its full output in ``launcher.log``); the second builds the report from run
 folders that already exist there, e.g. those of the Slurm array ``slurm/compare.sbatch``. The recipe
@@ -97,14 +100,30 @@ def launch(recipe: str, config: str, run_dir: Path, nproc: int, overrides: list[
         return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
 
 
-def run_all(recipe: str, configs: list[str], out: Path, nproc: int, overrides: list[str]) -> None:
+def split_entries(values: list[str]) -> tuple[list[tuple[str, str, list[str]]], list[str]]:
+    """--deepspeed_configs' values as (run name, ds_config, its own recipe overrides), and the plain overrides that
+    nargs="+" swallowed: ``C.json+k=v+k2=v2`` is C with overrides k=v and k2=v2, run as ``<stem>+k=v+k2=v2``."""
+    entries, overrides = [], []
+    for value in values:
+        config, *extra = value.split("+")
+        if "=" in config:  # a ds_config path has no "=": a plain override for every run
+            overrides.append(value)
+            continue
+        bad = [e for e in extra if "=" not in e]
+        if bad:
+            raise DstrainError(f"--deepspeed_configs {value}: {bad[0]!r} is no key=value; write C.json+optim.kind=muon")
+        entries.append(("+".join([Path(config).stem, *extra]), config, extra))
+    return entries, overrides
+
+
+def run_all(recipe: str, entries: list, out: Path, nproc: int, overrides: list[str]) -> None:
     from rich.console import Console
 
     console = Console(stderr=True, soft_wrap=True)
-    for i, config in enumerate(configs, 1):
-        stem, start = Path(config).stem, time.time()
-        with console.status(f"[{i}/{len(configs)}] {stem}: running on {nproc} ranks ({out / stem / LOG_NAME})"):
-            launch(recipe, config, out / stem, nproc, overrides)
+    for i, (stem, config, extra) in enumerate(entries, 1):
+        start = time.time()
+        with console.status(f"[{i}/{len(entries)}] {stem}: running on {nproc} ranks ({out / stem / LOG_NAME})"):
+            launch(recipe, config, out / stem, nproc, [*overrides, *extra])
         row = read_run(out / stem)
         done = (
             f"{row.tokens_per_s or 0:,.0f} tokens/s, final loss {row.final_loss or float('nan'):.4f}"
@@ -113,15 +132,15 @@ def run_all(recipe: str, configs: list[str], out: Path, nproc: int, overrides: l
         )
         mark = "[green]ok[/]" if row.ok else "[red]failed[/]"
         seconds = time.time() - start
-        console.print(f"[{i}/{len(configs)}] {stem}: {mark} {row.status} in {seconds:.0f} s: {done}", highlight=False)
+        console.print(f"[{i}/{len(entries)}] {stem}: {mark} {row.status} in {seconds:.0f} s: {done}", highlight=False)
 
 
-def check_fresh(out: Path, configs: list[str]) -> None:
-    """Refuse before running anything: duplicate stems, or run folders that already hold a run."""
-    stems = [Path(c).stem for c in configs]
+def check_fresh(out: Path, entries: list) -> None:
+    """Refuse before running anything: duplicate run names, or run folders that already hold a run."""
+    stems = [stem for stem, _, _ in entries]
     for stem in stems:
         if stems.count(stem) > 1:
-            clash = [c for c in configs if Path(c).stem == stem]
+            clash = [config for name, config, _ in entries if name == stem]
             raise DstrainError(
                 f"--deepspeed_configs {' and '.join(clash)} share the run folder {out / stem}; rename one"
             )
@@ -143,12 +162,13 @@ def check_counts(nproc: int | None, steps: int | None) -> None:
         )
 
 
-def check_configs(recipe, recipe_file: str, configs: list[str], nproc: int) -> None:
-    """Resolve every config against the recipe for nproc ranks now, so that none is launched only to be refused."""
+def check_configs(recipe_file: str, entries: list, overrides: list[str], nproc: int) -> None:
+    """Resolve every config against its recipe for nproc ranks now, so that none is launched only to be refused."""
+    from dstrain.config import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
 
-    for config in configs:
-        resolve(recipe, recipe_file, load_ds_config(config), config, nproc)
+    for _, config, extra in entries:
+        resolve(load_recipe(recipe_file, [*overrides, *extra]), recipe_file, load_ds_config(config), config, nproc)
 
 
 # --- reading run folders --------------------------------------------------------------------------------
@@ -287,7 +307,7 @@ def add_estimates(
                 recipe = load_recipe(recipe_path)
             elif recipe_file and row.config in sources and nproc:
                 recipe_path, ds_path, world = Path(recipe_file), Path(sources[row.config]), nproc
-                recipe = load_recipe(recipe_file, overrides)
+                recipe = load_recipe(recipe_file, [*overrides, *row.config.split("+")[1:]])
             else:
                 continue
             row.est_mem_gib = estimate_file(recipe, recipe_path, ds_path, 1, world).peak() / GIB
@@ -317,7 +337,7 @@ def build_report(out: Path, rows: list[Row], title: str, context: list[str]) -> 
         "Peak memory is rank 0's `mem_peak_bytes` (the device allocator's peak; process RSS on a CPU); the estimate is "
         "`dstrain estimate`'s device peak (model states, activations, buffers) for the same ranks.",
         f"Δ loss is the final training loss minus that of the first config, {baseline}; equivalent strategies "
-        "(same precision) agree to about 1e-4 relative. Full logs: `<config>/launcher.log`.",
+        "(same precision and optimizer) agree to about 1e-6 relative. Full logs: `<config>/launcher.log`.",
     ]
     write_markdown(rows, out / "report.md", title, notes, plots)
 
@@ -346,10 +366,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    # nargs="+" also swallows trailing key=value overrides; a ds_config path has no "=".
-    configs = [c for c in args.deepspeed_configs if "=" not in c]
-    overrides = [*args.overrides, *(c for c in args.deepspeed_configs if "=" in c)]
-    sources = {Path(c).stem: c for c in configs}
+    entries, swallowed = split_entries(args.deepspeed_configs)
+    overrides = [*args.overrides, *swallowed]
+    sources = {stem: config for stem, config, _ in entries}
     if args.collect:
         out = args.collect
         if not out.is_dir():
@@ -357,16 +376,16 @@ def main(args: argparse.Namespace) -> int:
         found = sorted(
             p.name for p in out.iterdir() if p.is_dir() and (any((p / n).exists() for n in RUN_FILES) or find_log(p))
         )
-        names = [Path(c).stem for c in configs] or found
+        names = list(sources) or found
         if not names:
             raise DstrainError(f"--collect {out}: no run folders (with metrics.jsonl, summary.json or a log) in it")
         rows = [read_run(out / name, sources.get(name)) for name in names]
         nproc = args.nproc
         context = [f"Collected from the run folders in `{out}`."]
     else:
-        if args.plan is not None and (configs or args.plan < 1):
+        if args.plan is not None and (entries or args.plan < 1):
             raise DstrainError("--plan K: K >= 1 planned layouts take the place of --deepspeed_configs; pass one")
-        if not args.recipe or not (configs or args.plan) or not args.out:
+        if not args.recipe or not (entries or args.plan) or not args.out:
             raise DstrainError("dstrain compare needs --recipe, --deepspeed_configs and --out (or --collect DIR)")
         from deepspeed.accelerator import get_accelerator
 
@@ -381,11 +400,12 @@ def main(args: argparse.Namespace) -> int:
             from dstrain.commands.compare_plan import write_planned
 
             configs, predicted = write_planned(recipe, args.recipe, nproc, args.plan, out)
-            sources = {Path(c).stem: c for c in configs}
-        check_fresh(out, configs)
-        check_configs(recipe, args.recipe, configs, nproc)
-        run_all(args.recipe, configs, out, nproc, overrides)
-        rows = [read_run(out / Path(c).stem, c) for c in configs]
+            entries = [(Path(c).stem, c, []) for c in configs]
+            sources = {stem: config for stem, config, _ in entries}
+        check_fresh(out, entries)
+        check_configs(args.recipe, entries, overrides, nproc)
+        run_all(args.recipe, entries, out, nproc, overrides)
+        rows = [read_run(out / stem, config) for stem, config, _ in entries]
         context = [
             f"Recipe `{args.recipe}` (`{recipe.name}`: global batch {recipe.train.global_batch} × "
             f"{recipe.data.seq_len} tokens, {recipe.total_steps} steps) on {nproc} ranks per config, "

@@ -150,7 +150,8 @@ def estimate(
     persistent = min(counts.persistent, zero.model_persistence_threshold // n) if stage == 3 else 0
     # Expert parallelism: E/ep experts held, partitioned over N/ep expert-data-parallel ranks: the share is total/N.
     part = math.ceil(counts.total / n) if strategy.ep_size > 1 else None
-    est.parts = model_state_parts(strategy, counts.per_rank, persistent, part)
+    muon = muon_params(recipe.model) if recipe.optim.kind == "muon" else 0  # accepted on plain data parallelism only
+    est.parts = model_state_parts(strategy, counts.per_rank, persistent, part, muon)
     saved, transient = activation_bytes(recipe, strategy)
     est.parts += [
         Part("activations", "saved for backward", "device", saved, 0, "see module docstring"),
@@ -168,8 +169,12 @@ def estimate(
     return est
 
 
-def model_state_parts(strategy: Strategy, psi: int, persistent: int, part: int | None = None) -> list[Part]:
-    """Parameters, gradients and optimizer states per rank (module docstring); ``part``: a ZeRO share other than Ψ/N."""
+def model_state_parts(
+    strategy: Strategy, psi: int, persistent: int, part: int | None = None, muon: int = 0
+) -> list[Part]:
+    """Parameters, gradients and optimizer states per rank (module docstring); ``part``: a ZeRO share other than Ψ/N;
+    ``muon``: parameters Muon takes (one fp32 momentum each instead of two Adam moments; resolve accepts Muon at
+    ZeRO-0 fp32, whole on every rank, and under BF16_Optimizer, partitioned like the master weights)."""
     s, n, dtype = strategy.zero_stage, strategy.zero_partitions, strategy.precision
     b = 4 if dtype == "fp32" else 2
     opt, par = strategy.offload_optimizer, strategy.offload_param
@@ -194,8 +199,27 @@ def model_state_parts(strategy: Strategy, psi: int, persistent: int, part: int |
         parts.append(
             Part("optimizer states", "fp32 master weights", opt or "device", 4 * share, 4 * share, f"4{label}")
         )
+    if muon:
+        muon, of = (muon, "") if share == psi else (math.ceil(muon / n), "/N")
+        adam = share - muon
+        parts.append(Part("optimizer states", "Adam moments (fp32)", "device", 8 * adam, 8 * adam, f"8(Ψ-M){of}"))
+        parts.append(Part("optimizer states", "Muon momentum (fp32)", "device", 4 * muon, 4 * muon, f"4M{of}"))
+        return parts
     parts.append(Part("optimizer states", "Adam moments (fp32)", opt or "device", 8 * share, 8 * share, f"8{label}"))
     return parts
+
+
+def muon_params(model_config) -> int:
+    """M: the parameters Muon takes, by DeepSpeed's rule (deepspeed.set_optimizer_flags): 2 or more dimensions and
+    neither "embed" nor "lm_head" in the name. Counted on a meta-device GPT: nothing is allocated."""
+    import torch
+
+    from dstrain.model.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(model_config)
+    hidden = ("embed", "lm_head")
+    return sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and not any(k in n for k in hidden))
 
 
 def bf16_optimizer(strategy: Strategy) -> bool:

@@ -24,6 +24,7 @@ from dstrain.data.sampler import valid_micro_batches
 from dstrain.errors import DstrainError
 from dstrain.strategy import parallel
 from dstrain.strategy.ds_schema import validate_ds_config
+from dstrain.strategy.optimizer import check_muon, fill_optimizer
 from dstrain.strategy.precision import Precision
 
 AUTO = "auto"
@@ -201,6 +202,7 @@ def resolve(
     tp_size, pp_stages, sp_size, dp_size = _parallel_sizes(config, recipe, recipe_file, ds_file, world_size)
     ep_size = parallel.check_expert_parallel(config, recipe, recipe_file, ds_file, dp_size, pp_stages, tp_size, sp_size)
     loss_tiles, mlp_tiles = parallel.check_tiling(config, recipe, ds_file, pp_stages)
+    check_muon(recipe, config, ds_file, stage, precision, (tp_size, pp_stages, sp_size, ep_size))
     micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages > 1 or sp_size > 1)
     _fill_recipe_values(config, recipe, recipe_file, ds_file)
     leftover = _find_auto(config)
@@ -300,14 +302,13 @@ def _fill_recipe_values(config: dict, recipe: Recipe, recipe_file: str, ds_file:
     """Clipping, the optimizer's hyper-parameters and the seed come from the recipe; monitors write into run_dir."""
     o = recipe.optim
     _fill(config, "gradient_clipping", o.grad_clip, "optim.grad_clip", ds_file, recipe_file)
-    params = config.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})
-    for key, value, owner in [
-        ("lr", o.lr, "optim.lr"),
-        ("betas", list(o.betas), "optim.betas"),
-        ("eps", o.eps, "optim.eps"),
-        ("weight_decay", o.weight_decay, "optim.weight_decay"),
-    ]:
-        _fill(params, key, value, owner, ds_file, recipe_file)
+    fill_optimizer(
+        config,
+        recipe,
+        recipe_file,
+        ds_file,
+        lambda section, key, value, owner: _fill(section, key, value, owner, ds_file, recipe_file),
+    )
     config.setdefault("steps_per_print", 10**9)  # the loop prints its own progress line
     _fill(config, "seed", recipe.seed, "seed", ds_file, recipe_file)  # a record only: DeepSpeed does not read it
     _fill_monitor_paths(config, recipe)

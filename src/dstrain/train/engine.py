@@ -141,6 +141,8 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
         # section's presence is the switch, so torch.compile is one ds_config swap like every other strategy.
         engine.compile()
     grad_norm.install(engine)  # ZeRO-0 fp32: DeepSpeed keeps no norm (and pipelines clip by the wrong one)
+    if recipe.optim.kind == "muon":
+        run_muon_eagerly_on_cpu(engine.optimizer)
     return engine
 
 
@@ -162,6 +164,23 @@ def sum_head_norm_grads_over_tp(model: torch.nn.Module) -> None:
     for name, param in model.named_parameters():
         if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
             param.register_hook(summed)
+
+
+def run_muon_eagerly_on_cpu(optimizer) -> None:
+    """DeepSpeed 0.19.8 torch.compiles muon_update (original_muon.py, @compiler.compile()): on a CPU, inductor's C++
+    build of it takes minutes per matrix shape before the first step (172 s for the small test model on 2 busy
+    cores), to save milliseconds a step. There the step runs it eagerly; elsewhere as DeepSpeed compiles it."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    step = optimizer.step
+
+    def eager_step(*args, **kwargs):
+        with torch.compiler.set_stance("force_eager"):
+            return step(*args, **kwargs)
+
+    optimizer.step = eager_step
 
 
 def check_expert_groups(engine, strategy: Strategy) -> None:
@@ -214,10 +233,11 @@ def apply_recipe_to_optimizer(engine, recipe: Recipe) -> None:
     backup = getattr(wrapper, "backup_optimizer", None)  # ZeRO-3 partial offload's GPU-side AdamW
     for group_list in [groups] + ([backup.param_groups] if backup is not None else []):
         for index, group in enumerate(group_list):  # engine.param_groups: matrices (decayed) first, then the rest
-            # ZeRO-3 partial offload's backup AdamW (DeepSpeed 0.19.8, stage3.py) builds its first group afresh from
-            # the first (decayed) group, without our flag, and adds the others as they are.
-            decay = group.get("decay", index == 0)
-            group.update(weight_decay=optim.weight_decay if decay else 0.0, betas=tuple(optim.betas), eps=optim.eps)
+            group["weight_decay"] = optim.weight_decay if decays(group, index) else 0.0
+            if group.get("use_muon", False):
+                group.update(momentum=optim.muon.momentum, ns_method=optim.muon.ns_method)
+            else:
+                group.update(betas=tuple(optim.betas), eps=optim.eps)
     while wrapper is not None:
         if hasattr(wrapper, "clip_grad"):
             wrapper.clip_grad = optim.grad_clip
@@ -227,11 +247,23 @@ def apply_recipe_to_optimizer(engine, recipe: Recipe) -> None:
     # Its lambdas are build_engine's, from the current recipe (closures, which no checkpoint holds); base_lrs and
     # each group's lr came back from the checkpoint. The lr of the next step is then what an uninterrupted run of
     # the current recipe computes for it, to the bit.
-    scheduler.base_lrs = [optim.lr for _ in groups]
+    scheduler.base_lrs = [optim.muon.lr if group.get("use_muon", False) else optim.lr for group in groups]
     for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["initial_lr"] = base
         group["lr"] = base * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in groups]
+
+
+def decays(group: dict, index: int) -> bool:
+    """Whether a parameter group of the engine's optimizer takes weight decay: param_groups' "decay" flag; DeepSpeed's
+    Muon split (engine._muon_param_groups) drops it but names each half after param_groups' group ("decay-muon-params",
+    "no_decay-adam-params"); ZeRO-3 partial offload's backup AdamW (DeepSpeed 0.19.8, stage3.py) builds its first
+    group afresh from the first (decayed) group, without the flag: the first group decays."""
+    if "decay" in group:
+        return bool(group["decay"])
+    if "use_muon" in group:
+        return str(group.get("name", "")).startswith("decay-")
+    return index == 0
 
 
 def is_pipeline(engine) -> bool:

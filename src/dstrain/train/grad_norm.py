@@ -10,9 +10,9 @@ norm alone (test_deepspeed_pipeline_zero0_clips_by_the_first_stage_only).
 
 ``install`` is the one workaround for both: for the engines that take that path it computes the norm as
 the ZeRO optimizers do (``stage_1_and_2.get_grad_norm_direct``: every gradient once — tied copies on
-later pipeline stages and tensor-parallel replicas skipped —, summed over the model-parallel group),
-clips by it with DeepSpeed's coefficient ``min(1, clip / (norm + 1e-6))``, and keeps it where
-``get_global_grad_norm`` reads it.
+later pipeline stages and tensor-parallel replicas skipped —, summed over the model-parallel group, each
+gradient's norm taken in ``get_norm_dtype()``: fp64 where the device has it), clips by it with DeepSpeed's
+coefficient ``min(1, clip / (norm + 1e-6))``, and keeps it where ``get_global_grad_norm`` reads it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import types
 
 import torch
 from deepspeed.runtime.utils import is_model_parallel_parameter
+from deepspeed.runtime.zero.utils import get_norm_dtype
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 
@@ -38,12 +39,17 @@ def global_grad_norm(engine) -> torch.Tensor:
     """L2 norm of the whole model's gradient (already averaged over data-parallel ranks), on every rank."""
     mpu = engine.mpu
     counts_replicated = mpu is None or bwc_tensor_model_parallel_rank(mpu) == 0
-    squares = torch.zeros((), dtype=torch.float32, device=engine.device)
+    # In fp64 as the ZeRO optimizers do: torch's CPU vector_norm sums fp32 in one running accumulator, 1e-4 off on a
+    # 4096 x 128 lm_head gradient (tests/test_grad_norm.py::test_fp32_vector_norm_drifts_on_cpu), which moved the
+    # tiny recipe's ZeRO-0 norm 1e-5 away from ZeRO-1/2/3's over the very same gradients.
+    dtype = get_norm_dtype()
+    squares = torch.zeros((), dtype=dtype, device=engine.device)
     for param in engine.module.parameters():
         if param.grad is None or getattr(param, "ds_pipe_replicated", False):
             continue
         if counts_replicated or is_model_parallel_parameter(param):
-            squares += torch.linalg.vector_norm(param.grad.detach().float()).to(squares.device) ** 2
+            squares += torch.linalg.vector_norm(param.grad.detach().to(dtype)).to(squares.device) ** 2
+    squares = squares.float()  # fp32 from here, as ZeRO's sum (stage_1_and_2.get_grad_norm_direct)
     if mpu is not None:
         torch.distributed.all_reduce(squares, group=mpu.get_model_parallel_group())
     return squares.sqrt()

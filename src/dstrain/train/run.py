@@ -26,9 +26,10 @@ from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 from dstrain.train import console, plot, preflight
 from dstrain.train.launcher_env import env_rank, env_world_size
 
-# What makes a checkpoint meaningless for another run: the model, what it reads, and the seed. The rest of the
-# recipe (optimizer, schedule, length, cadence) may change on resume, and the current recipe's values apply.
-IDENTITY_KEYS = ("model", "seq_len", "valid_fraction", "data", "seed")
+# What makes a checkpoint meaningless for another run: the model, what it reads, the seed, and which optimizer's
+# state it holds (optim.kind). The rest of the recipe (the optimizer's hyper-parameters, schedule, length, cadence)
+# may change on resume, and the current recipe's values apply.
+IDENTITY_KEYS = ("model", "seq_len", "valid_fraction", "data", "seed", "optimizer")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -84,6 +85,7 @@ def _identity(recipe: dict, data) -> dict:
         "valid_fraction": recipe["data"].get("valid_fraction"),
         "data": data,
         "seed": recipe["seed"],
+        "optimizer": recipe.get("optim", {}).get("kind", "adamw"),  # Muon's state is not AdamW's
     }
 
 
@@ -108,7 +110,7 @@ def check_run_dir(
             _identity(old, old["data"]["sources"]),
             _identity(to_dict(recipe), to_dict(recipe)["data"]["sources"]),
         )
-    changed = [k for k in IDENTITY_KEYS if saved.get(k) != new[k]]
+    changed = [k for k in IDENTITY_KEYS if saved.get(k, "adamw" if k == "optimizer" else None) != new[k]]
     if changed:
         raise DstrainError(
             f"{where} holds a run of a different recipe ({', '.join(changed)} differ from {recipe_file}); "

@@ -1,0 +1,94 @@
+"""The ds_config's optimizer section, filled from the recipe: which optimizer is the recipe's (optim.kind), how it
+is implemented the ds_config's (torch_adam, fused, CPU Adam under offload), and the strategies Muon is refused under.
+
+With ``optim.kind: muon`` the section's "AdamW" becomes DeepSpeed's "Muon" (MuonWithAuxAdam): its AdamW half keeps the
+ds_config's implementation switches, its Muon half takes ``muon_lr``, ``momentum`` and ``ns_method`` from the recipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dstrain.config import Recipe
+from dstrain.errors import DstrainError
+
+MUON = "Muon"
+ADAM_TYPES = ("adam", "adamw")  # what a ds_config may name as the implementation of Muon's AdamW half
+ACCEPTED = "ds_configs/zero0.json, or zero1_bf16.json for bf16"
+
+
+def fill_optimizer(config: dict, recipe: Recipe, recipe_file: str, ds_file: str, fill: Callable) -> None:
+    """The optimizer's type and hyper-parameters from the recipe; ``fill(section, key, value, owner)`` sets a value
+    the recipe owns (resolve._fill: "auto" or absent is filled, a different pin is an error)."""
+    o = recipe.optim
+    section = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    named = str(section.get("type", "AdamW"))
+    if o.kind == "adamw" and named.lower() == MUON.lower():
+        raise DstrainError(
+            f'{ds_file}: optimizer.type "{named}" but {recipe_file} sets optim.kind=adamw; the recipe owns the '
+            f'optimizer: set optimizer.type to "AdamW" and optim.kind: muon in the recipe for Muon'
+        )
+    if o.kind == "muon":
+        if named.lower() not in (*ADAM_TYPES, MUON.lower()):
+            raise DstrainError(
+                f'{ds_file}: optimizer.type "{named}" cannot run optim.kind=muon of {recipe_file}; use "AdamW" '
+                f"(Muon's AdamW half: embeddings, head, norms, biases)"
+            )
+        section["type"] = MUON
+    params = section.setdefault("params", {})
+    for key, value, owner in [
+        ("lr", o.lr, "optim.lr"),
+        ("betas", list(o.betas), "optim.betas"),
+        ("eps", o.eps, "optim.eps"),
+        ("weight_decay", o.weight_decay, "optim.weight_decay"),
+    ]:
+        fill(params, key, value, owner)
+    if o.kind == "muon":
+        for key, value, owner in [
+            ("adam_lr", o.lr, "optim.lr"),
+            ("muon_lr", o.muon.lr, "optim.muon.lr"),
+            ("momentum", o.muon.momentum, "optim.muon.momentum"),
+            ("ns_method", o.muon.ns_method, "optim.muon.ns_method"),
+        ]:
+            fill(params, key, value, owner)
+
+
+def check_muon(
+    recipe: Recipe, config: dict, ds_file: str, stage: int, precision: str, sizes: tuple[int, int, int, int]
+) -> None:
+    """Refuse, before launch and in one line, the strategies under which Muon would not be the math of ZeRO-0 fp32:
+    the raw gradient clipped by its global norm, then momentum and Newton-Schulz on the whole matrix."""
+    if recipe.optim.kind != "muon":
+        return
+    tp_size, pp_stages, sp_size, ep_size = sizes
+    reason = None
+    offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
+    if stage == 1 and precision == "bf16" and not offload:
+        # DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1, fp32 accumulation): it takes the norm of the raw fp32 gradient,
+        # clips it, and only then runs Muon on whole matrices (bf16_optimizer.step, _prepare_muon_updates).
+        plain = tp_size * pp_stages * sp_size * ep_size == 1 and recipe.model.moe is None
+        reason = None if plain else "DeepSpeed's bf16 Muon takes dense data parallelism only (no TP, PP, SP, MoE)"
+    elif stage > 0:
+        # DeepSpeed 0.19.8 runs Muon inside the ZeRO optimizers (stage_1_and_2.get_flat_partition,
+        # stage3._apply_muon_to_accumulated_grads) and then takes the norm, and clips, over the orthogonalised update
+        # (tests/test_muon.py::test_deepspeed_zero_clips_the_orthogonalised_update).
+        reason = (
+            f"under ZeRO stage {stage} ({precision}{', offload' if offload else ''}) DeepSpeed 0.19.8 clips Muon's "
+            f"orthogonalised update and reports its norm, not the raw gradient's"
+        )
+    elif precision != "fp32":
+        reason = f"{precision} at ZeRO-0 is not accepted here; bf16 Muon runs under ds_configs/zero1_bf16.json"
+    elif pp_stages > 1:
+        # deepspeed.set_optimizer_flags picks Muon's parameters by name ("embed", "lm_head"), which a
+        # PipelineModule's layers ("0.tok.weight") do not carry: the embedding and head would take Muon.
+        reason = "DeepSpeed picks Muon's matrices by name, and a pipeline's layer names would put the embedding in"
+    elif tp_size > 1:
+        reason = (
+            "tensor parallelism shards the matrices, and Newton-Schulz on a shard is not Newton-Schulz on the whole"
+        )
+    elif sp_size > 1:
+        reason = "sequence parallelism runs under ZeRO 1 or 3 here"
+    elif ep_size > 1 or recipe.model.moe is not None:
+        reason = "DeepSpeed's Muon orthogonalises expert matrices on their own path, not proven here"
+    if reason:
+        raise DstrainError(f"{ds_file}: optim.kind=muon is refused: {reason}; use {ACCEPTED}")

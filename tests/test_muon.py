@@ -1,0 +1,354 @@
+"""Muon (optim.kind: muon): DeepSpeed's MuonWithAuxAdam against a plain PyTorch reference; the same losses and pre-clip
+gradient norms under every layout dstrain accepts it in, with clipping on; exact resume; the refusals, and the
+DeepSpeed behaviour behind them."""
+
+import json
+import math
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from ranks import run_ranks
+from train_helpers import (
+    ROOT,
+    ds_config,
+    read_metrics,
+    small_recipe,
+    train_and_signal_at,
+    train_argv,
+    train_each,
+    train_losses,
+)
+
+# fp32, ZeRO-0: the layouts differ only in how the same gradients are summed (ranks, micro-batches), as for AdamW
+# (tests/test_train.py; measured <= 2e-7 here over 10 steps); Newton-Schulz maps a 1e-7 change of its input to about
+# as much of its output.
+MUON_RTOL = 1e-6
+STEP1_NORM_RTOL = 1e-7
+CLIP = 0.5  # below the small recipe's norms from step 1: every step is clipped
+
+
+# --- Muon's update against a plain PyTorch reference --------------------------------------------------------
+
+
+def reference_orthogonalise(update: torch.Tensor) -> torch.Tensor:
+    """Keller Jordan's quintic Newton-Schulz (5 steps, coefficients 3.4445, -4.7750, 2.0315) in fp64 on the whole
+    matrix, scaled by sqrt(max(1, rows / cols))."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = update.double()
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x
+    x = x / (x.norm() + 1e-7)
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    x = x.T if tall else x
+    return x * math.sqrt(max(1.0, update.size(0) / update.size(1)))
+
+
+@pytest.mark.parametrize("shape", [(32, 16), (16, 48), (24, 24)])
+def test_muon_update_matches_a_plain_pytorch_reference(shape):
+    """Three steps of DeepSpeed's MuonWithAuxAdam (the ZeRO-0 path: the whole matrix) against momentum, Nesterov,
+    Newton-Schulz and decoupled weight decay written out in fp64; eager (the training tests run it as trained).
+    DeepSpeed's "gram" iteration runs in fp32 on a CPU (fp16 where the device has it): measured 2.6e-5 of the
+    update. A missing aspect-ratio scale is 41% off, plain momentum instead of Nesterov about as much."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
+
+    if ns_compute_dtype("gram") != torch.float32:
+        pytest.skip("the device runs Newton-Schulz in fp16: compare at fp16's precision on a GPU")
+    lr, beta, decay = 0.02, 0.95, 0.1
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(*shape, generator=generator)
+    param = torch.nn.Parameter(start.clone())
+    group = {"params": [param], "use_muon": True, "lr": lr, "momentum": beta, "weight_decay": decay}
+    optimizer = MuonWithAuxAdam([{**group, "ns_method": "gram"}])
+    weight, momentum = start.double(), torch.zeros(shape, dtype=torch.float64)
+    for _ in range(3):
+        grad = torch.randn(*shape, generator=generator)
+        param.grad = grad.clone()
+        with torch.compiler.set_stance("force_eager"):  # DeepSpeed torch.compiles muon_update: 20 s on a CPU
+            optimizer.step()
+        momentum.lerp_(grad.double(), 1 - beta)
+        update = reference_orthogonalise(grad.double().lerp(momentum, beta))
+        weight = weight * (1 - lr * decay) - lr * update
+        step_size = lr * update.abs().max()
+        assert (param.detach().double() - weight).abs().max() < 1e-4 * step_size
+        torch.testing.assert_close(optimizer.state[param]["momentum_buffer"].double(), momentum, rtol=0, atol=1e-6)
+
+
+# --- which parameters go where, and what they cost -----------------------------------------------------------
+
+RECIPE = {
+    "name": "t",
+    "model": {"flavour": "llama", "vocab_size": 512, "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 32},
+    "data": {"sources": [{"path": "data/none"}], "seq_len": 16},
+    "train": {"global_batch": 8, "steps": 4},
+    "optim": {"kind": "muon"},
+}
+
+
+def resolve_muon(tmp_path, base: str, world: int, recipe_changes: dict | None = None, **changes):
+    from dstrain.config import load_recipe
+    from dstrain.strategy.resolve import load_ds_config, resolve
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({**RECIPE, **(recipe_changes or {})}))
+    config = json.loads((ROOT / "ds_configs" / f"{base}.json").read_text())
+    for section, values in changes.items():
+        config[section] = {**config.get(section, {}), **values}
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(config))
+    return resolve(load_recipe(recipe), recipe, load_ds_config(path), path, world)
+
+
+def test_muon_recipe_gives_deepspeeds_muon_with_the_recipes_values(tmp_path):
+    optimizer = resolve_muon(tmp_path, "zero0", 2).ds_config["optimizer"]
+    assert optimizer["type"] == "Muon"
+    params = optimizer["params"]
+    assert (params["muon_lr"], params["adam_lr"], params["momentum"], params["ns_method"]) == (0.02, 3e-4, 0.95, "gram")
+    assert params["torch_adam"] is True  # the ds_config's implementation of the AdamW half is kept
+
+
+@pytest.mark.parametrize(
+    "base, world, changes, fragment",
+    [
+        ("zero1", 2, {}, "under ZeRO stage 1 (fp32) DeepSpeed 0.19.8 clips Muon's orthogonalised update"),
+        ("zero2", 2, {}, "under ZeRO stage 2"),
+        ("zero3", 2, {}, "under ZeRO stage 3"),
+        ("zero2_bf16", 2, {}, "under ZeRO stage 2 (bf16)"),
+        ("zero1_bf16", 2, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "(bf16, offload)"),
+        ("sp2_zero1_bf16", 2, {}, "bf16 Muon takes dense data parallelism only"),
+        ("tp2_zero1", 2, {"zero_optimization": {"stage": 0}}, "Newton-Schulz on a shard"),
+        ("pp2_zero1", 2, {"zero_optimization": {"stage": 0}}, "a pipeline's layer names would put the embedding in"),
+        ("sp2_zero1", 2, {"zero_optimization": {"stage": 0}}, "sequence parallelism"),
+    ],
+)
+def test_strategies_that_would_change_muons_math_are_refused_in_one_line(tmp_path, base, world, changes, fragment):
+    from dstrain.errors import DstrainError
+
+    with pytest.raises(DstrainError) as e:
+        resolve_muon(tmp_path, base, world, **changes)
+    message = str(e.value)
+    assert "\n" not in message and "d.json" in message and "use ds_configs/zero0.json, or zero1_bf16.json" in message
+    assert fragment in message, message
+
+
+def test_a_muon_ds_config_under_an_adamw_recipe_is_refused(tmp_path):
+    from dstrain.errors import DstrainError
+
+    with pytest.raises(DstrainError, match='optimizer.type "Muon" but .* sets optim.kind=adamw; the recipe owns'):
+        resolve_muon(tmp_path, "zero0", 2, {"optim": {"kind": "adamw"}}, optimizer={"type": "Muon"})
+
+
+def test_estimate_counts_one_momentum_for_each_parameter_deepspeed_gives_muon(tmp_path):
+    """The estimate's M against DeepSpeed's own tagging of a real GPT (deepspeed.set_optimizer_flags)."""
+    import deepspeed
+
+    from dstrain.config import load_recipe
+    from dstrain.model.gpt import GPT
+    from dstrain.strategy.memory import estimate
+
+    strategy = resolve_muon(tmp_path, "zero0", 2)
+    recipe = load_recipe(tmp_path / "r.yaml")
+    model = GPT(recipe.model)
+    deepspeed.set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params={}), model)
+    muon = sum(p.numel() for p in model.parameters() if p.use_muon)
+    total = sum(p.numel() for p in model.parameters())
+    assert 0 < muon < total
+    states = {p.name: p.step for p in estimate(recipe, strategy, 1, 2).parts if p.group == "optimizer states"}
+    assert states == {"Adam moments (fp32)": 8 * (total - muon), "Muon momentum (fp32)": 4 * muon}
+    bf16 = estimate(recipe, resolve_muon(tmp_path, "zero1_bf16", 2), 1, 2).parts  # partitioned over 2 ranks
+    assert {p.name: p.step for p in bf16}["Muon momentum (fp32)"] == 4 * math.ceil(muon / 2)
+
+
+def test_a_muon_checkpoint_is_not_converted_to_another_topology(tmp_path):
+    """The universal checkpoint carries weights and Adam moments: a layout change would lose Muon's momentum."""
+    from dstrain.checkpoint.record import RECORD
+    from dstrain.checkpoint.reshard import prepare_resume
+    from dstrain.errors import DstrainError
+
+    two_ranks, one_rank = resolve_muon(tmp_path, "zero1_bf16", 2), resolve_muon(tmp_path, "zero1_bf16", 1)
+    tag = tmp_path / "checkpoints" / "global_step4"
+    tag.mkdir(parents=True)
+    (tag / RECORD).write_text(json.dumps({"topology": two_ranks.topology.to_record()}))
+    with pytest.raises(DstrainError, match="a Muon run cannot change topology .* does not carry Muon's momentum"):
+        prepare_resume(tag.parent, tag.name, one_rank, None, 0.1, on_rank0=lambda fn, what: fn())
+
+
+# --- training: the same math under every accepted layout, and exact resume ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def muon_runs(tmp_path_factory, corpus):
+    """The small recipe with Muon and clipping at CLIP: ZeRO-0 on 2 ranks, with 2 micro-batches per step, ZeRO-1 bf16;
+    interrupted after step 4 and resumed on 2 ranks, and on 1 (steps 5-10 on one rank)."""
+    tmp = tmp_path_factory.mktemp("muon")
+    recipe = small_recipe(tmp, corpus, optim={"kind": "muon", "grad_clip": CLIP})
+    accum = ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=2)
+    runs = {name: tmp / name for name in ("zero0", "zero0_accum", "zero1_bf16", "resumed", "resumed_on_one_rank")}
+    configs = {"zero0_accum": accum, "zero1_bf16": "zero1_bf16"}
+    argv = {name: train_argv(recipe, configs.get(name, "zero0"), run) for name, run in runs.items()}
+    assert run_ranks(2, train_each, [argv["zero0"], argv["zero0_accum"], argv["zero1_bf16"]]) == [[0, 0, 0]] * 2
+    interrupted = [*argv["resumed"], "train.checkpoint_interval=3"]
+    assert run_ranks(2, train_and_signal_at, interrupted, 4) == [0, 0]
+    shutil.copytree(runs["resumed"], runs["resumed_on_one_rank"])
+    assert run_ranks(2, train_each, [argv["resumed"]]) == [[0], [0]]
+    assert run_ranks(1, train_each, [argv["resumed_on_one_rank"]]) == [[0]]
+    return runs
+
+
+def grad_norms(run) -> list[float]:
+    return [r["grad_norm"] for r in read_metrics(run) if "split" not in r]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["zero0_accum", "resumed_on_one_rank"])
+def test_muon_gives_the_same_losses_and_grad_norms_under_every_accepted_layout(muon_runs, layout):
+    reference, norms = train_losses(muon_runs["zero0"]), grad_norms(muon_runs["zero0"])
+    assert len(reference) == 10 and min(norms) > CLIP  # every step clipped
+    assert reference[-1] < reference[0] - 0.3  # and Muon learns (0.45 measured in 10 steps)
+    np.testing.assert_allclose(train_losses(muon_runs[layout]), reference, rtol=MUON_RTOL)
+    np.testing.assert_allclose(grad_norms(muon_runs[layout]), norms, rtol=MUON_RTOL)
+    assert grad_norms(muon_runs[layout])[0] == pytest.approx(norms[0], rel=STEP1_NORM_RTOL)
+
+
+@pytest.mark.distributed
+def test_bf16_muon_clips_the_raw_gradient_too(muon_runs):
+    """ZeRO-1 bf16 (DeepSpeed's BF16_Optimizer) against ZeRO-0 fp32: the same losses and pre-clip norms to bf16's
+    rounding (measured 7e-5 and 1.4e-3), where a norm of the orthogonalised update would be more than twice as large
+    (test_deepspeed_zero_clips_the_orthogonalised_update)."""
+    np.testing.assert_allclose(train_losses(muon_runs["zero1_bf16"]), train_losses(muon_runs["zero0"]), rtol=1e-3)
+    np.testing.assert_allclose(grad_norms(muon_runs["zero1_bf16"]), grad_norms(muon_runs["zero0"]), rtol=5e-3)
+
+
+def optimizer_state(run, tag: str) -> dict:
+    from dstrain.checkpoint.ds_files import ZERO12_MODEL_FILE, read_pt
+
+    return read_pt(run / "checkpoints" / tag / ZERO12_MODEL_FILE)["optimizer"]
+
+
+@pytest.mark.distributed
+def test_muon_keeps_a_momentum_for_matrices_and_adam_moments_for_the_rest(muon_runs):
+    optimizer = optimizer_state(muon_runs["zero0"], "global_step10")
+    kinds = {group["name"]: group["use_muon"] for group in optimizer["param_groups"]}
+    assert kinds == {"decay-muon-params": True, "decay-adam-params": False, "no_decay-adam-params": False}
+    for group in optimizer["param_groups"]:
+        for index in group["params"]:
+            keys = set(optimizer["state"][index])
+            assert keys == ({"momentum_buffer"} if group["use_muon"] else {"exp_avg", "exp_avg_sq", "step"}), keys
+
+
+@pytest.mark.distributed
+def test_resume_keeps_muons_momentum_bit_for_bit(muon_runs):
+    """SIGUSR1 after step 4: the resumed run's steps 5..10 and its final momentum are the uninterrupted run's."""
+    assert train_losses(muon_runs["resumed"]) == train_losses(muon_runs["zero0"])
+    resumed = optimizer_state(muon_runs["resumed"], "global_step10")["state"]
+    uninterrupted = optimizer_state(muon_runs["zero0"], "global_step10")["state"]
+    assert resumed.keys() == uninterrupted.keys()
+    for index, state in uninterrupted.items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(resumed[index][key]), torch.as_tensor(value)), (index, key)
+
+
+# --- the DeepSpeed behaviour the ZeRO refusals rest on -----------------------------------------------------------
+
+
+def probe_zero_clipping(stage: int, clip: float) -> dict:
+    """Rank target (1 rank): one Muon step of a small GPT under ZeRO ``stage`` with clipping at ``clip``; the norm the
+    engine reports, the raw gradient's norm, and a Muon matrix after the step."""
+    import deepspeed
+
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.gpt import GPT, lm_loss, param_groups
+    from dstrain.train import distributed, grad_norm
+
+    distributed.init()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(flavour="llama", vocab_size=64, max_seq_len=8, n_layer=1, n_head=2, d_model=16))
+    config = {
+        "train_batch_size": 2,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 0.02, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.0), config=config)
+    grad_norm.install(engine)  # ZeRO-0: dstrain's clip of the raw gradient
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    engine.backward(lm_loss(engine(tokens[:, :-1]), tokens[:, 1:]))
+    raw = grad_norm.global_grad_norm(engine).item() if stage == 0 else None
+    engine.step()
+    matrix = engine.module.blocks[0].mlp.up_proj.weight
+    return {"reported": float(engine.get_global_grad_norm()), "raw": raw, "matrix": matrix.detach().tolist()}
+
+
+def run_clipping_probes() -> dict:
+    with torch.compiler.set_stance("force_eager"):  # as dstrain runs Muon on a CPU (engine.run_muon_eagerly_on_cpu)
+        return {(stage, clip): probe_zero_clipping(stage, clip) for stage in (0, 1) for clip in (0.0, 1e-2)}
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed_defect("ZeRO-1/2 clip Muon's orthogonalised update (strategy/optimizer.py refuses them)")
+def test_deepspeed_zero_clips_the_orthogonalised_update():
+    """Without clipping ZeRO-1 takes ZeRO-0's Muon step; with it, another one, and it reports another norm: the norm of
+    the orthogonalised update (about sqrt(rank) per matrix), not the raw gradient's."""
+    (probes,) = run_ranks(1, run_clipping_probes)
+    matrix = {key: torch.tensor(probe["matrix"]) for key, probe in probes.items()}
+    zero0, zero1 = probes[(0, 1e-2)], probes[(1, 1e-2)]
+    torch.testing.assert_close(matrix[(1, 0.0)], matrix[(0, 0.0)], rtol=0, atol=1e-6)
+    assert zero0["reported"] == pytest.approx(zero0["raw"], rel=1e-6)
+    assert zero1["reported"] > 2 * zero0["raw"]
+    assert (matrix[(1, 1e-2)] - matrix[(0, 1e-2)]).abs().max() > 1e-4
+
+
+# --- dstrain compare: AdamW and Muon side by side ---------------------------------------------------------------
+
+
+def test_compare_entries_carry_their_own_recipe_overrides():
+    from dstrain.commands.compare import split_entries
+
+    entries, overrides = split_entries(["ds_configs/zero0.json", "ds_configs/zero0.json+optim.kind=muon", "seed=3"])
+    assert entries == [
+        ("zero0", "ds_configs/zero0.json", []),
+        ("zero0+optim.kind=muon", "ds_configs/zero0.json", ["optim.kind=muon"]),
+    ]
+    assert overrides == ["seed=3"]
+
+
+def test_compare_refuses_a_muon_entry_under_zero1_before_launching(tmp_path, capsys):
+    from dstrain.commands.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({**RECIPE, "optim": {}}))
+    zero0, zero1 = ROOT / "ds_configs" / "zero0.json", ROOT / "ds_configs" / "zero1.json"
+    argv = ["compare", "--recipe", str(recipe), "--nproc", "2", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--deepspeed_configs", str(zero0), f"{zero1}+optim.kind=muon"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "zero1.json: optim.kind=muon is refused: under ZeRO stage 1" in error
+    assert not (tmp_path / "out").exists()  # nothing launched
+
+
+def test_an_adamw_checkpoint_is_not_resumed_with_muon(tmp_path):
+    """The checkpoint holds AdamW's moments: continuing it with Muon is another experiment (optim.kind is identity)."""
+    from dstrain.checkpoint.record import RECORD
+    from dstrain.config import load_recipe
+    from dstrain.errors import DstrainError
+    from dstrain.train.run import check_run_dir, identity
+
+    resolve_muon(tmp_path, "zero0", 2)  # writes r.yaml, a Muon recipe
+    muon = load_recipe(tmp_path / "r.yaml")
+    adamw = load_recipe(tmp_path / "r.yaml", ["optim.kind=adamw"])
+    tag = tmp_path / "run" / "checkpoints" / "global_step4"
+    tag.mkdir(parents=True)
+    (tag / RECORD).write_text(json.dumps({"identity": identity(adamw, "data")}))
+    check_run_dir(adamw, "r.yaml", tmp_path / "run", tag.name, "auto", "data")  # the same experiment resumes
+    with pytest.raises(DstrainError, match=r"holds a run of a different recipe \(optimizer differ from r.yaml\)"):
+        check_run_dir(muon, "r.yaml", tmp_path / "run", tag.name, "auto", "data")
+    old = identity(adamw, "data")
+    del old["optimizer"]  # a checkpoint from before the key was recorded: AdamW's
+    (tag / RECORD).write_text(json.dumps({"identity": old}))
+    check_run_dir(adamw, "r.yaml", tmp_path / "run", tag.name, "auto", "data")
