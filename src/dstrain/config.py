@@ -11,20 +11,19 @@ Every field can be overridden on the command line as ``section.key=value``.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
-import types
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import yaml
 
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
-from dstrain.ranges import Range, check
+from dstrain.ranges import Range
+from dstrain.run_dir import LAUNCH_KEY
+from dstrain.typed_yaml import apply_override, parse
 
 Positive = Annotated[int, Range(ge=1)]
 NonNegative = Annotated[int, Range(ge=0)]
@@ -207,42 +206,6 @@ class Recipe:
         return Path(self.run_dir or f"runs/{self.name}")
 
 
-# run_dir/recipe.yaml records the launch beside the recipe: the working directory and where each path the recipe
-# names resolved to there, {"cwd": "/abs", "paths": {"data.sources[0].path": "/abs/data/x", ...}}. Relative paths
-# keep meaning "relative to where you launch"; the record lets `dstrain eval` of a run find its data from anywhere.
-# load_recipe drops it, so a run's recipe.yaml launches again as it is.
-LAUNCH_KEY = "launch"
-
-
-def recipe_paths(recipe: Recipe) -> dict[str, str]:
-    """{dotted key: path as written} of every file or folder a recipe names."""
-    paths = {f"data.sources[{i}].path": s.path for i, s in enumerate(recipe.data.sources)}
-    if recipe.data.tokenizer:
-        paths["data.tokenizer"] = recipe.data.tokenizer
-    if recipe.init_from:
-        paths["init_from"] = recipe.init_from
-    return paths
-
-
-def launch_record(recipe: Recipe) -> dict:
-    """The launch record of LAUNCH_KEY: the working directory and each recipe path that exists there, absolute
-    (a tokenizer or init_from that names a Hub model has none)."""
-    cwd = Path.cwd()
-    resolved = {key: (cwd / path).resolve() for key, path in recipe_paths(recipe).items()}
-    return {"cwd": str(cwd), "paths": {key: str(path) for key, path in resolved.items() if path.exists()}}
-
-
-def read_launch(recipe_file: str | Path) -> dict[str, str]:
-    """{dotted key: absolute path at launch} recorded in a run's recipe.yaml; empty for runs from before."""
-    try:
-        raw = yaml.safe_load(Path(recipe_file).read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    launch = raw.get(LAUNCH_KEY) if isinstance(raw, dict) else None
-    paths = launch.get("paths") if isinstance(launch, dict) else None
-    return {str(k): str(v) for k, v in paths.items()} if isinstance(paths, dict) else {}
-
-
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read a recipe file, apply ``key=value`` overrides, and validate everything."""
     path = Path(path)
@@ -323,88 +286,6 @@ def fill_model_defaults(raw: dict, path: Path) -> None:
         first = sources[0]["path"]
         vocab = read_manifest(first)["vocab_size"]
         model["vocab_size"] = -(-vocab // 64) * 64
-
-
-def apply_override(raw: dict, item: str, path: Path) -> None:
-    """Apply one dotted ``key=value`` override; the value is parsed as YAML (so 3e-4, true, [1, 2] work)."""
-    key, sep, value = item.partition("=")
-    if not sep or not key:
-        raise DstrainError(f"override {item!r}: expected dotted key=value, e.g. train.steps=100")
-    *parents, leaf = key.split(".")
-    node = raw
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise DstrainError(f"override {item!r}: {part} in {path} is not a section")
-    node[leaf] = yaml.safe_load(value)
-
-
-def parse(cls: type, data: Any, file: Path, where: str) -> Any:
-    """Build dataclass ``cls`` from plain YAML data, checking keys and types.
-
-    Hand-written rather than pydantic: the check is ~40 lines, and we want one-line
-    messages that name the file, the dotted key and the closest valid key.
-    """
-    if not isinstance(data, dict):
-        fix = f"; write it as `- path: {data}`" if cls is DataSource and isinstance(data, str) else ""
-        raise DstrainError(
-            f"{file}: {where.rstrip('.') or 'recipe'} must be a mapping, got {type(data).__name__} {data!r}{fix}"
-        )
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls, include_extras=True)
-    for key in data:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"; did you mean {where}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
-            raise DstrainError(f"{file}: unknown key {where}{key}{hint}")
-    values = {}
-    for name, f in fields.items():
-        if name in data:
-            values[name] = coerce(hints[name], data[name], file, f"{where}{name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise DstrainError(f"{file}: missing required key {where}{name}")
-    try:
-        return cls(**values)
-    except DstrainError as e:  # checks in a config's __post_init__ name the key but not the file
-        raise DstrainError(f"{file}: {e}") from None
-
-
-def coerce(hint: Any, value: Any, file: Path, key: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Annotated:  # a declared Range (dstrain.ranges)
-        value = coerce(args[0], value, file, key)
-        problem = check(value, hint.__metadata__, key)
-        if problem:
-            raise DstrainError(f"{file}: {problem}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return coerce(inner, value, file, key)
-    if origin is Literal:
-        if value not in args:
-            raise DstrainError(f"{file}: {key}={value!r} is not one of {', '.join(map(repr, args))}")
-        return value
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return parse(hint, value, file, key + ".")
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise DstrainError(f"{file}: {key} must be a list, got {value!r}")
-        if origin is tuple and len(value) != len(args):
-            raise DstrainError(f"{file}: {key} must have {len(args)} items, got {len(value)}")
-        items = [coerce(args[0] if origin is list else args[i], v, file, f"{key}[{i}]") for i, v in enumerate(value)]
-        return items if origin is list else tuple(items)
-    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise DstrainError(f"{file}: {key} must be {hint.__name__}, got {value!r}")
-    return value
 
 
 def validate(recipe: Recipe, file: Path) -> None:

@@ -16,6 +16,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+if TYPE_CHECKING:
+    from dstrain.config import Recipe
 
 TAG = re.compile(r"^global_step(\d+)$")
 
@@ -98,3 +104,39 @@ class RunDir:
     def written(self) -> list[Path]:
         """The files and folders of a run that are there now."""
         return [self.root / name for name in self.WRITTEN if (self.root / name).exists()]
+
+
+# run_dir/recipe.yaml records the launch beside the recipe: the working directory and where each path the recipe
+# names resolved to there, {"cwd": "/abs", "paths": {"data.sources[0].path": "/abs/data/x", ...}}. Relative paths
+# keep meaning "relative to where you launch"; the record lets `dstrain eval` of a run find its data from anywhere.
+# load_recipe drops it, so a run's recipe.yaml launches again as it is.
+LAUNCH_KEY = "launch"
+
+
+def recipe_paths(recipe: Recipe) -> dict[str, str]:
+    """{dotted key: path as written} of every file or folder a recipe names."""
+    paths = {f"data.sources[{i}].path": s.path for i, s in enumerate(recipe.data.sources)}
+    if recipe.data.tokenizer:
+        paths["data.tokenizer"] = recipe.data.tokenizer
+    if recipe.init_from:
+        paths["init_from"] = recipe.init_from
+    return paths
+
+
+def launch_record(recipe: Recipe) -> dict:
+    """The launch record of LAUNCH_KEY: the working directory and each recipe path that exists there, absolute
+    (a tokenizer or init_from that names a Hub model has none)."""
+    cwd = Path.cwd()
+    resolved = {key: (cwd / path).resolve() for key, path in recipe_paths(recipe).items()}
+    return {"cwd": str(cwd), "paths": {key: str(path) for key, path in resolved.items() if path.exists()}}
+
+
+def read_launch(recipe_file: str | Path) -> dict[str, str]:
+    """{dotted key: absolute path at launch} recorded in a run's recipe.yaml; empty for runs from before."""
+    try:
+        raw = yaml.safe_load(Path(recipe_file).read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    launch = raw.get(LAUNCH_KEY) if isinstance(raw, dict) else None
+    paths = launch.get("paths") if isinstance(launch, dict) else None
+    return {str(k): str(v) for k, v in paths.items()} if isinstance(paths, dict) else {}

@@ -28,12 +28,12 @@ import torch
 
 from dstrain.checkpoint import nvme, reshard
 from dstrain.checkpoint.store import is_complete, newest_complete
-from dstrain.config import parse
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 from dstrain.model.gpt import StateDict
 from dstrain.model.pipe import TIED_KEY, layer_prefixes
 from dstrain.run_dir import RunDir
+from dstrain.typed_yaml import parse
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
 MP_RANK_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")

@@ -206,7 +206,8 @@ def _task_configs(args: argparse.Namespace) -> tuple[list, str]:
     """(the tasks, the file that names them): --tasks YAML, else the run's recipe's train.tasks."""
     import yaml
 
-    from dstrain.config import TaskConfig, coerce, load_recipe
+    from dstrain.config import TaskConfig, load_recipe
+    from dstrain.typed_yaml import coerce
 
     if args.tasks:
         path = Path(args.tasks)
@@ -270,8 +271,8 @@ def _check_run_tokenizer(folder: str, run: str, recipe) -> None:
 def _run_sources(run: str, recipe) -> list[tuple[str, float]]:
     """The run's data sources where its launch found them (a relative path meant: relative to where it was launched);
     for runs from before that was recorded, as the recipe wrote them."""
-    from dstrain.config import read_launch
     from dstrain.data.manifest import MANIFEST_NAME
+    from dstrain.run_dir import read_launch
 
     launch = read_launch(RunDir(Path(run)).recipe)
     sources = []

@@ -60,7 +60,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def device_of(args: argparse.Namespace, recipe: Recipe) -> tuple[Device, str]:
     """The device the plan is for, and the precision it trains in."""
     if args.calibrate:
-        from dstrain.strategy.calibrate import calibrated_device
+        from dstrain.train.calibrate import calibrated_device
 
         return calibrated_device(recipe, args.nodes * args.gpus_per_node), "fp32"
     device = DEVICES[args.device or "h100-sxm"]

@@ -215,7 +215,7 @@ def check_run_tokenizer(run_tokenizer: Path, manifest_dir: str) -> None:
 def load_run_tokenizer(run_dir: str | os.PathLike, data):
     """The run folder's own tokenizer/; for runs from before it was copied there, the data's, where the run's
     launch found it (recorded in its recipe.yaml) or, failing that, as the recipe wrote it."""
-    from dstrain.config import read_launch
+    from dstrain.run_dir import read_launch
 
     own = Path(run_dir) / TOKENIZER_DIR
     if own.is_dir():

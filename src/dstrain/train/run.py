@@ -19,9 +19,9 @@ from pathlib import Path
 
 import yaml
 
-from dstrain.config import LAUNCH_KEY, Recipe, launch_record, load_recipe, to_dict
+from dstrain.config import Recipe, load_recipe, to_dict
 from dstrain.errors import DstrainError, OneLineArgumentParser
-from dstrain.run_dir import RunDir, step_of
+from dstrain.run_dir import LAUNCH_KEY, RunDir, launch_record, step_of
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 from dstrain.train import console, plot, preflight
 from dstrain.train.launcher_env import env_rank, env_world_size
