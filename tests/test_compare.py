@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from dstrain.commands.cli import main
-from dstrain.commands.compare import read_run
+from dstrain.commands.compare_runs import read_run
 
 from train_helpers import ROOT, read_metrics, small_recipe
 

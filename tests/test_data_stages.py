@@ -164,7 +164,8 @@ def test_the_shipped_anneal_recipe_starts_its_anneal_with_the_wsd_decay():
 
 
 def test_compare_plots_the_realised_mix(tmp_path):
-    from dstrain.commands.compare import build_report, read_run
+    from dstrain.commands.compare import build_report
+    from dstrain.commands.compare_runs import read_run
 
     run = tmp_path / "zero1"
     run.mkdir()

@@ -232,7 +232,7 @@ def test_the_eval_line_names_each_tasks_accuracies(tmp_path, capsys):
 
 
 def test_tasks_png_beside_loss_png_and_the_compare_row(tmp_path):
-    from dstrain.commands.compare import read_run
+    from dstrain.commands.compare_runs import read_run
     from dstrain.train.plot import read_task_curves, try_plot_run
 
     write_run(tmp_path / "zero1")
