@@ -212,9 +212,8 @@ def build_dataset(
     """
     _check_arguments(sources, split, seq_len, num_samples, valid_fraction)
     prepared = [PreparedTokens(folder) for folder, _ in sources]
-    check_same_tokenizer(
-        sources[0][0], [folder for folder, _ in sources[1:]], "prepare them with one tokenizer", where="data source "
-    )
+    folders = [folder for folder, _ in sources]
+    check_same_tokenizer(folders[0], folders[1:], "prepare them with one tokenizer", where="data source ")
 
     def cache_of(p: PreparedTokens) -> Path:
         return Path(cache_dir) if cache_dir is not None else p.folder / CACHE_DIR_NAME

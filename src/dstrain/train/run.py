@@ -296,32 +296,43 @@ def checked_inputs(args: argparse.Namespace):
     return recipe, strategy, fingerprint, tag, load_tasks(recipe.train.tasks, args.recipe)
 
 
-def train(args: argparse.Namespace) -> int:
-    recipe, strategy, fingerprint, tag, task_items = checked_inputs(args)
-    run_dir = recipe.output_dir
-    import torch
-
-    from dstrain.data.tokenizer import load_tokenizer, run_tokenizer_dir
-    from dstrain.tasks import scoring
-
-    tokenizer = load_tokenizer(str(run_tokenizer_dir(recipe.data)), flag="data.tokenizer") if task_items else None
-    tasks = scoring.prepare(task_items, tokenizer, recipe.model.max_seq_len) if task_items else []
-
+def training_data(recipe: Recipe):
+    """(train set, valid sets) of the recipe's data, its stages and repetition caps. Index arrays are built under a
+    file lock by whichever rank comes first; broken shards fail here."""
     from dstrain.data.dataset import build_dataset, build_valid_sets
-    from dstrain.train import distributed
-    from dstrain.train.engine import build_engine, build_model, load_init_from
-    from dstrain.train.loop import Trainer
 
-    # Index arrays are built under a file lock by whichever rank comes first; broken shards fail here.
-    sources = [(s.path, s.weight) for s in recipe.data.sources]
-    d = recipe.data
-    gb = recipe.train.global_batch
+    d, gb = recipe.data, recipe.train.global_batch
+    sources = [(s.path, s.weight) for s in d.sources]
     stages = [(first * gb, weights) for first, weights in recipe.stage_starts()[1:]]
     max_epochs = [s.max_epochs for s in d.sources]
     train_data = build_dataset(
         sources, "train", d.seq_len, recipe.seed, recipe.total_steps * gb, d.valid_fraction, None, stages, max_epochs
     )
-    valid_sets = build_valid_sets(sources, d.seq_len, recipe.seed, d.valid_fraction)
+    return train_data, build_valid_sets(sources, d.seq_len, recipe.seed, d.valid_fraction)
+
+
+def task_requests(recipe: Recipe, task_items) -> list:
+    """The train.tasks' items as scoring requests, in the data's own tokenizer."""
+    if not task_items:
+        return []
+    from dstrain.data.tokenizer import load_tokenizer, run_tokenizer_dir
+    from dstrain.tasks import scoring
+
+    tokenizer = load_tokenizer(str(run_tokenizer_dir(recipe.data)), flag="data.tokenizer")
+    return scoring.prepare(task_items, tokenizer, recipe.model.max_seq_len)
+
+
+def train(args: argparse.Namespace) -> int:
+    recipe, strategy, fingerprint, tag, task_items = checked_inputs(args)
+    run_dir = recipe.output_dir
+    import torch
+
+    from dstrain.train import distributed
+    from dstrain.train.engine import build_engine, build_model, load_init_from
+    from dstrain.train.loop import Trainer
+
+    tasks = task_requests(recipe, task_items)
+    train_data, valid_sets = training_data(recipe)
 
     from deepspeed.accelerator import get_accelerator
 
