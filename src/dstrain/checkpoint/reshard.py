@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from dstrain.checkpoint import safe_load
 from dstrain.checkpoint.ds_files import (
     ZERO3_MODEL_FILE,
     ZERO12_MODEL_FILE,
@@ -185,8 +186,10 @@ def _ds_to_universal(tag_dir: Path, out: Path) -> None:
     )
     log = io.StringIO()
     try:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), safe_load.only_weights():
             ds_to_universal.main(args)
+    except DstrainError:  # an unsafe pickle, said in one line by safe_load
+        raise
     except Exception as e:
         raise DstrainError(
             f"{tag_dir}: DeepSpeed's universal-checkpoint conversion failed: {type(e).__name__}: "

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from dstrain.config import Recipe, load_recipe, to_dict
-from dstrain.errors import DstrainError, OneLineArgumentParser
+from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError, OneLineArgumentParser
 from dstrain.run_dir import RunDir, step_of
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 from dstrain.train import console, plot, preflight
@@ -140,11 +140,12 @@ def resume_tag(checkpoint_dir: Path, resume: str) -> str | None:
 
     if resume == "none":
         return None
-    if resume == "auto":
-        return store.newest_complete(checkpoint_dir)
-    if not store.is_complete(checkpoint_dir / resume):
-        raise DstrainError(f"--resume {resume}: no complete checkpoint {checkpoint_dir / resume}; use --resume auto")
-    return resume
+    tag = store.newest_complete(checkpoint_dir) if resume == "auto" else resume
+    if resume != "auto" and (problem := store.damage(checkpoint_dir / resume)):
+        raise DstrainError(f"--resume {resume}: {problem}; use --resume auto (the newest intact checkpoint)")
+    if tag:
+        store.check_loadable(checkpoint_dir / tag)
+    return tag
 
 
 def move_previous_run(run_dir: Path) -> Path | None:
@@ -234,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     error = None
     try:
         return train(parse_args(argv))
+    except DiskFull as e:  # every rank raises it together (checkpoint.store.agree_written); one line, no requeue
+        if rank == "0":
+            print(f"dstrain: error: {e}", file=sys.stderr, flush=True)
+        return DISK_FULL_EXIT
     except DstrainError as e:
         if rank == "0":
             print(f"dstrain: error: {e}", file=sys.stderr, flush=True)
