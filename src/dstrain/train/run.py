@@ -102,11 +102,13 @@ def check_run_dir(
 
 def fingerprint_of_checked_data(recipe: Recipe, recipe_file: str) -> str:
     """Every source prepared with one tokenizer that the model can embed; returns the data's fingerprint."""
-    from dstrain.data.manifest import manifest_hash, read_manifest
+    from dstrain.data.manifest import check_shards, manifest_hash, read_manifest
     from dstrain.data.tokenizer import verify_tokenizer
 
     sources = recipe.data.sources
     manifests = [read_manifest(s.path) for s in sources]
+    for source, manifest in zip(sources, manifests):
+        check_shards(source.path, manifest)  # changed since it was prepared (between two launches, say)?
     for source, manifest in zip(sources[1:], manifests[1:]):
         if manifest["tokenizer"]["hash"] != manifests[0]["tokenizer"]["hash"]:
             raise DstrainError(
