@@ -26,6 +26,7 @@ import xxhash
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from dstrain.checkpoint import safe_load
+from dstrain.checkpoint.record import CheckpointRecord
 
 HASH = "xxh3_64"
 SUMS = "dstrain_sums.rank{}.json"  # one per rank in a .partial folder, folded into the record at publication
@@ -133,11 +134,11 @@ def collect_sums(folder: Path, files: list[str]) -> dict[str, str]:
     return sums
 
 
-def damage(tag_dir: Path, record: dict) -> str | None:
+def damage(tag_dir: Path, record: CheckpointRecord) -> str | None:
     """What is wrong with ``tag_dir``'s files against its record, in one phrase naming the file; None if intact.
     Reads every file once (checksums are verified where the record has them)."""
-    sums = record.get("checksums", {})
-    for name, size in record.get("files", {}).items():
+    sums = record.checksums
+    for name, size in record.files.items():
         path = tag_dir / name
         try:
             found = path.stat().st_size
@@ -150,9 +151,9 @@ def damage(tag_dir: Path, record: dict) -> str | None:
     return None
 
 
-def check_pickles(tag_dir: Path, record: dict) -> None:
+def check_pickles(tag_dir: Path, record: CheckpointRecord) -> None:
     """Every ``.pt`` of the record unpickles under safe_load's rules (structure only): else UnsafeCheckpoint."""
-    for name in record.get("files", {}):
+    for name in record.files:
         if name.endswith(".pt"):
             safe_load.loads_safely(tag_dir / name)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import shutil
 from pathlib import Path
@@ -38,7 +37,7 @@ from dstrain.checkpoint.ds_files import (
     universal_from_zero0,
     zero0_from_universal,
 )
-from dstrain.checkpoint.record import RECORD
+from dstrain.checkpoint.record import read_record
 from dstrain.errors import DstrainError
 from dstrain.strategy.resolve import Topology
 
@@ -51,11 +50,8 @@ ZERO0 = "zero0"
 
 def saved(tag_dir: Path) -> Topology | None:
     """The topology recorded with a published tag; None for a checkpoint from before it was recorded."""
-    try:
-        record = json.loads((tag_dir / RECORD).read_text()).get("topology")
-    except (OSError, ValueError):
-        return None
-    return Topology.from_record(record) if record else None
+    record = read_record(tag_dir)
+    return Topology.from_record(record.topology) if record and record.topology else None
 
 
 def needs_conversion(old: Topology, new: Topology) -> bool:

@@ -18,7 +18,6 @@ can resume under another one (dstrain.checkpoint.reshard).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from dstrain.checkpoint import integrity, nvme, reshard, safe_load
-from dstrain.checkpoint.record import PARTIAL, RECORD, read_record
+from dstrain.checkpoint.record import PARTIAL, RECORD, CheckpointRecord, read_record
 from dstrain.data.manifest import write_text_atomic
 from dstrain.errors import DiskFull
 from dstrain.run_dir import TAG, tag_for
@@ -63,7 +62,7 @@ def published_tags(checkpoint_dir: Path) -> list[str]:
 
 def save_seq(tag_dir: Path) -> int:
     record = read_record(tag_dir)
-    return int(record.get("save_seq", -1)) if isinstance(record, dict) else -1
+    return record.save_seq if record else -1
 
 
 def is_complete(tag_dir: Path) -> bool:
@@ -74,14 +73,16 @@ def damage(tag_dir: Path) -> str | None:
     """What is wrong with a published tag, in one phrase naming the file (None: every file matches its record's
     size and checksum). Reads the whole tag once."""
     record = read_record(tag_dir)
-    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+    if record is None:
         return f"{tag_dir / RECORD} is missing or unreadable"
     return integrity.damage(tag_dir, record)
 
 
 def check_loadable(tag_dir: Path) -> None:
     """Before any work: each .pt file of the tag unpickles without running code, else one line (UnsafeCheckpoint)."""
-    integrity.check_pickles(tag_dir, read_record(tag_dir) or {})
+    record = read_record(tag_dir)
+    if record is not None:
+        integrity.check_pickles(tag_dir, record)
 
 
 def newest_complete(checkpoint_dir: Path) -> str | None:
@@ -160,8 +161,8 @@ def checkpoint_bytes(engine, checkpoint_dir: Path) -> int:
     master, Adam's two moments)."""
     tags = published_tags(checkpoint_dir)
     record = read_record(checkpoint_dir / tags[-1]) if tags else None
-    if isinstance(record, dict) and record.get("files"):
-        return sum(record["files"].values())
+    if record is not None and record.files:
+        return sum(record.files.values())
     return 16 * sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
 
 
@@ -204,16 +205,8 @@ def publish(checkpoint_dir: Path, step: int, shape: dict, keep_last: int, identi
     checksums = integrity.collect_sums(folder, names)
     files = {name: (folder / name).stat().st_size for name in names}
     seq = 1 + max((save_seq(checkpoint_dir / t) for t in published_tags(checkpoint_dir)), default=0)
-    record = {
-        "step": step,
-        "save_seq": seq,
-        "files": files,
-        "hash": integrity.HASH,
-        "checksums": checksums,
-        "topology": shape,
-        "identity": identity,
-    }
-    write_text_atomic(folder / RECORD, json.dumps(record, indent=1))
+    record = CheckpointRecord(step, seq, files, checksums, integrity.HASH, shape, identity)
+    write_text_atomic(folder / RECORD, record.to_json())
     shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # a re-save of the same step after a resume
     os.replace(folder, checkpoint_dir / tag)
     write_text_atomic(checkpoint_dir / "latest", tag)

@@ -33,7 +33,7 @@ def main(args: argparse.Namespace) -> int:
     latest = (checkpoints / "latest").read_text().strip() if (checkpoints / "latest").is_file() else None
     bad = 0
     for tag in tags:
-        record = read_record(checkpoints / tag) or {}
+        record = read_record(checkpoints / tag)
         verdict = store.damage(checkpoints / tag)
         if verdict is None:
             try:
@@ -42,8 +42,8 @@ def main(args: argparse.Namespace) -> int:
                 verdict = f"refused: {e}"
         else:
             verdict = f"damaged: {verdict}"
-        files = record.get("files", {})
-        how = "sizes and checksums match" if record.get("checksums") else "sizes match (saved without checksums)"
+        files = record.files if record else {}
+        how = "sizes and checksums match" if record and record.checksums else "sizes match (saved without checksums)"
         intact = f"intact ({len(files)} files, {sum(files.values()) / 2**20:.1f} MiB, {how})"
         bad += verdict is not None
         print(f"{tag}{' (latest)' if tag == latest else ''}: {verdict or intact}", flush=True)

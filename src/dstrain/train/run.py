@@ -81,7 +81,8 @@ def check_run_dir(
 
     files = RunDir(run_dir)
     where = files.checkpoints / tag if tag else files.recipe
-    saved = (store.read_record(where) or {}).get("identity") if tag else None
+    record = store.read_record(where) if tag else None
+    saved = record.identity if record else None
     new = identity(recipe, data_fingerprint)
     if saved is None:
         if resume == "none" or not files.recipe.exists():
