@@ -42,16 +42,28 @@ def test_a_prepared_folder_records_what_its_shards_are(corpus):
 
 
 @pytest.mark.parametrize("case", DAMAGES)
-def test_changed_data_is_refused_at_start_in_one_line(corpus, tmp_path, capsys, case):
-    from dstrain.train.run import main
+def test_changed_data_is_refused_naming_the_file(corpus, tmp_path, case):
+    from dstrain.data.manifest import check_shards, read_manifest
+    from dstrain.errors import DstrainError
 
     damage, name, why = DAMAGES[case]
     data = copy_prepared(corpus, tmp_path / "data")
     damage(data / name)
+    with pytest.raises(DstrainError) as refused:
+        check_shards(data, read_manifest(data))
+    assert str(refused.value).startswith(f"{data / name}: ") and why in str(refused.value)
+
+
+def test_training_refuses_changed_data_at_start_in_one_line(corpus, tmp_path, capsys):
+    from dstrain.train.run import main
+
+    data = copy_prepared(corpus, tmp_path / "data")
+    replace_middle(data / "shard_00001.bin")
     recipe = small_recipe(tmp_path, data)
     assert main(train_argv(recipe, "zero1", tmp_path / "run")) == 2
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert line.startswith(f"dstrain: error: {data / name}: ") and why in line and "dstrain prepare" in line
+    assert line.startswith(f"dstrain: error: {data / 'shard_00001.bin'}: its content differs from what its manifest")
+    assert "dstrain prepare" in line
     assert not (tmp_path / "run").exists()  # refused before any work
 
 
