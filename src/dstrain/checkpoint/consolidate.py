@@ -165,6 +165,8 @@ def load_run(run_dir: str | os.PathLike, tag: str | None):
         tag = latest if latest in tags else (tags[-1] if tags else None)
     if tag is None:
         raise DstrainError(f"{checkpoints}: no complete checkpoint; train the run first or pass --tag")
+    if not (checkpoints / tag).is_dir():
+        raise DstrainError(f"--tag {tag}: no checkpoint {checkpoints / tag}; omit --tag for the newest")
     if problem := damage(checkpoints / tag):
         intact = newest_intact_other_than(checkpoints, tag)
         fix = f"pass --tag {intact} (intact)" if intact else "no other checkpoint of this run is intact"
