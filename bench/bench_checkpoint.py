@@ -4,8 +4,10 @@ For each recipe's model (its real dimensions, ZeRO-1 fp32, AdamW state after one
 - sync: seconds `dstrain.checkpoint.store.save` blocks the loop (write + publish);
 - async blocked: seconds `BackgroundSaves.start` blocks it (host-memory snapshot), and the background write's own
   duration (while training steps run);
-- steps/s while the background write runs, against steps/s without one.
-Each figure is the median of --repeats saves. Target: async blocked <= 20% of sync.
+- steps/s while the background write runs, against steps/s without one;
+- the checksums' share of a sync save: XXH3-64 over the checkpoint's bytes (in memory, as ChecksummedEngine hashes
+  them on their way to disk), against the sync save that includes it.
+Each figure is the median of --repeats saves. Targets: async blocked <= 20% of sync; checksums <= 5% of sync.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_checkpoint.py [--recipes tiny gpt2-125m] [--dir /tmp/x]
 
@@ -71,17 +73,34 @@ def measure(name: str, folder: Path, repeats: int) -> dict:
             during.append(step(engine, recipe))
         saves.wait()
         written.append(saves.write_s)
-    size = sum(p.stat().st_size for p in (folder / "latest").parent.glob(f"{(folder / 'latest').read_text()}/*"))
+    files = [p for p in (folder / (folder / "latest").read_text()).rglob("*") if p.is_file()]
+    size, hashed = sum(p.stat().st_size for p in files), hash_seconds(files, repeats)
     return {
+        "hash_s": hashed,
         "recipe": name,
         "checkpoint_mib": size / 2**20,
         "sync_s": statistics.median(sync),
         "async_blocked_s": statistics.median(blocked),
         "async_written_s": statistics.median(written),
         "blocked_share": statistics.median(blocked) / statistics.median(sync),
+        "hash_share": hashed / statistics.median(sync),
         "steps_per_s_alone": 1 / statistics.median(alone),
         "steps_per_s_during_write": 1 / statistics.median(during) if during else None,
     }
+
+
+def hash_seconds(files: list[Path], repeats: int) -> float:
+    """Median seconds XXH3-64 takes over these files' bytes (read first: the hash alone, not the disk)."""
+    import xxhash
+
+    blobs = [p.read_bytes() for p in files]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for blob in blobs:
+            xxhash.xxh3_64(blob).hexdigest()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -102,7 +121,8 @@ def main() -> None:
             f"{name}: {r['checkpoint_mib']:.0f} MiB; sync save blocks {r['sync_s']:.2f} s; async blocks "
             f"{r['async_blocked_s']:.2f} s ({100 * r['blocked_share']:.0f}%), written in {r['async_written_s']:.2f} s; "
             f"steps/s {r['steps_per_s_alone']:.2f} alone, "
-            + (f"{during:.2f} during the write" if during else "no step fit in the write"),
+            + (f"{during:.2f} during the write" if during else "no step fit in the write")
+            + f"; checksums {r['hash_s']:.3f} s ({100 * r['hash_share']:.1f}% of the sync save)",
             flush=True,
         )
 

@@ -19,3 +19,11 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+class DiskFull(DstrainError):
+    """A checkpoint that did not fit on its filesystem (ENOSPC/EDQUOT on any rank). The training command exits with
+    ``DISK_FULL_EXIT``, which slurm/train.sbatch does not requeue: a requeue would meet the same full disk."""
+
+
+DISK_FULL_EXIT = 28  # ENOSPC's errno number

@@ -3,7 +3,8 @@
 Plugged in through DeepSpeed's checkpoint-engine interface (deepspeed/runtime/checkpoint_engine/): for the length of
 ``engine.save_checkpoint`` the engine's checkpoint engine is a ``SnapshotEngine``, whose ``save`` copies the state
 dict's tensors into host buffers (kept from one save to the next) and queues it instead of writing it.
-Training resumes as soon as the copy is made; a thread then ``torch.save``s the queue into ``<tag>.partial``.
+Training resumes as soon as the copy is made; a thread then ``torch.save``s the queue into ``<tag>.partial``,
+hashing each file as it goes (dstrain.checkpoint.integrity.ChecksummedEngine).
 DeepSpeed's own background writers (FastCheckpointEngine, DecoupledCheckpointEngine) are not used: a probe reported
 in issue 17 found them failing or hanging on CPU (not re-checked here), and they know nothing of our ``.partial`` ->
 record -> rename -> ``latest`` publication, which must wait for every rank's files.
@@ -24,15 +25,16 @@ from pathlib import Path
 
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from dstrain.checkpoint import store
+from dstrain.checkpoint.integrity import ChecksummedEngine
+from dstrain.checkpoint.record import PARTIAL
 from dstrain.run_dir import tag_for
 
 HOST = torch.device("cpu")  # host memory, whatever the accelerator: where a snapshot waits for the disk
 
 
-class SnapshotEngine(TorchCheckpointEngine):
+class SnapshotEngine(ChecksummedEngine):
     """DeepSpeed checkpoint engine whose ``save`` snapshots the state to host memory and queues the write.
 
     The host buffers of one save are kept for the next (``buffers``: file name -> its tensors in traversal order):
@@ -67,7 +69,7 @@ class SnapshotEngine(TorchCheckpointEngine):
 
     def write_all(self) -> None:
         for state, path in self.queue:
-            torch.save(state, path, _use_new_zipfile_serialization=self.zipfile_serialization)
+            self.write(state, path)  # hashed; a full disk is recorded, not raised
         self.queue = []
 
 
@@ -93,6 +95,7 @@ class BackgroundSaves:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.step, self.shape = 0, dict[str, object]()
+        self.snapshot: SnapshotEngine | None = None
         self.write_s = 0.0  # how long the last background write took
         self.buffers: dict[str, list[torch.Tensor]] = {}  # SnapshotEngine's host buffers, reused by every save
 
@@ -105,12 +108,8 @@ class BackgroundSaves:
         self.wait()
         client_state = store.prepare(self.engine, self.checkpoint_dir, tag_for(step), client_state)
         snapshot = SnapshotEngine(self.engine._config, self.buffers)
-        saved, self.engine.checkpoint_engine = self.engine.checkpoint_engine, snapshot
-        try:
-            store.write_partial(self.engine, self.checkpoint_dir, tag_for(step), client_state)
-        finally:
-            self.engine.checkpoint_engine = saved
-        self.step, self.shape, self.error = step, client_state["topology"], None
+        store.write_partial(self.engine, self.checkpoint_dir, tag_for(step), client_state, snapshot)
+        self.step, self.shape, self.error, self.snapshot = step, client_state["topology"], None, snapshot
         self.thread = threading.Thread(target=self._write, args=(snapshot,), name="dstrain-checkpoint", daemon=True)
         self.thread.start()
 
@@ -118,6 +117,7 @@ class BackgroundSaves:
         start = time.perf_counter()
         try:
             snapshot.write_all()
+            snapshot.write_sums(self.checkpoint_dir / (tag_for(self.step) + PARTIAL), torch.distributed.get_rank())
         except BaseException as e:  # re-raised in the training thread by done()
             self.error = e
         self.write_s = time.perf_counter() - start
@@ -129,9 +129,12 @@ class BackgroundSaves:
         return self.thread is None or not self.thread.is_alive()
 
     def publish(self) -> None:
-        """Every rank, once all ranks' writes are done (agreed in one collective): rank 0 publishes the tag."""
+        """Every rank, once all ranks' writes are done (agreed in one collective): rank 0 publishes the tag, unless
+        a rank's disk filled (then DiskFull on every rank, the partial tag removed)."""
+        disk_full = self.snapshot.disk_full if self.snapshot else None
+        self.thread, self.snapshot = None, None
+        store.agree_written(self.engine, self.checkpoint_dir, tag_for(self.step), disk_full)
         store.publish(self.checkpoint_dir, self.step, self.shape, self.keep_last, self.identity)
-        self.thread = None
 
     def wait(self) -> None:
         """Every rank: wait for the write in flight, then publish it."""

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from dstrain.checkpoint import nvme, reshard
-from dstrain.checkpoint.store import is_complete, newest_complete
+from dstrain.checkpoint import nvme, reshard, safe_load
+from dstrain.checkpoint.store import check_loadable, damage, newest_intact_other_than, published_tags
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 from dstrain.model.gpt import StateDict
@@ -129,17 +129,17 @@ def read_checkpoint(path: str | Path) -> tuple[GPTConfig, StateDict]:
         if any(tag.glob("zero_pp_rank_*_model_states.pt")):
             raise DstrainError(f"{tag} is a ZeRO-3 checkpoint; consolidate it with {tag.parent / 'zero_to_fp32.py'}")
         raise DstrainError(f"{tag}: no DeepSpeed model states in it; name a run folder or a global_step* folder")
-    first = torch.load(ranks[0][1], map_location="cpu", weights_only=False)
+    first = safe_load.load(ranks[0][1])
     if "recipe" not in first:
         raise DstrainError(f"{ranks[0][1]}: not written by dstrain (no recipe in its client state)")
     config = parse(GPTConfig, first["recipe"]["model"], ranks[0][1], "model.")  # MoEConfig nested too
     layer_files = {int(m.group(1)): p for p in tag.iterdir() if (m := LAYER_FILE.match(p.name))}
     if layer_files:
-        layers = {i: torch.load(p, map_location="cpu", weights_only=True) for i, p in layer_files.items()}
+        layers = {i: safe_load.load(p) for i, p in layer_files.items()}
         return config, pipeline_to_plain(layers, config)
     if len(ranks) == 1:
         return config, first["module"]
-    shards = [first["module"]] + [torch.load(p, map_location="cpu", weights_only=False)["module"] for _, p in ranks[1:]]
+    shards = [first["module"]] + [safe_load.load(p)["module"] for _, p in ranks[1:]]
     tensor_parallel = first["ds_config"].get("tensor_parallel")
     if not tensor_parallel:
         raise DstrainError(f"{tag}: {len(ranks)} model-parallel shards but no tensor_parallel section in its ds_config")
@@ -158,11 +158,19 @@ def load_run(run_dir: str | os.PathLike, tag: str | None):
         raise DstrainError(f"{files.recipe}: no such file; pass a run directory written by dstrain.train")
     recipe = load_recipe(files.recipe)
     checkpoints = files.checkpoints
-    tag = tag or newest_complete(checkpoints)
+    if tag is None:  # the tag `latest` names, else the newest saved; damaged, it is refused below
+        tags = published_tags(checkpoints)
+        latest = (checkpoints / "latest").read_text().strip() if (checkpoints / "latest").is_file() else None
+        tag = latest if latest in tags else (tags[-1] if tags else None)
     if tag is None:
         raise DstrainError(f"{checkpoints}: no complete checkpoint; train the run first or pass --tag")
-    if not is_complete(checkpoints / tag):
-        raise DstrainError(f"--tag {tag}: no complete checkpoint {checkpoints / tag}; omit --tag for the newest")
+    if not (checkpoints / tag).is_dir():
+        raise DstrainError(f"--tag {tag}: no checkpoint {checkpoints / tag}; omit --tag for the newest")
+    if problem := damage(checkpoints / tag):
+        intact = newest_intact_other_than(checkpoints, tag)
+        fix = f"pass --tag {intact} (intact)" if intact else "no other checkpoint of this run is intact"
+        raise DstrainError(f"{checkpoints / tag} is damaged: {problem}; {fix}")
+    check_loadable(checkpoints / tag)
     return recipe, checkpoints / tag
 
 
@@ -194,7 +202,7 @@ def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
         # DeepSpeed's MoE checkpoint: the dense weights, then one file per expert named by its global index.
         state = reshard.read_pt(tag_dir / reshard.ZERO12_MODEL_FILE)["module"]
         for path in sorted(tag_dir.glob(EXPERT_FILES)):
-            state.update(torch.load(path, map_location="cpu", weights_only=True))
+            state.update(safe_load.load(path))
         return state
     if any(tag_dir.glob("layer_*-model_states.pt")) or any(tag_dir.glob("mp_rank_01_model_states.pt")):
         # Pipeline layer files / AutoTP shards: read_checkpoint consolidates them into the plain model.
@@ -202,10 +210,11 @@ def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
     if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):  # ZeRO-1/2/3 partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        # DeepSpeed's own consolidation (it loads its files with weights_only=False itself); its progress
+        # DeepSpeed's own consolidation (its torch.load calls go through safe_load); its progress
         # prints would land in `dstrain generate`'s output. It reads only the optim_states files, which under NVMe
         # offload lack the swapped masters: it reads a copy with them put back.
-        with contextlib.redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory(prefix="dstrain-nvme-") as tmp:
+        quiet = contextlib.redirect_stdout(io.StringIO())
+        with quiet, tempfile.TemporaryDirectory(prefix="dstrain-nvme-") as tmp, safe_load.only_weights():
             folder = nvme.spliced_copy(tag_dir, Path(tmp)) if nvme.is_nvme_checkpoint(tag_dir) else tag_dir
             return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     return reshard.read_pt(tag_dir / reshard.ZERO12_MODEL_FILE)["module"]  # ZeRO-0 and BF16_Optimizer: the whole model

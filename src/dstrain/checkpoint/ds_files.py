@@ -1,4 +1,4 @@
-"""DeepSpeed's checkpoint files as dstrain reads them: their names, ``read_pt`` (torch.load with weights_only),
+"""DeepSpeed's checkpoint files as dstrain reads them: their names, ``read_pt`` (dstrain.checkpoint.safe_load),
 and the translation between a ZeRO-0 checkpoint and DeepSpeed's universal format, which DeepSpeed 0.19.8's converter
 and loader do not cover (dstrain.checkpoint.reshard uses it to resume into or out of ZeRO-0)."""
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from dstrain.checkpoint import safe_load
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 
@@ -91,20 +92,5 @@ def zero0_from_universal(universal: Path, out: Path, model_config: GPTConfig, we
 
 
 def read_pt(path: Path):
-    """torch.load with weights_only=True, allowing the few plain types DeepSpeed and our client state pickle."""
-    import numpy as np
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    allowed = [
-        np.ndarray,
-        np.dtype,
-        np.dtypes.UInt32DType,
-        np._core.multiarray._reconstruct,  # type: ignore[attr-defined]  # where numpy 2 pickles arrays from
-        ZeroStageEnum,
-        LossScaler,
-        fragment_address,
-    ]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location="cpu", weights_only=True)
+    """Every read of a checkpoint file: dstrain.checkpoint.safe_load (torch.load with weights_only=True)."""
+    return safe_load.load(path)

@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from dstrain.checkpoint import safe_load
 from dstrain.checkpoint.ds_files import (
     ZERO3_MODEL_FILE,
     ZERO12_MODEL_FILE,
@@ -37,7 +37,7 @@ from dstrain.checkpoint.ds_files import (
     universal_from_zero0,
     zero0_from_universal,
 )
-from dstrain.checkpoint.record import RECORD
+from dstrain.checkpoint.record import read_record
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 from dstrain.strategy.resolve import Strategy, Topology
@@ -51,11 +51,8 @@ ZERO0 = "zero0"
 
 def saved(tag_dir: Path) -> Topology | None:
     """The topology recorded with a published tag; None for a checkpoint from before it was recorded."""
-    try:
-        record = json.loads((tag_dir / RECORD).read_text()).get("topology")
-    except (OSError, ValueError):
-        return None
-    return Topology.from_record(record) if record else None
+    record = read_record(tag_dir)
+    return Topology.from_record(record.topology) if record and record.topology else None
 
 
 def needs_conversion(old: Topology, new: Topology) -> bool:
@@ -196,8 +193,10 @@ def _ds_to_universal(tag_dir: Path, out: Path) -> None:
     )
     log = io.StringIO()
     try:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), safe_load.only_weights():
             ds_to_universal.main(args)
+    except DstrainError:  # an unsafe pickle, said in one line by safe_load
+        raise
     except Exception as e:
         raise DstrainError(
             f"{tag_dir}: DeepSpeed's universal-checkpoint conversion failed: {type(e).__name__}: "

@@ -2,9 +2,10 @@
 
 DeepSpeed writes each tag folder in place and then its `latest` file, so a job killed
 mid-save can leave a partial folder behind. We save under `<tag>.partial`, record every
-file's size in `dstrain_checkpoint.json`, rename the folder to `<tag>` and only then
-replace `latest`: a published tag is always complete, and at resume a tag whose files no
-longer match its record (truncated, deleted) is skipped with a warning.
+file's size and checksum in `dstrain_checkpoint.json` (dstrain.checkpoint.integrity), rename the folder to `<tag>`
+and only then replace `latest`: a published tag is always complete, and at resume a tag whose files no
+longer match its record (truncated, deleted, damaged in place) is skipped with a one-line warning that names the file.
+A save that fills the disk on any rank is dropped on every rank (``DiskFull``): `latest` and the published tags stay.
 
 The record also numbers the saves of a run folder (``save_seq``): keep-last prunes and a resume
 without a usable ``latest`` picks in that order, so a tag left by a longer branch never outranks the
@@ -17,7 +18,6 @@ can resume under another one (dstrain.checkpoint.reshard).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -27,9 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dstrain.checkpoint import nvme, reshard
-from dstrain.checkpoint.record import PARTIAL, RECORD, read_record
+from dstrain.checkpoint import integrity, nvme, reshard, safe_load
+from dstrain.checkpoint.record import PARTIAL, RECORD, CheckpointRecord, read_record
 from dstrain.data.manifest import write_text_atomic
+from dstrain.errors import DiskFull
 from dstrain.run_dir import TAG, tag_for
 from dstrain.strategy.resolve import Topology
 
@@ -61,30 +62,52 @@ def published_tags(checkpoint_dir: Path) -> list[str]:
 
 def save_seq(tag_dir: Path) -> int:
     record = read_record(tag_dir)
-    return int(record.get("save_seq", -1)) if isinstance(record, dict) else -1
+    return record.save_seq if record else -1
 
 
 def is_complete(tag_dir: Path) -> bool:
-    try:
-        record = json.loads((tag_dir / RECORD).read_text())
-        return all((tag_dir / name).stat().st_size == size for name, size in record["files"].items())
-    except (OSError, ValueError, KeyError):
-        return False
+    return damage(tag_dir) is None
+
+
+def damage(tag_dir: Path) -> str | None:
+    """What is wrong with a published tag, in one phrase naming the file (None: every file matches its record's
+    size and checksum). Reads the whole tag once."""
+    record = read_record(tag_dir)
+    if record is None:
+        return f"{tag_dir / RECORD} is missing or unreadable"
+    return integrity.damage(tag_dir, record)
+
+
+def check_loadable(tag_dir: Path) -> None:
+    """Before any work: each .pt file of the tag unpickles without running code, else one line (UnsafeCheckpoint)."""
+    record = read_record(tag_dir)
+    if record is not None:
+        integrity.check_pickles(tag_dir, record)
 
 
 def newest_complete(checkpoint_dir: Path) -> str | None:
-    """The tag ``latest`` names when it is complete, else the most recently saved complete one; broken ones are
-    reported and passed over."""
+    """The tag ``latest`` names when it is intact, else the most recently saved intact one; a damaged one is
+    reported in one line (the file, expected against found) and passed over."""
     try:
         latest = (checkpoint_dir / "latest").read_text().strip()
     except OSError:
         latest = None
-    if latest and TAG.match(latest) and is_complete(checkpoint_dir / latest):
-        return latest
-    for tag in reversed(published_tags(checkpoint_dir)):
-        if is_complete(checkpoint_dir / tag):
+    tags = published_tags(checkpoint_dir)
+    if latest and TAG.match(latest) and latest in tags:
+        tags = [t for t in tags if t != latest] + [latest]
+    for tag in reversed(tags):
+        problem = damage(checkpoint_dir / tag)
+        if problem is None:
             return tag
-        warnings.warn(f"checkpoint {checkpoint_dir / tag} is incomplete or corrupt; skipping it", stacklevel=2)
+        warnings.warn(f"checkpoint {checkpoint_dir / tag} is damaged, skipping it: {problem}", stacklevel=2)
+    return None
+
+
+def newest_intact_other_than(checkpoint_dir: Path, tag: str) -> str | None:
+    """For a refusal's fix: the newest intact tag that is not ``tag`` (quietly)."""
+    for other in reversed(published_tags(checkpoint_dir)):
+        if other != tag and damage(checkpoint_dir / other) is None:
+            return other
     return None
 
 
@@ -94,21 +117,53 @@ def save(
     """Save on every rank, publish on rank 0, then drop the oldest saves beyond ``keep_last``, never this one.
 
     ``identity`` (what makes the checkpoint meaningless for another experiment) goes into the record, where a
-    resume compares it with its recipe before writing anything."""
+    resume compares it with its recipe before writing anything. A full disk on any rank: DiskFull on every rank."""
     tag = tag_for(step)
     client_state = prepare(engine, checkpoint_dir, tag, client_state)
-    write_partial(engine, checkpoint_dir, tag, client_state)
-    torch.distributed.barrier()  # every rank's shards are on disk
+    writer = integrity.ChecksummedEngine(engine._config)
+    write_partial(engine, checkpoint_dir, tag, client_state, writer)
+    writer.write_sums(checkpoint_dir / (tag + PARTIAL), torch.distributed.get_rank())
+    agree_written(engine, checkpoint_dir, tag, writer.disk_full)  # every rank's shards are on disk
     publish(checkpoint_dir, step, client_state["topology"], keep_last, identity)
     torch.distributed.barrier()
     return tag
 
 
-def write_partial(engine, checkpoint_dir: Path, tag: str, client_state: dict) -> None:
-    """This rank's files of ``tag`` into its ``.partial`` folder (through the engine's checkpoint engine)."""
-    engine.save_checkpoint(str(checkpoint_dir), tag=tag + PARTIAL, client_state=client_state, save_latest=False)
+def write_partial(engine, checkpoint_dir: Path, tag: str, client_state: dict, writer) -> None:
+    """This rank's files of ``tag`` into its ``.partial`` folder, through ``writer`` (a ChecksummedEngine, which
+    hashes them, or background.SnapshotEngine, which queues them) as the engine's checkpoint engine."""
+    saved, engine.checkpoint_engine = engine.checkpoint_engine, writer
+    try:
+        engine.save_checkpoint(str(checkpoint_dir), tag=tag + PARTIAL, client_state=client_state, save_latest=False)
+    finally:
+        engine.checkpoint_engine = saved
     if engine.zero_nvme_offload_optimizer():
         nvme.record_subgroups(engine, checkpoint_dir / (tag + PARTIAL))
+
+
+def agree_written(engine, checkpoint_dir: Path, tag: str, disk_full: OSError | None) -> None:
+    """Every rank, after writing its files of ``tag``: a collective that tells each rank whether any filled its
+    disk; if one did, rank 0 removes the partial tag and every rank raises DiskFull (one line, no traceback)."""
+    from deepspeed.accelerator import get_accelerator
+
+    flag = torch.tensor([1.0 if disk_full is not None else 0.0], device=get_accelerator().current_device_name())
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if flag.item() == 0:
+        return
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(checkpoint_dir / (tag + PARTIAL), ignore_errors=True)
+    torch.distributed.barrier()
+    raise DiskFull(integrity.free_space_line(checkpoint_dir, checkpoint_bytes(engine, checkpoint_dir), disk_full))
+
+
+def checkpoint_bytes(engine, checkpoint_dir: Path) -> int:
+    """What a checkpoint takes: the newest published one's size, else 16 bytes per parameter (fp32 weights and
+    master, Adam's two moments)."""
+    tags = published_tags(checkpoint_dir)
+    record = read_record(checkpoint_dir / tags[-1]) if tags else None
+    if record is not None and record.files:
+        return sum(record.files.values())
+    return 16 * sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
 
 
 def prepare(engine, checkpoint_dir: Path, tag: str, client_state: dict) -> dict:
@@ -145,10 +200,13 @@ def publish(checkpoint_dir: Path, step: int, shape: dict, keep_last: int, identi
         return
     tag = tag_for(step)
     folder = checkpoint_dir / (tag + PARTIAL)
-    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    sums = set(folder.glob(integrity.SUMS.format("*")))
+    names = [str(p.relative_to(folder)) for p in sorted(folder.rglob("*")) if p.is_file() and p not in sums]
+    checksums = integrity.collect_sums(folder, names)
+    files = {name: (folder / name).stat().st_size for name in names}
     seq = 1 + max((save_seq(checkpoint_dir / t) for t in published_tags(checkpoint_dir)), default=0)
-    record = {"step": step, "save_seq": seq, "files": files, "topology": shape, "identity": identity}
-    write_text_atomic(folder / RECORD, json.dumps(record, indent=1))
+    record = CheckpointRecord(step, seq, files, checksums, integrity.HASH, shape, identity)
+    write_text_atomic(folder / RECORD, record.to_json())
     shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # a re-save of the same step after a resume
     os.replace(folder, checkpoint_dir / tag)
     write_text_atomic(checkpoint_dir / "latest", tag)
@@ -162,9 +220,10 @@ def load(engine, checkpoint_dir: Path, tag: str) -> dict:
 
     A tag saved under another topology loads from the conversion reshard.prepare_resume made in it."""
     load_dir, load_tag = reshard.load_source(engine, checkpoint_dir / tag)
-    path, client_state = engine.load_checkpoint(
-        str(load_dir), tag=load_tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    with safe_load.only_weights():
+        path, client_state = engine.load_checkpoint(
+            str(load_dir), tag=load_tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint_dir / tag}")
     if engine.zero_nvme_offload_optimizer():

@@ -71,3 +71,59 @@ def manifest_hash(manifest: dict[str, Any]) -> str:
     """Hash of what the data is (not of how the command was spelled): keys the index cache."""
     content = {k: v for k, v in manifest.items() if k != "command"}
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- the shards as prepared: sizes always, sampled content hashes where the manifest has them ----------------------
+SAMPLE_BLOCKS, SAMPLE_BYTES = 16, 1 << 16  # at most 1 MiB read per file at each start
+
+
+def sampled_hash(path: Path) -> str:
+    """XXH3-64 of the file's size and of 16 blocks of 64 KiB spread evenly over it (the whole file up to 1 MiB):
+    a bounded read at every start that still tells a replaced shard from the prepared one."""
+    import xxhash
+
+    size = path.stat().st_size
+    digest = xxhash.xxh3_64(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= SAMPLE_BLOCKS * SAMPLE_BYTES:
+            digest.update(f.read())
+        else:
+            for i in range(SAMPLE_BLOCKS):
+                f.seek((size - SAMPLE_BYTES) * i // (SAMPLE_BLOCKS - 1))
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def shard_files(prefix: Path) -> dict[str, Any]:
+    """What the manifest records of a shard's two files, for ``check_shards``."""
+    record: dict[str, Any] = {}
+    for ext in ("bin", "idx"):
+        path = Path(f"{prefix}.{ext}")
+        record[f"{ext}_bytes"] = path.stat().st_size
+        record[f"{ext}_sampled_xxh3"] = sampled_hash(path)
+    return record
+
+
+def check_shards(folder: str | os.PathLike, manifest: dict[str, Any]) -> None:
+    """Every shard the manifest lists is there, of its size (recorded, or implied by its tokens and documents for a
+    manifest without sizes), with its sampled content hash where recorded: else one line naming the file. Reads at
+    most 2 MiB per shard."""
+    import numpy as np
+
+    from dstrain.data.shards import _HEADER
+
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    fix = "the data changed since it was prepared; restore it, or run `dstrain prepare` again into a new --out"
+    for shard in manifest["shards"]:
+        n = shard["documents"]
+        implied = {"bin": shard["tokens"] * itemsize, "idx": _HEADER.size + 4 * n + 8 * n + 8 * (n + 1)}
+        for ext in ("bin", "idx"):
+            path = Path(folder) / f"{shard['prefix']}.{ext}"
+            if not path.is_file():
+                raise DstrainError(f"{path}: missing, though {Path(folder) / MANIFEST_NAME} lists it; {fix}")
+            size, expected = path.stat().st_size, shard.get(f"{ext}_bytes", implied[ext])
+            if size != expected:
+                raise DstrainError(f"{path}: {size} bytes, its manifest says {expected}; {fix}")
+            recorded = shard.get(f"{ext}_sampled_xxh3")
+            if recorded is not None and sampled_hash(path) != recorded:
+                raise DstrainError(f"{path}: its content differs from what its manifest recorded (same size); {fix}")

@@ -30,7 +30,7 @@ import numpy as np
 
 from dstrain.data import tasks
 from dstrain.data.encode import ParallelEncoder
-from dstrain.data.manifest import FORMAT, FORMAT_VERSION, INPUTS_NAME, MANIFEST_NAME, write_json_atomic
+from dstrain.data.manifest import FORMAT, FORMAT_VERSION, INPUTS_NAME, MANIFEST_NAME, shard_files, write_json_atomic
 from dstrain.data.shards import SHARD_NAME, ShardReader, ShardWriter, shard_paths, token_dtype
 from dstrain.data.sources import Source, SourceSpec, describe, open_source, text_batches
 from dstrain.data.tokenizer import (
@@ -363,6 +363,7 @@ def _prepare_folder(out: Path, opts: PrepareOptions, source: Source, extra_input
         save_tokenizer(tokenizer, tokenizer_dir)
     write_json_atomic(out / INPUTS_NAME, inputs)
     shards, dtype = _tokenize(out, source, tokenizer, opts)
+    shards = [{**shard, **shard_files(out / shard["prefix"])} for shard in shards]
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

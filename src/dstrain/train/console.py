@@ -13,6 +13,7 @@ Until the run folder is claimed the log is kept in memory; a rank that fails bef
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -39,13 +40,26 @@ class _Log:
     def __init__(self):
         self.lines: list[tuple[str, bool]] = []
         self.file = None
+        self.disk_full = False  # the log stops on a full disk; the console goes on, and the save that hit it says so
 
     def write(self, text: str, hidden: bool) -> None:
         if self.file is None:
             self.lines.append((text, hidden))
-        else:
-            self.file.write(text)
-            self.file.flush()
+        elif not self.disk_full:
+            try:
+                self.file.write(text)
+                self.file.flush()
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                self.disk_full = True
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        except OSError as e:  # the last buffered lines of a log on a full disk
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
 
     def open(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +151,7 @@ class Session:
         for handler in self.adopted:
             handler.removeFilter(self.route.stop)
         if self.log.file is not None:
-            self.log.file.close()
+            self.log.close()
 
 
 _session: Session | None = None

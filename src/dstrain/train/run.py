@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from dstrain.config import Recipe, load_recipe, to_dict
-from dstrain.errors import DstrainError, OneLineArgumentParser
+from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError, OneLineArgumentParser
 from dstrain.run_dir import LAUNCH_KEY, RunDir, launch_record, step_of
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 from dstrain.train import console, plot, preflight
@@ -99,7 +99,8 @@ def check_run_dir(
 
     files = RunDir(run_dir)
     where = files.checkpoints / tag if tag else files.recipe
-    saved = (store.read_record(where) or {}).get("identity") if tag else None
+    record = store.read_record(where) if tag else None
+    saved = record.identity if record else None
     new = identity(recipe, data_fingerprint)
     if saved is None:
         if resume == "none" or not files.recipe.exists():
@@ -120,11 +121,13 @@ def check_run_dir(
 
 def fingerprint_of_checked_data(recipe: Recipe, recipe_file: str) -> str:
     """Every source prepared with one tokenizer that the model can embed; returns the data's fingerprint."""
-    from dstrain.data.manifest import manifest_hash, read_manifest
+    from dstrain.data.manifest import check_shards, manifest_hash, read_manifest
     from dstrain.data.tokenizer import check_same_tokenizer, verify_tokenizer
 
     sources = recipe.data.sources
     manifests = [read_manifest(s.path) for s in sources]
+    for source, manifest in zip(sources, manifests):
+        check_shards(source.path, manifest)  # changed since it was prepared (between two launches, say)?
     check_same_tokenizer(
         sources[0].path,
         [s.path for s in sources[1:]],
@@ -158,11 +161,15 @@ def resume_tag(checkpoint_dir: Path, resume: str) -> str | None:
 
     if resume == "none":
         return None
-    if resume == "auto":
-        return store.newest_complete(checkpoint_dir)
-    if not store.is_complete(checkpoint_dir / resume):
-        raise DstrainError(f"--resume {resume}: no complete checkpoint {checkpoint_dir / resume}; use --resume auto")
-    return resume
+    with warnings.catch_warnings():
+        if os.environ.get("RANK", "0") != "0":  # a damaged tag is reported once, by rank 0
+            warnings.simplefilter("ignore")
+        tag = store.newest_complete(checkpoint_dir) if resume == "auto" else resume
+    if resume != "auto" and (problem := store.damage(checkpoint_dir / resume)):
+        raise DstrainError(f"--resume {resume}: {problem}; use --resume auto (the newest intact checkpoint)")
+    if tag:
+        store.check_loadable(checkpoint_dir / tag)
+    return tag
 
 
 def move_previous_run(run_dir: Path) -> Path | None:
@@ -256,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     error = None
     try:
         return train(parse_args(argv))
+    except DiskFull as e:  # every rank raises it together (checkpoint.store.agree_written); one line, no requeue
+        if rank == "0":
+            print(f"dstrain: error: {e}", file=sys.stderr, flush=True)
+        return DISK_FULL_EXIT
     except DstrainError as e:
         if rank == 0:
             print(f"dstrain: error: {e}", file=sys.stderr, flush=True)

@@ -1,0 +1,75 @@
+"""A checkpoint that finds the disk full, on one rank of two: every rank ends with exit 28 (which slurm/train.sbatch
+does not requeue), one line on the console and no traceback; the partial tag is gone, `latest` and the published tags
+are untouched. The error is injected at the write, through the seam every
+checkpoint file of ours is opened by (dstrain.checkpoint.integrity.open_for_write)."""
+
+import errno
+import os
+
+import pytest
+
+from ranks import spawn_ranks
+from train_helpers import small_recipe, train_argv
+
+pytestmark = pytest.mark.distributed
+
+
+class FullDisk:
+    """A file on a full filesystem: every write fails as the kernel would fail it."""
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def flush(self):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def close(self):
+        pass
+
+
+def train_with_full_disk_at(argv: list[str], step: int, rank: int, logs_too: bool) -> int:
+    """Rank target: train; on ``rank`` every checkpoint file of step ``step`` (and with ``logs_too`` from then on the
+    rank's own log) meets a full disk."""
+    from dstrain.checkpoint import integrity
+    from dstrain.train import console
+    from dstrain.train.run import main
+
+    here = int(os.environ["RANK"]) == rank
+    opened = integrity.open_for_write
+
+    def open_for_write(path: str):
+        if here and f"global_step{step}.partial" in path:
+            if logs_too and console._session is not None and console._session.log.file is not None:
+                console._session.log.file = FullDisk()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return opened(path)
+
+    integrity.open_for_write = open_for_write
+    return main(argv)
+
+
+@pytest.mark.parametrize(
+    "background, rank, logs_too",
+    [(False, 1, False), (True, 0, True)],
+    ids=["synchronous-rank1", "background-rank0-logs-too"],
+)
+def test_a_full_disk_ends_every_rank_in_one_line_and_keeps_the_published_checkpoints(
+    tmp_path, corpus, capfd, background, rank, logs_too
+):
+    from dstrain.checkpoint.store import damage, published_tags
+    from dstrain.errors import DISK_FULL_EXIT
+
+    train = {"steps": 6, "checkpoint_interval": 2, "keep_last": 3, "async_checkpoint": background}
+    recipe = small_recipe(tmp_path, corpus, train=train)
+    run = tmp_path / "run"
+    codes = spawn_ranks(2, train_with_full_disk_at, train_argv(recipe, "zero1", run), 4, rank, logs_too, timeout=300)
+    assert codes == [DISK_FULL_EXIT, DISK_FULL_EXIT]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Error in sys.excepthook" not in err, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("dstrain")]
+    assert line.startswith("dstrain: error: ") and "is full (No space left on device)" in line
+    assert "GiB free, a checkpoint needs ~" in line and "`latest` is untouched" in line
+    checkpoints = run / "checkpoints"
+    assert not list(checkpoints.glob("*.partial"))
+    assert (checkpoints / "latest").read_text() == "global_step2"
+    assert published_tags(checkpoints) == ["global_step2"] and damage(checkpoints / "global_step2") is None
