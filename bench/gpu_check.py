@@ -154,7 +154,13 @@ def checks(dry: bool, tiny: float, steps: int, recipes: list[str]) -> list[Part]
             VERDICT + SPEED[:2] + SPEED[4:7],
             "Document masking inside training (FlexAttention on a GPU)",
         ),
-        Part("published_family", parts.published_family, 1.0, VERDICT, "A published-model family at ~1B"),
+        Part(
+            "published_family",
+            lambda c: parts.published_family(c, DRY_STEPS if dry else SPEED_STEPS),
+            tiny if dry else run_s(dry, "continue-qwen3-0.6b", 2048, 16, SPEED_STEPS),
+            SPEED,
+            "A published family's architecture at its size: Qwen3-0.6B, random weights, eager (zero1_bf16)",
+        ),
         Part(
             "correctness",
             lambda c: parts.correctness(c, steps),
