@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return train(parse_args(argv))
     except DiskFull as e:  # every rank raises it together (checkpoint.store.agree_written); one line, no requeue
-        if rank == "0":
+        if rank == 0:
             print(f"dstrain: error: {e}", file=sys.stderr, flush=True)
         return DISK_FULL_EXIT
     except DstrainError as e:
