@@ -168,14 +168,15 @@ def test_estimate_counts_one_momentum_for_each_parameter_deepspeed_gives_muon(tm
 
 def test_a_muon_checkpoint_is_not_converted_to_another_topology(tmp_path):
     """The universal checkpoint carries weights and Adam moments: a layout change would lose Muon's momentum."""
-    from dstrain.checkpoint.record import RECORD
+    from dstrain.checkpoint.record import RECORD, CheckpointRecord
     from dstrain.checkpoint.reshard import prepare_resume
     from dstrain.errors import DstrainError
 
     two_ranks, one_rank = resolve_muon(tmp_path, "zero1_bf16", 2), resolve_muon(tmp_path, "zero1_bf16", 1)
     tag = tmp_path / "checkpoints" / "global_step4"
     tag.mkdir(parents=True)
-    (tag / RECORD).write_text(json.dumps({"topology": two_ranks.topology.to_record()}))
+    record = CheckpointRecord(step=4, save_seq=0, files={}, topology=two_ranks.topology.to_record())
+    (tag / RECORD).write_text(record.to_json())
     with pytest.raises(DstrainError, match="a Muon run cannot change topology .* does not carry Muon's momentum"):
         prepare_resume(tag.parent, tag.name, one_rank, None, 0.1, on_rank0=lambda fn, what: fn())
 
@@ -334,7 +335,7 @@ def test_compare_refuses_a_muon_entry_under_zero1_before_launching(tmp_path, cap
 
 def test_an_adamw_checkpoint_is_not_resumed_with_muon(tmp_path):
     """The checkpoint holds AdamW's moments: continuing it with Muon is another experiment (optim.kind is identity)."""
-    from dstrain.checkpoint.record import RECORD
+    from dstrain.checkpoint.record import RECORD, CheckpointRecord
     from dstrain.config import load_recipe
     from dstrain.errors import DstrainError
     from dstrain.train.run import check_run_dir, identity
@@ -344,7 +345,9 @@ def test_an_adamw_checkpoint_is_not_resumed_with_muon(tmp_path):
     adamw = load_recipe(tmp_path / "r.yaml", ["optim.kind=adamw"])
     tag = tmp_path / "run" / "checkpoints" / "global_step4"
     tag.mkdir(parents=True)
-    (tag / RECORD).write_text(json.dumps({"identity": identity(adamw, "data")}))
+    (tag / RECORD).write_text(
+        CheckpointRecord(step=4, save_seq=0, files={}, identity=identity(adamw, "data")).to_json()
+    )
     check_run_dir(adamw, "r.yaml", tmp_path / "run", tag.name, "auto", "data")  # the same experiment resumes
     with pytest.raises(DstrainError, match=r"holds a run of a different recipe \(optimizer differ from r.yaml\)"):
         check_run_dir(muon, "r.yaml", tmp_path / "run", tag.name, "auto", "data")

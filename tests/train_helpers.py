@@ -83,13 +83,13 @@ def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "split" not in r]
 
 
-def read_metrics(run_dir: Path) -> list[MetricsRecord]:
+def read_metrics(run_dir: str | Path) -> list[MetricsRecord]:
     """Train and eval records; event records (a resume) are left to read_events."""
-    return read_records(RunDir(run_dir).metrics)
+    return read_records(RunDir(Path(run_dir)).metrics)
 
 
-def read_events(run_dir: Path) -> list[EventRecord]:
-    return metrics.read_events(RunDir(run_dir).metrics)
+def read_events(run_dir: str | Path) -> list[EventRecord]:
+    return metrics.read_events(RunDir(Path(run_dir)).metrics)
 
 
 def train(argv: list[str]) -> int:
