@@ -12,7 +12,7 @@ from dstrain.config import load_recipe
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig, num_params
 from dstrain.strategy.memory import GIB, estimate, estimate_file
-from dstrain.strategy.parallel import count_params
+from dstrain.strategy.param_counts import count_params
 from dstrain.strategy.resolve import load_ds_config, resolve
 
 from ranks import run_ranks

@@ -166,7 +166,7 @@ def test_estimate_splits_the_experts_over_the_expert_parallel_ranks():
 
     from dstrain.config import load_recipe
     from dstrain.strategy.memory import estimate_file
-    from dstrain.strategy.parallel import EXPERTS, _meta_params
+    from dstrain.strategy.param_counts import EXPERTS, _meta_params
 
     root = Path(__file__).resolve().parents[1]
     recipe_file = root / "recipes" / "moe-1b.yaml"

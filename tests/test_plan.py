@@ -13,7 +13,7 @@ from dstrain.commands.cli import main as cli
 from dstrain.config import load_recipe
 from dstrain.strategy.layouts import Layout, plan
 from dstrain.strategy.memory import estimate, estimate_file
-from dstrain.strategy.parallel import count_params
+from dstrain.strategy.param_counts import count_params
 from dstrain.strategy.resolve import AUTO, load_ds_config, resolve
 from dstrain.strategy.time_model import DEVICES, Cluster, predict
 from dstrain.strategy.traffic import WIRE

@@ -42,7 +42,7 @@ from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.model.config import num_params
 from dstrain.strategy.activations import activation_bytes, sp_exchange_bytes
-from dstrain.strategy.parallel import MOE_FORMULA, ParamCounts, count_params, moe_activation_bytes
+from dstrain.strategy.param_counts import MOE_FORMULA, ParamCounts, count_params, moe_activation_bytes
 from dstrain.strategy.precision import Precision
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 

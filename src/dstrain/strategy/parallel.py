@@ -1,24 +1,13 @@
-"""The parallel layout of the GPT: how its parameters fall onto ranks (counted on the meta device, TP-sharded,
-cut into pipeline stages as DeepSpeed cuts them), and the ds_config sections that choose the layout, checked
-against the model before anything runs. resolve.py resolves with the checks; memory.py counts with the rest."""
+"""The ds_config sections that choose the parallel layout (pipeline, AutoTP, Ulysses SP, expert parallelism,
+tiling), checked against the model before anything runs: the refusals resolve.py runs for dstrain.train and
+dstrain plan alike. How the parameters then fall onto ranks is param_counts.py."""
 
 from __future__ import annotations
 
-import collections
-import functools
-import json
-import math
 import re
-from dataclasses import asdict, dataclass
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
-from dstrain.model.config import GPTConfig, num_params
-from dstrain.strategy.precision import Precision
-
-EXPERTS = ".deepspeed_experts."  # in the names of expert parameters (DeepSpeed's MoE layer)
-# Tensor-parallel (AutoTP) shards these linear layers; embeddings, norms and the head are replicated.
-TP_SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _expert_parallel_size(section: dict | None, ds_file: str) -> int:
@@ -32,22 +21,6 @@ def _expert_parallel_size(section: dict | None, ds_file: str) -> int:
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise DstrainError(f"{ds_file}: expert_parallel.autoep_size={size!r}; use a positive integer")
     return size
-
-
-MOE_FORMULA = "n_moe·k·T·(4·h + 4·f_e)·a − n_moe·T·4·f·a"
-
-
-def moe_activation_bytes(model: GPTConfig, tokens: int, precision: Precision) -> int:
-    """What a rank's MoE layers save for backward beyond the dense model's MLPs (counted in memory.activation_bytes):
-    each of the k·T routed copies of a token passes through DeepSpeed's dispatch buffer and the expert's output,
-    both before and after their all-to-all (4·h), and through an expert of width f_e (gate, up, silu(gate), product:
-    4·f_e, llama); the dense MLP's 4·f per token is not there. Balanced routing; dropless dispatch pads every
-    expert's buffer to the busiest expert's count, which can add up to the whole buffer again."""
-    assert model.moe is not None
-    a = 4 if precision == "fp32" else 2
-    routed = tokens * model.moe.top_k
-    extra = routed * (4 * model.d_model + 4 * model.expert_dim) * a - tokens * 4 * model.ff_dim * a
-    return max(0, model.n_moe_layers * extra)
 
 
 def check_expert_parallel(
@@ -141,92 +114,6 @@ def check_tiling(config: dict, recipe: Recipe, ds_file: str, pp_stages: int) -> 
     return tiles[0], tiles[1]
 
 
-@dataclass(frozen=True)
-class ParamCounts:
-    total: int  # unique parameters of GPT(config), counted on the meta device
-    per_rank: int  # held by one model-parallel rank (worst pipeline stage, TP-sharded linears)
-    persistent: int  # ZeRO-3: parameters whole on every rank (numel <= persistence threshold)
-    largest_param: int  # elements of the largest tensor (offload staging buffers)
-    largest_layer: int  # most parameters owned directly by one module (DeepSpeed's "largest layer")
-
-
-def count_params(
-    model: GPTConfig,
-    tp: int = 1,
-    pp: int = 1,
-    persistence_threshold: int = 0,
-    partition_method: str = "parameters",
-    ep: int = 1,
-) -> ParamCounts:
-    """Count on a meta-device model: no memory, a 70B recipe in seconds; checked against num_params.
-    Expert parallelism `ep` divides each MoE layer's experts over `ep` ranks."""
-    return _count_params(json.dumps(asdict(model)), tp, pp, persistence_threshold, partition_method, ep)
-
-
-@functools.lru_cache(maxsize=256)  # dstrain plan counts each layout shape once, not once per micro-batch
-def _count_params(
-    config_json: str, tp: int, pp: int, persistence_threshold: int, partition_method: str, ep: int
-) -> ParamCounts:
-    model = GPTConfig.from_dict(json.loads(config_json))
-    named = _meta_params(config_json)
-    total = sum(numel for _, numel in named)
-    if total != num_params(model):
-        raise AssertionError(f"meta-device count {total} != num_params {num_params(model)} for {model}")
-    sharded = sum(numel for name, numel in named if any(f".{s}." in name for s in TP_SHARDED))
-    experts = sum(numel for name, numel in named if EXPERTS in name)
-    per_tp = total - sharded + math.ceil(sharded / tp) - experts + experts // ep
-    layers: collections.Counter[str] = collections.Counter()
-    for name, numel in named:
-        layers[name.rsplit(".", 1)[0]] += numel
-    return ParamCounts(
-        total=total,
-        per_rank=_worst_stage(named, model, tp, pp, partition_method) if pp > 1 else per_tp,
-        persistent=sum(numel for _, numel in named if numel <= persistence_threshold),
-        largest_param=max(numel for _, numel in named),
-        largest_layer=max(layers.values()),
-    )
-
-
-def _worst_stage(named, model: GPTConfig, tp: int, pp: int, method: str) -> int:
-    """Parameters of the largest pipeline stage, cut as DeepSpeed's PipelineModule cuts dstrain.model.pipe's layers
-    (embedding, blocks, final norm, head): whole layers per stage, and a tied head is a second copy of the
-    embedding on the last stage, which DeepSpeed also counts when it balances the stages."""
-    from deepspeed.runtime.utils import partition_balanced, partition_uniform
-
-    from dstrain.model.pipe import layer_prefixes
-
-    def layer_count(prefix: str, sharded_by: int = 1) -> int:
-        return sum(
-            math.ceil(n / sharded_by) if any(f".{s}." in name for s in TP_SHARDED) else n
-            for name, n in named
-            if name.startswith(prefix)
-        )
-
-    prefixes = [p[0] if p else "embed." for p in layer_prefixes(model)]  # None: the tied head, the embedding
-    whole = [layer_count(p) for p in prefixes]
-    if method == "parameters":
-        bounds = partition_balanced(whole, pp)
-    elif method == "uniform":
-        bounds = partition_uniform(len(whole), pp)
-    else:  # "type:Block": balance the blocks
-        bounds = partition_balanced([int(p.startswith("blocks.")) for p in prefixes], pp)
-    held = [layer_count(p, tp) for p in prefixes]
-    return max(sum(held[bounds[i] : bounds[i + 1]]) for i in range(pp))
-
-
-@functools.lru_cache(maxsize=8)
-def _meta_params(config_json: str) -> tuple[tuple[str, int], ...]:
-    """(name, numel) of GPT(config)'s parameters, built on the meta device (a tied matrix appears once)."""
-    import torch
-
-    from dstrain.model.gpt import GPT
-
-    with torch.device("meta"):
-        gpt = GPT(GPTConfig.from_dict(json.loads(config_json)))
-    return tuple((name, p.numel()) for name, p in gpt.named_parameters())
-
-
-# What AutoTP must do to each projection of a block (gpt2 has no gate_proj; nothing else is sharded).
 TP_LAYOUT = {
     "self_attn.q_proj": "column",
     "self_attn.k_proj": "column",

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from dstrain.config import Recipe
 from dstrain.model.config import flops_per_token
-from dstrain.strategy.parallel import ParamCounts, count_params
+from dstrain.strategy.param_counts import ParamCounts, count_params
 from dstrain.strategy.resolve import Strategy
 from dstrain.strategy.traffic import Traffic, dtype_bytes, step_traffic
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dstrain.config import Recipe
-from dstrain.strategy.parallel import ParamCounts
+from dstrain.strategy.param_counts import ParamCounts
 from dstrain.strategy.resolve import Strategy
 
 # What each collective puts on the wire per rank, per logged byte, in a ring of n ranks (nccl-tests' bus bandwidth):
