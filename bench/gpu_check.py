@@ -91,6 +91,7 @@ class Part:
 
 VERDICT = ["check", "ok", "detail"]
 SPEED = ["recipe", "variant", "seq_len", "micro_batch", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gib"]
+SPEED += ["status"]
 MEMORY = ["recipe", "ds_config", "micro_batch", "seq_len", "measured_gib", "estimated_gib", "error", "status"]
 
 

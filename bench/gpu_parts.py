@@ -58,6 +58,7 @@ class Check:
             f"run_dir={run_dir}",
             f"data.sources=[{{path: {self.data}}}]",
             f"train.steps={steps}",
+            "train.tokens=null",  # the cluster recipes give their length in tokens; a check's length is its steps
             "train.log_interval=1",
             f"schedule.warmup_steps={max(1, steps // 4)}",
             *QUIET,
@@ -150,6 +151,8 @@ def speed(
             row[key] = statistics.median(values) if values else None
         row["mem_peak_gib"] = round(max((r.get("mem_peak_bytes") or 0 for r in run["records"]), default=0) / 2**30, 2)
         row["seconds"] = run["seconds"]
+        if run["rc"] != 0:
+            check.failures.append(f"{name}: {status(run)}: {' '.join(run['tail'])[-300:]}")
         rows.append(row)
     return rows
 
@@ -233,6 +236,8 @@ def memory(check: Check, recipe_name: str, micro: int, seq: int, configs: list[s
                 "seconds": run["seconds"],
             }
         )
+        if run["rc"] != 0:
+            check.failures.append(f"{name}: {status(run)}: {' '.join(run['tail'])[-300:]}")
     return rows
 
 
@@ -278,7 +283,7 @@ def published_family(check: Check, steps: int) -> list[dict]:
         seq, micros = 64, [2]
         shrink = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.n_kv_head=2", "model.d_head=32"]
         shrink += ["model.d_ff=128", "model.vocab_size=4096"]
-    more = ["init_from=null", "train.tokens=null", *shrink]  # random weights; the length is train.steps
+    more = ["init_from=null", *shrink]  # random weights
     return speed(check, "continue-qwen3-0.6b", seq, micros, ["eager"], steps, more)
 
 

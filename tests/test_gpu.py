@@ -23,8 +23,13 @@ def test_the_zero0_fp16_defect_reproduces_on_cuda():
 
 
 def test_fused_adam_matches_torch_adamw():
-    """DeepSpeed's FusedAdam, JIT-built with this machine's nvcc, takes the same 10 steps as torch's AdamW (fp32)."""
+    """DeepSpeed's FusedAdam, JIT-built with this machine's nvcc as build_engine builds it, takes the same 10 steps as
+    torch's AdamW (fp32)."""
     from deepspeed.ops.adam import FusedAdam
+
+    from dstrain.train.engine import make_arch_list_readable_by_deepspeed
+
+    make_arch_list_readable_by_deepspeed()  # the H100 image sets TORCH_CUDA_ARCH_LIST=9.0a (seen 2026-11-26)
 
     torch.manual_seed(0)
     start = torch.randn(4096, 257, device="cuda")
@@ -84,7 +89,9 @@ def test_bf16_causal_attention_dispatches_a_fused_kernel(flavour):
 
 def test_flex_doc_attention_equals_the_dense_mask_on_cuda():
     """Packed documents on a GPU take FlexAttention (compiled, block mask from position_ids): outputs and gradients
-    equal the dense-mask SDPA's to 1e-5 in fp32 (tests/test_doc_attention.py checks the forward on CPU)."""
+    equal the dense-mask SDPA's to 1e-4 in fp32: two fp32 kernels summing in other orders; an H100 (2026-11-26) gave
+    4.0e-5 at most, on 0.2% of the elements, where a masking error would be ~1e-1 (tests/test_doc_attention.py checks
+    the forward on CPU)."""
     from dstrain.model.doc_attention import dense_doc_attention, doc_attention, flex_supported
 
     assert flex_supported("cuda")
@@ -98,4 +105,4 @@ def test_flex_doc_attention_equals_the_dense_mask_on_cuda():
         grads = torch.autograd.grad(out.square().sum(), inputs)
         results.append((out, *grads))
     for flex, dense in zip(*results):
-        torch.testing.assert_close(flex, dense, rtol=0, atol=1e-5)
+        torch.testing.assert_close(flex, dense, rtol=0, atol=1e-4)

@@ -51,7 +51,8 @@ def normal_init(weight: torch.Tensor, std: float) -> None:
     if weight.is_meta:  # parameter counting builds the model on the meta device: nothing to draw
         return
     with torch.no_grad():
-        weight.copy_(torch.empty(weight.shape, dtype=torch.float32).normal_(0.0, std))
+        # device="cpu" is explicit: a `with torch.device(...)` block (and zero.Init) would otherwise place it there
+        weight.copy_(torch.empty(weight.shape, dtype=torch.float32, device="cpu").normal_(0.0, std))
 
 
 class Linear(nn.Linear):
