@@ -190,7 +190,10 @@ def add_estimates(
                 recipe = load_recipe(recipe_file, [*overrides, *row.config.split("+")[1:]])
             else:
                 continue
-            row.est_mem_gib = estimate_file(recipe, recipe_path, ds_path, 1, world).peak() / GIB
+            from deepspeed.accelerator import get_accelerator
+
+            fused = get_accelerator().device_name() == "cuda"  # the runs' devices: torch's fused RMSNorm or not
+            row.est_mem_gib = estimate_file(recipe, recipe_path, ds_path, 1, world, fused_norms=fused).peak() / GIB
         except DstrainError:
             continue  # an invalid config: its row already says why
 

@@ -9,9 +9,10 @@ from dstrain.config import Recipe
 from dstrain.strategy.resolve import Strategy
 
 
-def activation_bytes(recipe: Recipe, strategy: Strategy) -> tuple[int, int]:
-    """(saved for backward, logits gradient) per rank. torch's RMSNorm keeps fp32 copies (a fused CUDA kernel keeps
-    less, so this errs high); a pipeline's first stage holds min(stages, accumulation) micro-batches (1F1B)."""
+def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = True) -> tuple[int, int]:
+    """(saved for backward, logits gradient) per rank; a pipeline's first stage holds min(stages, accumulation)
+    micro-batches (1F1B). ``fused_norms``: torch's RMSNorm on a GPU is one fused kernel that keeps its input and an
+    fp32 rstd per row; on a CPU (False) its composite path keeps fp32 copies of input and output."""
     m, t = recipe.model, strategy.tp_size
     a = 4 if strategy.precision == "fp32" else 2
     seq = recipe.data.seq_len // strategy.sp_size  # a sequence-parallel rank's slice of each sample
@@ -19,10 +20,11 @@ def activation_bytes(recipe: Recipe, strategy: Strategy) -> tuple[int, int]:
     h, kv, f, heads = m.d_model, m.kv_heads * m.head_dim, m.ff_dim, m.n_head
     q = m.n_head * m.head_dim  # d_model unless model.d_head decouples them (Qwen3)
     if m.flavour == "llama":
-        norm = 8 * h + 4  # torch's RMSNorm keeps fp32 copies of its input and output, and rstd
+        norm = (a if fused_norms else 8) * h + 4  # the norm's input (fused) or fp32 input and output; rstd
         inner = 2 * q + 2 * kv + 4 * f  # q, k, v, attention output; gate, up, silu(gate), their product
         if m.qk_norm is not None:  # the q and k norms keep theirs too, with an rstd per head (or per token)
-            inner += (8 * (q + kv) + 4 * (heads + m.kv_heads if m.qk_norm == "head" else 2)) // a
+            rstd = 4 * (heads + m.kv_heads if m.qk_norm == "head" else 2)
+            inner += ((a if fused_norms else 8) * (q + kv) + rstd) // a
     else:
         norm = a * (h + 2)  # LayerNorm keeps its input, mean and rstd
         inner = 2 * h + 2 * kv + 2 * f  # q, k, v, attention output; up, gelu(up)
@@ -34,7 +36,9 @@ def activation_bytes(recipe: Recipe, strategy: Strategy) -> tuple[int, int]:
     else:
         stage = layers * block
     head = tokens * (norm + a * h + 4 * m.vocab_size + 8)  # final norm, lm_head input, fp32 log-probs, labels
-    ids, logits_grad = tokens * 8, int(tokens * (4 + a) * m.vocab_size)
+    # The loss's backward holds three fp32 T x V tensors at once: the saved log-probs, nll_loss's (dense) gradient
+    # and log_softmax's; the first is in `head`. (4 + a) undercounted bf16 by 2·T·V: 3 GiB of gpt2-125m's 30 on an H100.
+    ids, logits_grad = tokens * 8, int(tokens * 8 * m.vocab_size)
     if strategy.pp_stages == 1:
         return int(stage + head + ids), logits_grad
     in_flight = min(strategy.pp_stages, strategy.grad_accum)  # 1F1B: micro-batches the first stage holds

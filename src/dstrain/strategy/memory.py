@@ -128,7 +128,9 @@ def estimate(
     gpus_per_node: int,
     device_memory_gib: float = 80.0,
     reserve_gib: float = 1.0,
+    fused_norms: bool = True,
 ) -> Estimate:
+    """What each rank holds; ``fused_norms``: the devices run torch's fused RMSNorm (a GPU), not its CPU path."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     zero = DeepSpeedZeroConfig(**strategy.ds_config.get("zero_optimization", {}))  # DeepSpeed's own defaults
@@ -152,10 +154,10 @@ def estimate(
     part = math.ceil(counts.total / n) if strategy.ep_size > 1 else None
     muon = muon_params(recipe.model) if recipe.optim.kind == "muon" else 0  # accepted on plain data parallelism only
     est.parts = model_state_parts(strategy, counts.per_rank, persistent, part, muon)
-    saved, transient = activation_bytes(recipe, strategy)
+    saved, transient = activation_bytes(recipe, strategy, fused_norms)
     est.parts += [
         Part("activations", "saved for backward", "device", saved, 0, "see module docstring"),
-        Part("activations", "logits gradient (backward start)", "device", transient, 0, "(4 + a)·T·V"),
+        Part("activations", "logits gradient (backward start)", "device", transient, 0, "8·T·V"),
     ]
     if recipe.model.moe is not None:
         moe_bytes = moe_activation_bytes(recipe.model, strategy.micro_batch * recipe.data.seq_len, strategy.precision)
@@ -388,10 +390,11 @@ def estimate_file(
     gpus_per_node: int,
     device_memory_gib: float = 80.0,
     reserve_gib: float = 1.0,
+    fused_norms: bool = True,
 ) -> Estimate:
     """Resolve ``ds_file`` against the recipe for nodes x gpus_per_node ranks, then estimate."""
     if nodes < 1 or gpus_per_node < 1:
         raise DstrainError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: both must be at least 1")
     # The estimate is for the cluster's devices, not this host's: its fp16 support does not matter.
     strategy = resolve(recipe, recipe_file, load_ds_config(ds_file), ds_file, nodes * gpus_per_node, check_device=False)
-    return estimate(recipe, strategy, nodes, gpus_per_node, device_memory_gib, reserve_gib)
+    return estimate(recipe, strategy, nodes, gpus_per_node, device_memory_gib, reserve_gib, fused_norms)
