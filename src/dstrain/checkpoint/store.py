@@ -135,10 +135,20 @@ def write_partial(engine, checkpoint_dir: Path, tag: str, client_state: dict, wr
     saved, engine.checkpoint_engine = engine.checkpoint_engine, writer
     try:
         engine.save_checkpoint(str(checkpoint_dir), tag=tag + PARTIAL, client_state=client_state, save_latest=False)
+    except OSError as e:  # an NVMe run's swap files, copied past the writer (nvme.finish_save_after_failed_copy)
+        writer.disk_full = integrity.disk_full_cause(e)
+        if writer.disk_full is None or not engine.zero_nvme_offload_optimizer():
+            raise
+        nvme.finish_save_after_failed_copy(engine)
     finally:
         engine.checkpoint_engine = saved
-    if engine.zero_nvme_offload_optimizer():
-        nvme.record_subgroups(engine, checkpoint_dir / (tag + PARTIAL))
+    if engine.zero_nvme_offload_optimizer() and writer.disk_full is None:
+        try:
+            nvme.record_subgroups(engine, checkpoint_dir / (tag + PARTIAL))
+        except OSError as e:
+            writer.disk_full = integrity.disk_full_cause(e)
+            if writer.disk_full is None:
+                raise
 
 
 def agree_written(engine, checkpoint_dir: Path, tag: str, disk_full: OSError | None) -> None:
