@@ -23,6 +23,7 @@ from deepspeed.accelerator import get_accelerator
 
 from dstrain.checkpoint import store
 from dstrain.checkpoint.background import BackgroundSaves
+from dstrain.checkpoint.record import ClientState
 from dstrain.config import recipe_changes, to_dict
 from dstrain.data.sampler import micro_batches
 from dstrain.errors import DstrainError
@@ -156,16 +157,15 @@ class Trainer:
     # --- checkpoints ------------------------------------------------------------------
     def save(self, background: bool = False) -> None:
         """A checkpoint of this step; ``background``: snapshot now, write while training goes on."""
-        client_state = {
-            "consumed_samples": self.progress.consumed_samples,
-            "rng": store.rng_state(),
-            "recipe": to_dict(self.recipe),
-            "data_fingerprint": self.data_fingerprint,
-            "world_size": self.world,
-            "strategy": self.strategy.name,
-        }
-        if self.guard is not None:
-            client_state["spike_guard"] = self.guard.state_dict()
+        client_state = ClientState(
+            consumed_samples=self.progress.consumed_samples,
+            rng=store.rng_state(),
+            recipe=to_dict(self.recipe),
+            data_fingerprint=self.data_fingerprint,
+            world_size=self.world,
+            strategy=self.strategy.name,
+            spike_guard=None if self.guard is None else self.guard.state_dict(),
+        ).to_saved()
         if background:
             self.saves.start(self.progress.step, client_state)
             return
@@ -176,25 +176,25 @@ class Trainer:
         """Wait for the background write in flight, if any, and publish it."""
         self.saves.wait()
 
-    def restore(self, tag: str) -> dict:
+    def restore(self, tag: str) -> ClientState:
         """Model, optimizer, schedule, RNG, data position and spike guard of checkpoint ``tag``; its client state."""
-        state = store.load(self.engine, RunDir(self.run_dir).checkpoints, tag)
-        if state.get("data_fingerprint") != self.data_fingerprint:
+        state = ClientState.from_saved(store.load(self.engine, RunDir(self.run_dir).checkpoints, tag))
+        if state.data_fingerprint != self.data_fingerprint:
             raise DstrainError(
                 f"{self.run_dir / 'checkpoints' / tag} was trained on other data; "
                 f"use a new run_dir or restore data.sources"
             )
         self.progress.step = self.engine.global_steps
-        self.progress.consumed_samples = state["consumed_samples"]
-        store.set_rng_state(state["rng"])
+        self.progress.consumed_samples = state.consumed_samples
+        store.set_rng_state(state.rng)
         apply_recipe_to_optimizer(self.engine, self.recipe)
         if self.guard is not None:
-            self.guard.load_state_dict(state.get("spike_guard"))
+            self.guard.load_state_dict(state.spike_guard)
         return state
 
     def resume(self, tag: str) -> None:
         state = self.restore(tag)
-        changed = recipe_changes(state.get("recipe") or {}, to_dict(self.recipe))
+        changed = recipe_changes(state.recipe, to_dict(self.recipe))
         if self.is_rank0:
             print(
                 f"resumed from {tag}: step {self.progress.step}, {self.progress.consumed_samples} samples consumed",
@@ -238,7 +238,7 @@ class Trainer:
             return False
         spikes, skipped = guard.spikes, guard.skipped
         state = self.restore(tag)  # weights, optimizer, schedule, RNG, consumed_samples and the guard of `tag`
-        first = state["consumed_samples"]
+        first = state.consumed_samples
         guard.spikes, guard.skipped = spikes, [*skipped, [first, spike_samples]]
         guard.lr_until = self.progress.step + config.lr_steps
         self.progress.consumed_samples = spike_samples
