@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
+from dstrain.metrics import SourceLoss, evaluation_summary, perplexity
 from dstrain.model.config import GPTConfig
 from dstrain.run_dir import RunDir
 
@@ -119,27 +119,26 @@ def evaluate(args: argparse.Namespace) -> dict:
     model = GPT(config)
     model.load_state_dict(state, strict=True)
     model.to(device).eval()
-    results = _per_source(model, sets, args.samples, micro, device)
-    loss = sum(r["weight"] * r["loss"] for r in results.values()) / sum(r["weight"] for r in results.values())
-    result = {
-        "model": str(args.model),
-        "split": args.split,
-        "samples": sum(r["samples"] for r in results.values()),
-        "tokens": sum(r["tokens"] for r in results.values()),
-        "loss": loss,
-        "ppl": math.exp(min(loss, 50.0)),
+    losses, tokens = _per_source(model, sets, args.samples, micro, device)
+    result = {"model": str(args.model), "split": args.split, **evaluation_summary(losses), "tokens": sum(tokens)}
+    if len(losses) == 1:
+        return result
+    result["sources"] = {
+        s.name: {"weight": s.weight, "samples": s.samples, "tokens": n, "loss": s.loss, "ppl": perplexity(s.loss)}
+        for s, n in zip(losses, tokens)
     }
-    return {**result, "sources": results} if len(results) > 1 else result
+    return result
 
 
-def _per_source(model, sets, samples: int | None, micro: int, device) -> dict[str, dict]:
-    """Loss and perplexity of each source's split (its first ``samples`` samples, or all)."""
-    results = {}
+def _per_source(model, sets, samples: int | None, micro: int, device) -> tuple[list[SourceLoss], list[int]]:
+    """Each source's loss over its split (its first ``samples`` samples, or all), and the tokens it counted."""
+    sources, tokens = [], []
     for name, weight, data in sets:
         n = len(data) if samples is None else min(len(data), samples)
-        loss, tokens = _mean_loss(model, data, n, micro, device)
-        results[name] = {"weight": weight, "samples": n, "tokens": tokens, "loss": loss, "ppl": math.exp(min(loss, 50))}
-    return results
+        loss, counted = _mean_loss(model, data, n, micro, device)
+        sources.append(SourceLoss(name, weight, loss, n))
+        tokens.append(counted)
+    return sources, tokens
 
 
 @torch.no_grad()

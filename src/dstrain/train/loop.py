@@ -27,7 +27,15 @@ from dstrain.checkpoint.record import ClientState
 from dstrain.config import recipe_changes, to_dict
 from dstrain.data.sampler import micro_batches
 from dstrain.errors import DstrainError
-from dstrain.metrics import IntervalClock, MetricsLog, device_peak, largest_peak_memory_of_all_ranks
+from dstrain.metrics import (
+    IntervalClock,
+    MetricsLog,
+    SourceLoss,
+    device_peak,
+    evaluation_summary,
+    largest_peak_memory_of_all_ranks,
+    perplexity,
+)
 from dstrain.model.config import describe_params, flops_per_token
 from dstrain.run_dir import RunDir, step_of
 from dstrain.train import mixture
@@ -115,23 +123,16 @@ class Trainer:
         """One record per source when there are several (split ``valid/<source>``), then the ``valid`` record:
         the sources' losses averaged by their data.sources weights. ``train.eval_samples`` applies per source."""
         self.engine.eval()
-        losses = [(name, weight, *self._mean_loss(data)) for name, weight, data in self.valid_sets]
+        sources = [SourceLoss(name, weight, *self._mean_loss(data)) for name, weight, data in self.valid_sets]
         self.steps.end_eval()
         self.engine.train()
-        records = (
-            [self._eval_record(f"valid/{name}", loss, n) for name, _, loss, n in losses] if len(losses) > 1 else []
-        )
-        total = sum(weight * loss for _, weight, loss, _ in losses) / sum(weight for _, weight, _, _ in losses)
-        return [*records, self._eval_record("valid", total, sum(n for *_, n in losses))]
-
-    def _eval_record(self, split: str, loss: float, samples: int) -> dict:
-        return {
-            "step": self.progress.step,
-            "split": split,
-            "loss": loss,
-            "ppl": math.exp(min(loss, 50.0)),
-            "samples": samples,
-        }
+        step = self.progress.step
+        records = [
+            {"step": step, "split": f"valid/{s.name}", "loss": s.loss, "ppl": perplexity(s.loss), "samples": s.samples}
+            for s in sources
+            if len(sources) > 1
+        ]
+        return [*records, {"step": step, "split": "valid", **evaluation_summary(sources)}]
 
     def _mean_loss(self, data) -> tuple[float, int]:
         """Token-weighted mean loss over the first ``train.eval_samples`` samples of ``data``, and their count."""
