@@ -76,6 +76,7 @@ class Trainer:
         self.train_data, self.valid_sets = train_data, valid_sets
         # Only DeepSpeed's groups know the pipeline/TP layout, so the data-parallel rank comes from them.
         self.run_dir, self.dp_rank = run_dir, data_parallel_rank(engine, strategy)
+        self.files = RunDir(run_dir)
         self.data_fingerprint, self.identity = data_fingerprint, identity or {}
         self.device = engine.device
         self.rank = torch.distributed.get_rank()
@@ -88,7 +89,7 @@ class Trainer:
         self.clock = IntervalClock()
         self.log = MetricsLog(run_dir, self.is_rank0, recipe.total_steps, getattr(engine, "monitor", None))
         self.moe = MoEMeter(engine.module, recipe.model, self.device)
-        self.saves = BackgroundSaves(engine, RunDir(run_dir).checkpoints, recipe.train.keep_last, self.identity)
+        self.saves = BackgroundSaves(engine, self.files.checkpoints, recipe.train.keep_last, self.identity)
         self.guard = SpikeGuard(recipe.train.spike_guard) if recipe.train.spike_guard.enabled else None
         backend = get_accelerator().communication_backend_name()
         watch = recipe.train.watchdog
@@ -170,7 +171,7 @@ class Trainer:
         if background:
             self.saves.start(self.progress.step, client_state)
             return
-        where, keep = RunDir(self.run_dir).checkpoints, self.recipe.train.keep_last
+        where, keep = self.files.checkpoints, self.recipe.train.keep_last
         store.save(self.engine, where, self.progress.step, client_state, keep, self.identity)
 
     def finish_pending_save(self) -> None:
@@ -179,11 +180,10 @@ class Trainer:
 
     def restore(self, tag: str) -> ClientState:
         """Model, optimizer, schedule, RNG, data position and spike guard of checkpoint ``tag``; its client state."""
-        state = ClientState.from_saved(store.load(self.engine, RunDir(self.run_dir).checkpoints, tag))
+        state = ClientState.from_saved(store.load(self.engine, self.files.checkpoints, tag))
         if state.data_fingerprint != self.data_fingerprint:
             raise DstrainError(
-                f"{self.run_dir / 'checkpoints' / tag} was trained on other data; "
-                f"use a new run_dir or restore data.sources"
+                f"{self.files.checkpoints / tag} was trained on other data; use a new run_dir or restore data.sources"
             )
         self.progress.step = self.engine.global_steps
         self.progress.consumed_samples = state.consumed_samples
@@ -218,7 +218,7 @@ class Trainer:
         config = guard.config
         spike_step, spike_samples = self.progress.step, self.progress.consumed_samples
         median = limit / config.factor
-        checkpoints = RunDir(self.run_dir).checkpoints
+        checkpoints = self.files.checkpoints
         self.watch.begin("rollback", spike_step)
         self.finish_pending_save()  # a background write of an earlier step publishes first
         if guard.too_many(spike_step):
@@ -269,7 +269,7 @@ class Trainer:
             print(describe_params(self.recipe.model), self.peak_line, sep="\n", flush=True)
             mixture.print_stages(self.recipe, self.train_data)
         self.clock = IntervalClock()
-        health = StepHealth(self.engine, t, self.strategy.precision, RunDir(self.run_dir).checkpoints)
+        health = StepHealth(self.engine, t, self.strategy.precision, self.files.checkpoints)
         status = "completed"
         self.watch.start()
         while self.progress.step < total:

@@ -298,15 +298,16 @@ def checked_inputs(args: argparse.Namespace):
     )
     preflight.check(recipe, args.recipe)
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe)
-    tag = resume_tag(RunDir(recipe.output_dir).checkpoints, args.resume)
+    files = RunDir(recipe.output_dir)
+    tag = resume_tag(files.checkpoints, args.resume)
     check_run_dir(recipe, args.recipe, recipe.output_dir, tag, args.resume, fingerprint)
     if tag:
         from dstrain.checkpoint import nvme
         from dstrain.data.tokenizer import check_run_tokenizer
 
-        nvme.check_resume(RunDir(recipe.output_dir).checkpoints / tag, strategy)
-        if RunDir(recipe.output_dir).tokenizer.is_dir():
-            check_run_tokenizer(RunDir(recipe.output_dir).tokenizer, recipe.data.sources[0].path)
+        nvme.check_resume(files.checkpoints / tag, strategy)
+        if files.tokenizer.is_dir():
+            check_run_tokenizer(files.tokenizer, recipe.data.sources[0].path)
     from dstrain.tasks.loading import load_tasks
 
     return recipe, strategy, fingerprint, tag, load_tasks(recipe.train.tasks, args.recipe)
