@@ -82,6 +82,18 @@ def test_plan_refuses_bad_arguments_in_one_line(argv, words, capsys):
     assert len(err) == 1 and words in err[0]
 
 
+@pytest.mark.parametrize("command", ["plan", "estimate"])
+def test_sizing_a_recipe_whose_data_is_not_prepared_names_the_override_that_does_without(tmp_path, capsys, command):
+    recipe = small_recipe(tmp_path, tmp_path / "not-prepared")
+    argv = [command, "--recipe", str(recipe)]
+    if command == "estimate":
+        argv += ["--deepspeed_config", str(ROOT / "ds_configs" / "zero1.json")]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "manifest" in err[0], err
+    assert err[0].endswith(f"; to {command} without the data, pass model.vocab_size=<size>"), err
+
+
 def test_plan_never_overwrites_a_file(tmp_path, capsys):
     out = tmp_path / "mine.json"
     out.write_text("{}")

@@ -111,24 +111,17 @@ def train_and_signal_at(
 ) -> int:
     """Rank target: train, with ``rank`` sending itself ``signum`` (``times`` times, ``gap_s`` apart) right after
     optimizer step ``step``."""
-    from dstrain.train.loop import Trainer
     from dstrain.train.run import main
+    from dstrain.train.steps import StepHooks
 
-    original = Trainer.train_step
+    class SignalAfterStep(StepHooks):
+        def stepped(self, taken: int) -> None:
+            if taken == step and int(os.environ["RANK"]) == rank:
+                for i in range(times):
+                    time.sleep(gap_s if i else 0.0)
+                    os.kill(os.getpid(), signum)
 
-    def train_step(self, batches):
-        loss = original(self, batches)
-        if self.progress.step + 1 == step and int(os.environ["RANK"]) == rank:
-            for i in range(times):
-                time.sleep(gap_s if i else 0.0)
-                os.kill(os.getpid(), signum)
-        return loss
-
-    Trainer.train_step = train_step
-    try:
-        return main(argv)
-    finally:  # a later run in the same process (run_all's lists) trains unpatched
-        Trainer.train_step = original
+    return main(argv, SignalAfterStep())
 
 
 def enable_fp16_on_cpu() -> None:
@@ -141,20 +134,18 @@ def enable_fp16_on_cpu() -> None:
 
 def train_fp16_with_overflows(argv: list[str], overflow_steps: set[int] | None) -> int:
     """Rank target: fp16 training where the loss of the given optimizer steps (1-based; None = all) is made inf."""
-    from dstrain.train.loop import Trainer
     from dstrain.train.run import main
+    from dstrain.train.steps import StepHooks
+
+    class Overflows(StepHooks):
+        def forward(self, step, batch, forward):
+            loss = forward(batch)
+            if overflow_steps is None or step in overflow_steps:
+                loss = loss * float("inf")  # every gradient becomes inf/nan: an overflow
+            return loss
 
     enable_fp16_on_cpu()
-    original = Trainer._forward_loss
-
-    def forward_loss(self, batch):
-        loss = original(self, batch)
-        if overflow_steps is None or self.progress.step + 1 in overflow_steps:
-            loss = loss * float("inf")  # every gradient becomes inf/nan: an overflow
-        return loss
-
-    Trainer._forward_loss = forward_loss
-    return main(argv)
+    return main(argv, Overflows())
 
 
 def zero0_fp16_gradient_scale() -> float:
@@ -193,22 +184,21 @@ def train_with_fault(argv: list[str], step: int, fault: str, rank: int | None = 
     """Rank target: train, and at optimizer step ``step`` (on ``rank``, or every rank if None) inject ``fault``:
     "raise" (an exception), "nan" (the loss becomes NaN), "die-in-save" (the process dies inside
     save_checkpoint after DeepSpeed wrote its files, before dstrain publishes them)."""
-    from dstrain.train.loop import Trainer
     from dstrain.train.run import main
+    from dstrain.train.steps import StepHooks
 
     here = rank is None or int(os.environ["RANK"]) == rank
-    forward_loss = Trainer._forward_loss
 
-    def faulty_loss(self, batch):
-        loss = forward_loss(self, batch)
-        if here and self.progress.step + 1 == step:
-            if fault == "raise":
-                raise ValueError(f"injected fault at step {step}")
-            if fault == "nan":
-                loss = loss * float("nan")
-        return loss
+    class Fault(StepHooks):
+        def forward(self, taking, batch, forward):
+            loss = forward(batch)
+            if here and taking == step:
+                if fault == "raise":
+                    raise ValueError(f"injected fault at step {step}")
+                if fault == "nan":
+                    loss = loss * float("nan")
+            return loss
 
-    Trainer._forward_loss = faulty_loss
     if fault == "die-in-save":
         from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -221,28 +211,24 @@ def train_with_fault(argv: list[str], step: int, fault: str, rank: int | None = 
             return result
 
         DeepSpeedEngine.save_checkpoint = save_then_die
-    return main(argv)
+    return main(argv, Fault())
 
 
 def train_with_poison(argv: list[str], first: int, end: int, factor: float = 10.0) -> int:
     """Rank target: train with samples [first, end) of the train stream poisoned: the loss of a micro-batch that
     holds one is multiplied by ``factor`` (and so are its gradients), wherever in the run that sample is read."""
-    from dstrain.train.loop import Trainer
     from dstrain.train.run import main
+    from dstrain.train.steps import StepHooks
 
-    to_device, forward_loss = Trainer._to_device, Trainer._forward_loss
+    class Poison(StepHooks):
+        def train_batch(self, samples, batch):
+            return {**batch, "poisoned": any(first <= i < end for i in samples)}
 
-    def marked(self, samples, data):
-        batch = to_device(self, samples, data)
-        batch["poisoned"] = data is self.train_data and any(first <= i < end for i in samples)
-        return batch
+        def forward(self, step, batch, forward):
+            loss = forward(batch)
+            return loss * factor if batch.get("poisoned") else loss
 
-    def poisoned_loss(self, batch):
-        loss = forward_loss(self, batch)
-        return loss * factor if batch.get("poisoned") else loss
-
-    Trainer._to_device, Trainer._forward_loss = marked, poisoned_loss
-    return main(argv)
+    return main(argv, Poison())
 
 
 def sleep_in_step(marker: str) -> None:
@@ -254,18 +240,16 @@ def sleep_in_step(marker: str) -> None:
 def train_and_hang_at(argv: list[str], step: int, rank: int, marker: str) -> int:
     """Rank target: train, with ``rank`` hanging in the forward pass of optimizer step ``step`` (the time it began
     hanging written to ``marker``)."""
-    from dstrain.train.loop import Trainer
     from dstrain.train.run import main
+    from dstrain.train.steps import StepHooks
 
-    forward_loss = Trainer._forward_loss
+    class Hang(StepHooks):
+        def forward(self, taking, batch, forward):
+            if taking == step and int(os.environ["RANK"]) == rank:
+                sleep_in_step(marker)
+            return forward(batch)
 
-    def hanging_loss(self, batch):
-        if self.progress.step + 1 == step and int(os.environ["RANK"]) == rank:
-            sleep_in_step(marker)
-        return forward_loss(self, batch)
-
-    Trainer._forward_loss = hanging_loss
-    return main(argv)
+    return main(argv, Hang())
 
 
 def train_with_slow_writes(argv: list[str], seconds: float, signal_step: int | None = None) -> int:

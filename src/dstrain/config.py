@@ -234,6 +234,16 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     return recipe
 
 
+def load_recipe_to_size(path: str | Path, overrides: Sequence[str], purpose: str) -> Recipe:
+    """``load_recipe`` for what sizes a run without reading its data (dstrain estimate, plan): a refusal for want of
+    the prepared data's manifest also names the override that does without it; ``purpose``: "estimate", "plan"."""
+    try:
+        return load_recipe(path, overrides)
+    except DstrainError as e:
+        hint = f"; to {purpose} without the data, pass model.vocab_size=<size>" if "manifest" in str(e) else ""
+        raise DstrainError(f"{e}{hint}") from None
+
+
 def refuse_moved_keys(raw: dict, path: Path) -> None:
     """model.activation_checkpointing, where nanoGPT-style recipes keep it, is a memory strategy: the ds_config's."""
     model = raw.get("model")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import time
@@ -188,6 +189,27 @@ class EventRecord(TypedDict, total=False):
     threshold: float  # spike: factor x median
     rolled_back_to: str | None  # spike: the tag reloaded; None before the first checkpoint
     skipped_samples: list[int] | None  # spike: [first, end) of the samples skipped on the way back
+
+
+@dataclass(frozen=True)
+class SourceLoss:
+    """One data source's evaluation: the token-weighted mean loss of its first ``samples`` samples."""
+
+    name: str
+    weight: float  # its data.sources weight
+    loss: float
+    samples: int
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))  # capped: a diverged run's loss would overflow it
+
+
+def evaluation_summary(sources: list[SourceLoss]) -> dict:
+    """The evaluation of all sources, as the trainer's ``valid`` record and ``dstrain eval`` both give it: the
+    sources' losses averaged by their data.sources weights, and the samples evaluated."""
+    loss = sum(s.weight * s.loss for s in sources) / sum(s.weight for s in sources)
+    return {"loss": loss, "ppl": perplexity(loss), "samples": sum(s.samples for s in sources)}
 
 
 def _parse(line: str) -> dict | None:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from dstrain.config import Recipe
 
 TAG = re.compile(r"^global_step(\d+)$")
+LATEST = "latest"  # in a checkpoints folder: the newest published tag's name (DeepSpeed's convention)
 
 
 def tag_for(step: int) -> str:
@@ -87,12 +88,25 @@ class RunDir:
         return self.root / "checkpoints"
 
     @property
+    def latest(self) -> Path:
+        return self.checkpoints / LATEST
+
+    @property
+    def records(self) -> tuple[Path, ...]:
+        """What any run leaves, even one that failed at its start: one of them there, a run was here."""
+        return self.metrics, self.summary, self.ds_config
+
+    @property
     def loss_plot(self) -> Path:
         return self.root / "loss.png"
 
     @property
     def tasks_plot(self) -> Path:
         return self.root / "tasks.png"
+
+    @property
+    def hang(self) -> Path:
+        return self.root / "hang"
 
     @property
     def previous(self) -> Path:

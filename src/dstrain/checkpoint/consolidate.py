@@ -32,7 +32,7 @@ from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 from dstrain.model.gpt import StateDict
 from dstrain.model.pipe import TIED_KEY, layer_prefixes
-from dstrain.run_dir import RunDir
+from dstrain.run_dir import LATEST, RunDir
 from dstrain.typed_yaml import parse
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
@@ -113,9 +113,9 @@ def consolidate_tensor_parallel(shards: list[StateDict], tensor_parallel: dict) 
 def tag_folder(path: str | Path) -> Path:
     """A tag folder from a run folder, a checkpoints/ folder (its `latest`) or the tag folder itself."""
     path = Path(path)
-    for folder in (path / "checkpoints", path):
-        if (folder / "latest").is_file():
-            return folder / (folder / "latest").read_text().strip()
+    for folder in (RunDir(path).checkpoints, path):
+        if (folder / LATEST).is_file():
+            return folder / (folder / LATEST).read_text().strip()
     if not path.is_dir():
         raise DstrainError(f"{path}: no such checkpoint; name a run folder, its checkpoints/ or one global_step* in it")
     return path
@@ -160,7 +160,7 @@ def load_run(run_dir: str | os.PathLike, tag: str | None):
     checkpoints = files.checkpoints
     if tag is None:  # the tag `latest` names, else the newest saved; damaged, it is refused below
         tags = published_tags(checkpoints)
-        latest = (checkpoints / "latest").read_text().strip() if (checkpoints / "latest").is_file() else None
+        latest = files.latest.read_text().strip() if files.latest.is_file() else None
         tag = latest if latest in tags else (tags[-1] if tags else None)
     if tag is None:
         raise DstrainError(f"{checkpoints}: no complete checkpoint; train the run first or pass --tag")

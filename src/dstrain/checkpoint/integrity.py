@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import IO, cast
 
@@ -109,6 +110,11 @@ def disk_full_cause(error: BaseException) -> OSError | None:
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in DISK_FULL:
             return seen
+        if isinstance(seen, shutil.Error):  # copytree's: each copy's error as (src, dst, text), the errno only in it
+            for _, dst, text in seen.args[0]:
+                full = next((n for n in DISK_FULL if str(text).startswith(f"[Errno {n}]")), None)
+                if full is not None:
+                    return OSError(full, os.strerror(full), dst)
         seen = seen.__cause__ or seen.__context__
     return None
 
@@ -160,8 +166,6 @@ def check_pickles(tag_dir: Path, record: CheckpointRecord) -> None:
 
 def free_space_line(folder: Path, needed: int, error: OSError | None) -> str:
     """One line for a checkpoint that did not fit: the filesystem, its free space and what a checkpoint needs."""
-    import shutil
-
     mount = folder
     while not mount.exists() or (not os.path.ismount(mount) and mount != mount.parent):
         mount = mount.parent

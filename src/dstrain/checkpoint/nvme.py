@@ -46,6 +46,21 @@ def record_subgroups(engine, tag_dir: Path) -> None:
     (rank_folder(tag_dir, swap_rank(engine)) / SUBGROUPS).write_text(json.dumps(groups))
 
 
+def finish_save_after_failed_copy(engine) -> None:
+    """What engine.save_checkpoint still does after its copy of the swap files, for a rank whose copy met a full
+    disk: the other ranks' saves go on to these collectives, and this one's must meet them.
+
+    DeepSpeed 0.19.8 (runtime/engine.py save_checkpoint) copies an NVMe run's swap folder into the tag with
+    ``shutil.copytree``, past the checkpoint engine (so past dstrain.checkpoint.integrity's full-disk record), and
+    then runs the optimizer's checkpoint_event_epilogue (ZeRO-3 gathers its persistent parameters again) and a
+    barrier. tests/test_disk_full.py::test_a_full_disk_while_copying_the_nvme_swap_files_ends_in_one_line drives it."""
+    import torch
+
+    if engine._optimizer_has_ckpt_event_epilogue():
+        engine.optimizer.checkpoint_event_epilogue()
+    torch.distributed.barrier()
+
+
 def swap_rank(engine) -> int:
     """The rank that names this rank's folder of swap files, as engine.save_checkpoint / load_checkpoint pick it."""
     return engine.local_rank if engine.use_node_local_storage() else engine.global_rank

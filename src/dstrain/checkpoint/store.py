@@ -31,7 +31,7 @@ from dstrain.checkpoint import integrity, nvme, reshard, safe_load
 from dstrain.checkpoint.record import PARTIAL, RECORD, CheckpointRecord, read_record
 from dstrain.data.manifest import write_text_atomic
 from dstrain.errors import DiskFull
-from dstrain.run_dir import TAG, tag_for
+from dstrain.run_dir import LATEST, TAG, tag_for
 from dstrain.strategy.resolve import Topology
 
 
@@ -89,7 +89,7 @@ def newest_complete(checkpoint_dir: Path) -> str | None:
     """The tag ``latest`` names when it is intact, else the most recently saved intact one; a damaged one is
     reported in one line (the file, expected against found) and passed over."""
     try:
-        latest = (checkpoint_dir / "latest").read_text().strip()
+        latest = (checkpoint_dir / LATEST).read_text().strip()
     except OSError:
         latest = None
     tags = published_tags(checkpoint_dir)
@@ -135,10 +135,20 @@ def write_partial(engine, checkpoint_dir: Path, tag: str, client_state: dict, wr
     saved, engine.checkpoint_engine = engine.checkpoint_engine, writer
     try:
         engine.save_checkpoint(str(checkpoint_dir), tag=tag + PARTIAL, client_state=client_state, save_latest=False)
+    except OSError as e:  # an NVMe run's swap files, copied past the writer (nvme.finish_save_after_failed_copy)
+        writer.disk_full = integrity.disk_full_cause(e)
+        if writer.disk_full is None or not engine.zero_nvme_offload_optimizer():
+            raise
+        nvme.finish_save_after_failed_copy(engine)
     finally:
         engine.checkpoint_engine = saved
-    if engine.zero_nvme_offload_optimizer():
-        nvme.record_subgroups(engine, checkpoint_dir / (tag + PARTIAL))
+    if engine.zero_nvme_offload_optimizer() and writer.disk_full is None:
+        try:
+            nvme.record_subgroups(engine, checkpoint_dir / (tag + PARTIAL))
+        except OSError as e:
+            writer.disk_full = integrity.disk_full_cause(e)
+            if writer.disk_full is None:
+                raise
 
 
 def agree_written(engine, checkpoint_dir: Path, tag: str, disk_full: OSError | None) -> None:
@@ -209,7 +219,7 @@ def publish(checkpoint_dir: Path, step: int, shape: dict, keep_last: int, identi
     write_text_atomic(folder / RECORD, record.to_json())
     shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # a re-save of the same step after a resume
     os.replace(folder, checkpoint_dir / tag)
-    write_text_atomic(checkpoint_dir / "latest", tag)
+    write_text_atomic(checkpoint_dir / LATEST, tag)
     older = [t for t in published_tags(checkpoint_dir) if t != tag]
     for old in older[: max(0, len(older) - (max(1, keep_last) - 1))]:
         shutil.rmtree(checkpoint_dir / old, ignore_errors=True)

@@ -39,7 +39,6 @@ from dstrain.commands.report import (
 from dstrain.errors import DstrainError
 from dstrain.run_dir import RunDir
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "ds_config.json", LOG_NAME)  # any of them: a config's run was here
 THROUGHPUT_NOTE = (
     "Throughput (tokens/s over all ranks, TFLOP/s per device, MFU) is the steady state: the median over the "
     "logged intervals after the first, which includes start-up; with a single logged interval, that interval."
@@ -127,6 +126,11 @@ def run_all(recipe: str, entries: list, out: Path, nproc: int, overrides: list[s
         console.print(f"[{i}/{len(entries)}] {stem}: {mark} {row.status} in {seconds:.0f} s: {done}", highlight=False)
 
 
+def holds_a_run(folder: Path) -> bool:
+    """A config's run was here: its run folder's records or the launcher's log."""
+    return any(path.exists() for path in (*RunDir(folder).records, folder / LOG_NAME))
+
+
 def check_fresh(out: Path, entries: list) -> None:
     """Refuse before running anything: duplicate run names, or run folders that already hold a run."""
     stems = [stem for stem, _, _ in entries]
@@ -136,7 +140,7 @@ def check_fresh(out: Path, entries: list) -> None:
             raise DstrainError(
                 f"--deepspeed_configs {' and '.join(clash)} share the run folder {out / stem}; rename one"
             )
-        if any((out / stem / name).exists() for name in RUN_FILES):
+        if holds_a_run(out / stem):
             raise DstrainError(
                 f"{out / stem} already holds a run; choose another --out, remove it, "
                 f"or rebuild the report with --collect {out}"
@@ -256,9 +260,7 @@ def main(args: argparse.Namespace) -> int:
         out = args.collect
         if not out.is_dir():
             raise DstrainError(f"--collect {out}: no such folder")
-        found = sorted(
-            p.name for p in out.iterdir() if p.is_dir() and (any((p / n).exists() for n in RUN_FILES) or find_log(p))
-        )
+        found = sorted(p.name for p in out.iterdir() if p.is_dir() and (holds_a_run(p) or find_log(p)))
         names = list(sources) or found
         if not names:
             raise DstrainError(f"--collect {out}: no run folders (with metrics.jsonl, summary.json or a log) in it")

@@ -114,7 +114,7 @@ def read_run(run_dir: Path, ds_file: str | None = None) -> Row:
         row.status = json.loads(summary.read_text()).get("status", "incomplete")
     log = find_log(run_dir)
     if row.status == "interrupted":
-        row.reason = f"stopped by a signal after step {row.steps}; its checkpoint is in {run_dir / 'checkpoints'}"
+        row.reason = f"stopped by a signal after step {row.steps}; its checkpoint is in {files.checkpoints}"
     elif not row.ok and log is not None:
         row.status, row.reason = failure(log.read_text(errors="replace"))
     elif not row.ok:

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from dstrain.config import Recipe, load_recipe
+from dstrain.config import Recipe, load_recipe_to_size
 from dstrain.errors import DstrainError
 from dstrain.strategy.memory import Estimate, estimate_file
 from dstrain.strategy.precision import Precision
@@ -96,11 +96,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     """Exit status 0 when the config fits, 1 when it does not (so `dstrain estimate ... && sbatch ...` gates a job)."""
     check_arguments(args)
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-    except DstrainError as e:
-        hint = "; to estimate without the data, pass model.vocab_size=<size>" if "manifest" in str(e) else ""
-        raise DstrainError(f"{e}{hint}") from None
+    recipe = load_recipe_to_size(args.recipe, args.overrides, "estimate")
     # DeepSpeed announces its accelerator on stdout the first time it is asked; keep stdout for the estimate.
     with contextlib.redirect_stdout(sys.stderr):
         est = estimate_file(

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
+from dstrain.metrics import SourceLoss, evaluation_summary, perplexity
 from dstrain.model.config import GPTConfig
 from dstrain.run_dir import RunDir
 
@@ -94,9 +94,9 @@ def evaluate(args: argparse.Namespace) -> dict:
 
         run_recipe = load_recipe(run.recipe)
         if args.data:
-            _check_run_tokenizer(args.data, args.model, run_recipe)
+            _check_run_tokenizer(args.data, run, run_recipe)
         else:
-            sources = _run_sources(args.model, run_recipe)
+            sources = _run_sources(run, run_recipe)
     config, state, recipe = load_model_source(args.model, args.tag)
     if recipe is None and not args.data:
         raise DstrainError(f"{args.model} is a Hugging Face model folder; name the prepared data with --data DIR")
@@ -119,27 +119,26 @@ def evaluate(args: argparse.Namespace) -> dict:
     model = GPT(config)
     model.load_state_dict(state, strict=True)
     model.to(device).eval()
-    results = _per_source(model, sets, args.samples, micro, device)
-    loss = sum(r["weight"] * r["loss"] for r in results.values()) / sum(r["weight"] for r in results.values())
-    result = {
-        "model": str(args.model),
-        "split": args.split,
-        "samples": sum(r["samples"] for r in results.values()),
-        "tokens": sum(r["tokens"] for r in results.values()),
-        "loss": loss,
-        "ppl": math.exp(min(loss, 50.0)),
+    losses, tokens = _per_source(model, sets, args.samples, micro, device)
+    result = {"model": str(args.model), "split": args.split, **evaluation_summary(losses), "tokens": sum(tokens)}
+    if len(losses) == 1:
+        return result
+    result["sources"] = {
+        s.name: {"weight": s.weight, "samples": s.samples, "tokens": n, "loss": s.loss, "ppl": perplexity(s.loss)}
+        for s, n in zip(losses, tokens)
     }
-    return {**result, "sources": results} if len(results) > 1 else result
+    return result
 
 
-def _per_source(model, sets, samples: int | None, micro: int, device) -> dict[str, dict]:
-    """Loss and perplexity of each source's split (its first ``samples`` samples, or all)."""
-    results = {}
+def _per_source(model, sets, samples: int | None, micro: int, device) -> tuple[list[SourceLoss], list[int]]:
+    """Each source's loss over its split (its first ``samples`` samples, or all), and the tokens it counted."""
+    sources, tokens = [], []
     for name, weight, data in sets:
         n = len(data) if samples is None else min(len(data), samples)
-        loss, tokens = _mean_loss(model, data, n, micro, device)
-        results[name] = {"weight": weight, "samples": n, "tokens": tokens, "loss": loss, "ppl": math.exp(min(loss, 50))}
-    return results
+        loss, counted = _mean_loss(model, data, n, micro, device)
+        sources.append(SourceLoss(name, weight, loss, n))
+        tokens.append(counted)
+    return sources, tokens
 
 
 @torch.no_grad()
@@ -254,27 +253,27 @@ def _check_data(folder: str, model: str, config: GPTConfig, recipe: Recipe | Non
         verify_tokenizer(folder, model)
 
 
-def _check_run_tokenizer(folder: str, run: str, recipe) -> None:
+def _check_run_tokenizer(folder: str, run: RunDir, recipe) -> None:
     """--data was prepared with the run's tokenizer: equal vocabulary sizes are no proof, hashes are."""
     from dstrain.data.manifest import read_manifest
     from dstrain.data.tokenizer import load_run_tokenizer, tokenizer_hash
 
     theirs = read_manifest(folder)["tokenizer"]["hash"]
-    ours = tokenizer_hash(load_run_tokenizer(run, recipe.data))
+    ours = tokenizer_hash(load_run_tokenizer(run.root, recipe.data))
     if ours != theirs:
         raise DstrainError(
-            f"--data {folder} was prepared with another tokenizer than the run {run} was trained with (hash "
-            f"{theirs}, not {ours}); prepare it with --tokenizer {RunDir(Path(run)).tokenizer}"
+            f"--data {folder} was prepared with another tokenizer than the run {run.root} was trained with (hash "
+            f"{theirs}, not {ours}); prepare it with --tokenizer {run.tokenizer}"
         )
 
 
-def _run_sources(run: str, recipe) -> list[tuple[str, float]]:
+def _run_sources(run: RunDir, recipe) -> list[tuple[str, float]]:
     """The run's data sources where its launch found them (a relative path meant: relative to where it was launched);
     for runs from before that was recorded, as the recipe wrote them."""
     from dstrain.data.manifest import MANIFEST_NAME
     from dstrain.run_dir import read_launch
 
-    launch = read_launch(RunDir(Path(run)).recipe)
+    launch = read_launch(run.recipe)
     sources = []
     for i, source in enumerate(recipe.data.sources):
         at_launch = launch.get(f"data.sources[{i}].path")
@@ -282,8 +281,8 @@ def _run_sources(run: str, recipe) -> list[tuple[str, float]]:
         if found is None:
             where = f"{at_launch}, where the run was launched with {source.path}" if at_launch else source.path
             raise DstrainError(
-                f"the data of run {run} is gone from {where}; pass --data <folder> (its new place, or other data "
-                f"prepared with the run's tokenizer, {RunDir(Path(run)).tokenizer})"
+                f"the data of run {run.root} is gone from {where}; pass --data <folder> (its new place, or other data "
+                f"prepared with the run's tokenizer, {run.tokenizer})"
             )
         sources.append((found, source.weight))
     return sources

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from dstrain.config import Recipe, load_recipe
+from dstrain.config import Recipe, load_recipe_to_size
 from dstrain.errors import DstrainError
 from dstrain.strategy.layouts import Planned, plan
 from dstrain.strategy.memory import GIB
@@ -80,11 +80,7 @@ def device_of(args: argparse.Namespace, recipe: Recipe) -> tuple[Device, str]:
 
 def main(args: argparse.Namespace) -> int:
     check_arguments(args)
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-    except DstrainError as e:
-        hint = "; to plan without the data, pass model.vocab_size=<size>" if "manifest" in str(e) else ""
-        raise DstrainError(f"{e}{hint}") from None
+    recipe = load_recipe_to_size(args.recipe, args.overrides, "plan")
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed announces its accelerator on stdout
         device, precision = device_of(args, recipe)
         cluster = Cluster(device, args.nodes, args.gpus_per_node)

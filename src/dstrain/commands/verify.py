@@ -26,11 +26,12 @@ def main(args: argparse.Namespace) -> int:
     from dstrain.checkpoint.safe_load import UnsafeCheckpoint
     from dstrain.run_dir import RunDir
 
-    checkpoints = RunDir(Path(args.run_dir)).checkpoints
+    run = RunDir(Path(args.run_dir))
+    checkpoints = run.checkpoints
     tags = store.published_tags(checkpoints)
     if not tags:
         raise DstrainError(f"{checkpoints}: no published checkpoint to verify; name a run directory of dstrain.train")
-    latest = (checkpoints / "latest").read_text().strip() if (checkpoints / "latest").is_file() else None
+    latest = run.latest.read_text().strip() if run.latest.is_file() else None
     bad = 0
     for tag in tags:
         record = read_record(checkpoints / tag)

@@ -215,12 +215,12 @@ def check_run_tokenizer(run_tokenizer: Path, manifest_dir: str) -> None:
 def load_run_tokenizer(run_dir: str | os.PathLike, data):
     """The run folder's own tokenizer/; for runs from before it was copied there, the data's, where the run's
     launch found it (recorded in its recipe.yaml) or, failing that, as the recipe wrote it."""
-    from dstrain.run_dir import read_launch
+    from dstrain.run_dir import RunDir, read_launch
 
-    own = Path(run_dir) / TOKENIZER_DIR
-    if own.is_dir():
-        return load_tokenizer(str(own), flag="the run's tokenizer")
-    launch = read_launch(Path(run_dir) / "recipe.yaml")
+    files = RunDir(Path(run_dir))
+    if files.tokenizer.is_dir():
+        return load_tokenizer(str(files.tokenizer), flag="the run's tokenizer")
+    launch = read_launch(files.recipe)
     written = str(run_tokenizer_dir(data))
     at_launch = launch.get("data.tokenizer") if data.tokenizer else launch.get("data.sources[0].path")
     recorded = str(Path(at_launch) / TOKENIZER_DIR) if at_launch and not data.tokenizer else at_launch
@@ -231,6 +231,7 @@ def load_run_tokenizer(run_dir: str | os.PathLike, data):
         return load_tokenizer(data.tokenizer, flag="the run's data.tokenizer")
     where = f" (at launch {recorded})" if recorded and recorded != written else ""
     raise DstrainError(
-        f"{own}: no such folder (the run predates run folders that carry their tokenizer) and the tokenizer of "
-        f"its data, {written}{where}, is gone too; copy the tokenizer/ folder of the run's data to {own}"
+        f"{files.tokenizer}: no such folder (the run predates run folders that carry their tokenizer) and the "
+        f"tokenizer of its data, {written}{where}, is gone too; copy the tokenizer/ folder of the run's data to "
+        f"{files.tokenizer}"
     )

@@ -106,18 +106,12 @@ class Topology:
 class Strategy:
     ds_config: dict  # complete, with no "auto" left: what deepspeed.initialize receives
     source: str  # the ds_config file it came from
-    zero_stage: int
-    precision: Precision
+    topology: Topology  # ZeRO stage, precision, parallel sizes (ds_config "tensor_parallel.autotp_size",
+    # "pipeline.stages", "expert_parallel.autoep_size", "sequence_parallel_size"; data-parallel: what is left)
     micro_batch: int  # samples per rank per forward/backward
     grad_accum: int  # micro-batches per optimizer step on each rank
-    dp_size: int  # data-parallel replicas: world / (tp x pp x sp)
-    tp_size: int  # AutoTP degree (ds_config "tensor_parallel.autotp_size")
-    pp_stages: int  # pipeline stages (ds_config "pipeline.stages")
     offload_optimizer: str | None  # "cpu", "nvme" or None
     offload_param: str | None
-    ep_size: int = 1  # expert-parallel degree (ds_config "expert_parallel.autoep_size"; see check_expert_parallel)
-    sp_size: int = 1  # Ulysses sequence-parallel degree (ds_config "sequence_parallel_size"); Range: divides the
-    # query and key/value heads and data.seq_len
     loss_tiles: int = 1  # the loss in this many sequence tiles (ds_config "tiling.loss"); Range: 1 (off) .. seq_len
     mlp_tiles: int = 1  # each MLP in this many sequence tiles (ds_config "tiling.mlp"); Range: 1 (off) .. seq_len
 
@@ -130,18 +124,34 @@ class Strategy:
         (deepspeed.utils.groups._create_expert_and_data_parallel, data-before-expert-parallel off)."""
         return rank % self.ep_size
 
+    # The topology's fields, read through the strategy.
     @property
-    def topology(self) -> Topology:
-        return Topology(
-            world_size=self.dp_size * self.tp_size * self.pp_stages * self.sp_size,
-            zero_stage=self.zero_stage,
-            dp_size=self.dp_size,
-            tp_size=self.tp_size,
-            pp_stages=self.pp_stages,
-            precision=self.precision,
-            ep_size=self.ep_size,
-            sp_size=self.sp_size,
-        )
+    def zero_stage(self) -> int:
+        return self.topology.zero_stage
+
+    @property
+    def precision(self) -> Precision:
+        return self.topology.precision
+
+    @property
+    def dp_size(self) -> int:
+        return self.topology.dp_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.topology.tp_size
+
+    @property
+    def pp_stages(self) -> int:
+        return self.topology.pp_stages
+
+    @property
+    def ep_size(self) -> int:
+        return self.topology.ep_size
+
+    @property
+    def sp_size(self) -> int:
+        return self.topology.sp_size
 
     @property
     def zero_partitions(self) -> int:
@@ -210,20 +220,15 @@ def resolve(
         raise DstrainError(f'{ds_file}: "auto" is not supported for {leftover}; set a value')
     if validate:
         validate_ds_config(config, ds_file)  # DeepSpeed's own parser, now rather than inside deepspeed.initialize
+    topology = Topology(world_size, stage, dp_size, tp_size, pp_stages, precision, ep_size, sp_size)
     return Strategy(
         ds_config=config,
         source=ds_file,
-        zero_stage=stage,
-        precision=precision,
+        topology=topology,
         micro_batch=micro,
         grad_accum=grad_accum,
-        dp_size=dp_size,
-        tp_size=tp_size,
-        pp_stages=pp_stages,
         offload_optimizer=offload_of(config, "offload_optimizer"),
         offload_param=offload_of(config, "offload_param"),
-        ep_size=ep_size,
-        sp_size=sp_size,
         loss_tiles=loss_tiles,
         mlp_tiles=mlp_tiles,
     )

@@ -1,5 +1,6 @@
 """Loss-spike rollback: the run notices a spike, reloads the newest complete checkpoint, skips the data that
-produced the spike and goes on, as the OPT and BLOOM logbooks did by hand.
+produced the spike and goes on, as the OPT and BLOOM logbooks did by hand. Here the guard's statistic and state;
+the rollback itself is dstrain.train.loop.Trainer.roll_back.
 
 The statistic is the median of the last ``window`` steps' values (loss or pre-clip gradient norm), and a spike is
 a value above ``factor`` x that median (or not finite). A median rather than a mean or a z-score: an earlier spike,
@@ -20,12 +21,8 @@ import math
 import statistics
 from pathlib import Path
 
-import torch
-
-from dstrain.checkpoint import store
 from dstrain.config import SpikeGuardConfig
 from dstrain.errors import DstrainError
-from dstrain.run_dir import RunDir, step_of
 from dstrain.strategy.precision import Precision
 
 
@@ -77,55 +74,6 @@ class SpikeGuard:
         self.spikes = list(state.get("spikes", []))
         self.skipped = [list(w) for w in state.get("skipped", [])]
         self.lr_until = int(state.get("lr", 0))
-
-
-def roll_back(trainer, value: float, limit: float) -> bool:
-    """Every rank: reload the newest complete checkpoint, skip the data since it, log the event (True); with no
-    checkpoint yet, log the event and go on (False); after too many spikes, stop with one line.
-
-    ``trainer`` (dstrain.train.loop.Trainer) has just taken the spiking step."""
-    guard: SpikeGuard = trainer.guard
-    config = guard.config
-    spike_step, spike_samples = trainer.progress.step, trainer.progress.consumed_samples
-    median = limit / config.factor
-    checkpoints = RunDir(trainer.run_dir).checkpoints
-    trainer.watch.begin("rollback", spike_step)
-    trainer.finish_pending_save()  # a background write of an earlier step publishes first
-    if guard.too_many(spike_step):
-        raise DstrainError(
-            f"{config.metric} spike at step {spike_step} ({value:.4g} > {config.factor:g} x median {median:.4g}): "
-            f"more than train.spike_guard.max_rollbacks={config.max_rollbacks} within {config.rollback_window} "
-            f"steps; stopping, the checkpoints in {checkpoints} are kept; lower optim.lr or inspect the data"
-        )
-    # One decision for all ranks: rank 0's reading of the checkpoint folder.
-    found = [store.newest_complete(checkpoints) if trainer.is_rank0 else None]
-    torch.distributed.broadcast_object_list(found, src=0)
-    tag = found[0]
-    event = {"event": "spike", "spike_step": spike_step, "metric": config.metric, "value": value}
-    event.update(median=median, threshold=limit, rolled_back_to=tag)
-    if tag is None:
-        trainer.log.write({"step": spike_step, **event, "skipped_samples": None})
-        trainer.log.note(f"{config.metric} spike at step {spike_step} ({value:.4g} > {limit:.4g}); no checkpoint yet")
-        return False
-    spikes, skipped = guard.spikes, guard.skipped
-    state = trainer.restore(tag)  # weights, optimizer, schedule, RNG, consumed_samples and the guard of `tag`
-    first = state["consumed_samples"]
-    guard.spikes, guard.skipped = spikes, [*skipped, [first, spike_samples]]
-    guard.lr_until = trainer.progress.step + config.lr_steps
-    trainer.progress.consumed_samples = spike_samples
-    trainer.log.drop_after(trainer.progress.step)
-    assert step_of(tag) == trainer.progress.step
-    trainer.save()  # the same step again, now holding the skip: a requeued job never reads the window
-    # Logged once it is durable: a job killed after this line never trains on the window again.
-    trainer.log.write({"step": trainer.progress.step, **event, "skipped_samples": [first, spike_samples]})
-    batches = (spike_samples - first) // trainer.recipe.train.global_batch
-    trainer.log.note(
-        f"{config.metric} spike at step {spike_step} ({value:.4g} > {config.factor:g} x median {median:.4g}): "
-        f"rolled back to {tag}, skipping samples {first}-{spike_samples - 1} "
-        f"({batches} global batch{'es' if batches > 1 else ''})"
-        + (f", lr x {config.lr_factor:g} until step {guard.lr_until}" if config.lr_steps else "")
-    )
-    return True
 
 
 class StepHealth:

@@ -23,18 +23,26 @@ from deepspeed.accelerator import get_accelerator
 
 from dstrain.checkpoint import store
 from dstrain.checkpoint.background import BackgroundSaves
+from dstrain.checkpoint.record import ClientState
 from dstrain.config import recipe_changes, to_dict
-from dstrain.data.dataset import collate
 from dstrain.data.sampler import micro_batches
 from dstrain.errors import DstrainError
-from dstrain.metrics import IntervalClock, MetricsLog, device_peak, largest_peak_memory_of_all_ranks
+from dstrain.metrics import (
+    IntervalClock,
+    MetricsLog,
+    SourceLoss,
+    device_peak,
+    evaluation_summary,
+    largest_peak_memory_of_all_ranks,
+    perplexity,
+)
 from dstrain.model.config import describe_params, flops_per_token
-from dstrain.model.gpt import lm_loss, token_loss_sum
-from dstrain.run_dir import RunDir
-from dstrain.train import mixture, sequence, tiling
-from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline, monitor_paused
-from dstrain.train.heal import SpikeGuard, StepHealth, roll_back
+from dstrain.run_dir import RunDir, step_of
+from dstrain.train import mixture
+from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank
+from dstrain.train.heal import SpikeGuard, StepHealth
 from dstrain.train.moe_metrics import MoEMeter
+from dstrain.train.steps import StepHooks, StepRunner
 from dstrain.train.stop import StopSignal
 from dstrain.train.task_eval import TaskEvaluator
 from dstrain.train.watchdog import NoWatchdog, Watchdog
@@ -49,21 +57,26 @@ class Progress:
 
 class Trainer:
     def __init__(
-        self, recipe, strategy, engine, train_data, valid_sets, run_dir: Path, data_fingerprint, identity=None, tasks=()
+        self,
+        recipe,
+        strategy,
+        engine,
+        train_data,
+        valid_sets,
+        run_dir: Path,
+        data_fingerprint,
+        identity=None,
+        tasks=(),
+        hooks: StepHooks | None = None,
     ):
         """``valid_sets``: (name, weight, dataset) per data source (``dstrain.data.dataset.build_valid_sets``);
-        ``tasks``: the recipe's train.tasks, prepared (``dstrain.tasks.scoring.prepare``)."""
+        ``tasks``: the recipe's train.tasks, prepared (``dstrain.tasks.scoring.prepare``); ``hooks``: a test's
+        faults (dstrain.train.steps.StepHooks)."""
         self.recipe, self.strategy, self.engine = recipe, strategy, engine
         self.train_data, self.valid_sets = train_data, valid_sets
         # Only DeepSpeed's groups know the pipeline/TP layout, so the data-parallel rank comes from them.
         self.run_dir, self.dp_rank = run_dir, data_parallel_rank(engine, strategy)
-        self.pipeline = is_pipeline(engine)
-        # Sequence parallelism: this rank's slice of every sample (dstrain.train.sequence).
-        self.sp_size = strategy.sp_size
-        self.sp_group = engine.mpu.get_sequence_parallel_group() if self.sp_size > 1 else None
-        self.sp_rank = engine.mpu.get_sequence_parallel_rank() if self.sp_size > 1 else 0
-        self.backward_factor = sequence.backward_factor(strategy.zero_stage, self.sp_size)
-        self.pipe_batch_size = strategy.micro_batch  # the micro-batch size the pipeline's p2p buffers are sized for
+        self.files = RunDir(run_dir)
         self.data_fingerprint, self.identity = data_fingerprint, identity or {}
         self.device = engine.device
         self.rank = torch.distributed.get_rank()
@@ -76,18 +89,16 @@ class Trainer:
         self.clock = IntervalClock()
         self.log = MetricsLog(run_dir, self.is_rank0, recipe.total_steps, getattr(engine, "monitor", None))
         self.moe = MoEMeter(engine.module, recipe.model, self.device)
-        self.saves = BackgroundSaves(engine, RunDir(run_dir).checkpoints, recipe.train.keep_last, self.identity)
+        self.saves = BackgroundSaves(engine, self.files.checkpoints, recipe.train.keep_last, self.identity)
         self.guard = SpikeGuard(recipe.train.spike_guard) if recipe.train.spike_guard.enabled else None
         backend = get_accelerator().communication_backend_name()
         watch = recipe.train.watchdog
         self.watch = Watchdog(watch, run_dir, self.rank, self.world, backend) if watch.enabled else NoWatchdog()
+        self.hooks = hooks or StepHooks()
+        self.steps = StepRunner(recipe, strategy, engine, self.progress, self.hooks, self.moe, self.watch)
         self.tasks = TaskEvaluator(self, list(tasks)) if tasks else None
 
     # --- data -------------------------------------------------------------------------
-    def _to_device(self, samples: list[int], data) -> dict:
-        batch = collate([data[i] for i in samples])
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-
     def _batches(self):
         indices = micro_batches(
             self.progress.consumed_samples,
@@ -98,94 +109,31 @@ class Trainer:
         )
         n = len(self.train_data)  # a skipped window moves the stream on: past its planned end, it wraps
         for samples in indices:
-            yield self._to_device([i % n for i in samples], self.train_data)
-
-    def _forward_loss(self, batch: dict) -> torch.Tensor:
-        """The micro-batch's mean loss; under sequence parallelism this rank's share of it (the SP group's shares
-        add up to the mean)."""
-        if self.sp_group is None and self.strategy.loss_tiles == 1:
-            position_ids = batch["position_ids"] if self.recipe.model.doc_masking else None
-            return lm_loss(self.engine(batch["input_ids"], position_ids), batch["labels"])
-        if self.sp_group is not None:
-            batch = sequence.shard(batch, self.sp_rank, self.sp_size, self.recipe.model.doc_masking)
-        position_ids = batch["position_ids"] if self.sp_group is not None or self.recipe.model.doc_masking else None
-        labels, tiles = batch["labels"], self.strategy.loss_tiles
-        if tiles > 1:
-            hidden = self.engine(batch["input_ids"], position_ids, head=False)
-            losses = tiling.tiled_loss_sum(self.engine.module.lm_head, hidden, labels, tiles)
-        else:
-            losses = token_loss_sum(self.engine(batch["input_ids"], position_ids), labels)
-        count = (labels != -100).sum().to(losses.dtype)
-        if self.sp_group is not None:
-            torch.distributed.all_reduce(count, group=self.sp_group)  # the tokens of the whole sample
-        return losses / count.clamp(min=1)
-
-    def _pipe_item(self, batch: dict) -> tuple:
-        """(inputs, labels) as the first and last pipeline stages take them."""
-        inputs = (batch["input_ids"], batch["position_ids"]) if self.recipe.model.doc_masking else batch["input_ids"]
-        return inputs, batch["labels"]
-
-    def _pipe_micro_batches(self, batches, count: int):
-        # Only the first and last stages pull from it; the others' generator simply falls behind, unused.
-        for _ in range(count):
-            yield self._pipe_item(next(batches))
-
-    def _resize_pipe(self, size: int) -> None:
-        """The pipeline sizes its p2p buffers by the first micro-batch it sends; a different size needs new ones."""
-        if size != self.pipe_batch_size:
-            self.engine.reset_activation_shape()
-            self.pipe_batch_size = size
-
-    def _pipe_eval_loss(self, batch: dict) -> float | None:
-        """One micro-batch through the pipeline; its mean loss on the last stage, None on the others."""
-        self._resize_pipe(batch["labels"].shape[0])
-        with monitor_paused(self.engine):
-            losses = self.engine.eval_batch(
-                iter([self._pipe_item(batch)]), num_micro_batches=1, reduce_output=None, bcast_loss=False
-            )
-        return None if losses is None else losses[0].item()
+            samples = [i % n for i in samples]
+            yield self.hooks.train_batch(samples, self.steps.to_device(samples, self.train_data))
 
     # --- one optimizer step ------------------------------------------------------------
     def train_step(self, batches) -> torch.Tensor:
         """Forward/backward over this rank's micro-batches of one global batch; returns the mean loss."""
-        if self.pipeline:
-            # One optimizer step; returns the data-parallel mean loss on every stage.
-            return self.engine.train_batch(self._pipe_micro_batches(batches, self.strategy.grad_accum))
-        total = torch.zeros((), device=self.device)
-        for micro in range(self.strategy.grad_accum):
-            self.watch.mark(f"forward {micro}")
-            loss = self._forward_loss(next(batches))  # the LM loss, what is logged and compared
-            self.watch.mark(f"backward {micro}")
-            objective = loss + self.moe.losses() if self.moe.enabled else loss
-            self.engine.backward(objective * self.backward_factor if self.backward_factor != 1.0 else objective)
-            self.watch.mark(f"optimizer step {micro}")
-            self.engine.step()
-            total += loss.detach().float()
-        return total / self.strategy.grad_accum
+        loss = self.steps.train_step(batches)
+        self.hooks.stepped(self.progress.step + 1)
+        return loss
 
     @torch.no_grad()
     def evaluate(self) -> list[dict]:
         """One record per source when there are several (split ``valid/<source>``), then the ``valid`` record:
         the sources' losses averaged by their data.sources weights. ``train.eval_samples`` applies per source."""
         self.engine.eval()
-        losses = [(name, weight, *self._mean_loss(data)) for name, weight, data in self.valid_sets]
-        if self.pipeline:
-            self._resize_pipe(self.strategy.micro_batch)
+        sources = [SourceLoss(name, weight, *self._mean_loss(data)) for name, weight, data in self.valid_sets]
+        self.steps.end_eval()
         self.engine.train()
-        records = (
-            [self._eval_record(f"valid/{name}", loss, n) for name, _, loss, n in losses] if len(losses) > 1 else []
-        )
-        total = sum(weight * loss for _, weight, loss, _ in losses) / sum(weight for _, weight, _, _ in losses)
-        return [*records, self._eval_record("valid", total, sum(n for *_, n in losses))]
-
-    def _eval_record(self, split: str, loss: float, samples: int) -> dict:
-        return {
-            "step": self.progress.step,
-            "split": split,
-            "loss": loss,
-            "ppl": math.exp(min(loss, 50.0)),
-            "samples": samples,
-        }
+        step = self.progress.step
+        records = [
+            {"step": step, "split": f"valid/{s.name}", "loss": s.loss, "ppl": perplexity(s.loss), "samples": s.samples}
+            for s in sources
+            if len(sources) > 1
+        ]
+        return [*records, {"step": step, "split": "valid", **evaluation_summary(sources)}]
 
     def _mean_loss(self, data) -> tuple[float, int]:
         """Token-weighted mean loss over the first ``train.eval_samples`` samples of ``data``, and their count."""
@@ -200,12 +148,10 @@ class Trainer:
         # are collectives); a replica with fewer samples repeats its last chunk and ignores the result.
         calls = math.ceil(math.ceil(n / self.strategy.dp_size) / micro)
         for i in range(calls):
-            batch = self._to_device(chunks[min(i, len(chunks) - 1)] if chunks else [0], data)
-            loss = self._pipe_eval_loss(batch) if self.pipeline else self._forward_loss(batch).item()
+            batch = self.steps.to_device(chunks[min(i, len(chunks) - 1)] if chunks else [0], data)
+            loss = self.steps.eval_loss(batch)
             if loss is not None and i < len(chunks):
-                tokens = batch["labels"].numel()
-                # An SP rank's loss is a share of the mean: its group adds up to (mean x tokens, tokens).
-                sums += torch.tensor([loss * tokens, tokens / self.sp_size], device=self.device, dtype=torch.float64)
+                sums += self.steps.eval_sums(loss, batch["labels"].numel())
         # Model-parallel replicas add equal shares to both sums (TP), or only the last stage adds (pipeline).
         torch.distributed.all_reduce(sums)
         return (sums[0] / sums[1]).item(), n
@@ -213,45 +159,43 @@ class Trainer:
     # --- checkpoints ------------------------------------------------------------------
     def save(self, background: bool = False) -> None:
         """A checkpoint of this step; ``background``: snapshot now, write while training goes on."""
-        client_state = {
-            "consumed_samples": self.progress.consumed_samples,
-            "rng": store.rng_state(),
-            "recipe": to_dict(self.recipe),
-            "data_fingerprint": self.data_fingerprint,
-            "world_size": self.world,
-            "strategy": self.strategy.name,
-        }
-        if self.guard is not None:
-            client_state["spike_guard"] = self.guard.state_dict()
+        client_state = ClientState(
+            consumed_samples=self.progress.consumed_samples,
+            rng=store.rng_state(),
+            recipe=to_dict(self.recipe),
+            data_fingerprint=self.data_fingerprint,
+            world_size=self.world,
+            strategy=self.strategy.name,
+            spike_guard=None if self.guard is None else self.guard.state_dict(),
+        ).to_saved()
         if background:
             self.saves.start(self.progress.step, client_state)
             return
-        where, keep = RunDir(self.run_dir).checkpoints, self.recipe.train.keep_last
+        where, keep = self.files.checkpoints, self.recipe.train.keep_last
         store.save(self.engine, where, self.progress.step, client_state, keep, self.identity)
 
     def finish_pending_save(self) -> None:
         """Wait for the background write in flight, if any, and publish it."""
         self.saves.wait()
 
-    def restore(self, tag: str) -> dict:
+    def restore(self, tag: str) -> ClientState:
         """Model, optimizer, schedule, RNG, data position and spike guard of checkpoint ``tag``; its client state."""
-        state = store.load(self.engine, RunDir(self.run_dir).checkpoints, tag)
-        if state.get("data_fingerprint") != self.data_fingerprint:
+        state = ClientState.from_saved(store.load(self.engine, self.files.checkpoints, tag))
+        if state.data_fingerprint != self.data_fingerprint:
             raise DstrainError(
-                f"{self.run_dir / 'checkpoints' / tag} was trained on other data; "
-                f"use a new run_dir or restore data.sources"
+                f"{self.files.checkpoints / tag} was trained on other data; use a new run_dir or restore data.sources"
             )
         self.progress.step = self.engine.global_steps
-        self.progress.consumed_samples = state["consumed_samples"]
-        store.set_rng_state(state["rng"])
+        self.progress.consumed_samples = state.consumed_samples
+        store.set_rng_state(state.rng)
         apply_recipe_to_optimizer(self.engine, self.recipe)
         if self.guard is not None:
-            self.guard.load_state_dict(state.get("spike_guard"))
+            self.guard.load_state_dict(state.spike_guard)
         return state
 
     def resume(self, tag: str) -> None:
         state = self.restore(tag)
-        changed = recipe_changes(state.get("recipe") or {}, to_dict(self.recipe))
+        changed = recipe_changes(state.recipe, to_dict(self.recipe))
         if self.is_rank0:
             print(
                 f"resumed from {tag}: step {self.progress.step}, {self.progress.consumed_samples} samples consumed",
@@ -265,6 +209,54 @@ class Trainer:
                 )
         self.log.write({"step": self.progress.step, "event": "resume", "tag": tag, "changed": changed})
 
+    def roll_back(self, value: float, limit: float) -> bool:
+        """Every rank: reload the newest complete checkpoint, skip the data since it, log the event (True); with no
+        checkpoint yet, log the event and go on (False); after too many spikes, stop with one line.
+        The trainer has just taken the spiking step (dstrain.train.heal describes the rollback)."""
+        assert self.guard is not None
+        guard = self.guard
+        config = guard.config
+        spike_step, spike_samples = self.progress.step, self.progress.consumed_samples
+        median = limit / config.factor
+        checkpoints = self.files.checkpoints
+        self.watch.begin("rollback", spike_step)
+        self.finish_pending_save()  # a background write of an earlier step publishes first
+        if guard.too_many(spike_step):
+            raise DstrainError(
+                f"{config.metric} spike at step {spike_step} ({value:.4g} > {config.factor:g} x median {median:.4g}): "
+                f"more than train.spike_guard.max_rollbacks={config.max_rollbacks} within {config.rollback_window} "
+                f"steps; stopping, the checkpoints in {checkpoints} are kept; lower optim.lr or inspect the data"
+            )
+        # One decision for all ranks: rank 0's reading of the checkpoint folder.
+        found = [store.newest_complete(checkpoints) if self.is_rank0 else None]
+        torch.distributed.broadcast_object_list(found, src=0)
+        tag = found[0]
+        event = {"event": "spike", "spike_step": spike_step, "metric": config.metric, "value": value}
+        event.update(median=median, threshold=limit, rolled_back_to=tag)
+        if tag is None:
+            self.log.write({"step": spike_step, **event, "skipped_samples": None})
+            self.log.note(f"{config.metric} spike at step {spike_step} ({value:.4g} > {limit:.4g}); no checkpoint yet")
+            return False
+        spikes, skipped = guard.spikes, guard.skipped
+        state = self.restore(tag)  # weights, optimizer, schedule, RNG, consumed_samples and the guard of `tag`
+        first = state.consumed_samples
+        guard.spikes, guard.skipped = spikes, [*skipped, [first, spike_samples]]
+        guard.lr_until = self.progress.step + config.lr_steps
+        self.progress.consumed_samples = spike_samples
+        self.log.drop_after(self.progress.step)
+        assert step_of(tag) == self.progress.step
+        self.save()  # the same step again, now holding the skip: a requeued job never reads the window
+        # Logged once it is durable: a job killed after this line never trains on the window again.
+        self.log.write({"step": self.progress.step, **event, "skipped_samples": [first, spike_samples]})
+        batches = (spike_samples - first) // self.recipe.train.global_batch
+        self.log.note(
+            f"{config.metric} spike at step {spike_step} ({value:.4g} > {config.factor:g} x median {median:.4g}): "
+            f"rolled back to {tag}, skipping samples {first}-{spike_samples - 1} "
+            f"({batches} global batch{'es' if batches > 1 else ''})"
+            + (f", lr x {config.lr_factor:g} until step {guard.lr_until}" if config.lr_steps else "")
+        )
+        return True
+
     # --- the loop ---------------------------------------------------------------------
     def fit(self) -> dict:
         t = self.recipe.train
@@ -277,7 +269,7 @@ class Trainer:
             print(describe_params(self.recipe.model), self.peak_line, sep="\n", flush=True)
             mixture.print_stages(self.recipe, self.train_data)
         self.clock = IntervalClock()
-        health = StepHealth(self.engine, t, self.strategy.precision, RunDir(self.run_dir).checkpoints)
+        health = StepHealth(self.engine, t, self.strategy.precision, self.files.checkpoints)
         status = "completed"
         self.watch.start()
         while self.progress.step < total:
@@ -287,7 +279,7 @@ class Trainer:
             # fp16: an overflow's inf is the loss scaler's business, not a spike.
             watched = math.isfinite(metric) or self.strategy.precision != "fp16"
             limit = self.guard.observe(metric) if self.guard is not None and watched else None
-            if limit is not None and roll_back(self, metric, limit):
+            if limit is not None and self.roll_back(metric, limit):
                 batches, interval_loss, interval_steps = self._batches(), 0.0, 0
                 if stop_requested:
                     status = "interrupted"
@@ -345,7 +337,7 @@ class Trainer:
         flags[0] = loss
         self.watch.mark("the step's all-reduce")
         torch.distributed.all_reduce(flags)
-        step_loss = flags[0].item() * self.sp_size / self.world  # SP ranks hold shares of their replica's loss
+        step_loss = self.steps.step_loss(flags[0].item(), self.world)
         if self.saves.in_flight and flags[3].item() == self.world:
             self.saves.publish()
         metric = flags[1].item() / self.world if self.recipe.train.spike_guard.metric == "grad_norm" else step_loss

@@ -97,5 +97,5 @@ def try_plot_run(run_dir: Path, title: str = "") -> Path | None:
         plot_tasks(run_dir, title)
         return path
     except Exception as e:  # noqa: BLE001
-        warnings.warn(f"could not draw {run_dir / 'loss.png'}: {type(e).__name__}: {e}", stacklevel=2)
+        warnings.warn(f"could not draw {RunDir(run_dir).loss_plot}: {type(e).__name__}: {e}", stacklevel=2)
         return None

@@ -16,6 +16,7 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -25,6 +26,9 @@ from dstrain.run_dir import LAUNCH_KEY, RunDir, launch_record, step_of
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 from dstrain.train import console, plot, preflight
 from dstrain.train.launcher_env import env_rank, env_world_size
+
+if TYPE_CHECKING:
+    from dstrain.train.steps import StepHooks
 
 # What makes a checkpoint meaningless for another run: the model, what it reads, the seed, and which optimizer's
 # state it holds (optim.kind). The rest of the recipe (the optimizer's hyper-parameters, schedule, length, cadence)
@@ -257,12 +261,13 @@ def write_summary(run_dir: Path, result: dict, recipe: Recipe, strategy: Strateg
         print(f"loss curve: {picture}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, hooks: StepHooks | None = None) -> int:
+    """``hooks``: a test's faults injected into the steps (dstrain.train.steps.StepHooks)."""
     console.start(console.verbose_requested(sys.argv[1:] if argv is None else argv))
     rank = env_rank()
     error = None
     try:
-        return train(parse_args(argv))
+        return train(parse_args(argv), hooks)
     except DiskFull as e:  # every rank raises it together (checkpoint.store.agree_written); one line, no requeue
         if rank == 0:
             print(f"dstrain: error: {e}", file=sys.stderr, flush=True)
@@ -293,15 +298,16 @@ def checked_inputs(args: argparse.Namespace):
     )
     preflight.check(recipe, args.recipe)
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe)
-    tag = resume_tag(RunDir(recipe.output_dir).checkpoints, args.resume)
+    files = RunDir(recipe.output_dir)
+    tag = resume_tag(files.checkpoints, args.resume)
     check_run_dir(recipe, args.recipe, recipe.output_dir, tag, args.resume, fingerprint)
     if tag:
         from dstrain.checkpoint import nvme
         from dstrain.data.tokenizer import check_run_tokenizer
 
-        nvme.check_resume(RunDir(recipe.output_dir).checkpoints / tag, strategy)
-        if RunDir(recipe.output_dir).tokenizer.is_dir():
-            check_run_tokenizer(RunDir(recipe.output_dir).tokenizer, recipe.data.sources[0].path)
+        nvme.check_resume(files.checkpoints / tag, strategy)
+        if files.tokenizer.is_dir():
+            check_run_tokenizer(files.tokenizer, recipe.data.sources[0].path)
     from dstrain.tasks.loading import load_tasks
 
     return recipe, strategy, fingerprint, tag, load_tasks(recipe.train.tasks, args.recipe)
@@ -333,7 +339,7 @@ def task_requests(recipe: Recipe, task_items) -> list:
     return scoring.prepare(task_items, tokenizer, recipe.model.max_seq_len)
 
 
-def train(args: argparse.Namespace) -> int:
+def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
     recipe, strategy, fingerprint, tag, task_items = checked_inputs(args)
     run_dir = recipe.output_dir
     import torch
@@ -369,7 +375,16 @@ def train(args: argparse.Namespace) -> int:
         load_init_from(model, recipe, args.recipe, strategy.zero_stage == 3, strategy.ep_size, ep_rank)
     engine = build_engine(recipe, strategy, model)
     trainer = Trainer(
-        recipe, strategy, engine, train_data, valid_sets, run_dir, fingerprint, identity(recipe, fingerprint), tasks
+        recipe,
+        strategy,
+        engine,
+        train_data,
+        valid_sets,
+        run_dir,
+        fingerprint,
+        identity(recipe, fingerprint),
+        tasks,
+        hooks,
     )
     if tag:
         trainer.resume(tag)

@@ -23,14 +23,14 @@ class TaskEvaluator:
             micro=strategy.micro_batch,
             max_len=trainer.recipe.model.max_seq_len,
             device=trainer.device,
-            multiple_of=trainer.sp_size,
+            multiple_of=trainer.steps.sp_size,
         )
 
     def evaluate(self) -> dict:
         """``task/<name>/acc``, ``acc_norm``, ``samples`` of every task, and ``tasks_s``; a collective."""
         engine = self.trainer.engine
         engine.eval()
-        reset = engine.reset_activation_shape if self.trainer.pipeline else None
+        reset = engine.reset_activation_shape if self.trainer.steps.pipeline else None
         try:
             return scoring.evaluate(self.tasks, self._forward, self.layout, new_length=reset)
         finally:
@@ -39,13 +39,13 @@ class TaskEvaluator:
             engine.train()
 
     def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        trainer, engine = self.trainer, self.trainer.engine
-        if trainer.pipeline:
+        steps, engine = self.trainer.steps, self.trainer.engine
+        if steps.pipeline:
             return self._pipe_forward(inputs, targets)
-        if trainer.sp_group is not None:
-            part = sequence.shard({"input_ids": inputs, "labels": targets}, trainer.sp_rank, trainer.sp_size, False)
+        if steps.sp_group is not None:
+            part = sequence.shard({"input_ids": inputs, "labels": targets}, steps.sp_rank, steps.sp_size, False)
             stats = scoring.continuation_stats(engine(part["input_ids"], part["position_ids"]), part["labels"])
-            torch.distributed.all_reduce(stats, group=trainer.sp_group)  # the slices' sums make the sample's
+            torch.distributed.all_reduce(stats, group=steps.sp_group)  # the slices' sums make the sample's
             return stats
         return scoring.continuation_stats(engine(inputs), targets)
 

@@ -30,6 +30,7 @@ from collections import deque
 from pathlib import Path
 
 from dstrain.config import WatchdogConfig
+from dstrain.run_dir import RunDir
 
 HANG_EXIT = 124  # as coreutils' timeout: the job ran out of time, not out of luck with its inputs
 REPORT_WAIT_S = 10.0  # how long a rank that fired waits for the others' reports before naming the silent ones
@@ -38,7 +39,7 @@ MEDIAN_OF = 50  # step durations in the median
 
 
 def hang_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "hang"
+    return RunDir(Path(run_dir)).hang
 
 
 def enable_flight_recorder(run_dir: Path, backend: str) -> None:
