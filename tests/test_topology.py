@@ -116,6 +116,7 @@ def test_checkpoints_record_their_topology(uninterrupted):
         "dp_size": 2,
         "tp_size": 1,
         "pp_stages": 1,
+        "pipe_schedule": "1f1b",
         "precision": "fp32",
         "ep_size": 1,
         "sp_size": 1,

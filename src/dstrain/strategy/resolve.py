@@ -55,9 +55,12 @@ class Topology:
     precision: Precision
     ep_size: int = 1  # expert-parallel degree: each MoE layer's experts split over this many ranks
     sp_size: int = 1  # sequence-parallel (Ulysses) degree
+    # the pipeline's schedule: "1f1b", or "dualpipev" (each rank holds two stages, so its files hold other layers)
+    pipe_schedule: str = "1f1b"
 
     @classmethod
     def from_engine(cls, engine) -> Topology:
+        import deepspeed
         import torch
         from deepspeed.moe.layer import MoE
         from deepspeed.utils import groups
@@ -76,6 +79,7 @@ class Topology:
             precision="bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
             ep_size=max([m.ep_size for m in engine.module.modules() if isinstance(m, MoE)], default=1),
             sp_size=sp_size,
+            pipe_schedule="dualpipev" if isinstance(engine, deepspeed.DualPipeVEngine) else "1f1b",
         )
 
     @classmethod
@@ -94,7 +98,8 @@ class Topology:
         if self.tp_size > 1:
             parts.append(f"tensor-parallel {self.tp_size}")
         if self.pp_stages > 1:
-            parts.append(f"{self.pp_stages} pipeline stages")
+            dual = " (DualPipeV)" if self.pipe_schedule == "dualpipev" else ""
+            parts.append(f"{self.pp_stages} pipeline stages{dual}")
         if self.ep_size > 1:
             parts.append(f"expert-parallel {self.ep_size}")
         if self.sp_size > 1:
@@ -141,6 +146,7 @@ class Strategy:
             precision=self.precision,
             ep_size=self.ep_size,
             sp_size=self.sp_size,
+            pipe_schedule=self.pipe_schedule,
         )
 
     @property
@@ -148,6 +154,11 @@ class Strategy:
         """Ranks ZeRO partitions the model states over: the data-parallel replicas, and under sequence parallelism
         their SP ranks too (DeepSpeed's sequence-data-parallel group)."""
         return self.dp_size * self.sp_size
+
+    @property
+    def pipe_schedule(self) -> str:
+        """The pipeline's schedule (ds_config "pipeline.schedule"): "1f1b" (PipelineModule) or "dualpipev"."""
+        return str(self.ds_config.get("pipeline", {}).get("schedule", "1f1b")) if self.pp_stages > 1 else "1f1b"
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -204,6 +215,7 @@ def resolve(
     loss_tiles, mlp_tiles = parallel.check_tiling(config, recipe, ds_file, pp_stages)
     check_muon(recipe, config, ds_file, stage, precision, (tp_size, pp_stages, sp_size, ep_size))
     micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages > 1 or sp_size > 1)
+    parallel.check_pipeline_accumulation(config, ds_file, pp_stages, grad_accum)
     _fill_recipe_values(config, recipe, recipe_file, ds_file)
     leftover = _find_auto(config)
     if leftover:
@@ -265,7 +277,7 @@ def _parallel_sizes(
             f"{ds_file}: pipeline.stages={pp_stages} exceeds the model's {recipe.model.n_layer} blocks in {recipe_file}"
         )
     if pp_stages > 1:
-        parallel.check_pipeline(config["pipeline"], ds_file)
+        parallel.check_pipeline(config["pipeline"], ds_file, recipe.model.n_layer, recipe_file)
     if tp_size > 1:
         parallel.check_tensor_parallel(config["tensor_parallel"], recipe, recipe_file, ds_file, pp_stages)
     return tp_size, pp_stages, sp_size, world_size // model_parallel
