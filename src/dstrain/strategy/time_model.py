@@ -15,7 +15,8 @@ Stated assumptions (each replaceable, each named in the plan's output):
   parameter gathers and, with overlap_comm, ZeRO-2/3's gradient reductions run behind the backward (only what
   exceeds the compute they hide behind is exposed); ZeRO-0/1's all-reduce after the last backward, the updated
   partitions' all-gather, TP's, SP's and EP's collectives and the pipeline's sends are on the critical path.
-- Pipeline (1F1B): a bubble of (stages - 1) / accumulation steps of the compute.
+- Pipeline: the bubble of DeepSpeed's own schedule (1F1B or DualPipeV) simulated with a backward of twice the
+  forward (strategy.pipe_schedules; for 1F1B that is (stages - 1) / accumulation steps of the compute).
 - Offload: the optimizer's partition crosses the host link twice per step (gradients down, parameters up) and
   DeepSpeed's CPU Adam updates it at ``Device.cpu_adam_params_per_s``; ZeRO-3 parameter offload brings every
   parameter up once per forward and backward. Not overlapped.
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from dstrain.config import Recipe
 from dstrain.model.config import flops_per_token
 from dstrain.strategy.param_counts import ParamCounts, count_params
+from dstrain.strategy.pipe_schedules import bubble_fraction
 from dstrain.strategy.resolve import Strategy
 from dstrain.strategy.traffic import Traffic, dtype_bytes, step_traffic
 
@@ -133,7 +135,8 @@ def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cl
     if hidden > backward_s:
         pred.comm_s["overlapped collectives (exposed)"] = hidden - backward_s
     if strategy.pp_stages > 1:
-        pred.bubble_s = pred.compute_s * (strategy.pp_stages - 1) / strategy.grad_accum
+        fraction = bubble_fraction(strategy.pipe_schedule, strategy.pp_stages, strategy.grad_accum)
+        pred.bubble_s = pred.compute_s * fraction
     pred.offload_s = offload_seconds(strategy, counts, cluster.device)
     return pred
 
@@ -143,7 +146,9 @@ def layout_counts(recipe: Recipe, strategy: Strategy) -> ParamCounts:
     zero = strategy.ds_config.get("zero_optimization", {})
     threshold = zero.get("stage3_param_persistence_threshold", 100_000) if strategy.zero_stage == 3 else 0
     method = str(strategy.ds_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
-    return count_params(recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size)
+    return count_params(
+        recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size, strategy.pipe_schedule
+    )
 
 
 def expert_share(recipe: Recipe, strategy: Strategy, counts: ParamCounts) -> int:
