@@ -51,6 +51,15 @@ class Device:
     cpu_adam_params_per_s: float  # DeepSpeed's CPU Adam: parameters updated per second for one device's share
     micro_batch_overhead_s: float = 0.0  # fixed seconds of each micro-batch's forward + backward (launches, hooks)
     overlaps_communication: bool = True  # collectives on their own streams; False on a CPU (gloo runs them inline)
+    # (engine kind, seconds per step, seconds per micro-batch) DeepSpeed's engine adds beyond the model's compute and
+    # collectives; measured by dstrain plan --calibrate (train/calibrate_engine.py), none for a datasheet device
+    engine_costs: tuple[tuple[str, float, float], ...] = ()
+
+    def engine_seconds(self, kind: str, micro_batches: int) -> float:
+        for name, per_step, per_micro in self.engine_costs:
+            if name == kind:
+                return per_step + micro_batches * per_micro
+        return 0.0
 
     def rate(self, precision: str, tokens: int) -> float:
         """FLOP/s reached by a matmul of ``tokens`` rows."""
@@ -72,15 +81,17 @@ class Prediction:
     comm_s: dict[str, float] = field(default_factory=dict)  # exposed seconds per named collective
     bubble_s: float = 0.0
     offload_s: float = 0.0
+    engine_s: float = 0.0  # DeepSpeed's own time (calibrated only): hooks, bucketing, the pipeline's instruction loop
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + sum(self.comm_s.values()) + self.bubble_s + self.offload_s
+        return self.compute_s + sum(self.comm_s.values()) + self.bubble_s + self.offload_s + self.engine_s
 
     @property
     def bound(self) -> str:
         """What the step spends most of its time on."""
         parts = {"compute": self.compute_s, "pipeline bubble": self.bubble_s, "offload traffic": self.offload_s}
+        parts["engine overhead"] = self.engine_s
         parts.update(self.comm_s)
         return max(parts, key=lambda k: parts[k])
 
@@ -138,7 +149,14 @@ def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cl
         fraction = bubble_fraction(strategy.pipe_schedule, strategy.pp_stages, strategy.grad_accum)
         pred.bubble_s = pred.compute_s * fraction
     pred.offload_s = offload_seconds(strategy, counts, cluster.device)
+    pred.engine_s = cluster.device.engine_seconds(engine_kind(strategy), strategy.grad_accum)
     return pred
+
+
+def engine_kind(strategy: Strategy) -> str:
+    """Which calibrated engine cost applies: the pipeline engine's (1F1B and DualPipeV alike: the same instruction
+    loop), else the ZeRO stage's (TP and SP take their stage's: not calibrated apart)."""
+    return "pipeline" if strategy.pp_stages > 1 else f"zero{strategy.zero_stage}"
 
 
 def layout_counts(recipe: Recipe, strategy: Strategy) -> ParamCounts:

@@ -77,7 +77,15 @@ def all_reduce_gbps() -> float:
 
 
 def calibrated_device(recipe: Recipe, ranks: int) -> Device:
-    """This machine as the time model's Device, for ``ranks`` ranks sharing its cores and memory."""
+    """This machine as the time model's Device, for ``ranks`` ranks sharing its cores and memory, with what each
+    DeepSpeed engine kind costs beyond that (train/calibrate_engine.py)."""
+    from dstrain.train.calibrate_engine import with_engine_costs
+
+    return with_engine_costs(recipe, bare_device(recipe, ranks), ranks)
+
+
+def bare_device(recipe: Recipe, ranks: int) -> Device:
+    """This machine as the time model's Device from the bare model's forward and backward and a gloo all-reduce."""
     from dstrain.model.config import flops_per_token
 
     threads = max(1, (os.cpu_count() or 1) // ranks)
