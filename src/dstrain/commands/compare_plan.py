@@ -25,7 +25,7 @@ def write_planned(recipe: Recipe, recipe_file: str, nproc: int, k: int, out: Pat
     from dstrain.strategy.time_model import Cluster
     from dstrain.train.calibrate import calibrated_device
 
-    cluster = Cluster(calibrated_device(recipe, nproc), 1, nproc)
+    cluster = Cluster(calibrated_device(recipe, nproc, engines=True), 1, nproc)
     kept, _ = plan(recipe, recipe_file, cluster, "fp32", k, torch_adam=True)
     if not kept:
         raise DstrainError(f"{recipe_file}: no layout dstrain accepts fits {nproc} ranks of this machine")
