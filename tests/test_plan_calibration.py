@@ -1,10 +1,12 @@
-"""The calibrated engine costs in the time model: DeepSpeed's own seconds per step and per micro-batch, by engine
-kind (dstrain.train.calibrate_engine measures them; measuring is timing, left to dstrain compare --plan and
-BENCHMARKS.md, never asserted here)."""
+"""dstrain compare --plan's side of the planner: the calibrated engine costs in the time model (DeepSpeed's own
+seconds per step and per micro-batch, by engine kind; dstrain.train.calibrate_engine measures them, and measuring is
+timing, left to dstrain compare --plan and BENCHMARKS.md, never asserted here), and the interleaved runs' step
+times."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -39,3 +41,14 @@ def test_engine_costs_add_per_step_and_per_micro_batch_of_their_kind_only():
         assert with_costs.engine_s == pytest.approx(added) and without.engine_s == 0.0, layout
         assert with_costs.step_s == pytest.approx(without.step_s + added), layout
     assert engine_kind(_predict(bare, Layout(zero=2, micro=4, tp=2))[0]) == "zero2"  # TP takes its ZeRO stage's
+
+
+def test_step_times_leave_out_the_first_step_of_each_stretch(tmp_path):
+    """--plan's runs resume twice (three stretches): the first step of each stretch warms up and is not counted."""
+    from dstrain.commands.compare_plan import step_seconds
+
+    records = [{"step": s, "tokens_per_s": 1000.0 * s} for s in range(1, 5)]
+    records += [{"step": 4, "split": "valid", "loss": 1.0}, {"event": "resume", "tag": "global_step4"}]
+    records += [{"step": s, "tokens_per_s": 1000.0 * s} for s in range(5, 9)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert step_seconds(tmp_path, 1000) == pytest.approx([1 / s for s in (2, 3, 4, 6, 7, 8)])
