@@ -133,6 +133,8 @@ def check_pipeline(pipeline: dict, ds_file: str, n_layer: int, recipe_file: str)
     if schedule not in PIPE_SCHEDULES:
         raise DstrainError(f'{ds_file}: pipeline.schedule={schedule!r}; use "1f1b" or "dualpipev"')
     stages = int(pipeline.get("stages", 1))
+    if stages > n_layer:
+        raise DstrainError(f"{ds_file}: pipeline.stages={stages} exceeds the model's {n_layer} blocks in {recipe_file}")
     if schedule == "dualpipev" and 2 * stages > n_layer:
         raise DstrainError(
             f"{ds_file}: pipeline.schedule dualpipev cuts the model into 2 x pipeline.stages = {2 * stages} stages, "

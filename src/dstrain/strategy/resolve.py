@@ -55,12 +55,10 @@ class Topology:
     precision: Precision
     ep_size: int = 1  # expert-parallel degree: each MoE layer's experts split over this many ranks
     sp_size: int = 1  # sequence-parallel (Ulysses) degree
-    # the pipeline's schedule: "1f1b", or "dualpipev" (each rank holds two stages, so its files hold other layers)
-    pipe_schedule: str = "1f1b"
+    pipe_schedule: str = "1f1b"  # or "dualpipev": each rank holds two stages, so its files hold other layers
 
     @classmethod
     def from_engine(cls, engine) -> Topology:
-        import deepspeed
         import torch
         from deepspeed.moe.layer import MoE
         from deepspeed.utils import groups
@@ -79,7 +77,7 @@ class Topology:
             precision="bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
             ep_size=max([m.ep_size for m in engine.module.modules() if isinstance(m, MoE)], default=1),
             sp_size=sp_size,
-            pipe_schedule="dualpipev" if isinstance(engine, deepspeed.DualPipeVEngine) else "1f1b",
+            pipe_schedule="dualpipev" if type(engine).__name__ == "DualPipeVEngine" else "1f1b",
         )
 
     @classmethod
@@ -98,8 +96,7 @@ class Topology:
         if self.tp_size > 1:
             parts.append(f"tensor-parallel {self.tp_size}")
         if self.pp_stages > 1:
-            dual = " (DualPipeV)" if self.pipe_schedule == "dualpipev" else ""
-            parts.append(f"{self.pp_stages} pipeline stages{dual}")
+            parts.append(f"{self.pp_stages} pipeline stages" + (" (DualPipeV)" * (self.pipe_schedule == "dualpipev")))
         if self.ep_size > 1:
             parts.append(f"expert-parallel {self.ep_size}")
         if self.sp_size > 1:
@@ -156,8 +153,7 @@ class Strategy:
         return self.dp_size * self.sp_size
 
     @property
-    def pipe_schedule(self) -> str:
-        """The pipeline's schedule (ds_config "pipeline.schedule"): "1f1b" (PipelineModule) or "dualpipev"."""
+    def pipe_schedule(self) -> str:  # ds_config "pipeline.schedule": "1f1b" (PipelineModule) or "dualpipev"
         return str(self.ds_config.get("pipeline", {}).get("schedule", "1f1b")) if self.pp_stages > 1 else "1f1b"
 
     @property
@@ -271,10 +267,6 @@ def _parallel_sizes(
         raise DstrainError(
             f"{ds_file}: pipeline parallelism works with ZeRO stage 0 or 1, not {stage}; "
             f"set zero_optimization.stage to 1"
-        )
-    if pp_stages > recipe.model.n_layer:
-        raise DstrainError(
-            f"{ds_file}: pipeline.stages={pp_stages} exceeds the model's {recipe.model.n_layer} blocks in {recipe_file}"
         )
     if pp_stages > 1:
         parallel.check_pipeline(config["pipeline"], ds_file, recipe.model.n_layer, recipe_file)
