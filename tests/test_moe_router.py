@@ -141,7 +141,7 @@ def test_only_every_layer_llama_moe_exports():
 
 def test_a_moe_checkpoint_does_not_change_topology(tmp_path):
     from dstrain.checkpoint.reshard import check_convertible, needs_conversion
-    from dstrain.strategy.resolve import Topology
+    from dstrain.strategy.topology import Topology
 
     ep2 = Topology(world_size=2, zero_stage=1, dp_size=2, tp_size=1, pp_stages=1, precision="fp32", ep_size=2)
     ep1 = dataclasses.replace(ep2, ep_size=1)

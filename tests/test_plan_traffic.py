@@ -34,6 +34,11 @@ LAYOUTS = {
     "zero3": ("zero3", {"train_micro_batch_size_per_gpu": 2, "zero": {"stage3_param_persistence_threshold": 0}}, False),
     "tp2": ("tp2_zero1", {}, False),
     "pp2": ("pp2_zero1", {"train_micro_batch_size_per_gpu": 2}, False),
+    "dualpipev2": (
+        "pp2_zero1",
+        {"train_micro_batch_size_per_gpu": 2, "pipeline": {"stages": 2, "schedule": "dualpipev"}},
+        False,
+    ),
     "sp2": ("sp2_zero1", {}, False),
     "ep2": ("ep2_zero1", {"train_micro_batch_size_per_gpu": 2}, True),
 }
@@ -95,7 +100,9 @@ def train_each_logged(argvs: list[list[str]]) -> list[dict]:
 
 
 def layout_recipe(tmp: Path, corpus: Path, name: str, moe: bool) -> Path:
-    model = {"moe": {"num_experts": 4, "top_k": 2}} if moe else {}
+    model: dict = {"moe": {"num_experts": 4, "top_k": 2}} if moe else {}
+    if name == "dualpipev2":  # four stages of a block each
+        model["n_layer"] = 4
     return small_recipe(tmp, corpus, name=f"traffic-{name}", train={"steps": STEP}, model=model)
 
 

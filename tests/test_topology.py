@@ -116,6 +116,7 @@ def test_checkpoints_record_their_topology(uninterrupted):
         "dp_size": 2,
         "tp_size": 1,
         "pp_stages": 1,
+        "pipe_schedule": "1f1b",
         "precision": "fp32",
         "ep_size": 1,
         "sp_size": 1,
@@ -128,7 +129,7 @@ def test_checkpoints_record_their_topology(uninterrupted):
 def test_what_cannot_be_converted_is_refused_in_one_line(tmp_path):
     from dstrain.checkpoint import reshard
     from dstrain.errors import DstrainError
-    from dstrain.strategy.resolve import Topology
+    from dstrain.strategy.topology import Topology
 
     plain = Topology(world_size=2, zero_stage=1, dp_size=2, tp_size=1, pp_stages=1, precision="fp32")
     zero0 = replace(plain, zero_stage=0)

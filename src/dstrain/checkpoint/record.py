@@ -20,7 +20,7 @@ class CheckpointRecord:
     files: dict[str, int]  # every file of the tag (path relative to the tag folder) -> its size in bytes
     checksums: dict[str, str] = field(default_factory=dict)  # path -> hex digest; {} in tags saved before them
     hash: str | None = None  # the checksums' algorithm (dstrain.checkpoint.integrity.HASH)
-    topology: dict | None = None  # strategy.resolve.Topology.to_record() of the run that saved it
+    topology: dict | None = None  # strategy.topology.Topology.to_record() of the run that saved it
     identity: dict | None = None  # what makes it meaningless for another experiment (dstrain.train.run.identity)
 
     def to_json(self) -> str:

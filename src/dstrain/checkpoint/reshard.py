@@ -40,7 +40,8 @@ from dstrain.checkpoint.ds_files import (
 from dstrain.checkpoint.record import read_record
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
-from dstrain.strategy.resolve import Strategy, Topology
+from dstrain.strategy.resolve import Strategy
+from dstrain.strategy.topology import Topology
 
 UNIVERSAL = "universal"
 ZERO0 = "zero0"
@@ -59,11 +60,12 @@ def needs_conversion(old: Topology, new: Topology) -> bool:
     """Replicated state (ZeRO-0 fp32) loads at any world size; partitioned state needs the same partition count
     and precision (ZeRO names its bf16 partition files differently). Under sequence parallelism ZeRO partitions
     over the SP ranks too (DeepSpeed's sequence-data-parallel group): dp x sp partitions."""
-    if (old.zero_stage, old.tp_size, old.pp_stages, old.ep_size) != (
+    if (old.zero_stage, old.tp_size, old.pp_stages, old.ep_size, old.pipe_schedule) != (
         new.zero_stage,
         new.tp_size,
         new.pp_stages,
         new.ep_size,
+        new.pipe_schedule,
     ):
         return True
     old_parts, new_parts = old.dp_size * old.sp_size, new.dp_size * new.sp_size

@@ -32,7 +32,7 @@ from dstrain.checkpoint.record import PARTIAL, RECORD, CheckpointRecord, read_re
 from dstrain.data.manifest import write_text_atomic
 from dstrain.errors import DiskFull
 from dstrain.run_dir import LATEST, TAG, tag_for
-from dstrain.strategy.resolve import Topology
+from dstrain.strategy.topology import Topology
 
 
 def rng_state() -> dict:

@@ -48,6 +48,9 @@ THROUGHPUT_NOTE = (
 # --- running ------------------------------------------------------------------------------------------
 
 
+PLAN_ROUNDS = 3  # --plan: each run in this many stretches, the runs taking turns (run_interleaved)
+
+
 def launcher() -> str:
     """The deepspeed launcher of this interpreter's environment (a venv's bin/ need not be on PATH)."""
     beside = Path(sys.executable).parent / "deepspeed"
@@ -85,7 +88,7 @@ def launch(recipe: str, config: str, run_dir: Path, nproc: int, overrides: list[
         *overrides,
     ]
     run_dir.mkdir(parents=True, exist_ok=True)
-    with (run_dir / LOG_NAME).open("w") as log:
+    with (run_dir / LOG_NAME).open("a") as log:  # a run launched again (--plan's rounds) keeps its earlier output
         log.write("$ " + shlex.join(command) + "\n")
         log.flush()
         return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
@@ -129,6 +132,13 @@ def run_all(recipe: str, entries: list, out: Path, nproc: int, overrides: list[s
 def holds_a_run(folder: Path) -> bool:
     """A config's run was here: its run folder's records or the launcher's log."""
     return any(path.exists() for path in (*RunDir(folder).records, folder / LOG_NAME))
+
+
+def run_interleaved(recipe: str, entries: list, out: Path, nproc: int, overrides: list[str], steps: int) -> None:
+    """The runs take turns, PLAN_ROUNDS stretches of steps each (each resumes its last checkpoint), so that a change
+    of this machine's load falls on every run alike rather than on whichever ran then."""
+    for r in range(1, PLAN_ROUNDS + 1):
+        run_all(recipe, entries, out, nproc, [*overrides, f"train.steps={steps * r // PLAN_ROUNDS}"])
 
 
 def check_fresh(out: Path, entries: list) -> None:
@@ -289,12 +299,16 @@ def main(args: argparse.Namespace) -> int:
             sources = {stem: config for stem, config, _ in entries}
         check_fresh(out, entries)
         check_configs(args.recipe, entries, overrides, nproc)
-        run_all(args.recipe, entries, out, nproc, overrides)
+        if args.plan:
+            run_interleaved(args.recipe, entries, out, nproc, overrides, recipe.total_steps)
+        else:
+            run_all(args.recipe, entries, out, nproc, overrides)
         rows = [read_run(out / stem, config) for stem, config, _ in entries]
         context = [
             f"Recipe `{args.recipe}` (`{recipe.name}`: global batch {recipe.train.global_batch} × "
             f"{recipe.data.seq_len} tokens, {recipe.total_steps} steps) on {nproc} ranks per config, "
-            f"one config after another. Overrides: `{' '.join(overrides)}`."
+            f"{f'taking turns in {PLAN_ROUNDS} rounds' if args.plan else 'one config after another'}. "
+            f"Overrides: `{' '.join(overrides)}`."
         ]
         if args.plan:
             from dstrain.commands.compare_plan import prediction_lines

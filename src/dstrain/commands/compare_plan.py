@@ -1,10 +1,11 @@
-"""``dstrain compare --plan K``: the K fastest layouts the planner predicts for this machine (calibrated), run
-one after another like any compared configs, with the predicted step time beside the measured one.
+"""``dstrain compare --plan K``: the K fastest layouts the planner predicts for this machine (calibrated, DeepSpeed's
+engines included), run like any compared configs, with the predicted step time beside the measured one.
 
-Measured step time: the recipe's tokens per step over the run's steady tokens/s (the median over the logged
-steps after the first). Noise: the spread of a run's own per-step times (half its interquartile range over the
-median); the fastest predicted layout counts as the fastest measured when the two differ by less than the
-larger spread of the two runs.
+The runs take turns in three stretches each (dstrain.commands.compare.run_interleaved), so that the shared
+machine's load changes fall on all of them. Measured step time: the recipe's tokens per step over the run's steady
+tokens/s (the median over the logged steps, the first of each stretch left out). Noise: the spread of a run's own
+per-step times (half its interquartile range over the median); the fastest predicted layout counts as the fastest
+measured when the two differ by less than the larger spread of the two runs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def write_planned(recipe: Recipe, recipe_file: str, nproc: int, k: int, out: Pat
     from dstrain.strategy.time_model import Cluster
     from dstrain.train.calibrate import calibrated_device
 
-    cluster = Cluster(calibrated_device(recipe, nproc), 1, nproc)
+    cluster = Cluster(calibrated_device(recipe, nproc, engines=True), 1, nproc)
     kept, _ = plan(recipe, recipe_file, cluster, "fp32", k, torch_adam=True)
     if not kept:
         raise DstrainError(f"{recipe_file}: no layout dstrain accepts fits {nproc} ranks of this machine")
@@ -42,12 +43,19 @@ def write_planned(recipe: Recipe, recipe_file: str, nproc: int, k: int, out: Pat
 
 
 def step_seconds(run_dir: Path, tokens_per_step: int) -> list[float]:
-    """Seconds of each logged training step after the first (from tokens/s of one-step log intervals)."""
+    """Seconds of each logged training step (from tokens/s of one-step log intervals), leaving out the first step of
+    the run and of each resumed stretch (warm-up)."""
     metrics = RunDir(run_dir).metrics
     lines = metrics.read_text().splitlines() if metrics.is_file() else []
-    records = [json.loads(line) for line in lines if line.strip()]
-    rates = [r["tokens_per_s"] for r in records if "split" not in r and "event" not in r and r.get("tokens_per_s")]
-    return [tokens_per_step / rate for rate in rates[1:]]
+    seconds, warm = [], False
+    for record in (json.loads(line) for line in lines if line.strip()):
+        if "event" in record:
+            warm = False  # a resume: the next step warms up again
+        elif "split" not in record and record.get("tokens_per_s"):
+            if warm:
+                seconds.append(tokens_per_step / record["tokens_per_s"])
+            warm = True
+    return seconds
 
 
 def prediction_lines(out: Path, predicted: dict, tokens_per_step: int) -> list[str]:

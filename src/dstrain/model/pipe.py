@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from dstrain.model.config import GPTConfig
@@ -118,9 +118,16 @@ def build_pipeline(
     stages: int,
     partition_method: str = "parameters",
     activation_checkpoint_interval: int = 0,
+    schedule: str = "1f1b",
 ) -> PipelineModule:
-    """GPT(config) as a PipelineModule of `stages` stages, with lm_loss as its loss."""
-    return PipelineModule(
+    """GPT(config) as a PipelineModule of `stages` stages, with lm_loss as its loss.
+
+    schedule "dualpipev" builds DeepSpeed's DualPipeVModule instead: the layers cut into 2 x `stages` stages, rank r
+    holding stage r and its mirror 2 x stages - 1 - r, so rank 0 holds the embedding, the head and the loss
+    (deepspeed.initialize then runs the DualPipeV schedule).
+    """
+    module = DualPipeVModule if schedule == "dualpipev" else PipelineModule
+    return module(
         layers=layer_specs(config, seed),
         num_stages=stages,
         loss_fn=lm_loss,

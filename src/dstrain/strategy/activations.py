@@ -11,8 +11,9 @@ from dstrain.strategy.resolve import Strategy
 
 def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = True) -> tuple[int, int]:
     """(saved for backward, logits gradient) per rank; a pipeline's first stage holds min(stages, accumulation)
-    micro-batches (1F1B). ``fused_norms``: torch's RMSNorm on a GPU is one fused kernel that keeps its input and an
-    fp32 rstd per row; on a CPU (False) its composite path keeps fp32 copies of input and output."""
+    micro-batches (1F1B), a DualPipeV rank stages + 1/2 of its share, and its rank 0 the head besides
+    (strategy.pipe_schedules counts them). ``fused_norms``: torch's RMSNorm on a GPU is one fused kernel that keeps
+    its input and an fp32 rstd per row; on a CPU (False) its composite path keeps fp32 copies of input and output."""
     m, t = recipe.model, strategy.tp_size
     a = 4 if strategy.precision == "fp32" else 2
     seq = recipe.data.seq_len // strategy.sp_size  # a sequence-parallel rank's slice of each sample
@@ -41,7 +42,11 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     ids, logits_grad = tokens * 8, int(tokens * 8 * m.vocab_size)
     if strategy.pp_stages == 1:
         return int(stage + head + ids), logits_grad
-    in_flight = min(strategy.pp_stages, strategy.grad_accum)  # 1F1B: micro-batches the first stage holds
+    from dstrain.strategy.pipe_schedules import held_stages
+
+    in_flight = held_stages(strategy.pipe_schedule, strategy.pp_stages, strategy.grad_accum)
+    if strategy.pipe_schedule == "dualpipev":  # rank 0 holds the first and the last stage
+        return int(in_flight * stage + head + ids), logits_grad
     return int(max(in_flight * stage + ids, stage + head)), logits_grad  # first stage vs. last stage (the head)
 
 

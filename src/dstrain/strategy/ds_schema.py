@@ -24,7 +24,7 @@ DSTRAIN_KEYS = {"seed", "sequence_parallel_size", "tiling"}
 # Handed whole to the optimizer's constructor (runtime/engine.py _configure_basic_optimizer), which checks them.
 OPEN_SECTIONS = ("optimizer.params",)
 # "pipeline": DeepSpeed's keys (runtime/config.py get_pipeline_config copies the whole section, so the
-# recorder cannot see which it uses) and partition_method, which dstrain's engine.py reads.
+# recorder cannot see which it uses) and partition_method and schedule, which dstrain's engine.py reads.
 PIPELINE_KEYS = {
     "stages",
     "partition",
@@ -33,6 +33,7 @@ PIPELINE_KEYS = {
     "pipe_partitioned",
     "grad_partitioned",
     "partition_method",
+    "schedule",
 }
 
 

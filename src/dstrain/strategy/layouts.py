@@ -2,8 +2,9 @@
 dstrain.train runs (its refusals are the planner's), sized by the memory model, timed by the time model.
 
 Enumerated: ZeRO 0-3; CPU offload of the optimizer (stage 1-3) and of the parameters (stage 3); tensor-parallel,
-pipeline, sequence-parallel and expert-parallel sizes (powers of two; TP and SP within a node, a planner policy:
-their per-block collectives across nodes never win); micro-batches (powers of two); activation checkpointing.
+pipeline (1F1B and DualPipeV schedules), sequence-parallel and expert-parallel sizes (powers of two; TP and SP within
+a node, a planner policy: their per-block collectives across nodes never win); micro-batches (powers of two);
+activation checkpointing.
 Not enumerated: NVMe offload (it needs a path on the cluster's nodes), tiling (the memory model does not count
 what it saves, so a tiled layout would look the same), fp32 and fp16 where bf16 runs (bf16 is as exact here:
 dstrain sums its gradients in fp32).
@@ -40,6 +41,7 @@ class Layout:
     ep: int = 1
     offload: str = "none"  # "none", "optimizer" (to the CPU) or "optimizer+params"
     checkpointing: bool = False
+    schedule: str = "1f1b"  # the pipeline's ("pipeline.schedule"): "1f1b" or "dualpipev"
 
     def ds_config(self, precision: str, torch_adam: bool) -> dict:
         """This layout as a ds_config: the recipe's fields "auto", the strategy's set."""
@@ -82,6 +84,8 @@ class Layout:
                 "partition_method": "parameters",
                 "activation_checkpoint_interval": int(self.checkpointing),
             }
+            if self.schedule != "1f1b":
+                config["pipeline"]["schedule"] = self.schedule
         elif self.checkpointing:
             config["activation_checkpointing"] = dict(CHECKPOINTING)
         if self.sp > 1:
@@ -93,6 +97,8 @@ class Layout:
     def describe(self) -> str:
         sizes = (("TP", self.tp), ("PP", self.pp), ("SP", self.sp), ("EP", self.ep))
         parts = [f"ZeRO-{self.zero}"] + [f"{name}{size}" for name, size in sizes if size > 1]
+        if self.schedule == "dualpipev":
+            parts.append("DualPipeV")
         if self.offload != "none":
             parts.append(f"offload {self.offload}")
         if self.checkpointing:
@@ -130,7 +136,9 @@ def candidate_layouts(recipe: Recipe, cluster: Cluster) -> list[list[Layout]]:
                     for zero in range(4):
                         for offload in ("none", "optimizer", "optimizer+params")[: 1 + (zero > 0) + (zero == 3)]:
                             for ckpt in (False, True):
-                                shapes.append([Layout(zero, m, tp, pp, sp, ep, offload, ckpt) for m in micros])
+                                for sched in ("1f1b", "dualpipev") if pp > 1 else ("1f1b",):
+                                    layouts = [Layout(zero, m, tp, pp, sp, ep, offload, ckpt, sched) for m in micros]
+                                    shapes.append(layouts)
     return shapes
 
 

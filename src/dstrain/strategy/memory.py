@@ -141,7 +141,9 @@ def estimate(
         )
     method = str(strategy.ds_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
     threshold = zero.param_persistence_threshold if stage == 3 else 0
-    counts = count_params(recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size)
+    counts = count_params(
+        recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size, strategy.pipe_schedule
+    )
     est = Estimate(
         *(recipe.name, strategy.source, nodes, gpus_per_node, stage, strategy.precision, strategy.micro_batch),
         *(strategy.grad_accum, strategy.dp_size, strategy.tp_size, strategy.pp_stages, strategy.offload_optimizer),

@@ -125,7 +125,21 @@ TP_LAYOUT = {
 }
 
 
-def check_pipeline(pipeline: dict, ds_file: str) -> None:
+PIPE_SCHEDULES = ("1f1b", "dualpipev")  # ds_config "pipeline.schedule": PipelineModule, or DualPipeVModule
+
+
+def check_pipeline(pipeline: dict, ds_file: str, n_layer: int, recipe_file: str) -> None:
+    schedule = pipeline.get("schedule", "1f1b")
+    if schedule not in PIPE_SCHEDULES:
+        raise DstrainError(f'{ds_file}: pipeline.schedule={schedule!r}; use "1f1b" or "dualpipev"')
+    stages = int(pipeline.get("stages", 1))
+    if stages > n_layer:
+        raise DstrainError(f"{ds_file}: pipeline.stages={stages} exceeds the model's {n_layer} blocks in {recipe_file}")
+    if schedule == "dualpipev" and 2 * stages > n_layer:
+        raise DstrainError(
+            f"{ds_file}: pipeline.schedule dualpipev cuts the model into 2 x pipeline.stages = {2 * stages} stages, "
+            f"more than the {n_layer} blocks of {recipe_file}; lower pipeline.stages or use schedule 1f1b"
+        )
     method = str(pipeline.get("partition_method", "parameters"))
     if method not in ("parameters", "uniform") and not method.startswith("type:"):
         raise DstrainError(
@@ -219,3 +233,17 @@ def check_sequence_parallel(
             f"{recipe_file}; each rank holds an equal slice: pick a seq_len that is a multiple of {size}"
         )
     return size
+
+
+def check_pipeline_accumulation(config: dict, ds_file: str, pp_stages: int, grad_accum: int) -> None:
+    """DeepSpeed's DualPipeVEngine asserts gradient_accumulation_steps >= 2 x stages inside deepspeed.initialize."""
+    if pp_stages > 1 and config["pipeline"].get("schedule") == "dualpipev" and grad_accum < 2 * pp_stages:
+        micro = config["train_micro_batch_size_per_gpu"]
+        samples = micro * grad_accum  # per data-parallel replica and step
+        fits = [m for m in range(samples // (2 * pp_stages), 0, -1) if samples % m == 0]
+        fix = f"set train_micro_batch_size_per_gpu to {fits[0]}" if fits else "raise the recipe's train.global_batch"
+        raise DstrainError(
+            f"{ds_file}: pipeline.schedule dualpipev needs at least 2 x pipeline.stages = {2 * pp_stages} "
+            f"micro-batches per step, train_micro_batch_size_per_gpu={micro} gives {grad_accum}; {fix} or use "
+            f"schedule 1f1b"
+        )

@@ -49,15 +49,16 @@ def count_params(
     persistence_threshold: int = 0,
     partition_method: str = "parameters",
     ep: int = 1,
+    schedule: str = "1f1b",
 ) -> ParamCounts:
     """Count on a meta-device model: no memory, a 70B recipe in seconds; checked against num_params.
-    Expert parallelism `ep` divides each MoE layer's experts over `ep` ranks."""
-    return _count_params(json.dumps(asdict(model)), tp, pp, persistence_threshold, partition_method, ep)
+    Expert parallelism `ep` divides each MoE layer's experts over `ep` ranks; `schedule` is the pipeline's."""
+    return _count_params(json.dumps(asdict(model)), tp, pp, persistence_threshold, partition_method, ep, schedule)
 
 
 @functools.lru_cache(maxsize=256)  # dstrain plan counts each layout shape once, not once per micro-batch
 def _count_params(
-    config_json: str, tp: int, pp: int, persistence_threshold: int, partition_method: str, ep: int
+    config_json: str, tp: int, pp: int, persistence_threshold: int, partition_method: str, ep: int, schedule: str
 ) -> ParamCounts:
     model = GPTConfig.from_dict(json.loads(config_json))
     named = _meta_params(config_json)
@@ -72,17 +73,18 @@ def _count_params(
         layers[name.rsplit(".", 1)[0]] += numel
     return ParamCounts(
         total=total,
-        per_rank=_worst_stage(named, model, tp, pp, partition_method) if pp > 1 else per_tp,
+        per_rank=_worst_stage(named, model, tp, pp, partition_method, schedule) if pp > 1 else per_tp,
         persistent=sum(numel for _, numel in named if numel <= persistence_threshold),
         largest_param=max(numel for _, numel in named),
         largest_layer=max(layers.values()),
     )
 
 
-def _worst_stage(named, model: GPTConfig, tp: int, pp: int, method: str) -> int:
-    """Parameters of the largest pipeline stage, cut as DeepSpeed's PipelineModule cuts dstrain.model.pipe's layers
+def _worst_stage(named, model: GPTConfig, tp: int, pp: int, method: str, schedule: str) -> int:
+    """Parameters of the largest pipeline rank, cut as DeepSpeed's PipelineModule cuts dstrain.model.pipe's layers
     (embedding, blocks, final norm, head): whole layers per stage, and a tied head is a second copy of the
-    embedding on the last stage, which DeepSpeed also counts when it balances the stages."""
+    embedding on the last stage, which DeepSpeed also counts when it balances the stages. DualPipeVModule cuts
+    2 x pp stages, rank r holding stage r and 2 x pp - 1 - r; the tied head is the embedding itself there (rank 0)."""
     from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
     from dstrain.model.pipe import layer_prefixes
@@ -96,14 +98,19 @@ def _worst_stage(named, model: GPTConfig, tp: int, pp: int, method: str) -> int:
 
     prefixes = [p[0] if p else "embed." for p in layer_prefixes(model)]  # None: the tied head, the embedding
     whole = [layer_count(p) for p in prefixes]
+    parts = 2 * pp if schedule == "dualpipev" else pp
     if method == "parameters":
-        bounds = partition_balanced(whole, pp)
+        bounds = partition_balanced(whole, parts)
     elif method == "uniform":
-        bounds = partition_uniform(len(whole), pp)
+        bounds = partition_uniform(len(whole), parts)
     else:  # "type:Block": balance the blocks
-        bounds = partition_balanced([int(p.startswith("blocks.")) for p in prefixes], pp)
+        bounds = partition_balanced([int(p.startswith("blocks.")) for p in prefixes], parts)
     held = [layer_count(p, tp) for p in prefixes]
-    return max(sum(held[bounds[i] : bounds[i + 1]]) for i in range(pp))
+    stage = [sum(held[bounds[i] : bounds[i + 1]]) for i in range(parts)]
+    if schedule != "dualpipev":
+        return max(stage)
+    tied = held[-1] if layer_prefixes(model)[-1] is None else 0
+    return max(stage[r] + stage[parts - 1 - r] - (tied if r == 0 else 0) for r in range(pp))
 
 
 @functools.lru_cache(maxsize=8)

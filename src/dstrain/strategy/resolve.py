@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from dstrain.strategy import parallel
 from dstrain.strategy.ds_schema import validate_ds_config
 from dstrain.strategy.optimizer import check_muon, fill_optimizer
 from dstrain.strategy.precision import Precision
+from dstrain.strategy.topology import Topology
 
 AUTO = "auto"
 
@@ -41,65 +42,6 @@ def offload_of(ds_config: dict, key: str) -> str | None:
     """Where zero_optimization.<key> ("offload_optimizer" / "offload_param") puts its state: "cpu", "nvme" or None."""
     device = ds_config.get("zero_optimization", {}).get(key, {}).get("device", "none")
     return None if device == "none" else device
-
-
-@dataclass(frozen=True)
-class Topology:
-    """How a run is laid out: what each checkpoint records, what a resume compares, what reports show."""
-
-    world_size: int
-    zero_stage: int
-    dp_size: int  # data-parallel replicas: world / (tp x pp x sp)
-    tp_size: int  # AutoTP degree
-    pp_stages: int  # pipeline stages
-    precision: Precision
-    ep_size: int = 1  # expert-parallel degree: each MoE layer's experts split over this many ranks
-    sp_size: int = 1  # sequence-parallel (Ulysses) degree
-
-    @classmethod
-    def from_engine(cls, engine) -> Topology:
-        import torch
-        from deepspeed.moe.layer import MoE
-        from deepspeed.utils import groups
-
-        world = torch.distributed.get_world_size()
-        tp_size = max(1, int(engine.autotp_size() or 1))
-        pp_stages = int(getattr(engine, "num_stages", 1))
-        sp_size = int(groups._get_sequence_parallel_world_size())
-        return cls(
-            world_size=world,
-            zero_stage=int(engine.zero_optimization_stage()),
-            # engine.dp_world_size is None under an SP mpu (DeepSpeed 0.19.8): the replicas are what is left.
-            dp_size=world // (tp_size * pp_stages * sp_size),
-            tp_size=tp_size,
-            pp_stages=pp_stages,
-            precision="bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
-            ep_size=max([m.ep_size for m in engine.module.modules() if isinstance(m, MoE)], default=1),
-            sp_size=sp_size,
-        )
-
-    @classmethod
-    def from_record(cls, record: dict) -> Topology:
-        """From a checkpoint's record (``to_record``)."""
-        return cls(**record)
-
-    def to_record(self) -> dict:
-        return asdict(self)
-
-    def describe(self) -> str:
-        parts = [
-            f"ZeRO-{self.zero_stage} {self.precision}",
-            f"{self.world_size} rank{'s' if self.world_size > 1 else ''}",
-        ]
-        if self.tp_size > 1:
-            parts.append(f"tensor-parallel {self.tp_size}")
-        if self.pp_stages > 1:
-            parts.append(f"{self.pp_stages} pipeline stages")
-        if self.ep_size > 1:
-            parts.append(f"expert-parallel {self.ep_size}")
-        if self.sp_size > 1:
-            parts.append(f"sequence-parallel {self.sp_size}")
-        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -160,6 +102,10 @@ class Strategy:
         return self.dp_size * self.sp_size
 
     @property
+    def pipe_schedule(self) -> str:
+        return self.topology.pipe_schedule
+
+    @property
     def activation_checkpointing(self) -> bool:
         """Blocks recompute their activations in the backward: the ds_config's activation_checkpointing section,
         or a pipeline's activation_checkpoint_interval."""
@@ -214,13 +160,15 @@ def resolve(
     loss_tiles, mlp_tiles = parallel.check_tiling(config, recipe, ds_file, pp_stages)
     check_muon(recipe, config, ds_file, stage, precision, (tp_size, pp_stages, sp_size, ep_size))
     micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages > 1 or sp_size > 1)
+    parallel.check_pipeline_accumulation(config, ds_file, pp_stages, grad_accum)
     _fill_recipe_values(config, recipe, recipe_file, ds_file)
     leftover = _find_auto(config)
     if leftover:
         raise DstrainError(f'{ds_file}: "auto" is not supported for {leftover}; set a value')
     if validate:
         validate_ds_config(config, ds_file)  # DeepSpeed's own parser, now rather than inside deepspeed.initialize
-    topology = Topology(world_size, stage, dp_size, tp_size, pp_stages, precision, ep_size, sp_size)
+    schedule = str(config.get("pipeline", {}).get("schedule", "1f1b")) if pp_stages > 1 else "1f1b"
+    topology = Topology(world_size, stage, dp_size, tp_size, pp_stages, precision, ep_size, sp_size, schedule)
     return Strategy(
         ds_config=config,
         source=ds_file,
@@ -265,12 +213,8 @@ def _parallel_sizes(
             f"{ds_file}: pipeline parallelism works with ZeRO stage 0 or 1, not {stage}; "
             f"set zero_optimization.stage to 1"
         )
-    if pp_stages > recipe.model.n_layer:
-        raise DstrainError(
-            f"{ds_file}: pipeline.stages={pp_stages} exceeds the model's {recipe.model.n_layer} blocks in {recipe_file}"
-        )
     if pp_stages > 1:
-        parallel.check_pipeline(config["pipeline"], ds_file)
+        parallel.check_pipeline(config["pipeline"], ds_file, recipe.model.n_layer, recipe_file)
     if tp_size > 1:
         parallel.check_tensor_parallel(config["tensor_parallel"], recipe, recipe_file, ds_file, pp_stages)
     return tp_size, pp_stages, sp_size, world_size // model_parallel

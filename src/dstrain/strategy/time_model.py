@@ -15,7 +15,8 @@ Stated assumptions (each replaceable, each named in the plan's output):
   parameter gathers and, with overlap_comm, ZeRO-2/3's gradient reductions run behind the backward (only what
   exceeds the compute they hide behind is exposed); ZeRO-0/1's all-reduce after the last backward, the updated
   partitions' all-gather, TP's, SP's and EP's collectives and the pipeline's sends are on the critical path.
-- Pipeline (1F1B): a bubble of (stages - 1) / accumulation steps of the compute.
+- Pipeline: the bubble of DeepSpeed's own schedule (1F1B or DualPipeV) simulated with a backward of twice the
+  forward (strategy.pipe_schedules; for 1F1B that is (stages - 1) / accumulation steps of the compute).
 - Offload: the optimizer's partition crosses the host link twice per step (gradients down, parameters up) and
   DeepSpeed's CPU Adam updates it at ``Device.cpu_adam_params_per_s``; ZeRO-3 parameter offload brings every
   parameter up once per forward and backward. Not overlapped.
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from dstrain.config import Recipe
 from dstrain.model.config import flops_per_token
 from dstrain.strategy.param_counts import ParamCounts, count_params
+from dstrain.strategy.pipe_schedules import bubble_fraction
 from dstrain.strategy.resolve import Strategy
 from dstrain.strategy.traffic import Traffic, dtype_bytes, step_traffic
 
@@ -49,6 +51,15 @@ class Device:
     cpu_adam_params_per_s: float  # DeepSpeed's CPU Adam: parameters updated per second for one device's share
     micro_batch_overhead_s: float = 0.0  # fixed seconds of each micro-batch's forward + backward (launches, hooks)
     overlaps_communication: bool = True  # collectives on their own streams; False on a CPU (gloo runs them inline)
+    # (engine kind, seconds per step, seconds per micro-batch) DeepSpeed's engine adds beyond the model's compute and
+    # collectives; measured by dstrain plan --calibrate (train/calibrate_engine.py), none for a datasheet device
+    engine_costs: tuple[tuple[str, float, float], ...] = ()
+
+    def engine_seconds(self, kind: str, micro_batches: int) -> float:
+        for name, per_step, per_micro in self.engine_costs:
+            if name == kind:
+                return per_step + micro_batches * per_micro
+        return 0.0
 
     def rate(self, precision: str, tokens: int) -> float:
         """FLOP/s reached by a matmul of ``tokens`` rows."""
@@ -70,15 +81,17 @@ class Prediction:
     comm_s: dict[str, float] = field(default_factory=dict)  # exposed seconds per named collective
     bubble_s: float = 0.0
     offload_s: float = 0.0
+    engine_s: float = 0.0  # DeepSpeed's own time (calibrated only): hooks, bucketing, the pipeline's instruction loop
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + sum(self.comm_s.values()) + self.bubble_s + self.offload_s
+        return self.compute_s + sum(self.comm_s.values()) + self.bubble_s + self.offload_s + self.engine_s
 
     @property
     def bound(self) -> str:
         """What the step spends most of its time on."""
         parts = {"compute": self.compute_s, "pipeline bubble": self.bubble_s, "offload traffic": self.offload_s}
+        parts["engine overhead"] = self.engine_s
         parts.update(self.comm_s)
         return max(parts, key=lambda k: parts[k])
 
@@ -133,9 +146,17 @@ def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cl
     if hidden > backward_s:
         pred.comm_s["overlapped collectives (exposed)"] = hidden - backward_s
     if strategy.pp_stages > 1:
-        pred.bubble_s = pred.compute_s * (strategy.pp_stages - 1) / strategy.grad_accum
+        fraction = bubble_fraction(strategy.pipe_schedule, strategy.pp_stages, strategy.grad_accum)
+        pred.bubble_s = pred.compute_s * fraction
     pred.offload_s = offload_seconds(strategy, counts, cluster.device)
+    pred.engine_s = cluster.device.engine_seconds(engine_kind(strategy), strategy.grad_accum)
     return pred
+
+
+def engine_kind(strategy: Strategy) -> str:
+    """Which calibrated engine cost applies: the pipeline engine's (1F1B and DualPipeV alike: the same instruction
+    loop), else the ZeRO stage's (TP and SP take their stage's: not calibrated apart)."""
+    return "pipeline" if strategy.pp_stages > 1 else f"zero{strategy.zero_stage}"
 
 
 def layout_counts(recipe: Recipe, strategy: Strategy) -> ParamCounts:
@@ -143,7 +164,9 @@ def layout_counts(recipe: Recipe, strategy: Strategy) -> ParamCounts:
     zero = strategy.ds_config.get("zero_optimization", {})
     threshold = zero.get("stage3_param_persistence_threshold", 100_000) if strategy.zero_stage == 3 else 0
     method = str(strategy.ds_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
-    return count_params(recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size)
+    return count_params(
+        recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size, strategy.pipe_schedule
+    )
 
 
 def expert_share(recipe: Recipe, strategy: Strategy, counts: ParamCounts) -> int:

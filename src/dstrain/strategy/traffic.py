@@ -50,6 +50,7 @@ WIRE = {
     "all_to_all_single": lambda n: (n - 1) / n,
     "send": lambda n: 1.0,
     "recv": lambda n: 0.0,  # a recv's bytes are its peer's send
+    "batch_isend_irecv": lambda n: 0.5,  # DualPipeV's sends and receives, logged as one batch: half are sent
 }
 
 
@@ -142,8 +143,13 @@ def model_parallel_traffic(recipe: Recipe, strategy: Strategy, imbalance: float 
         per_block = (2 * recompute + backward) * act
         parts.append(Traffic("all_reduce", "tp", strategy.tp_size, g * m.n_layer * per_block, "block outputs", False))
     if strategy.pp_stages > 1:
-        for op in ("send", "recv"):
-            parts.append(Traffic(op, "pp", strategy.pp_stages, g * act, "activations and their gradients", False))
+        what = "activations and their gradients"
+        if strategy.pipe_schedule == "dualpipev":
+            # Every rank hands each micro-batch on in both phases (rank 0 sends activations out and receives them
+            # back, then the same for their gradients): twice 1F1B's bytes each way, in batch_isend_irecv calls.
+            parts.append(Traffic("batch_isend_irecv", "pp", strategy.pp_stages, 4 * g * act, what, False))
+        else:
+            parts += [Traffic(op, "pp", strategy.pp_stages, g * act, what, False) for op in ("send", "recv")]
     if strategy.sp_size > 1:
         qkvo = tokens * (2 * m.d_model + 2 * m.kv_heads * m.head_dim) * b
         parts.append(

@@ -76,8 +76,20 @@ def all_reduce_gbps() -> float:
     return ALL_REDUCE_BYTES * 2 * (2 - 1) / 2 / seconds * 8 / 1e9
 
 
-def calibrated_device(recipe: Recipe, ranks: int) -> Device:
-    """This machine as the time model's Device, for ``ranks`` ranks sharing its cores and memory."""
+def calibrated_device(recipe: Recipe, ranks: int, engines: bool = False) -> Device:
+    """This machine as the time model's Device, for ``ranks`` ranks sharing its cores and memory; ``engines``: with
+    what each DeepSpeed engine kind costs beyond that (train/calibrate_engine.py: a minute or two more, which
+    ``dstrain compare --plan`` spends and ``dstrain plan --calibrate`` does not)."""
+    device = bare_device(recipe, ranks)
+    if not engines:
+        return device
+    from dstrain.train.calibrate_engine import with_engine_costs
+
+    return with_engine_costs(recipe, device, ranks)
+
+
+def bare_device(recipe: Recipe, ranks: int) -> Device:
+    """This machine as the time model's Device from the bare model's forward and backward and a gloo all-reduce."""
     from dstrain.model.config import flops_per_token
 
     threads = max(1, (os.cpu_count() or 1) // ranks)

@@ -39,6 +39,7 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
             strategy.pp_stages,
             partition_method=pipeline.get("partition_method", "parameters"),
             activation_checkpoint_interval=interval,
+            schedule=pipeline.get("schedule", "1f1b"),
         )
     torch.manual_seed(recipe.seed)  # identical initial weights on every rank and under every strategy
     init = (

@@ -127,8 +127,10 @@ class StepRunner:
     def _pipe_eval_loss(self, batch: dict) -> float | None:
         """One micro-batch through the pipeline; its mean loss on the last stage, None on the others."""
         self._resize_pipe(batch["labels"].shape[0])
+        # DualPipeV runs no fewer than 2 x stages micro-batches (DeepSpeed's DualPipeVSchedule): the same one
+        # repeated, its first loss kept.
+        repeats = 2 * self.strategy.pp_stages if self.strategy.pipe_schedule == "dualpipev" else 1
+        items = iter([self._pipe_item(batch)] * repeats)
         with monitor_paused(self.engine):
-            losses = self.engine.eval_batch(
-                iter([self._pipe_item(batch)]), num_micro_batches=1, reduce_output=None, bcast_loss=False
-            )
+            losses = self.engine.eval_batch(items, num_micro_batches=repeats, reduce_output=None, bcast_loss=False)
         return None if losses is None else losses[0].item()
