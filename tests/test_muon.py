@@ -117,15 +117,15 @@ def test_muon_recipe_gives_deepspeeds_muon_with_the_recipes_values(tmp_path):
 @pytest.mark.parametrize(
     "base, world, changes, fragment",
     [
-        ("zero1", 2, {}, "under ZeRO stage 1 (fp32) DeepSpeed 0.19.8 clips Muon's orthogonalised update"),
-        ("zero2", 2, {}, "under ZeRO stage 2"),
-        ("zero3", 2, {}, "under ZeRO stage 3"),
-        ("zero2_bf16", 2, {}, "under ZeRO stage 2 (bf16)"),
-        ("zero1_bf16", 2, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "(bf16, offload)"),
+        ("zero2_bf16", 2, {}, "bf16 under ZeRO stage 2 is not proven"),
+        ("zero3_bf16", 2, {}, "bf16 under ZeRO stage 3 is not proven"),
+        ("zero2_offload", 2, {}, "under ZeRO stage 2 with offload DeepSpeed 0.19.8 clips Muon's orthogonalised"),
+        ("zero1_bf16", 2, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "stage 1 with offload"),
         ("sp2_zero1_bf16", 2, {}, "bf16 Muon takes dense data parallelism only"),
+        ("tp2_zero1", 2, {}, "Newton-Schulz on a shard"),
         ("tp2_zero1", 2, {"zero_optimization": {"stage": 0}}, "Newton-Schulz on a shard"),
-        ("pp2_zero1", 2, {"zero_optimization": {"stage": 0}}, "a pipeline's layer names would put the embedding in"),
-        ("sp2_zero1", 2, {"zero_optimization": {"stage": 0}}, "sequence parallelism"),
+        ("pp2_zero1", 2, {}, "a pipeline's layer names would put the embedding in"),
+        ("sp2_zero1", 2, {}, "sequence parallelism is not proven with Muon"),
     ],
 )
 def test_strategies_that_would_change_muons_math_are_refused_in_one_line(tmp_path, base, world, changes, fragment):
@@ -134,8 +134,24 @@ def test_strategies_that_would_change_muons_math_are_refused_in_one_line(tmp_pat
     with pytest.raises(DstrainError) as e:
         resolve_muon(tmp_path, base, world, **changes)
     message = str(e.value)
-    assert "\n" not in message and "d.json" in message and "use ds_configs/zero0.json, or zero1_bf16.json" in message
+    assert "\n" not in message and "d.json" in message and "use ds_configs/zero0.json, zero1.json" in message
     assert fragment in message, message
+
+
+def test_zero3_muon_is_accepted_without_reduce_scatter_only(tmp_path):
+    from dstrain.errors import DstrainError
+
+    with pytest.raises(DstrainError) as e:
+        resolve_muon(tmp_path, "zero3", 2)
+    assert str(e.value).endswith(
+        "d.json: optim.kind=muon under ZeRO-3 needs zero_optimization.reduce_scatter: false "
+        '(DeepSpeed 0.19.8 runs Muon only on all-reduced gradients there); add "reduce_scatter": '
+        f"false to {tmp_path / 'd.json'}"
+    )
+    for base in ("zero1", "zero2"):
+        assert resolve_muon(tmp_path, base, 2).ds_config["optimizer"]["type"] == "Muon"
+    accepted = resolve_muon(tmp_path, "zero3", 2, zero_optimization={"reduce_scatter": False})
+    assert accepted.ds_config["zero_optimization"]["reduce_scatter"] is False
 
 
 def test_a_muon_ds_config_under_an_adamw_recipe_is_refused(tmp_path):
@@ -184,17 +200,32 @@ def test_a_muon_checkpoint_is_not_converted_to_another_topology(tmp_path):
 # --- training: the same math under every accepted layout, and exact resume ------------------------------------
 
 
+def zero3_config(folder):
+    """zero3.json with reduce_scatter off, as DeepSpeed 0.19.8's ZeRO-3 Muon needs (resolve says so)."""
+    config = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    config["zero_optimization"]["reduce_scatter"] = False
+    path = folder / "zero3_all_reduce.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture(scope="module")
 def muon_runs(tmp_path_factory, corpus):
     """The small recipe with Muon and clipping at CLIP: ZeRO-0 on 2 ranks, with 2 micro-batches per step, ZeRO-1 bf16;
     interrupted after step 4 and resumed on 2 ranks, and on 1 (steps 5-10 on one rank)."""
     tmp = tmp_path_factory.mktemp("muon")
     recipe = small_recipe(tmp, corpus, optim={"kind": "muon", "grad_clip": CLIP})
-    accum = ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=2)
-    runs = {name: tmp / name for name in ("zero0", "zero0_accum", "zero1_bf16", "resumed", "resumed_on_one_rank")}
-    configs = {"zero0_accum": accum, "zero1_bf16": "zero1_bf16"}
+    configs = {
+        "zero0_accum": ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=2),
+        "zero1": "zero1",
+        "zero2_accum": ds_config(tmp, "zero2", train_micro_batch_size_per_gpu=2),
+        "zero3": zero3_config(tmp),
+        "zero1_bf16": "zero1_bf16",
+    }
+    runs = {name: tmp / name for name in ("zero0", *configs, "resumed", "resumed_on_one_rank")}
     argv = {name: train_argv(recipe, configs.get(name, "zero0"), run) for name, run in runs.items()}
-    assert run_ranks(2, train_each, [argv["zero0"], argv["zero0_accum"], argv["zero1_bf16"]]) == [[0, 0, 0]] * 2
+    trained = ["zero0", *configs]
+    assert run_ranks(2, train_each, [argv[name] for name in trained]) == [[0] * len(trained)] * 2
     interrupted = [*argv["resumed"], "train.checkpoint_interval=3"]
     assert run_ranks(2, train_and_signal_at, interrupted, 4) == [0, 0]
     shutil.copytree(runs["resumed"], runs["resumed_on_one_rank"])
@@ -208,7 +239,7 @@ def grad_norms(run) -> list[float]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["zero0_accum", "resumed_on_one_rank"])
+@pytest.mark.parametrize("layout", ["zero0_accum", "zero1", "zero2_accum", "zero3", "resumed_on_one_rank"])
 def test_muon_gives_the_same_losses_and_grad_norms_under_every_accepted_layout(muon_runs, layout):
     reference, norms = train_losses(muon_runs["zero0"]), grad_norms(muon_runs["zero0"])
     assert len(reference) == 10 and min(norms) > CLIP  # every step clipped
@@ -259,14 +290,15 @@ def test_resume_keeps_muons_momentum_bit_for_bit(muon_runs):
 # --- the DeepSpeed behaviour the ZeRO refusals rest on -----------------------------------------------------------
 
 
-def probe_zero_clipping(stage: int, clip: float) -> dict:
-    """Rank target (1 rank): one Muon step of a small GPT under ZeRO ``stage`` with clipping at ``clip``; the norm the
-    engine reports, the raw gradient's norm, and a Muon matrix after the step."""
+def probe_zero_clipping(stage: int, clip: float, workaround: bool = False) -> dict:
+    """Rank target (1 rank): one Muon step of a small GPT under ZeRO ``stage`` with clipping at ``clip``, DeepSpeed's
+    own or with dstrain's ``muon_zero`` workaround; the norm the engine reports, the raw gradient's norm, and a Muon
+    matrix after the step."""
     import deepspeed
 
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT, lm_loss, param_groups
-    from dstrain.train import distributed, grad_norm
+    from dstrain.train import distributed, grad_norm, muon_zero
 
     distributed.init()
     torch.manual_seed(0)
@@ -275,35 +307,56 @@ def probe_zero_clipping(stage: int, clip: float) -> dict:
         "train_batch_size": 2,
         "gradient_clipping": clip,
         "optimizer": {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 0.02, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **({"reduce_scatter": False} if stage == 3 else {})},
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.0), config=config)
     grad_norm.install(engine)  # ZeRO-0: dstrain's clip of the raw gradient
+    if workaround:
+        muon_zero.install(engine)
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     engine.backward(lm_loss(engine(tokens[:, :-1]), tokens[:, 1:]))
     raw = grad_norm.global_grad_norm(engine).item() if stage == 0 else None
     engine.step()
-    matrix = engine.module.blocks[0].mlp.up_proj.weight
-    return {"reported": float(engine.get_global_grad_norm()), "raw": raw, "matrix": matrix.detach().tolist()}
+    with deepspeed.zero.GatheredParameters([engine.module.blocks[0].mlp.up_proj.weight]):
+        matrix = engine.module.blocks[0].mlp.up_proj.weight.detach().tolist()
+    return {"reported": float(engine.get_global_grad_norm()), "raw": raw, "matrix": matrix}
 
 
-def run_clipping_probes() -> dict:
+def run_clipping_probes(workaround: bool) -> dict:
     with torch.compiler.set_stance("force_eager"):  # as dstrain runs Muon on a CPU (engine.run_muon_eagerly_on_cpu)
-        return {(stage, clip): probe_zero_clipping(stage, clip) for stage in (0, 1) for clip in (0.0, 1e-2)}
+        probes = {(0, clip): probe_zero_clipping(0, clip) for clip in (0.0, 1e-2)}
+        for stage in (1, 3):
+            for clip in (0.0, 1e-2):
+                probes[(stage, clip)] = probe_zero_clipping(stage, clip, workaround)
+        return probes
 
 
 @pytest.mark.distributed
-@pytest.mark.deepspeed_defect("ZeRO-1/2 clip Muon's orthogonalised update (strategy/optimizer.py refuses them)")
+@pytest.mark.deepspeed_defect("ZeRO-1/2/3 clip Muon's orthogonalised update (train/muon_zero.py works around it)")
 def test_deepspeed_zero_clips_the_orthogonalised_update():
-    """Without clipping ZeRO-1 takes ZeRO-0's Muon step; with it, another one, and it reports another norm: the norm of
-    the orthogonalised update (about sqrt(rank) per matrix), not the raw gradient's."""
-    (probes,) = run_ranks(1, run_clipping_probes)
+    """Without clipping ZeRO-1 and 3 take ZeRO-0's Muon step; with it, another one, and they report another norm: the
+    norm of the orthogonalised update (about sqrt(rank) per matrix), not the raw gradient's."""
+    (probes,) = run_ranks(1, run_clipping_probes, False)
     matrix = {key: torch.tensor(probe["matrix"]) for key, probe in probes.items()}
-    zero0, zero1 = probes[(0, 1e-2)], probes[(1, 1e-2)]
-    torch.testing.assert_close(matrix[(1, 0.0)], matrix[(0, 0.0)], rtol=0, atol=1e-6)
+    zero0 = probes[(0, 1e-2)]
     assert zero0["reported"] == pytest.approx(zero0["raw"], rel=1e-6)
-    assert zero1["reported"] > 2 * zero0["raw"]
-    assert (matrix[(1, 1e-2)] - matrix[(0, 1e-2)]).abs().max() > 1e-4
+    for stage in (1, 3):
+        torch.testing.assert_close(matrix[(stage, 0.0)], matrix[(0, 0.0)], rtol=0, atol=1e-6)
+        assert probes[(stage, 1e-2)]["reported"] > 2 * zero0["raw"]
+        assert (matrix[(stage, 1e-2)] - matrix[(0, 1e-2)]).abs().max() > 1e-4
+
+
+@pytest.mark.distributed
+def test_muon_zero_clips_the_raw_gradient_before_deepspeeds_muon():
+    """The same probes with train/muon_zero.py installed: ZeRO-1 and 3 report the raw gradient's norm and take
+    ZeRO-0's clipped step (the update is about 1e-4 per element: 1e-6 is 1% of it)."""
+    (probes,) = run_ranks(1, run_clipping_probes, True)
+    matrix = {key: torch.tensor(probe["matrix"]) for key, probe in probes.items()}
+    for stage in (1, 3):
+        for clip in (0.0, 1e-2):
+            assert probes[(stage, clip)]["reported"] == pytest.approx(probes[(0, clip)]["raw"], rel=1e-6)
+            torch.testing.assert_close(matrix[(stage, clip)], matrix[(0, clip)], rtol=0, atol=1e-6)
+    assert (matrix[(0, 1e-2)] - matrix[(0, 0.0)]).abs().max() > 1e-5  # the clip changes the step
 
 
 # --- dstrain compare: AdamW and Muon side by side ---------------------------------------------------------------
@@ -320,16 +373,16 @@ def test_compare_entries_carry_their_own_recipe_overrides():
     assert overrides == ["seed=3"]
 
 
-def test_compare_refuses_a_muon_entry_under_zero1_before_launching(tmp_path, capsys):
+def test_compare_refuses_a_muon_entry_under_offload_before_launching(tmp_path, capsys):
     from dstrain.commands.cli import main
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({**RECIPE, "optim": {}}))
-    zero0, zero1 = ROOT / "ds_configs" / "zero0.json", ROOT / "ds_configs" / "zero1.json"
+    zero0, offload = ROOT / "ds_configs" / "zero0.json", ROOT / "ds_configs" / "zero2_offload.json"
     argv = ["compare", "--recipe", str(recipe), "--nproc", "2", "--out", str(tmp_path / "out")]
-    assert main([*argv, "--deepspeed_configs", str(zero0), f"{zero1}+optim.kind=muon"]) == 2
+    assert main([*argv, "--deepspeed_configs", str(zero0), f"{offload}+optim.kind=muon"]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "zero1.json: optim.kind=muon is refused: under ZeRO stage 1" in error
+    assert "zero2_offload.json: optim.kind=muon is refused: under ZeRO stage 2 with offload" in error
     assert not (tmp_path / "out").exists()  # nothing launched
 
 
