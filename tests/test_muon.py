@@ -180,6 +180,8 @@ def test_estimate_counts_one_momentum_for_each_parameter_deepspeed_gives_muon(tm
     assert states == {"Adam moments (fp32)": 8 * (total - muon), "Muon momentum (fp32)": 4 * muon}
     bf16 = estimate(recipe, resolve_muon(tmp_path, "zero1_bf16", 2), 1, 2).parts  # partitioned over 2 ranks
     assert {p.name: p.step for p in bf16}["Muon momentum (fp32)"] == 4 * math.ceil(muon / 2)
+    zero2 = {p.name: p.step for p in estimate(recipe, resolve_muon(tmp_path, "zero2", 2), 1, 2).parts}
+    assert zero2["Muon momentum (fp32)"] == 2 * 4 * math.ceil(muon / 2)  # and DeepSpeed's staged copy
 
 
 def test_a_muon_checkpoint_is_not_converted_to_another_topology(tmp_path):
@@ -209,10 +211,14 @@ def zero3_config(folder):
     return path
 
 
+RESUMED = {"resumed": "zero0", "resumed_zero2": "zero2_accum", "resumed_bf16": "zero1_bf16"}  # -> uninterrupted
+
+
 @pytest.fixture(scope="module")
 def muon_runs(tmp_path_factory, corpus):
-    """The small recipe with Muon and clipping at CLIP: ZeRO-0 on 2 ranks, with 2 micro-batches per step, ZeRO-1 bf16;
-    interrupted after step 4 and resumed on 2 ranks, and on 1 (steps 5-10 on one rank)."""
+    """The small recipe with Muon and clipping at CLIP on 2 ranks: ZeRO-0, with 2 micro-batches per step, ZeRO-1,
+    ZeRO-2 with 2 micro-batches, ZeRO-3, ZeRO-1 bf16; ZeRO-0, ZeRO-2 and bf16 interrupted after step 4 and resumed
+    (ZeRO-0 on 2 ranks, and on 1: steps 5-10 on one rank)."""
     tmp = tmp_path_factory.mktemp("muon")
     recipe = small_recipe(tmp, corpus, optim={"kind": "muon", "grad_clip": CLIP})
     configs = {
@@ -222,14 +228,15 @@ def muon_runs(tmp_path_factory, corpus):
         "zero3": zero3_config(tmp),
         "zero1_bf16": "zero1_bf16",
     }
-    runs = {name: tmp / name for name in ("zero0", *configs, "resumed", "resumed_on_one_rank")}
+    configs.update({name: configs.get(base, "zero0") for name, base in RESUMED.items()})
+    runs = {name: tmp / name for name in ("zero0", *configs, "resumed_on_one_rank")}
     argv = {name: train_argv(recipe, configs.get(name, "zero0"), run) for name, run in runs.items()}
-    trained = ["zero0", *configs]
+    trained = ["zero0", *(name for name in configs if name not in RESUMED)]
     assert run_ranks(2, train_each, [argv[name] for name in trained]) == [[0] * len(trained)] * 2
-    interrupted = [*argv["resumed"], "train.checkpoint_interval=3"]
-    assert run_ranks(2, train_and_signal_at, interrupted, 4) == [0, 0]
+    for name in RESUMED:
+        assert run_ranks(2, train_and_signal_at, [*argv[name], "train.checkpoint_interval=3"], 4) == [0, 0]
     shutil.copytree(runs["resumed"], runs["resumed_on_one_rank"])
-    assert run_ranks(2, train_each, [argv["resumed"]]) == [[0], [0]]
+    assert run_ranks(2, train_each, [argv[name] for name in RESUMED]) == [[0] * len(RESUMED)] * 2
     assert run_ranks(1, train_each, [argv["resumed_on_one_rank"]]) == [[0]]
     return runs
 
@@ -275,16 +282,38 @@ def test_muon_keeps_a_momentum_for_matrices_and_adam_moments_for_the_rest(muon_r
             assert keys == ({"momentum_buffer"} if group["use_muon"] else {"exp_avg", "exp_avg_sq", "step"}), keys
 
 
+def tensors(tree, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in a loaded checkpoint file, by its path of keys."""
+    if isinstance(tree, torch.Tensor):
+        return {path: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list | tuple) else []
+    return {key: value for k, v in items for key, value in tensors(v, f"{path}/{k}").items()}
+
+
+def checkpoint_tensors(run, tag: str) -> dict[str, torch.Tensor]:
+    from dstrain.checkpoint.ds_files import read_pt
+
+    files = sorted((run / "checkpoints" / tag).glob("*.pt"))
+    found = {key: value for file in files for key, value in tensors(read_pt(file), file.name).items()}
+    return {key: value for key, value in found.items() if value.is_floating_point()}  # not the RNG states
+
+
 @pytest.mark.distributed
-def test_resume_keeps_muons_momentum_bit_for_bit(muon_runs):
-    """SIGUSR1 after step 4: the resumed run's steps 5..10 and its final momentum are the uninterrupted run's."""
-    assert train_losses(muon_runs["resumed"]) == train_losses(muon_runs["zero0"])
-    resumed = optimizer_state(muon_runs["resumed"], "global_step10")["state"]
-    uninterrupted = optimizer_state(muon_runs["zero0"], "global_step10")["state"]
-    assert resumed.keys() == uninterrupted.keys()
-    for index, state in uninterrupted.items():
-        for key, value in state.items():
-            assert torch.equal(torch.as_tensor(resumed[index][key]), torch.as_tensor(value)), (index, key)
+@pytest.mark.parametrize("resumed", RESUMED)
+def test_resume_keeps_muons_momentum_bit_for_bit(muon_runs, resumed):
+    """SIGUSR1 after step 4: the resumed run's steps 5..10, its grad norms and its final checkpoint (weights, Muon's
+    momentum, Adam's moments, in every rank's file) are the uninterrupted run's, under ZeRO-0, ZeRO-2 fp32 (momentum
+    and gradient partitions of whole matrices) and bf16 ZeRO-1 (BF16_Optimizer's fp32 momentum)."""
+    uninterrupted = muon_runs[RESUMED[resumed]]
+    assert train_losses(muon_runs[resumed]) == train_losses(uninterrupted)
+    assert grad_norms(muon_runs[resumed]) == grad_norms(uninterrupted)
+    saved, expected = (
+        checkpoint_tensors(muon_runs[resumed], "global_step10"),
+        checkpoint_tensors(uninterrupted, "global_step10"),
+    )
+    assert saved.keys() == expected.keys() and any("momentum_buffer" in key for key in expected), sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(saved[key], value), key
 
 
 # --- the DeepSpeed behaviour the ZeRO refusals rest on -----------------------------------------------------------
