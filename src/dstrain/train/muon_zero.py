@@ -4,9 +4,9 @@ DeepSpeed 0.19.8's ZeRO optimizers run Muon before they take the gradient norm: 
 partitions at the accumulation boundary (``stage_1_and_2.get_flat_partition`` calls ``muon_update`` on each whole Muon
 matrix, during the backward), ZeRO-3 at the start of ``step`` (``stage3._apply_muon_to_accumulated_grads``). ``step``
 then takes the global norm of the orthogonalised updates (and the AdamW half's gradients), reports it as the gradient
-norm and clips by it (tests/test_muon.py::test_deepspeed_zero_clips_the_orthogonalised_update). ZeRO-0 clips the raw
-gradient by its global norm and only then runs Muon's momentum and Newton-Schulz on it (train/grad_norm.py), so the
-same recipe gave other losses by ZeRO stage.
+norm and clips by it (tests/test_muon_zero.py::test_deepspeed_zero_clips_the_orthogonalised_update). ZeRO-0 clips
+the raw gradient by its global norm and only then runs Muon's momentum and Newton-Schulz on it (train/grad_norm.py),
+so the same recipe gave other losses by ZeRO stage.
 
 ``install`` is the one workaround. Before DeepSpeed's Muon runs, it takes DeepSpeed's own norm over the raw gradient
 partitions (the norm DeepSpeed takes for AdamW), scales every gradient by DeepSpeed's clip coefficient
@@ -67,7 +67,7 @@ def install(engine) -> None:
         orthogonalise = zero._apply_muon_to_accumulated_grads
 
         def apply_muon_to_clipped_grads() -> None:
-            partitions = [part for group in zero.averaged_gradients.values() for part in group]
+            partitions = [part for group in zero.averaged_gradients.values() for part in group or []]
             clip_raw(partitions, combine_grad_norm_groups(zero._get_norm_groups()))
             orthogonalise()
 
