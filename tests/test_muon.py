@@ -117,15 +117,14 @@ def test_muon_recipe_gives_deepspeeds_muon_with_the_recipes_values(tmp_path):
 @pytest.mark.parametrize(
     "base, world, changes, fragment",
     [
-        ("zero1", 2, {}, "under ZeRO stage 1 (fp32) DeepSpeed 0.19.8 clips Muon's orthogonalised update"),
-        ("zero2", 2, {}, "under ZeRO stage 2"),
-        ("zero3", 2, {}, "under ZeRO stage 3"),
-        ("zero2_bf16", 2, {}, "under ZeRO stage 2 (bf16)"),
-        ("zero1_bf16", 2, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "(bf16, offload)"),
+        ("zero2_bf16", 2, {}, "bf16 ZeRO-2 hands Muon bf16 gradients"),
+        ("sp2_zero3", 2, {}, "sequence parallelism with ZeRO-3 needs reduce_scatter"),
+        ("zero2_offload", 2, {}, "under ZeRO stage 2 with offload DeepSpeed 0.19.8 clips Muon's orthogonalised"),
+        ("zero1_bf16", 2, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "stage 1 with offload"),
         ("sp2_zero1_bf16", 2, {}, "bf16 Muon takes dense data parallelism only"),
+        ("tp2_zero1", 2, {}, "Newton-Schulz on a shard"),
         ("tp2_zero1", 2, {"zero_optimization": {"stage": 0}}, "Newton-Schulz on a shard"),
-        ("pp2_zero1", 2, {"zero_optimization": {"stage": 0}}, "a pipeline's layer names would put the embedding in"),
-        ("sp2_zero1", 2, {"zero_optimization": {"stage": 0}}, "sequence parallelism"),
+        ("pp2_zero1", 2, {}, "a pipeline's layer names would put the embedding in"),
     ],
 )
 def test_strategies_that_would_change_muons_math_are_refused_in_one_line(tmp_path, base, world, changes, fragment):
@@ -134,8 +133,27 @@ def test_strategies_that_would_change_muons_math_are_refused_in_one_line(tmp_pat
     with pytest.raises(DstrainError) as e:
         resolve_muon(tmp_path, base, world, **changes)
     message = str(e.value)
-    assert "\n" not in message and "d.json" in message and "use ds_configs/zero0.json, or zero1_bf16.json" in message
+    assert (
+        "\n" not in message and "d.json" in message and "use ds_configs/zero0.json, zero1.json, zero2.json" in message
+    )
     assert fragment in message, message
+
+
+def test_zero3_muon_is_accepted_without_reduce_scatter_only(tmp_path):
+    from dstrain.errors import DstrainError
+
+    with pytest.raises(DstrainError) as e:
+        resolve_muon(tmp_path, "zero3", 2)
+    assert str(e.value).endswith(
+        "d.json: optim.kind=muon under ZeRO-3 needs zero_optimization.reduce_scatter: false "
+        '(DeepSpeed 0.19.8 runs Muon only on all-reduced gradients there); add "reduce_scatter": '
+        f"false to {tmp_path / 'd.json'}"
+    )
+    for base in ("zero1", "zero2", "sp2_zero1"):
+        assert resolve_muon(tmp_path, base, 2).ds_config["optimizer"]["type"] == "Muon"
+    for base in ("zero3", "zero3_bf16"):
+        accepted = resolve_muon(tmp_path, base, 2, zero_optimization={"reduce_scatter": False})
+        assert accepted.ds_config["zero_optimization"]["reduce_scatter"] is False
 
 
 def test_a_muon_ds_config_under_an_adamw_recipe_is_refused(tmp_path):
@@ -164,6 +182,8 @@ def test_estimate_counts_one_momentum_for_each_parameter_deepspeed_gives_muon(tm
     assert states == {"Adam moments (fp32)": 8 * (total - muon), "Muon momentum (fp32)": 4 * muon}
     bf16 = estimate(recipe, resolve_muon(tmp_path, "zero1_bf16", 2), 1, 2).parts  # partitioned over 2 ranks
     assert {p.name: p.step for p in bf16}["Muon momentum (fp32)"] == 4 * math.ceil(muon / 2)
+    zero2 = {p.name: p.step for p in estimate(recipe, resolve_muon(tmp_path, "zero2", 2), 1, 2).parts}
+    assert zero2["Muon momentum (fp32)"] == 2 * 4 * math.ceil(muon / 2)  # and DeepSpeed's staged copy
 
 
 def test_a_muon_checkpoint_is_not_converted_to_another_topology(tmp_path):
@@ -184,21 +204,43 @@ def test_a_muon_checkpoint_is_not_converted_to_another_topology(tmp_path):
 # --- training: the same math under every accepted layout, and exact resume ------------------------------------
 
 
+def zero3_config(folder, base: str = "zero3"):
+    """``base`` with reduce_scatter off, as DeepSpeed 0.19.8's ZeRO-3 Muon needs (resolve says so)."""
+    config = json.loads((ROOT / "ds_configs" / f"{base}.json").read_text())
+    config["zero_optimization"]["reduce_scatter"] = False
+    path = folder / f"{base}_all_reduce.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+RESUMED = {"resumed": "zero0", "resumed_zero2": "zero2_accum", "resumed_bf16": "zero1_bf16"}  # -> uninterrupted
+
+
 @pytest.fixture(scope="module")
 def muon_runs(tmp_path_factory, corpus):
-    """The small recipe with Muon and clipping at CLIP: ZeRO-0 on 2 ranks, with 2 micro-batches per step, ZeRO-1 bf16;
-    interrupted after step 4 and resumed on 2 ranks, and on 1 (steps 5-10 on one rank)."""
+    """The small recipe with Muon and clipping at CLIP on 2 ranks: ZeRO-0, with 2 micro-batches per step, ZeRO-1,
+    ZeRO-2 with 2 micro-batches, ZeRO-3, Ulysses SP2 (ZeRO-1, 2 micro-batches), ZeRO-1 and ZeRO-3 bf16; ZeRO-0, ZeRO-2
+    and bf16 ZeRO-1 interrupted after step 4 and resumed (ZeRO-0 on 2 ranks, and on 1: steps 5-10 on one rank)."""
     tmp = tmp_path_factory.mktemp("muon")
     recipe = small_recipe(tmp, corpus, optim={"kind": "muon", "grad_clip": CLIP})
-    accum = ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=2)
-    runs = {name: tmp / name for name in ("zero0", "zero0_accum", "zero1_bf16", "resumed", "resumed_on_one_rank")}
-    configs = {"zero0_accum": accum, "zero1_bf16": "zero1_bf16"}
+    configs = {
+        "zero0_accum": ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=2),
+        "zero1": "zero1",
+        "zero2_accum": ds_config(tmp, "zero2", train_micro_batch_size_per_gpu=2),
+        "zero3": zero3_config(tmp),
+        "sp2_zero1": "sp2_zero1",
+        "zero1_bf16": "zero1_bf16",
+        "zero3_bf16": zero3_config(tmp, "zero3_bf16"),
+    }
+    configs.update({name: configs.get(base, "zero0") for name, base in RESUMED.items()})
+    runs = {name: tmp / name for name in ("zero0", *configs, "resumed_on_one_rank")}
     argv = {name: train_argv(recipe, configs.get(name, "zero0"), run) for name, run in runs.items()}
-    assert run_ranks(2, train_each, [argv["zero0"], argv["zero0_accum"], argv["zero1_bf16"]]) == [[0, 0, 0]] * 2
-    interrupted = [*argv["resumed"], "train.checkpoint_interval=3"]
-    assert run_ranks(2, train_and_signal_at, interrupted, 4) == [0, 0]
+    trained = ["zero0", *(name for name in configs if name not in RESUMED)]
+    assert run_ranks(2, train_each, [argv[name] for name in trained]) == [[0] * len(trained)] * 2
+    for name in RESUMED:
+        assert run_ranks(2, train_and_signal_at, [*argv[name], "train.checkpoint_interval=3"], 4) == [0, 0]
     shutil.copytree(runs["resumed"], runs["resumed_on_one_rank"])
-    assert run_ranks(2, train_each, [argv["resumed"]]) == [[0], [0]]
+    assert run_ranks(2, train_each, [argv[name] for name in RESUMED]) == [[0] * len(RESUMED)] * 2
     assert run_ranks(1, train_each, [argv["resumed_on_one_rank"]]) == [[0]]
     return runs
 
@@ -208,7 +250,7 @@ def grad_norms(run) -> list[float]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["zero0_accum", "resumed_on_one_rank"])
+@pytest.mark.parametrize("layout", ["zero0_accum", "zero1", "zero2_accum", "zero3", "sp2_zero1", "resumed_on_one_rank"])
 def test_muon_gives_the_same_losses_and_grad_norms_under_every_accepted_layout(muon_runs, layout):
     reference, norms = train_losses(muon_runs["zero0"]), grad_norms(muon_runs["zero0"])
     assert len(reference) == 10 and min(norms) > CLIP  # every step clipped
@@ -219,12 +261,14 @@ def test_muon_gives_the_same_losses_and_grad_norms_under_every_accepted_layout(m
 
 
 @pytest.mark.distributed
-def test_bf16_muon_clips_the_raw_gradient_too(muon_runs):
-    """ZeRO-1 bf16 (DeepSpeed's BF16_Optimizer) against ZeRO-0 fp32: the same losses and pre-clip norms to bf16's
-    rounding (measured 7e-5 and 1.4e-3), where a norm of the orthogonalised update would be more than twice as large
-    (test_deepspeed_zero_clips_the_orthogonalised_update)."""
-    np.testing.assert_allclose(train_losses(muon_runs["zero1_bf16"]), train_losses(muon_runs["zero0"]), rtol=1e-3)
-    np.testing.assert_allclose(grad_norms(muon_runs["zero1_bf16"]), grad_norms(muon_runs["zero0"]), rtol=5e-3)
+@pytest.mark.parametrize("layout", ["zero1_bf16", "zero3_bf16"])
+def test_bf16_muon_clips_the_raw_gradient_too(muon_runs, layout):
+    """ZeRO-1 bf16 (DeepSpeed's BF16_Optimizer) and ZeRO-3 bf16 (fp32 gradient partitions, train/muon_zero.py) against
+    ZeRO-0 fp32: the same losses and pre-clip norms to bf16's rounding (measured 7.3e-5 and 1.6e-3, 7.1e-5 and
+    1.8e-3), where a norm of the orthogonalised update would be more than twice as large
+    (test_muon_zero.py::test_deepspeed_zero_clips_the_orthogonalised_update)."""
+    np.testing.assert_allclose(train_losses(muon_runs[layout]), train_losses(muon_runs["zero0"]), rtol=1e-3)
+    np.testing.assert_allclose(grad_norms(muon_runs[layout]), grad_norms(muon_runs["zero0"]), rtol=5e-3)
 
 
 def optimizer_state(run, tag: str) -> dict:
@@ -244,66 +288,38 @@ def test_muon_keeps_a_momentum_for_matrices_and_adam_moments_for_the_rest(muon_r
             assert keys == ({"momentum_buffer"} if group["use_muon"] else {"exp_avg", "exp_avg_sq", "step"}), keys
 
 
-@pytest.mark.distributed
-def test_resume_keeps_muons_momentum_bit_for_bit(muon_runs):
-    """SIGUSR1 after step 4: the resumed run's steps 5..10 and its final momentum are the uninterrupted run's."""
-    assert train_losses(muon_runs["resumed"]) == train_losses(muon_runs["zero0"])
-    resumed = optimizer_state(muon_runs["resumed"], "global_step10")["state"]
-    uninterrupted = optimizer_state(muon_runs["zero0"], "global_step10")["state"]
-    assert resumed.keys() == uninterrupted.keys()
-    for index, state in uninterrupted.items():
-        for key, value in state.items():
-            assert torch.equal(torch.as_tensor(resumed[index][key]), torch.as_tensor(value)), (index, key)
+def tensors(tree, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in a loaded checkpoint file, by its path of keys."""
+    if isinstance(tree, torch.Tensor):
+        return {path: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list | tuple) else []
+    return {key: value for k, v in items for key, value in tensors(v, f"{path}/{k}").items()}
 
 
-# --- the DeepSpeed behaviour the ZeRO refusals rest on -----------------------------------------------------------
+def checkpoint_tensors(run, tag: str) -> dict[str, torch.Tensor]:
+    from dstrain.checkpoint.ds_files import read_pt
 
-
-def probe_zero_clipping(stage: int, clip: float) -> dict:
-    """Rank target (1 rank): one Muon step of a small GPT under ZeRO ``stage`` with clipping at ``clip``; the norm the
-    engine reports, the raw gradient's norm, and a Muon matrix after the step."""
-    import deepspeed
-
-    from dstrain.model.config import GPTConfig
-    from dstrain.model.gpt import GPT, lm_loss, param_groups
-    from dstrain.train import distributed, grad_norm
-
-    distributed.init()
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(flavour="llama", vocab_size=64, max_seq_len=8, n_layer=1, n_head=2, d_model=16))
-    config = {
-        "train_batch_size": 2,
-        "gradient_clipping": clip,
-        "optimizer": {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 0.02, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-    }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.0), config=config)
-    grad_norm.install(engine)  # ZeRO-0: dstrain's clip of the raw gradient
-    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
-    engine.backward(lm_loss(engine(tokens[:, :-1]), tokens[:, 1:]))
-    raw = grad_norm.global_grad_norm(engine).item() if stage == 0 else None
-    engine.step()
-    matrix = engine.module.blocks[0].mlp.up_proj.weight
-    return {"reported": float(engine.get_global_grad_norm()), "raw": raw, "matrix": matrix.detach().tolist()}
-
-
-def run_clipping_probes() -> dict:
-    with torch.compiler.set_stance("force_eager"):  # as dstrain runs Muon on a CPU (engine.run_muon_eagerly_on_cpu)
-        return {(stage, clip): probe_zero_clipping(stage, clip) for stage in (0, 1) for clip in (0.0, 1e-2)}
+    files = sorted((run / "checkpoints" / tag).glob("*.pt"))
+    found = {key: value for file in files for key, value in tensors(read_pt(file), file.name).items()}
+    return {key: value for key, value in found.items() if value.is_floating_point()}  # not the RNG states
 
 
 @pytest.mark.distributed
-@pytest.mark.deepspeed_defect("ZeRO-1/2 clip Muon's orthogonalised update (strategy/optimizer.py refuses them)")
-def test_deepspeed_zero_clips_the_orthogonalised_update():
-    """Without clipping ZeRO-1 takes ZeRO-0's Muon step; with it, another one, and it reports another norm: the norm of
-    the orthogonalised update (about sqrt(rank) per matrix), not the raw gradient's."""
-    (probes,) = run_ranks(1, run_clipping_probes)
-    matrix = {key: torch.tensor(probe["matrix"]) for key, probe in probes.items()}
-    zero0, zero1 = probes[(0, 1e-2)], probes[(1, 1e-2)]
-    torch.testing.assert_close(matrix[(1, 0.0)], matrix[(0, 0.0)], rtol=0, atol=1e-6)
-    assert zero0["reported"] == pytest.approx(zero0["raw"], rel=1e-6)
-    assert zero1["reported"] > 2 * zero0["raw"]
-    assert (matrix[(1, 1e-2)] - matrix[(0, 1e-2)]).abs().max() > 1e-4
+@pytest.mark.parametrize("resumed", RESUMED)
+def test_resume_keeps_muons_momentum_bit_for_bit(muon_runs, resumed):
+    """SIGUSR1 after step 4: the resumed run's steps 5..10, its grad norms and its final checkpoint (weights, Muon's
+    momentum, Adam's moments, in every rank's file) are the uninterrupted run's, under ZeRO-0, ZeRO-2 fp32 (momentum
+    and gradient partitions of whole matrices) and bf16 ZeRO-1 (BF16_Optimizer's fp32 momentum)."""
+    uninterrupted = muon_runs[RESUMED[resumed]]
+    assert train_losses(muon_runs[resumed]) == train_losses(uninterrupted)
+    assert grad_norms(muon_runs[resumed]) == grad_norms(uninterrupted)
+    saved, expected = (
+        checkpoint_tensors(muon_runs[resumed], "global_step10"),
+        checkpoint_tensors(uninterrupted, "global_step10"),
+    )
+    assert saved.keys() == expected.keys() and any("momentum_buffer" in key for key in expected), sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(saved[key], value), key
 
 
 # --- dstrain compare: AdamW and Muon side by side ---------------------------------------------------------------
@@ -320,16 +336,16 @@ def test_compare_entries_carry_their_own_recipe_overrides():
     assert overrides == ["seed=3"]
 
 
-def test_compare_refuses_a_muon_entry_under_zero1_before_launching(tmp_path, capsys):
+def test_compare_refuses_a_muon_entry_under_offload_before_launching(tmp_path, capsys):
     from dstrain.commands.cli import main
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({**RECIPE, "optim": {}}))
-    zero0, zero1 = ROOT / "ds_configs" / "zero0.json", ROOT / "ds_configs" / "zero1.json"
+    zero0, offload = ROOT / "ds_configs" / "zero0.json", ROOT / "ds_configs" / "zero2_offload.json"
     argv = ["compare", "--recipe", str(recipe), "--nproc", "2", "--out", str(tmp_path / "out")]
-    assert main([*argv, "--deepspeed_configs", str(zero0), f"{zero1}+optim.kind=muon"]) == 2
+    assert main([*argv, "--deepspeed_configs", str(zero0), f"{offload}+optim.kind=muon"]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "zero1.json: optim.kind=muon is refused: under ZeRO stage 1" in error
+    assert "zero2_offload.json: optim.kind=muon is refused: under ZeRO stage 2 with offload" in error
     assert not (tmp_path / "out").exists()  # nothing launched
 
 

@@ -177,8 +177,8 @@ def model_state_parts(
     strategy: Strategy, psi: int, persistent: int, part: int | None = None, muon: int = 0
 ) -> list[Part]:
     """Parameters, gradients and optimizer states per rank (module docstring); ``part``: a ZeRO share other than Ψ/N;
-    ``muon``: parameters Muon takes (one fp32 momentum each instead of two Adam moments; resolve accepts Muon at
-    ZeRO-0 fp32, whole on every rank, and under BF16_Optimizer, partitioned like the master weights)."""
+    ``muon``: parameters Muon takes (one fp32 momentum each instead of two Adam moments: whole at ZeRO-0, else
+    partitioned like the master weights, and ZeRO-1/2 fp32 keep a staged copy: stage_1_and_2._muon_staging_momentum)."""
     s, n, dtype = strategy.zero_stage, strategy.zero_partitions, strategy.precision
     b = 4 if dtype == "fp32" else 2
     opt, par = strategy.offload_optimizer, strategy.offload_param
@@ -207,7 +207,8 @@ def model_state_parts(
         muon, of = (muon, "") if share == psi else (math.ceil(muon / n), "/N")
         adam = share - muon
         parts.append(Part("optimizer states", "Adam moments (fp32)", "device", 8 * adam, 8 * adam, f"8(Ψ-M){of}"))
-        parts.append(Part("optimizer states", "Muon momentum (fp32)", "device", 4 * muon, 4 * muon, f"4M{of}"))
+        m = 4 * muon * (2 if s in (1, 2) and not bf16_optimizer(strategy) else 1)  # ZeRO-1/2: and a staged copy
+        parts.append(Part("optimizer states", "Muon momentum (fp32)", "device", m, m, f"{m // muon}M{of}"))
         return parts
     parts.append(Part("optimizer states", "Adam moments (fp32)", opt or "device", 8 * share, 8 * share, f"8{label}"))
     return parts

@@ -14,7 +14,10 @@ from dstrain.errors import DstrainError
 
 MUON = "Muon"
 ADAM_TYPES = ("adam", "adamw")  # what a ds_config may name as the implementation of Muon's AdamW half
-ACCEPTED = "ds_configs/zero0.json, or zero1_bf16.json for bf16"
+ACCEPTED = (
+    "ds_configs/zero0.json, zero1.json, zero2.json, sp2_zero1.json, zero1_bf16.json, or zero3.json or zero3_bf16.json "
+    "with reduce_scatter: false"
+)
 
 
 def fill_optimizer(config: dict, recipe: Recipe, recipe_file: str, ds_file: str, fill: Callable) -> None:
@@ -60,35 +63,57 @@ def check_muon(
     the raw gradient clipped by its global norm, then momentum and Newton-Schulz on the whole matrix."""
     if recipe.optim.kind != "muon":
         return
-    tp_size, pp_stages, sp_size, ep_size = sizes
-    reason = None
-    offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
+    zero = config["zero_optimization"]
+    offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
+    reason = optimizer_refusal(stage, precision, offload) or layout_refusal(recipe, precision, sizes)
+    if stage == 3 and sizes[2] > 1:  # resolve's sequence-parallel check needs reduce_scatter on, DeepSpeed's Muon off
+        reason = "sequence parallelism with ZeRO-3 needs reduce_scatter, which DeepSpeed 0.19.8's ZeRO-3 Muon refuses"
+    if reason:
+        raise DstrainError(f"{ds_file}: optim.kind=muon is refused: {reason}; use {ACCEPTED}")
+    if stage == 3 and zero.get("reduce_scatter", True):  # DeepSpeed 0.19.8 raises at init otherwise (stage3.py)
+        raise DstrainError(
+            f"{ds_file}: optim.kind=muon under ZeRO-3 needs zero_optimization.reduce_scatter: false (DeepSpeed 0.19.8 "
+            f'runs Muon only on all-reduced gradients there); add "reduce_scatter": false to {ds_file}'
+        )
+
+
+def optimizer_refusal(stage: int, precision: str, offload: bool) -> str | None:
+    """Why the ZeRO optimizer DeepSpeed builds for (stage, precision, offload) would not clip Muon's raw gradient."""
     if stage == 1 and precision == "bf16" and not offload:
         # DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1, fp32 accumulation): it takes the norm of the raw fp32 gradient,
         # clips it, and only then runs Muon on whole matrices (bf16_optimizer.step, _prepare_muon_updates).
-        plain = tp_size * pp_stages * sp_size * ep_size == 1 and recipe.model.moe is None
-        reason = None if plain else "DeepSpeed's bf16 Muon takes dense data parallelism only (no TP, PP, SP, MoE)"
-    elif stage > 0:
-        # DeepSpeed 0.19.8 runs Muon inside the ZeRO optimizers (stage_1_and_2.get_flat_partition,
-        # stage3._apply_muon_to_accumulated_grads) and then takes the norm, and clips, over the orthogonalised update
-        # (tests/test_muon.py::test_deepspeed_zero_clips_the_orthogonalised_update).
-        reason = (
-            f"under ZeRO stage {stage} ({precision}{', offload' if offload else ''}) DeepSpeed 0.19.8 clips Muon's "
-            f"orthogonalised update and reports its norm, not the raw gradient's"
-        )
-    elif precision != "fp32":
-        reason = f"{precision} at ZeRO-0 is not accepted here; bf16 Muon runs under ds_configs/zero1_bf16.json"
-    elif pp_stages > 1:
+        return None
+    if (stage > 0 and precision == "fp32" or stage == 3 and precision == "bf16") and not offload:
+        # DeepSpeed's ZeRO optimizers clip the orthogonalised update; train/muon_zero.py makes them clip the raw
+        # gradient. bf16 ZeRO-3 accumulates every gradient in its fp32 partitions.
+        return None
+    if offload:
+        # stage_1_and_2 / stage3 ._apply_muon_updates_cpu_offload orthogonalise before the norm and clip the
+        # orthogonalised update, on a path train/muon_zero.py does not take.
+        return f"under ZeRO stage {stage} with offload DeepSpeed 0.19.8 clips Muon's orthogonalised update"
+    if stage == 2 and precision == "bf16":
+        # stage_1_and_2._muon_momentum_buffer: at stage 2 the Muon matrices' gradients stay in the parameters' dtype
+        # (measured: the step-1 norm 1.7e-4 from fp32's, twice zero1_bf16's 7.5e-5).
+        return "bf16 ZeRO-2 hands Muon bf16 gradients (no fp32 accumulation for its matrices)"
+    if stage > 0:
+        return f"{precision} under ZeRO stage {stage} is not proven with Muon here"
+    if precision != "fp32":
+        return f"{precision} at ZeRO-0 is not accepted here; bf16 Muon runs under ds_configs/zero1_bf16.json"
+    return None
+
+
+def layout_refusal(recipe: Recipe, precision: str, sizes: tuple[int, int, int, int]) -> str | None:
+    """Why a model-parallel layout would not give ZeRO-0's Muon. Sequence parallelism (fp32) does: each rank's
+    gradient is the data-parallel one (tests/test_muon.py)."""
+    tp_size, pp_stages, sp_size, ep_size = sizes
+    if precision == "bf16" and (tp_size * pp_stages * sp_size * ep_size > 1 or recipe.model.moe is not None):
+        return "DeepSpeed's bf16 Muon takes dense data parallelism only (no TP, PP, SP, MoE)"
+    if pp_stages > 1:
         # deepspeed.set_optimizer_flags picks Muon's parameters by name ("embed", "lm_head"), which a
         # PipelineModule's layers ("0.tok.weight") do not carry: the embedding and head would take Muon.
-        reason = "DeepSpeed picks Muon's matrices by name, and a pipeline's layer names would put the embedding in"
-    elif tp_size > 1:
-        reason = (
-            "tensor parallelism shards the matrices, and Newton-Schulz on a shard is not Newton-Schulz on the whole"
-        )
-    elif sp_size > 1:
-        reason = "sequence parallelism runs under ZeRO 1 or 3 here"
-    elif ep_size > 1 or recipe.model.moe is not None:
-        reason = "DeepSpeed's Muon orthogonalises expert matrices on their own path, not proven here"
-    if reason:
-        raise DstrainError(f"{ds_file}: optim.kind=muon is refused: {reason}; use {ACCEPTED}")
+        return "DeepSpeed picks Muon's matrices by name, and a pipeline's layer names would put the embedding in"
+    if tp_size > 1:
+        return "tensor parallelism shards the matrices, and Newton-Schulz on a shard is not Newton-Schulz on the whole"
+    if ep_size > 1 or recipe.model.moe is not None:
+        return "DeepSpeed's Muon orthogonalises expert matrices on their own path, not proven here"
+    return None

@@ -16,7 +16,7 @@ import torch
 from dstrain.config import Recipe
 from dstrain.model.gpt import GPT, param_groups
 from dstrain.strategy.resolve import Strategy
-from dstrain.train import grad_norm
+from dstrain.train import grad_norm, muon_zero
 from dstrain.train.schedule import build_scheduler
 
 
@@ -143,6 +143,7 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
         engine.compile()
     grad_norm.install(engine)  # ZeRO-0 fp32: DeepSpeed keeps no norm (and pipelines clip by the wrong one)
     if recipe.optim.kind == "muon":
+        muon_zero.install(engine)  # ZeRO-1/2: clip the raw gradient, then orthogonalise, as ZeRO-0 does
         run_muon_eagerly_on_cpu(engine.optimizer)
     return engine
 
