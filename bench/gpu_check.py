@@ -42,7 +42,7 @@ SPEED_1_3B = ("gpt-1.3b", 2048, [8, 4], ["eager", "compile"])
 MEMORY_MODELS = [("gpt2-125m", 8, 1024), ("gpt2-350m", 8, 1024), ("gpt-1.3b", 2, 2048)]  # (recipe, micro, seq)
 DRY_MEMORY = ("tiny", 2, 64)
 DRY_SPEED = ("tiny", 64, [4, 2], ["eager"])  # torch.compile is left to the GPU (minutes on 2 cores)
-SPEED_STEPS, PRECISION_STEPS, MEMORY_STEPS, DRY_STEPS = 30, 20, 5, 4
+SPEED_STEPS, PRECISION_STEPS, MEMORY_STEPS, DRY_STEPS, PROFILE_STEPS = 30, 20, 5, 4, 10
 
 # The estimate of a part: training runs x (start-up + steps at an assumed MFU) + what compiles. Start-up is the
 # process, the imports, the data index, the engine and the final evaluation; the GPU figures are guesses to be
@@ -92,6 +92,8 @@ class Part:
 VERDICT = ["check", "ok", "detail"]
 SPEED = ["recipe", "variant", "seq_len", "micro_batch", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gib"]
 SPEED += ["status"]
+PROFILE = ["recipe", "wall_ms_per_step", "kernel_ms_per_step", "outside_kernels_ms_per_step", "launches_per_step"]
+PROFILE += ["kernel", "count", "ms", "share"]
 MEMORY = ["recipe", "ds_config", "micro_batch", "seq_len", "measured_gib", "estimated_gib", "error", "status"]
 
 
@@ -101,6 +103,7 @@ def plan_parts(dry: bool) -> list[Part]:
     s125, s13 = (DRY_SPEED, DRY_SPEED) if dry else (SPEED_125M, SPEED_1_3B)
     mem_configs = ["zero1.json"] if dry else MEMORY_CONFIGS
     speed_steps, precision_steps, memory_steps = steps or SPEED_STEPS, steps or PRECISION_STEPS, 2 if dry else 5
+    profile_steps = 5 if dry else PROFILE_STEPS  # 3 profiled after the warm-up
     recipes = ["tiny"] if dry else ["tiny", "gpt2-125m", "gpt-1.3b"]
     tiny = run_s(dry, "tiny", 128, 16, precision_steps)
     result = [
@@ -117,6 +120,13 @@ def plan_parts(dry: bool) -> list[Part]:
             speed_s(dry, s13, speed_steps),
             SPEED,
             "Speed and MFU of gpt-1.3b (bf16, zero1_bf16, world of one; eager and compile)",
+        ),
+        Part(
+            "profile_gpt2_125m",
+            lambda c: parts.profile(c, s125[0], s125[1], s125[2][0], profile_steps),
+            run_s(dry, s125[0], s125[1], 2 * s125[2][0], profile_steps),
+            PROFILE,
+            "Where gpt2-125m's step time goes (torch.profiler over 3 steps, eager, zero1_bf16)",
         ),
         Part(
             "precision",

@@ -157,6 +157,22 @@ def speed(
     return rows
 
 
+def profile(check: Check, recipe: str, seq: int, micro: int, steps: int) -> list[dict]:
+    """Where a step's time goes (bf16, zero1_bf16, eager): torch.profiler over 3 steps after the warm-up
+    (bench/gpu_train.py's ProfileSteps): device time in kernels, time outside them, launches, the top kernels."""
+    name = f"profile-{recipe}"
+    out = check.work / f"{name}.json"
+    overrides = [f"data.seq_len={seq}", f"train.global_batch={2 * micro}"]
+    env = {"GPU_TRAIN_PROFILE": str(out), "GPU_TRAIN_PROFILE_FROM": str(steps - 3)}
+    run = check.train(name, recipe, check.config_file(name, speed_config("eager", micro)), overrides, steps, env)
+    if run["rc"] != 0 or not out.exists():
+        check.failures.append(f"{name}: {status(run)}: {' '.join(run['tail'])[-300:]}")
+        return [{"recipe": recipe, "status": status(run)}]
+    report = json.loads(out.read_text())
+    summary = {"recipe": recipe, "micro_batch": micro, **{k: v for k, v in report.items() if k != "top"}}
+    return [summary] + [{"recipe": "", **row} for row in report["top"]]
+
+
 def fused_adam_build(check: Check) -> dict:
     """FusedAdam's JIT build with this machine's nvcc (the one thing compiled there): its time, or why not."""
     code = (

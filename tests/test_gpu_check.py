@@ -30,6 +30,7 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
     parts = figures["parts"]
     assert list(parts) == [
         "speed_gpt2_125m",
+        "profile_gpt2_125m",
         "precision",
         "memory_gpt2_125m",
         "pytest_gpu",
@@ -48,6 +49,8 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
     assert memory["status"] == "ok" and memory["measured_gib"] > 0 and memory["estimated_gib"] > 0
     (speed,) = parts["speed_gpt2_125m"]["rows"]
     assert speed["status"] == "ok" and speed["tokens_per_s"] > 0
+    summary, *kernels = parts["profile_gpt2_125m"]["rows"]  # on a CPU: the top ops by self time
+    assert summary["wall_ms_per_step"] > 0 and summary["kernel_ms_per_step"] > 0 and kernels and kernels[0]["ms"] > 0
     (family,) = parts["published_family"]["rows"]  # Qwen3's features, shrunk for the dry run
     assert family["recipe"] == "continue-qwen3-0.6b" and family["status"] == "ok" and family["tokens_per_s"] > 0
     assert parts["flops"]["rows"][0]["ratio"] == pytest.approx(1.0, abs=1e-3)  # ours against DeepSpeed's profiler
