@@ -1,7 +1,7 @@
 """AdamW against Muon on the tiny recipe: steps to a target loss over several seeds, and the cost of a step.
 
 Each seed trains the tiny recipe twice, AdamW then Muon (interleaved, so that load from other processes hits both
-alike), as one process under ds_configs/zero0.json (the strategy Muon is accepted under). Reported per optimizer: the
+alike), as one process under ds_configs/zero0.json. Reported per optimizer: the
 first step at which the mean training loss of the last WINDOW steps is at or below --target (median and range over
 the seeds), the final loss, and the median step time over the logged steps after the first 10 (compilation of
 Muon's kernels included in neither). Then the optimizer step alone on the tiny model's parameters: DeepSpeed's
