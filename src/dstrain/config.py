@@ -148,6 +148,24 @@ class TaskConfig:
 
 
 @dataclass
+class AveragingConfig:
+    """Weight averaging (dstrain.train.averaging; README "Weight averaging"): an fp32 average of the weights beside the
+    live ones, updated after every optimizer step from step ``start_step`` + 1 on, kept where the strategy keeps
+    each parameter, saved in every checkpoint, evaluated as split valid/averaged, exported by export --averaged."""
+
+    ema_half_life_tokens: Annotated[int, Range(ge=1)] | None = (
+        None  # EMA: tokens after which a step's weight in the average halves (decay per step 0.5^(batch tokens/this))
+    )
+    last_n: Annotated[int, Range(ge=2)] | None = None  # last-N merge: the mean of the last N sampled states
+    last_n_every: Positive = 1  # last-N: steps between two sampled states (the window spans (N - 1) x this steps)
+    start_step: NonNegative = 0  # averaging starts after this step (e.g. leaves the warmup's weights out)
+
+    @property
+    def enabled(self) -> bool:
+        return self.ema_half_life_tokens is not None or self.last_n is not None
+
+
+@dataclass
 class TrainConfig:
     global_batch: Positive  # samples per optimizer step, whatever the world size, micro-batch or accumulation
     steps: NonNegative | None = None  # optimizer steps; exactly one of steps / tokens
@@ -162,6 +180,7 @@ class TrainConfig:
     spike_guard: SpikeGuardConfig = field(default_factory=SpikeGuardConfig)  # loss-spike rollback
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)  # hang watchdog
     tasks: list[TaskConfig] = field(default_factory=list)  # downstream tasks scored at each evaluation
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)  # EMA / last-N average of the weights
 
 
 @dataclass
@@ -320,6 +339,11 @@ def validate(recipe: Recipe, file: Path) -> None:
         raise DstrainError(
             f"{file}: train.watchdog.floor_s={w.floor_s:g} exceeds train.watchdog.ceiling_s={w.ceiling_s:g}; "
             f"lower floor_s or raise ceiling_s"
+        )
+    if t.averaging.enabled and t.averaging.start_step >= recipe.total_steps:
+        raise DstrainError(
+            f"{file}: train.averaging.start_step={t.averaging.start_step} leaves nothing of the run's "
+            f"{recipe.total_steps} steps to average; set it below {recipe.total_steps}"
         )
     if recipe.schedule.warmup_steps > recipe.total_steps:
         raise DstrainError(

@@ -29,6 +29,7 @@ parameter offload moves ZeRO-3's partitions.
 Activations per rank: what autograd saves for the backward (tests/test_estimate.py checks it with saved-tensor
 hooks), term by term in dstrain.strategy.activations. Sequence parallelism (sp) divides them by sp (each rank holds
 L/sp tokens; attention holds L tokens of heads/sp heads) and partitions the model states over N = dp x sp ranks.
+train.averaging's fp32 copies of the weights: dstrain.strategy.averaging_memory (4·(E + L)·Ψ or Ψ/N).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.model.config import num_params
 from dstrain.strategy.activations import activation_bytes, sp_exchange_bytes
+from dstrain.strategy.averaging_memory import averaging_parts
 from dstrain.strategy.param_counts import MOE_FORMULA, ParamCounts, count_params, moe_activation_bytes
 from dstrain.strategy.precision import Precision
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
@@ -152,6 +154,7 @@ def estimate(
     part = math.ceil(counts.total / n) if strategy.ep_size > 1 else None
     muon = muon_params(recipe.model) if recipe.optim.kind == "muon" else 0  # accepted on plain data parallelism only
     est.parts = model_state_parts(strategy, counts.per_rank, persistent, part, muon)
+    est.parts += averaging_parts(recipe.train.averaging, strategy, counts.per_rank, Part)
     saved, transient = activation_bytes(recipe, strategy)
     est.parts += [
         Part("activations", "saved for backward", "device", saved, 0, "see module docstring"),

@@ -32,6 +32,7 @@ from dstrain.model.config import describe_params, flops_per_token
 from dstrain.model.gpt import lm_loss, token_loss_sum
 from dstrain.run_dir import RunDir
 from dstrain.train import mixture, sequence, tiling
+from dstrain.train.averaging import WeightAverager
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank, is_pipeline, monitor_paused
 from dstrain.train.heal import SpikeGuard, StepHealth, roll_back
 from dstrain.train.moe_metrics import MoEMeter
@@ -82,6 +83,7 @@ class Trainer:
         watch = recipe.train.watchdog
         self.watch = Watchdog(watch, run_dir, self.rank, self.world, backend) if watch.enabled else NoWatchdog()
         self.tasks = TaskEvaluator(self, list(tasks)) if tasks else None
+        self.averager = WeightAverager.build(recipe.train.averaging, engine, self.tokens_per_step)
 
     # --- data -------------------------------------------------------------------------
     def _to_device(self, samples: list[int], data) -> dict:
@@ -224,10 +226,12 @@ class Trainer:
         if self.guard is not None:
             client_state["spike_guard"] = self.guard.state_dict()
         if background:
-            self.saves.start(self.progress.step, client_state)
+            self.saves.start(self.progress.step, client_state, self.averager.rank_files())
             return
         where, keep = RunDir(self.run_dir).checkpoints, self.recipe.train.keep_last
-        store.save(self.engine, where, self.progress.step, client_state, keep, self.identity)
+        store.save(
+            self.engine, where, self.progress.step, client_state, keep, self.identity, self.averager.rank_files()
+        )
 
     def finish_pending_save(self) -> None:
         """Wait for the background write in flight, if any, and publish it."""
@@ -244,6 +248,7 @@ class Trainer:
         self.progress.step = self.engine.global_steps
         self.progress.consumed_samples = state["consumed_samples"]
         store.set_rng_state(state["rng"])
+        self.averager.load(RunDir(self.run_dir).checkpoints / tag)
         apply_recipe_to_optimizer(self.engine, self.recipe)
         if self.guard is not None:
             self.guard.load_state_dict(state.get("spike_guard"))
@@ -337,6 +342,7 @@ class Trainer:
         loss = self.train_step(batches)
         self.progress.step += 1
         self.progress.consumed_samples += self.recipe.train.global_batch
+        self.averager.update(self.progress.step)
         grad_norm = self.engine.get_global_grad_norm() if self.guard is not None else None
         flags = torch.tensor(
             [0.0, 0.0 if grad_norm is None else float(grad_norm), float(stop.received is not None), self.saves.done()],
@@ -360,6 +366,8 @@ class Trainer:
                 next(r for r in records if r["split"] == "valid").update(self.tasks.evaluate())
         records[-1]["duration_s"] = time.perf_counter() - start
         self.progress.last_eval = records[-1]
+        with self.clock.paused("eval"):  # the average's valid loss: split valid/averaged (dstrain.train.averaging)
+            records += self.averager.evaluate(self.evaluate)
         for record in records:
             self.log.write(record)
             self.log.print_eval(record)

@@ -1,0 +1,87 @@
+"""train.averaging without training: its recipe fields and refusals, the EMA's decay, the estimate's part, and the
+one line refusing a resume whose saved average cannot be read onto the new layout."""
+
+import math
+
+import pytest
+import torch
+import yaml
+
+from dstrain.config import AveragingConfig, load_recipe
+from dstrain.errors import DstrainError
+from dstrain.strategy.memory import estimate
+from dstrain.strategy.resolve import load_ds_config, resolve
+from dstrain.train.averaging import FILE, WeightAverager, ema_decay
+
+from train_helpers import ROOT
+
+RECIPE = {
+    "name": "t",
+    "model": {"flavour": "llama", "vocab_size": 512, "n_layer": 2, "n_head": 2, "d_model": 32},
+    "data": {"sources": [{"path": "data/none"}], "seq_len": 16},
+    "train": {"global_batch": 8, "steps": 4},
+}
+
+
+def recipe_file(tmp_path, **averaging):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({**RECIPE, "train": {**RECIPE["train"], "averaging": averaging}}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("averaging", "fragment"),
+    [
+        ({"last_n": 1}, "train.averaging.last_n=1 is out of range; it must be >= 2"),
+        ({"ema_half_life_tokens": 0}, "train.averaging.ema_half_life_tokens=0 is out of range"),
+        ({"last_n": 2, "last_n_every": 0}, "train.averaging.last_n_every=0 is out of range"),
+        ({"last_n": 2, "start_step": 4}, "train.averaging.start_step=4 leaves nothing of the run's 4 steps"),
+        ({"ema_halflife_tokens": 10}, "unknown key train.averaging.ema_halflife_tokens; did you mean"),
+    ],
+)
+def test_bad_averaging_values_are_one_line_naming_the_file_and_key(tmp_path, averaging, fragment):
+    path = recipe_file(tmp_path, **averaging)
+    with pytest.raises(DstrainError) as e:
+        load_recipe(path)
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"{path}: ") and fragment in str(e.value)
+
+
+def test_ema_decay_is_a_half_life_in_tokens():
+    """Twice the tokens per step, the square of the decay: the same weight for the same tokens at any batch."""
+    config = AveragingConfig(ema_half_life_tokens=1000)
+    assert ema_decay(config, 1000) == 0.5
+    assert math.isclose(ema_decay(config, 200) ** 2, ema_decay(config, 400), rel_tol=1e-15)
+    assert ema_decay(AveragingConfig(last_n=2), 1000) is None
+
+
+@pytest.mark.parametrize(("config", "held"), [("zero1", lambda psi: psi), ("zero3", lambda psi: math.ceil(psi / 2))])
+def test_estimate_counts_the_average(tmp_path, config, held):
+    """An EMA and last-N of 3: 4 fp32 copies of what the rank holds (the whole model; ZeRO-3: its half), added to
+    the peak; none without averaging."""
+    ds_path = ROOT / "ds_configs" / f"{config}.json"
+    averaged = tmp_path / "a.yaml"
+    averaged.write_text(recipe_file(tmp_path, ema_half_life_tokens=100, last_n=3).read_text())
+    plain = recipe_file(tmp_path)  # overwrites r.yaml, a.yaml stays
+    ests = []
+    for path in (plain, averaged):
+        recipe = load_recipe(path)
+        ests.append(estimate(recipe, resolve(recipe, path, load_ds_config(ds_path), ds_path, 2), 1, 2))
+    (part,) = [p for p in ests[1].parts if p.group == "weight average"]
+    assert not [p for p in ests[0].parts if p.group == "weight average"]
+    assert part.backward == part.step == 4 * 4 * held(ests[1].params_per_rank)
+    assert ests[1].peak() - ests[0].peak() == part.step
+
+
+def test_a_resume_onto_a_layout_that_splits_the_average_otherwise_is_refused(tmp_path):
+    """A ZeRO-3 average (partitions per rank) resumed with whole parameters: one line, naming both layouts."""
+    layout = {"world_size": 2, "partitioned": True, "pp_stages": 1, "tp_size": 1, "ep_size": 1}
+    state = {"layout": layout, "names": ["w"], "shapes": [[4]], "ema": [torch.zeros(2)], "window": []}
+    torch.save({**state, "ema_updates": 1, "window_steps": [], "layer_keys": None}, tmp_path / FILE.format(0))
+    averager = WeightAverager.__new__(WeightAverager)  # what __init__ reads off an engine, set by hand
+    averager.rank, averager.config = 0, AveragingConfig(ema_half_life_tokens=10)
+    averager.layout = {**layout, "partitioned": False}
+    with pytest.raises(DstrainError) as e:
+        averager.load(tmp_path)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{tmp_path}: its weight average")
+    assert "2 ranks, ZeRO-3 partitions" in message and "onto 2 ranks, whole parameters" in message
