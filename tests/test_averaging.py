@@ -5,6 +5,7 @@ parameters differently; a resume mid-window continues them bit for bit; evaluati
 it was; export --averaged writes it."""
 
 import argparse
+import shutil
 
 import pytest
 import torch
@@ -106,17 +107,18 @@ def test_averages_equal_their_formulas_on_the_checkpointed_states(tmp_path, corp
 
 
 def test_a_resume_mid_window_continues_the_averages_bit_for_bit(tmp_path, corpus):
-    """ZeRO-3 (each rank holds a partition): a run stopped at step 3 (the window holds step 2 alone) and resumed
-    saves at step 7 the same average files' tensors, bit for bit, and logs the same averaged valid losses."""
+    """ZeRO-3 (each rank holds a partition): a run whose step-3 checkpoint was written in the background (the window
+    holds step 2 alone), resumed there, saves at step 7 the same average tensors, bit for bit, as an uninterrupted
+    run, and logs the same averaged valid losses."""
     recipe = small_recipe(tmp_path, corpus)
     base = [f"train.steps={STEPS}", "train.eval_interval=3", *AVERAGING]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    runs = [
-        train_argv(recipe, "zero3", whole, *base),
-        train_argv(recipe, "zero3", resumed, *base, "train.steps=3"),
-        train_argv(recipe, "zero3", resumed, *base),
-    ]
-    assert run_ranks(2, train_each, runs) == [[0, 0, 0]] * 2
+    background = ["train.steps=5", "train.checkpoint_interval=3", "train.async_checkpoint=true"]
+    runs = [train_argv(recipe, "zero3", whole, *base), train_argv(recipe, "zero3", resumed, *base, *background)]
+    assert run_ranks(2, train_each, runs) == [[0, 0]] * 2
+    shutil.rmtree(resumed / "checkpoints" / "global_step5")
+    (resumed / "checkpoints" / "latest").write_text("global_step3")
+    assert run_ranks(2, train_each, [train_argv(recipe, "zero3", resumed, *base)]) == [[0]] * 2
     from dstrain.checkpoint import safe_load
     from dstrain.checkpoint.averaged import rank_files
 
