@@ -1,6 +1,7 @@
 """train.averaging without training: its recipe fields and refusals, the EMA's decay, the estimate's part, and the
 one line refusing a resume whose saved average cannot be read onto the new layout."""
 
+import json
 import math
 
 import pytest
@@ -85,3 +86,36 @@ def test_a_resume_onto_a_layout_that_splits_the_average_otherwise_is_refused(tmp
     message = str(e.value)
     assert "\n" not in message and message.startswith(f"{tmp_path}: its weight average")
     assert "2 ranks, ZeRO-3 partitions" in message and "onto 2 ranks, whole parameters" in message
+
+
+def test_a_whole_model_average_is_read_onto_another_data_parallel_size(tmp_path):
+    """ZeRO-1 on 2 ranks, resumed under ZeRO-2 on 4: every rank held the whole model in both, so rank 3 (which has
+    no file of its own) continues from rank 0's average."""
+    saved = {"world_size": 2, "partitioned": False, "pp_stages": 1, "tp_size": 1, "ep_size": 1}
+    module = torch.nn.Linear(3, 2, bias=False)
+    ema, window = [torch.randn(2, 3)], [[torch.randn(2, 3)], [torch.randn(2, 3)]]
+    state = {"layout": saved, "names": ["weight"], "shapes": [[2, 3]], "ema": ema, "ema_updates": 4}
+    torch.save({**state, "window_steps": [2, 4], "window": window, "layer_keys": None}, tmp_path / FILE.format(0))
+    averager = WeightAverager.__new__(WeightAverager)  # what __init__ reads off an engine, set by hand
+    averager.engine = type("Engine", (), {"module": module, "optimizer": None})()
+    averager.rank, averager.config = 3, AveragingConfig(ema_half_life_tokens=10, last_n=2)
+    averager.layout, averager.names, averager.shapes = {**saved, "world_size": 4}, ["weight"], [(2, 3)]
+    averager.decay = 0.5
+    averager.load(tmp_path)
+    assert averager.ema is not None and torch.equal(averager.ema[0], ema[0])
+    assert [step for step, _ in averager.window] == [2, 4]
+    assert torch.equal(averager.averaged("last_n")[0], (window[0][0] + window[1][0]) / 2)
+
+
+def test_the_loss_plot_reads_the_averages(tmp_path):
+    from dstrain.train.plot import read_curves
+
+    lines = [
+        {"step": 2, "loss": 5.0, "lr": 0.1},
+        {"step": 2, "split": "valid", "loss": 4.0},
+        {"step": 2, "split": "valid/averaged", "loss": 3.5},
+        {"step": 2, "split": "valid/web", "loss": 4.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    curves = read_curves(tmp_path / "metrics.jsonl")
+    assert curves == {"train": [(2, 5.0)], "valid": [(2, 4.0)], "lr": [(2, 0.1)], "valid/averaged": [(2, 3.5)]}

@@ -214,11 +214,12 @@ class WeightAverager:
             if self.rank == 0:
                 print(f"{tag_dir} holds no weight average (train.averaging was off): it starts at this step")
             return
-        state = read_state(tag_dir, self.rank)
-        if state["layout"] != self.layout:
-            if not (holds_whole_model(state["layout"]) and holds_whole_model(self.layout)):
-                raise DstrainError(refusal(tag_dir, state["layout"], self.layout))
-            state = read_state(tag_dir, 0)  # every rank held the whole model: rank 0's file is everyone's
+        state = read_state(tag_dir, 0)  # every layout has a rank 0, and every rank file records the layout
+        if state["layout"] == self.layout:
+            state = state if self.rank == 0 else read_state(tag_dir, self.rank)
+        elif not (holds_whole_model(state["layout"]) and holds_whole_model(self.layout)):
+            raise DstrainError(refusal(tag_dir, state["layout"], self.layout))
+        # else every rank held the whole model, before and now: rank 0's average is everyone's
         if state["names"] != self.names or [tuple(s) for s in state["shapes"]] != self.shapes:
             raise DstrainError(
                 f"{tag_dir / FILE.format(self.rank)}: its weight average is of other parameters than this model's; "
