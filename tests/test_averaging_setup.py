@@ -3,6 +3,7 @@ one line refusing a resume whose saved average cannot be read onto the new layou
 
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from dstrain.config import AveragingConfig, load_recipe
 from dstrain.errors import DstrainError
 from dstrain.strategy.memory import estimate
 from dstrain.strategy.resolve import load_ds_config, resolve
-from dstrain.train.averaging import FILE, WeightAverager, ema_decay
+from dstrain.train.averaging import FILE, NoAverager, WeightAverager, ema_decay
 
 from train_helpers import ROOT
 
@@ -119,3 +120,12 @@ def test_the_loss_plot_reads_the_averages(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     curves = read_curves(tmp_path / "metrics.jsonl")
     assert curves == {"train": [(2, 5.0)], "valid": [(2, 4.0)], "lr": [(2, 0.1)], "valid/averaged": [(2, 3.5)]}
+
+
+def test_averaging_refuses_parameters_swapped_to_nvme():
+    """ZeRO-Infinity's swapped-out partitions are not in memory after a step: one line naming the ds_config's key."""
+    strategy = types.SimpleNamespace(offload_param="nvme", source="ds_configs/zero3_offload_nvme_bf16.json")
+    with pytest.raises(DstrainError) as e:
+        WeightAverager.build(AveragingConfig(last_n=2), None, 256, strategy)
+    assert str(e.value).startswith("ds_configs/zero3_offload_nvme_bf16.json: zero_optimization.offload_param ")
+    assert isinstance(WeightAverager.build(AveragingConfig(), None, 256, strategy), NoAverager)

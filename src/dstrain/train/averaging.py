@@ -121,8 +121,16 @@ class WeightAverager:
         return held_parameters(self.engine)[1]
 
     @classmethod
-    def build(cls, config: AveragingConfig, engine, tokens_per_step: int) -> WeightAverager | NoAverager:
-        return cls(config, engine, tokens_per_step) if config.enabled else NoAverager()
+    def build(cls, config: AveragingConfig, engine, tokens_per_step: int, strategy) -> WeightAverager | NoAverager:
+        """``strategy``: the resolved ds_config (dstrain.strategy.resolve.Strategy), for its refusal."""
+        if not config.enabled:
+            return NoAverager()
+        if strategy.offload_param == "nvme":
+            raise DstrainError(
+                f"{strategy.source}: zero_optimization.offload_param swaps parameter partitions out to NVMe, and "
+                f"train.averaging reads them after every step; offload parameters to cpu, or turn train.averaging off"
+            )
+        return cls(config, engine, tokens_per_step)
 
     @torch.no_grad()
     def update(self, step: int) -> None:

@@ -83,7 +83,7 @@ class Trainer:
         watch = recipe.train.watchdog
         self.watch = Watchdog(watch, run_dir, self.rank, self.world, backend) if watch.enabled else NoWatchdog()
         self.tasks = TaskEvaluator(self, list(tasks)) if tasks else None
-        self.averager = WeightAverager.build(recipe.train.averaging, engine, self.tokens_per_step)
+        self.averager = WeightAverager.build(recipe.train.averaging, engine, self.tokens_per_step, strategy)
 
     # --- data -------------------------------------------------------------------------
     def _to_device(self, samples: list[int], data) -> dict:
