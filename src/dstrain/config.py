@@ -157,7 +157,7 @@ class AveragingConfig:
         None  # EMA: tokens after which a step's weight in the average halves (decay per step 0.5^(batch tokens/this))
     )
     last_n: Annotated[int, Range(ge=2)] | None = None  # last-N merge: the mean of the last N sampled states
-    last_n_every: Positive = 1  # last-N: steps between two sampled states (the window spans (N - 1) x this steps)
+    last_n_every: Positive = 1  # last-N samples the steps that are multiples of this (a window of (N-1) x this)
     start_step: NonNegative = 0  # averaging starts after this step (e.g. leaves the warmup's weights out)
 
     @property
