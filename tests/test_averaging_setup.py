@@ -12,8 +12,8 @@ import yaml
 from dstrain.config import AveragingConfig, load_recipe
 from dstrain.errors import DstrainError
 from dstrain.strategy.memory import estimate
-from dstrain.strategy.resolve import load_ds_config, resolve
-from dstrain.train.averaging import FILE, NoAverager, WeightAverager, ema_decay
+from dstrain.strategy.resolve import Topology, load_ds_config, resolve
+from dstrain.train.averaging import FILE, NoAverager, WeightAverager, check_resume, ema_decay
 
 from train_helpers import ROOT
 
@@ -87,6 +87,12 @@ def test_a_resume_onto_a_layout_that_splits_the_average_otherwise_is_refused(tmp
     message = str(e.value)
     assert "\n" not in message and message.startswith(f"{tmp_path}: its weight average")
     assert "2 ranks, ZeRO-3 partitions" in message and "onto 2 ranks, whole parameters" in message
+    # The same line before any work, from the resolved ds_config (train.run's checks of its inputs).
+    topology = Topology(world_size=2, zero_stage=1, dp_size=2, tp_size=1, pp_stages=1, precision="fp32")
+    with pytest.raises(DstrainError) as before:
+        check_resume(tmp_path, averager.config, types.SimpleNamespace(topology=topology))
+    assert str(before.value) == message
+    check_resume(tmp_path, AveragingConfig(), types.SimpleNamespace(topology=topology))  # averaging off: not read
 
 
 def test_a_whole_model_average_is_read_onto_another_data_parallel_size(tmp_path):

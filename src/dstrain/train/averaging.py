@@ -62,11 +62,27 @@ def layer_keys(engine) -> list[tuple[int, str]] | None:
     return [where[id(param)] for _, param in engine.module.named_parameters()]
 
 
-def layout_of(engine) -> dict:
+def layout_of(t: Topology) -> dict:
     """What decides which tensors a rank holds: two runs of equal layouts hold the same slices on each rank."""
-    t = Topology.from_engine(engine)
     return {"world_size": t.world_size, "partitioned": t.zero_stage == 3, "pp_stages": t.pp_stages,
             "tp_size": t.tp_size, "ep_size": t.ep_size}  # fmt: skip
+
+
+def readable(saved: dict, now: dict) -> bool:
+    """Whether an average saved under layout ``saved`` can be read onto ``now`` (rank 0's file when the two differ,
+    where every rank held the whole model in both)."""
+    return saved == now or (holds_whole_model(saved) and holds_whole_model(now))
+
+
+def check_resume(tag_dir: Path, config: AveragingConfig, strategy) -> None:
+    """Before any work (``strategy``: the resolved ds_config): a resume whose saved average this layout cannot read
+    is refused in one line, before a conversion for the new layout is made."""
+    files = sorted(tag_dir.glob(FILE.format(0)))
+    if not config.enabled or not files:
+        return
+    saved = safe_load.load(files[0], mmap=True)["layout"]  # the tensors stay on disk, unread
+    if not readable(saved, layout_of(strategy.topology)):
+        raise DstrainError(refusal(tag_dir, saved, layout_of(strategy.topology)))
 
 
 def holds_whole_model(layout: dict) -> bool:
@@ -109,7 +125,7 @@ class WeightAverager:
         self.config, self.engine, self.rank = config, engine, torch.distributed.get_rank()
         self.kinds = configured_kinds(config)
         self.names, _, self.shapes = held_parameters(engine)
-        self.layout = layout_of(engine)
+        self.layout = layout_of(Topology.from_engine(engine))
         self.decay = ema_decay(config, tokens_per_step)
         self.ema: list[torch.Tensor] | None = None
         self.ema_updates = 0
@@ -225,7 +241,7 @@ class WeightAverager:
         state = read_state(tag_dir, 0)  # every layout has a rank 0, and every rank file records the layout
         if state["layout"] == self.layout:
             state = state if self.rank == 0 else read_state(tag_dir, self.rank)
-        elif not (holds_whole_model(state["layout"]) and holds_whole_model(self.layout)):
+        elif not readable(state["layout"], self.layout):
             raise DstrainError(refusal(tag_dir, state["layout"], self.layout))
         # else every rank held the whole model, before and now: rank 0's average is everyone's
         if state["names"] != self.names or [tuple(s) for s in state["shapes"]] != self.shapes:

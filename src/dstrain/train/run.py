@@ -298,8 +298,10 @@ def checked_inputs(args: argparse.Namespace):
     if tag:
         from dstrain.checkpoint import nvme
         from dstrain.data.tokenizer import check_run_tokenizer
+        from dstrain.train import averaging
 
         nvme.check_resume(RunDir(recipe.output_dir).checkpoints / tag, strategy)
+        averaging.check_resume(RunDir(recipe.output_dir).checkpoints / tag, recipe.train.averaging, strategy)
         if RunDir(recipe.output_dir).tokenizer.is_dir():
             check_run_tokenizer(RunDir(recipe.output_dir).tokenizer, recipe.data.sources[0].path)
     from dstrain.tasks.loading import load_tasks
