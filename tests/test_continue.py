@@ -147,7 +147,8 @@ def test_shipped_continue_recipe_fits_one_node_under_its_ds_config(recipe_file):
 
     from dstrain.config import load_recipe
     from dstrain.model.families import CLASSES, check_exportable
-    from dstrain.strategy.memory import GIB, estimate_file
+    from dstrain.strategy.memory import estimate_file
+    from dstrain.strategy.memory_parts import GIB
 
     root = recipe_file.parents[1]
     ds_config = root / re.search(r"^# ds_config: (\S+)", recipe_file.read_text(), re.M).group(1)

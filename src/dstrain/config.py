@@ -22,6 +22,7 @@ import yaml
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 from dstrain.ranges import Range
+from dstrain.recipe_checks import validate
 from dstrain.run_dir import LAUNCH_KEY
 from dstrain.typed_yaml import apply_override, parse
 
@@ -148,6 +149,24 @@ class TaskConfig:
 
 
 @dataclass
+class AveragingConfig:
+    """Weight averaging (dstrain.train.averaging; README "Weight averaging"): an fp32 average of the weights beside the
+    live ones, updated after every optimizer step from step ``start_step`` + 1 on, kept where the strategy keeps
+    each parameter, saved in every checkpoint, evaluated as split valid/averaged, exported by export --averaged."""
+
+    ema_half_life_tokens: Annotated[int, Range(ge=1)] | None = (
+        None  # EMA: tokens after which a step's weight in the average halves (decay per step 0.5^(batch tokens/this))
+    )
+    last_n: Annotated[int, Range(ge=2)] | None = None  # last-N merge: the mean of the last N sampled states
+    last_n_every: Positive = 1  # last-N samples the steps that are multiples of this (a window of (N-1) x this)
+    start_step: NonNegative = 0  # averaging starts after this step (e.g. leaves the warmup's weights out)
+
+    @property
+    def enabled(self) -> bool:
+        return self.ema_half_life_tokens is not None or self.last_n is not None
+
+
+@dataclass
 class TrainConfig:
     global_batch: Positive  # samples per optimizer step, whatever the world size, micro-batch or accumulation
     steps: NonNegative | None = None  # optimizer steps; exactly one of steps / tokens
@@ -162,6 +181,7 @@ class TrainConfig:
     spike_guard: SpikeGuardConfig = field(default_factory=SpikeGuardConfig)  # loss-spike rollback
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)  # hang watchdog
     tasks: list[TaskConfig] = field(default_factory=list)  # downstream tasks scored at each evaluation
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)  # EMA / last-N average of the weights
 
 
 @dataclass
@@ -296,71 +316,6 @@ def fill_model_defaults(raw: dict, path: Path) -> None:
         first = sources[0]["path"]
         vocab = read_manifest(first)["vocab_size"]
         model["vocab_size"] = -(-vocab // 64) * 64
-
-
-def validate(recipe: Recipe, file: Path) -> None:
-    """Checks that span several fields (types were checked by ``parse``)."""
-    t = recipe.train
-    if (t.steps is None) == (t.tokens is None):
-        raise DstrainError(f"{file}: set exactly one of train.steps and train.tokens")
-    for key, value in [("train.global_batch", t.global_batch), ("data.seq_len", recipe.data.seq_len)]:
-        if value <= 0:
-            raise DstrainError(f"{file}: {key} must be positive, got {value}")
-    if not recipe.data.sources:
-        raise DstrainError(f"{file}: data.sources is empty; name at least one folder written by dstrain prepare")
-    validate_stages(recipe, file)
-    max_len = recipe.model.max_seq_len
-    if max_len is not None and recipe.data.seq_len > max_len:
-        raise DstrainError(
-            f"{file}: data.seq_len={recipe.data.seq_len} exceeds model.max_seq_len={max_len}; "
-            f"lower data.seq_len or raise model.max_seq_len"
-        )
-    names = [task.name for task in t.tasks]
-    if len(set(names)) != len(names):
-        twice = next(name for name in names if names.count(name) > 1)
-        raise DstrainError(f"{file}: train.tasks names {twice!r} twice; give each task its own name")
-    window = recipe.model.sliding_window
-    if window is not None and window < recipe.data.seq_len:
-        raise DstrainError(
-            f"{file}: model.sliding_window={window} is shorter than data.seq_len={recipe.data.seq_len} and dstrain "
-            f"attends over the whole sequence; set data.seq_len <= {window}"
-        )
-    w = t.watchdog
-    if w.floor_s > w.ceiling_s:
-        raise DstrainError(
-            f"{file}: train.watchdog.floor_s={w.floor_s:g} exceeds train.watchdog.ceiling_s={w.ceiling_s:g}; "
-            f"lower floor_s or raise ceiling_s"
-        )
-    if recipe.schedule.warmup_steps > recipe.total_steps:
-        raise DstrainError(
-            f"{file}: schedule.warmup_steps={recipe.schedule.warmup_steps} exceeds the run's {recipe.total_steps} steps"
-        )
-
-
-def validate_stages(recipe: Recipe, file: Path) -> None:
-    """Each mixture names every source and samples some; stages start in order, inside the run."""
-    sources = recipe.data.sources
-    if not any(s.weight > 0 for s in sources):
-        raise DstrainError(f"{file}: every data.sources weight is 0; give at least one source a positive weight")
-    for i, stage in enumerate(recipe.data.stages):
-        key = f"data.stages[{i}]"
-        given = [k for k in ("start_step", "start_tokens", "start_fraction") if getattr(stage, k) is not None]
-        if len(given) != 1:
-            raise DstrainError(f"{file}: {key}: set exactly one of start_step, start_tokens, start_fraction")
-        if len(stage.weights) != len(sources):
-            raise DstrainError(
-                f"{file}: {key}.weights has {len(stage.weights)} entries for {len(sources)} data.sources; "
-                f"give one weight per source, in the order of data.sources"
-            )
-        if not any(w > 0 for w in stage.weights):
-            raise DstrainError(f"{file}: {key}.weights are all 0; give at least one source a positive weight")
-    starts = recipe.stage_starts()
-    for i, ((before, _), (first, _)) in enumerate(zip(starts, starts[1:])):
-        if not before < first < recipe.total_steps:
-            raise DstrainError(
-                f"{file}: data.stages[{i}] starts at step {first + 1}, which is not after the stage before "
-                f"(step {before + 1}) and inside the run's {recipe.total_steps} steps; order the stages by start"
-            )
 
 
 def to_dict(recipe: Recipe) -> dict:

@@ -103,12 +103,13 @@ class BackgroundSaves:
     def in_flight(self) -> bool:
         return self.thread is not None
 
-    def start(self, step: int, client_state: dict) -> None:
-        """Every rank: snapshot the state of ``step`` and start writing it; waits for an earlier write first."""
+    def start(self, step: int, client_state: dict, rank_files: dict | None = None) -> None:
+        """Every rank: snapshot the state of ``step`` (and ``rank_files``, as store.save) and start writing it; waits
+        for an earlier write first."""
         self.wait()
         client_state = store.prepare(self.engine, self.checkpoint_dir, tag_for(step), client_state)
         snapshot = SnapshotEngine(self.engine._config, self.buffers)
-        store.write_partial(self.engine, self.checkpoint_dir, tag_for(step), client_state, snapshot)
+        store.write_partial(self.engine, self.checkpoint_dir, tag_for(step), client_state, snapshot, rank_files)
         self.step, self.shape, self.error, self.snapshot = step, client_state["topology"], None, snapshot
         self.thread = threading.Thread(target=self._write, args=(snapshot,), name="dstrain-checkpoint", daemon=True)
         self.thread.start()

@@ -112,16 +112,23 @@ def newest_intact_other_than(checkpoint_dir: Path, tag: str) -> str | None:
 
 
 def save(
-    engine, checkpoint_dir: Path, step: int, client_state: dict, keep_last: int, identity: dict | None = None
+    engine,
+    checkpoint_dir: Path,
+    step: int,
+    client_state: dict,
+    keep_last: int,
+    identity: dict | None = None,
+    rank_files: dict | None = None,
 ) -> str:
     """Save on every rank, publish on rank 0, then drop the oldest saves beyond ``keep_last``, never this one.
 
     ``identity`` (what makes the checkpoint meaningless for another experiment) goes into the record, where a
-    resume compares it with its recipe before writing anything. A full disk on any rank: DiskFull on every rank."""
+    resume compares it with its recipe before writing anything. A full disk on any rank: DiskFull on every rank.
+    ``rank_files``: {file name: state} this rank adds to the tag beside DeepSpeed's (the weight average)."""
     tag = tag_for(step)
     client_state = prepare(engine, checkpoint_dir, tag, client_state)
     writer = integrity.ChecksummedEngine(engine._config)
-    write_partial(engine, checkpoint_dir, tag, client_state, writer)
+    write_partial(engine, checkpoint_dir, tag, client_state, writer, rank_files)
     writer.write_sums(checkpoint_dir / (tag + PARTIAL), torch.distributed.get_rank())
     agree_written(engine, checkpoint_dir, tag, writer.disk_full)  # every rank's shards are on disk
     publish(checkpoint_dir, step, client_state["topology"], keep_last, identity)
@@ -129,9 +136,12 @@ def save(
     return tag
 
 
-def write_partial(engine, checkpoint_dir: Path, tag: str, client_state: dict, writer) -> None:
+def write_partial(
+    engine, checkpoint_dir: Path, tag: str, client_state: dict, writer, rank_files: dict | None = None
+) -> None:
     """This rank's files of ``tag`` into its ``.partial`` folder, through ``writer`` (a ChecksummedEngine, which
-    hashes them, or background.SnapshotEngine, which queues them) as the engine's checkpoint engine."""
+    hashes them, or background.SnapshotEngine, which queues them) as the engine's checkpoint engine; then
+    ``rank_files`` ({file name: state}) through the same writer, so they are checksummed and recorded alike."""
     saved, engine.checkpoint_engine = engine.checkpoint_engine, writer
     try:
         engine.save_checkpoint(str(checkpoint_dir), tag=tag + PARTIAL, client_state=client_state, save_latest=False)
@@ -142,9 +152,13 @@ def write_partial(engine, checkpoint_dir: Path, tag: str, client_state: dict, wr
         nvme.finish_save_after_failed_copy(engine)
     finally:
         engine.checkpoint_engine = saved
+    folder = checkpoint_dir / (tag + PARTIAL)
+    for name, state in (rank_files or {}).items():
+        folder.mkdir(parents=True, exist_ok=True)
+        writer.save(state, str(folder / name))  # a full disk: recorded by the writer, like DeepSpeed's files
     if engine.zero_nvme_offload_optimizer() and writer.disk_full is None:
         try:
-            nvme.record_subgroups(engine, checkpoint_dir / (tag + PARTIAL))
+            nvme.record_subgroups(engine, folder)
         except OSError as e:
             writer.disk_full = integrity.disk_full_cause(e)
             if writer.disk_full is None:

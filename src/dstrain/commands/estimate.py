@@ -14,7 +14,8 @@ from pathlib import Path
 
 from dstrain.config import Recipe, load_recipe_to_size
 from dstrain.errors import DstrainError
-from dstrain.strategy.memory import Estimate, estimate_file
+from dstrain.strategy.memory import estimate_file
+from dstrain.strategy.memory_parts import Estimate
 from dstrain.strategy.precision import Precision
 
 

@@ -3,6 +3,7 @@ starts training from one: dstrain.train.engine.load_init_from).
 
     dstrain export runs/tiny --out hf/tiny                  # newest complete checkpoint
     dstrain export runs/tiny --tag global_step200 --out hf/tiny-200
+    dstrain export runs/tiny --averaged --out hf/tiny-avg     # the weight average (recipe train.averaging)
 
 The folder holds config.json, model.safetensors and the run's tokenizer (the run folder's own tokenizer/: nothing
 outside the run folder is read). A run continued from a published model
@@ -37,6 +38,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="fp32",
         help="weights written: fp32 (the masters, default) or bf16 (half the size)",
     )
+    parser.add_argument(
+        "--averaged",
+        nargs="?",
+        const="",
+        choices=("", "ema", "last_n"),
+        default=None,
+        help="write the checkpoint's weight average (train.averaging) instead of the live weights; name ema or last_n "
+        "when the run keeps both",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -51,7 +61,16 @@ def main(args: argparse.Namespace) -> int:
 
     recipe, tag_dir = load_run(args.run_dir, args.tag)
     tokenizer = load_run_tokenizer(args.run_dir, recipe.data)
-    model = to_hf_model(recipe.model, consolidated_state_dict(tag_dir, recipe.model), tokenizer)
+    state, what = consolidated_state_dict(tag_dir, recipe.model), weights_kind(tag_dir)
+    if args.averaged is not None:
+        from dstrain.checkpoint.averaged import averaged_state_dict
+
+        averaged, kind = averaged_state_dict(tag_dir, recipe.model, args.averaged or None)
+        state.update(averaged)  # every parameter; buffers, if any, stay the live ones
+        if recipe.model.tied:
+            state["lm_head.weight"] = state["embed.tok.weight"]
+        what = f"averaged ({kind})"
+    model = to_hf_model(recipe.model, state, tokenizer)
     model.to(torch.float32 if args.dtype == "fp32" else torch.bfloat16)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -61,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)  # replaces an empty folder, never a full one
     print(
-        f"{out}: {type(model).__name__} from {tag_dir} ({args.dtype} safetensors of the {weights_kind(tag_dir)} "
+        f"{out}: {type(model).__name__} from {tag_dir} ({args.dtype} safetensors of the {what} "
         f"weights, tokenizer{''.join(f', {name}' for name in carried)})"
     )
     return 0

@@ -17,7 +17,7 @@ from pathlib import Path
 from dstrain.config import Recipe, load_recipe_to_size
 from dstrain.errors import DstrainError
 from dstrain.strategy.layouts import Planned, plan
-from dstrain.strategy.memory import GIB
+from dstrain.strategy.memory_parts import GIB
 from dstrain.strategy.time_model import DEVICES, Cluster, Device
 
 

@@ -29,12 +29,12 @@ parameter offload moves ZeRO-3's partitions.
 Activations per rank: what autograd saves for the backward (tests/test_estimate.py checks it with saved-tensor
 hooks), term by term in dstrain.strategy.activations. Sequence parallelism (sp) divides them by sp (each rank holds
 L/sp tokens; attention holds L tokens of heads/sp heads) and partitions the model states over N = dp x sp ranks.
+train.averaging's fp32 copies of the weights: dstrain.strategy.averaging_memory (4·(E + L)·Ψ or Ψ/N).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,83 +42,13 @@ from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.model.config import num_params
 from dstrain.strategy.activations import activation_bytes, sp_exchange_bytes
+from dstrain.strategy.averaging_memory import averaging_parts
+from dstrain.strategy.memory_parts import GIB, Estimate, Part
 from dstrain.strategy.param_counts import MOE_FORMULA, ParamCounts, count_params, moe_activation_bytes
-from dstrain.strategy.precision import Precision
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 
 if TYPE_CHECKING:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-GIB = 2**30
-PHASES = ("backward", "step")
-
-
-@dataclass
-class Part:
-    group: str  # parameters | gradients | optimizer states | activations | buffers
-    name: str
-    where: str  # device | cpu | nvme
-    backward: int  # bytes per rank during the last backward of a step
-    step: int  # bytes per rank during the optimizer step
-    formula: str
-
-
-@dataclass
-class Estimate:
-    recipe: str
-    ds_config: str
-    nodes: int
-    gpus_per_node: int
-    zero_stage: int
-    precision: Precision
-    micro_batch: int
-    grad_accum: int
-    dp_size: int
-    tp_size: int
-    pp_stages: int
-    offload_optimizer: str | None
-    offload_param: str | None
-    params_total: int
-    params_per_rank: int
-    device_memory: int  # bytes
-    reserve: int  # bytes kept free for the CUDA context, communicator buffers and fragmentation
-    parts: list[Part] = field(default_factory=list)
-    deepspeed_reference: dict | None = None  # DeepSpeed's own estimator, for comparison
-    ep_size: int = 1  # expert-parallel size: each rank holds 1/ep_size of every MoE layer's experts
-    params_active: int | None = None  # MoE: parameters a token runs through (router and top_k experts per layer)
-    sp_size: int = 1  # sequence-parallel degree
-
-    def total(self, where: str, phase: str, groups: tuple[str, ...] | None = None) -> int:
-        return sum(getattr(p, phase) for p in self.parts if p.where == where and (groups is None or p.group in groups))
-
-    def peak(self, where: str = "device") -> int:
-        return max(self.total(where, phase) for phase in PHASES)
-
-    @property
-    def peak_phase(self) -> str:
-        return max(PHASES, key=lambda phase: self.total("device", phase))
-
-    def model_states(self, phase: str | None = None) -> int:
-        """Parameters, gradients and optimizer states of one rank, wherever they live (peak over phases)."""
-        groups = ("parameters", "gradients", "optimizer states")
-        phases = [phase] if phase else PHASES
-        return max(sum(self.total(w, ph, groups) for w in ("device", "cpu", "nvme")) for ph in phases)
-
-    @property
-    def fits(self) -> bool:
-        return self.peak("device") + self.reserve <= self.device_memory
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        data.update(
-            peak_phase=self.peak_phase,
-            device_peak=self.peak("device"),
-            fits=self.fits,
-            cpu_per_node=self.peak("cpu") * self.gpus_per_node,
-            nvme_per_node=self.peak("nvme") * self.gpus_per_node,
-            model_states=self.model_states(),
-        )
-        return data
 
 
 def estimate(
@@ -156,6 +86,7 @@ def estimate(
     part = math.ceil(counts.total / n) if strategy.ep_size > 1 else None
     muon = muon_params(recipe.model) if recipe.optim.kind == "muon" else 0  # accepted on plain data parallelism only
     est.parts = model_state_parts(strategy, counts.per_rank, persistent, part, muon)
+    est.parts += averaging_parts(recipe.train.averaging, strategy, counts.per_rank)
     saved, transient = activation_bytes(recipe, strategy, fused_norms)
     est.parts += [
         Part("activations", "saved for backward", "device", saved, 0, "see module docstring"),

@@ -39,6 +39,7 @@ from dstrain.metrics import (
 from dstrain.model.config import describe_params, flops_per_token
 from dstrain.run_dir import RunDir, step_of
 from dstrain.train import mixture
+from dstrain.train.averaging import WeightAverager
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank
 from dstrain.train.heal import SpikeGuard, StepHealth
 from dstrain.train.moe_metrics import MoEMeter
@@ -97,6 +98,7 @@ class Trainer:
         self.hooks = hooks or StepHooks()
         self.steps = StepRunner(recipe, strategy, engine, self.progress, self.hooks, self.moe, self.watch)
         self.tasks = TaskEvaluator(self, list(tasks)) if tasks else None
+        self.averager = WeightAverager.build(recipe.train.averaging, engine, self.tokens_per_step, strategy)
 
     # --- data -------------------------------------------------------------------------
     def _batches(self):
@@ -169,10 +171,12 @@ class Trainer:
             spike_guard=None if self.guard is None else self.guard.state_dict(),
         ).to_saved()
         if background:
-            self.saves.start(self.progress.step, client_state)
+            self.saves.start(self.progress.step, client_state, self.averager.rank_files())
             return
         where, keep = self.files.checkpoints, self.recipe.train.keep_last
-        store.save(self.engine, where, self.progress.step, client_state, keep, self.identity)
+        store.save(
+            self.engine, where, self.progress.step, client_state, keep, self.identity, self.averager.rank_files()
+        )
 
     def finish_pending_save(self) -> None:
         """Wait for the background write in flight, if any, and publish it."""
@@ -188,6 +192,7 @@ class Trainer:
         self.progress.step = self.engine.global_steps
         self.progress.consumed_samples = state.consumed_samples
         store.set_rng_state(state.rng)
+        self.averager.load(self.files.checkpoints / tag)
         apply_recipe_to_optimizer(self.engine, self.recipe)
         if self.guard is not None:
             self.guard.load_state_dict(state.spike_guard)
@@ -329,6 +334,7 @@ class Trainer:
         loss = self.train_step(batches)
         self.progress.step += 1
         self.progress.consumed_samples += self.recipe.train.global_batch
+        self.averager.update(self.progress.step)
         grad_norm = self.engine.get_global_grad_norm() if self.guard is not None else None
         flags = torch.tensor(
             [0.0, 0.0 if grad_norm is None else float(grad_norm), float(stop.received is not None), self.saves.done()],
@@ -352,6 +358,8 @@ class Trainer:
                 next(r for r in records if r["split"] == "valid").update(self.tasks.evaluate())
         records[-1]["duration_s"] = time.perf_counter() - start
         self.progress.last_eval = records[-1]
+        with self.clock.paused("eval"):  # the average's valid loss: split valid/averaged (dstrain.train.averaging)
+            records += self.averager.evaluate(self.evaluate)
         for record in records:
             self.log.write(record)
             self.log.print_eval(record)

@@ -11,14 +11,15 @@ from dstrain.run_dir import RunDir
 
 
 def read_curves(metrics: Path) -> dict[str, list[tuple[float, float]]]:
-    """(step, value) lists: ``train`` loss, ``valid`` loss, ``lr``; event records and cut-short lines are skipped."""
+    """(step, value) lists: ``train`` loss, ``valid`` loss, ``lr``, and the loss of each weight average
+    (``valid/averaged...``, train.averaging) that the run logged; event records and cut-short lines are skipped."""
     curves: dict[str, list[tuple[float, float]]] = {"train": [], "valid": [], "lr": []}
     for record in read_records(metrics):
         if "split" not in record:
             curves["train"].append((record["step"], record["loss"]))
             curves["lr"].append((record["step"], record["lr"]))
-        elif record["split"] == "valid":
-            curves["valid"].append((record["step"], record["loss"]))
+        elif record["split"] == "valid" or record["split"].startswith("valid/averaged"):
+            curves.setdefault(record["split"], []).append((record["step"], record["loss"]))
     return curves
 
 
@@ -29,7 +30,8 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     curves = read_curves(RunDir(run_dir).metrics)
     fig = Figure(figsize=(8, 5.5))
     loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
-    for name, style in (("train", ".-"), ("valid", "o-")):  # markers: a run of one logged step still shows
+    averages = [(name, "s--") for name in curves if name.startswith("valid/averaged")]
+    for name, style in (("train", ".-"), ("valid", "o-"), *averages):  # markers: one logged step still shows
         if curves[name]:
             loss_ax.plot(*zip(*curves[name]), style, label=f"{name} loss", markersize=4)
     loss_ax.set_ylabel("loss")

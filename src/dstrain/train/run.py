@@ -304,8 +304,10 @@ def checked_inputs(args: argparse.Namespace):
     if tag:
         from dstrain.checkpoint import nvme
         from dstrain.data.tokenizer import check_run_tokenizer
+        from dstrain.train import averaging
 
         nvme.check_resume(files.checkpoints / tag, strategy)
+        averaging.check_resume(files.checkpoints / tag, recipe.train.averaging, strategy)
         if files.tokenizer.is_dir():
             check_run_tokenizer(files.tokenizer, recipe.data.sources[0].path)
     from dstrain.tasks.loading import load_tasks
