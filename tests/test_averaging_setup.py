@@ -12,7 +12,8 @@ import yaml
 from dstrain.config import AveragingConfig, load_recipe
 from dstrain.errors import DstrainError
 from dstrain.strategy.memory import estimate
-from dstrain.strategy.resolve import Topology, load_ds_config, resolve
+from dstrain.strategy.resolve import load_ds_config, resolve
+from dstrain.strategy.topology import Topology
 from dstrain.train.averaging import FILE, NoAverager, WeightAverager, check_resume, ema_decay
 
 from train_helpers import ROOT

@@ -34,7 +34,7 @@ from dstrain.checkpoint import safe_load
 from dstrain.checkpoint.averaged import FILE, KINDS, window_mean
 from dstrain.config import AveragingConfig
 from dstrain.errors import DstrainError
-from dstrain.strategy.resolve import Topology
+from dstrain.strategy.topology import Topology
 
 
 def held_parameters(engine) -> tuple[list[str], list[torch.Tensor], list[tuple[int, ...]]]:
