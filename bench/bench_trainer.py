@@ -57,12 +57,13 @@ def trainer_rate(recipe, strategy, train_data, valid_data, run_dir: Path) -> tup
     """Median tokens/s of Trainer.fit over the measured steps, from its own metrics lines; and the median
     share of a step spent in the loop outside train_step (the trainer's own bookkeeping), which background
     load on the shared model compute cannot blur."""
+    from dstrain.run_dir import RunDir
     from dstrain.train.engine import build_engine, build_model
     from dstrain.train.loop import Trainer
 
     run_dir.mkdir(parents=True, exist_ok=True)
     engine = build_engine(recipe, strategy, build_model(recipe, strategy))
-    trainer = Trainer(recipe, strategy, engine, train_data, valid_data, run_dir, data_fingerprint="bench")
+    trainer = Trainer(recipe, strategy, engine, train_data, valid_data, RunDir(run_dir), data_fingerprint="bench")
     inner = []
     train_step = trainer.train_step
 

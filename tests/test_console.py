@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 
+from dstrain.run_dir import RunDir
 from dstrain.train import console
 from dstrain.train.plot import plot_run, try_plot_run
 
@@ -35,13 +36,13 @@ def test_loss_png_of_a_finished_and_of_an_interrupted_run(tmp_path):
         tail='{"step": 4, "lo',
     )
     for name in ("done", "stopped"):
-        path = plot_run(tmp_path / name)
+        path = plot_run(RunDir(tmp_path / name))
         assert path == tmp_path / name / "loss.png" and path.read_bytes()[:8] == PNG and path.stat().st_size > 5000
 
 
 def test_a_plotting_failure_is_a_warning(tmp_path):
     with pytest.warns(UserWarning, match="could not draw .*loss.png: FileNotFoundError"):
-        assert try_plot_run(tmp_path / "no-run") is None
+        assert try_plot_run(RunDir(tmp_path / "no-run")) is None
 
 
 @pytest.mark.parametrize("verbose", [False, True])
@@ -51,7 +52,7 @@ def test_deepspeed_lines_go_to_the_rank_log_and_errors_to_the_console(tmp_path, 
     console.start(verbose)
     try:
         deepspeed_logger.info("early info")  # before the run folder is known: kept in memory
-        console.open_log(tmp_path, rank=1)
+        console.open_log(RunDir(tmp_path), rank=1)
         print("step 1/2 | loss 8.0")
         deepspeed_logger.warning("a deepspeed warning")
         deepspeed_logger.error("a deepspeed error")

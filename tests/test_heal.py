@@ -5,6 +5,8 @@ import time
 
 import pytest
 
+from dstrain.run_dir import RunDir
+
 from ranks import spawn_ranks, start_target_ranks
 from train_helpers import (
     ROOT,
@@ -167,7 +169,9 @@ def test_watchdog_bound_is_a_multiple_of_the_median_step_within_floor_and_ceilin
     from dstrain.config import WatchdogConfig
     from dstrain.train.watchdog import Watchdog
 
-    watch = Watchdog(WatchdogConfig(enabled=True, factor=10, floor_s=2, ceiling_s=30, warmup_steps=1), tmp_path, 0, 2)
+    watch = Watchdog(
+        WatchdogConfig(enabled=True, factor=10, floor_s=2, ceiling_s=30, warmup_steps=1), RunDir(tmp_path), 0, 2
+    )
     watch.begin("step", 1)
     assert watch.bound() == 30  # no median yet: the ceiling
     for step, seconds in enumerate([9.0, 0.5, 0.4, 5.0, 0.6], start=2):  # the first step is warm-up, left out

@@ -12,6 +12,8 @@ import pytest
 import torch
 import yaml
 
+from dstrain.run_dir import RunDir
+
 from ranks import run_ranks
 from train_helpers import (
     ROOT,
@@ -364,10 +366,10 @@ def test_an_adamw_checkpoint_is_not_resumed_with_muon(tmp_path):
     (tag / RECORD).write_text(
         CheckpointRecord(step=4, save_seq=0, files={}, identity=identity(adamw, "data")).to_json()
     )
-    check_run_dir(adamw, "r.yaml", tmp_path / "run", tag.name, "auto", "data")  # the same experiment resumes
+    check_run_dir(adamw, "r.yaml", RunDir(tmp_path / "run"), tag.name, "auto", "data")  # the same experiment resumes
     with pytest.raises(DstrainError, match=r"holds a run of a different recipe \(optimizer differ from r.yaml\)"):
-        check_run_dir(muon, "r.yaml", tmp_path / "run", tag.name, "auto", "data")
+        check_run_dir(muon, "r.yaml", RunDir(tmp_path / "run"), tag.name, "auto", "data")
     old = identity(adamw, "data")
     del old["optimizer"]  # a checkpoint from before the key was recorded: AdamW's
     (tag / RECORD).write_text(json.dumps({"identity": old}))
-    check_run_dir(adamw, "r.yaml", tmp_path / "run", tag.name, "auto", "data")
+    check_run_dir(adamw, "r.yaml", RunDir(tmp_path / "run"), tag.name, "auto", "data")

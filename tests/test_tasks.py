@@ -8,6 +8,8 @@ import json
 import pytest
 from task_fixtures import exported_model, tokenizer, write_task_file
 
+from dstrain.run_dir import RunDir
+
 FORMATS = ("hellaswag", "arc", "piqa", "winogrande", "lambada")
 # Our GPT vs transformers' model of the same weights, fp32, summed over a continuation: measured <= 2.2e-5.
 LL_ATOL = 1e-4
@@ -225,7 +227,7 @@ def write_run(run_dir):
 def test_the_eval_line_names_each_tasks_accuracies(tmp_path, capsys):
     from dstrain.metrics import MetricsLog
 
-    MetricsLog(tmp_path, True, 4).print_eval({"step": 4, **VALID, **TASKS_AT[4]})
+    MetricsLog(RunDir(tmp_path), True, 4).print_eval({"step": 4, **VALID, **TASKS_AT[4]})
     assert capsys.readouterr().out.splitlines()[-1] == (
         "eval step 4 | valid loss 5.0000 | ppl 148.40 | piqa acc 0.750 norm 0.500 | lambada acc 0.250 | tasks 1.2s"
     )
@@ -236,7 +238,7 @@ def test_tasks_png_beside_loss_png_and_the_compare_row(tmp_path):
     from dstrain.train.plot import read_task_curves, try_plot_run
 
     write_run(tmp_path / "zero1")
-    assert try_plot_run(tmp_path / "zero1") == tmp_path / "zero1" / "loss.png"
+    assert try_plot_run(RunDir(tmp_path / "zero1")) == tmp_path / "zero1" / "loss.png"
     assert (tmp_path / "zero1" / "tasks.png").stat().st_size > 0
     assert read_task_curves(tmp_path / "zero1" / "metrics.jsonl") == {
         "piqa/acc": [(2, 0.5), (4, 0.75)],

@@ -276,12 +276,12 @@ def task_parts(record: Mapping[str, Any]) -> list[str]:
 class MetricsLog:
     """metrics.jsonl (one object per log or eval) plus rank 0's console line; other ranks write nothing."""
 
-    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, monitor=None):
+    def __init__(self, files: RunDir, enabled: bool, total_steps: int, monitor=None):
         self.enabled = enabled
         self.total_steps = total_steps
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self.start = time.time()
-        self.file = RunDir(run_dir).metrics.open("a") if enabled else None
+        self.file = files.metrics.open("a") if enabled else None
 
     def write(self, record: dict) -> None:
         if self.file is None:  # not rank 0

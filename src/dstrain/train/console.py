@@ -172,11 +172,11 @@ def active() -> bool:
     return _session is not None
 
 
-def open_log(run_dir: Path, rank: int) -> Path | None:
+def open_log(files: RunDir, rank: int) -> Path | None:
     """Once the run folder is claimed: the log so far, and all that follows, into run_dir/logs/rank<r>.log."""
     if _session is None:
         return None
-    path = RunDir(run_dir).log(rank)
+    path = files.log(rank)
     _session.adopt_handlers()
     _session.log.open(path)
     return path

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -64,7 +63,7 @@ class Trainer:
         engine,
         train_data,
         valid_sets,
-        run_dir: Path,
+        files: RunDir,
         data_fingerprint,
         identity=None,
         tasks=(),
@@ -76,8 +75,7 @@ class Trainer:
         self.recipe, self.strategy, self.engine = recipe, strategy, engine
         self.train_data, self.valid_sets = train_data, valid_sets
         # Only DeepSpeed's groups know the pipeline/TP layout, so the data-parallel rank comes from them.
-        self.run_dir, self.dp_rank = run_dir, data_parallel_rank(engine, strategy)
-        self.files = RunDir(run_dir)
+        self.files, self.dp_rank = files, data_parallel_rank(engine, strategy)
         self.data_fingerprint, self.identity = data_fingerprint, identity or {}
         self.device = engine.device
         self.rank = torch.distributed.get_rank()
@@ -88,13 +86,13 @@ class Trainer:
         self.flops_per_token = flops_per_token(recipe.model, recipe.data.seq_len)
         self.peak_tflops, self.peak_line = device_peak(strategy.precision)
         self.clock = IntervalClock()
-        self.log = MetricsLog(run_dir, self.is_rank0, recipe.total_steps, getattr(engine, "monitor", None))
+        self.log = MetricsLog(files, self.is_rank0, recipe.total_steps, getattr(engine, "monitor", None))
         self.moe = MoEMeter(engine.module, recipe.model, self.device)
         self.saves = BackgroundSaves(engine, self.files.checkpoints, recipe.train.keep_last, self.identity)
         self.guard = SpikeGuard(recipe.train.spike_guard) if recipe.train.spike_guard.enabled else None
         backend = get_accelerator().communication_backend_name()
         watch = recipe.train.watchdog
-        self.watch = Watchdog(watch, run_dir, self.rank, self.world, backend) if watch.enabled else NoWatchdog()
+        self.watch = Watchdog(watch, files, self.rank, self.world, backend) if watch.enabled else NoWatchdog()
         self.hooks = hooks or StepHooks()
         self.steps = StepRunner(recipe, strategy, engine, self.progress, self.hooks, self.moe, self.watch)
         self.tasks = TaskEvaluator(self, list(tasks)) if tasks else None

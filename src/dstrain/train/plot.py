@@ -23,11 +23,11 @@ def read_curves(metrics: Path) -> dict[str, list[tuple[float, float]]]:
     return curves
 
 
-def plot_run(run_dir: Path, title: str = "") -> Path:
+def plot_run(files: RunDir, title: str = "") -> Path:
     """Write run_dir/loss.png from run_dir/metrics.jsonl and return its path."""
     from matplotlib.figure import Figure  # without pyplot: no display backend, a third of the import time
 
-    curves = read_curves(RunDir(run_dir).metrics)
+    curves = read_curves(files.metrics)
     fig = Figure(figsize=(8, 5.5))
     loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
     averages = [(name, "s--") for name in curves if name.startswith("valid/averaged")]
@@ -35,7 +35,7 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
         if curves[name]:
             loss_ax.plot(*zip(*curves[name]), style, label=f"{name} loss", markersize=4)
     loss_ax.set_ylabel("loss")
-    loss_ax.set_title(title or run_dir.name)
+    loss_ax.set_title(title or files.root.name)
     loss_ax.grid(alpha=0.3)
     if loss_ax.lines:
         loss_ax.legend()
@@ -46,7 +46,7 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     lr_ax.xaxis.get_major_locator().set_params(integer=True)
     lr_ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = RunDir(run_dir).loss_plot
+    path = files.loss_plot
     fig.savefig(path, dpi=100)  # the Agg canvas, chosen by the file name
     return path
 
@@ -63,12 +63,12 @@ def read_task_curves(metrics: Path) -> dict[str, list[tuple[float, float]]]:
     return curves
 
 
-def plot_tasks(run_dir: Path, title: str = "") -> Path | None:
+def plot_tasks(files: RunDir, title: str = "") -> Path | None:
     """Write run_dir/tasks.png (acc solid, acc_norm dashed, one colour per task); None when no task was logged."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    curves = read_task_curves(RunDir(run_dir).metrics)
+    curves = read_task_curves(files.metrics)
     if not curves:
         return None
     fig = Figure(figsize=(8, 4))
@@ -81,23 +81,23 @@ def plot_tasks(run_dir: Path, title: str = "") -> Path | None:
         ax.plot(*zip(*points), style, color=colour, label=f"{name} {metric}", markersize=4)
     ax.set_ylabel("accuracy")
     ax.set_xlabel("optimizer step")
-    ax.set_title(title or run_dir.name)
+    ax.set_title(title or files.root.name)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", ncol=2)
     fig.tight_layout()
-    path = RunDir(run_dir).tasks_plot
+    path = files.tasks_plot
     fig.savefig(path, dpi=100)
     return path
 
 
-def try_plot_run(run_dir: Path, title: str = "") -> Path | None:
+def try_plot_run(files: RunDir, title: str = "") -> Path | None:
     """plot_run (and plot_tasks), where a failure (no matplotlib, a broken metrics file) is a warning: a picture
     never fails a run."""
     try:
-        path = plot_run(run_dir, title)
-        plot_tasks(run_dir, title)
+        path = plot_run(files, title)
+        plot_tasks(files, title)
         return path
     except Exception as e:  # noqa: BLE001
-        warnings.warn(f"could not draw {RunDir(run_dir).loss_plot}: {type(e).__name__}: {e}", stacklevel=2)
+        warnings.warn(f"could not draw {files.loss_plot}: {type(e).__name__}: {e}", stacklevel=2)
         return None

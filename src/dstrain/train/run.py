@@ -94,14 +94,13 @@ def _identity(recipe: dict, data) -> dict:
 
 
 def check_run_dir(
-    recipe: Recipe, recipe_file: str, run_dir: Path, tag: str | None, resume: str, data_fingerprint: str
+    recipe: Recipe, recipe_file: str, files: RunDir, tag: str | None, resume: str, data_fingerprint: str
 ) -> None:
     """Refuse to continue a checkpoint of another experiment: its own record, not run_dir's recipe.yaml, says
     what it is. Without a checkpoint that records it (none yet, or one saved with identity=None), run_dir's
     recipe.yaml does, unless --resume none starts over (and moves that run aside)."""
     from dstrain.checkpoint import store
 
-    files = RunDir(run_dir)
     where = files.checkpoints / tag if tag else files.recipe
     record = store.read_record(where) if tag else None
     saved = record.identity if record else None
@@ -176,11 +175,10 @@ def resume_tag(checkpoint_dir: Path, resume: str) -> str | None:
     return tag
 
 
-def move_previous_run(run_dir: Path) -> Path | None:
+def move_previous_run(files: RunDir) -> Path | None:
     """A fresh start in a run_dir that holds a run: move that run's files into previous/<UTC time>/, delete nothing."""
     import datetime
 
-    files = RunDir(run_dir)
     leftovers = files.written()
     if not leftovers:
         return None
@@ -192,7 +190,7 @@ def move_previous_run(run_dir: Path) -> Path | None:
     dest.mkdir(parents=True)
     for path in leftovers:
         os.replace(path, dest / path.name)
-    print(f"{run_dir} held a previous run; moved it to {dest}/ (nothing deleted)", flush=True)
+    print(f"{files.root} held a previous run; moved it to {dest}/ (nothing deleted)", flush=True)
     return dest
 
 
@@ -224,9 +222,10 @@ def check_disk(run_dir: Path, recipe: Recipe) -> None:
         )
 
 
-def claim_run_dir(run_dir: Path, recipe: Recipe, strategy: Strategy, tag: str | None):
+def claim_run_dir(files: RunDir, recipe: Recipe, strategy: Strategy, tag: str | None):
     """Rank 0: lock the run directory, check its disk, move a previous run aside when starting fresh, record the
     resolved inputs, and drop the metrics a resumed run is about to log again (those after its checkpoint)."""
+    run_dir = files.root
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -236,8 +235,7 @@ def claim_run_dir(run_dir: Path, recipe: Recipe, strategy: Strategy, tag: str | 
     check_disk(run_dir, recipe)
     lock = lock_run_dir(run_dir)
     if tag is None:
-        move_previous_run(run_dir)
-    files = RunDir(run_dir)
+        move_previous_run(files)
     files.recipe.write_text(yaml.safe_dump({**to_dict(recipe), LAUNCH_KEY: launch_record(recipe)}, sort_keys=False))
     if tag is None or not files.tokenizer.is_dir():  # a run from before run folders carried their tokenizer
         from dstrain.data.tokenizer import copy_run_tokenizer
@@ -250,13 +248,13 @@ def claim_run_dir(run_dir: Path, recipe: Recipe, strategy: Strategy, tag: str | 
     return lock
 
 
-def write_summary(run_dir: Path, result: dict, recipe: Recipe, strategy: Strategy) -> None:
+def write_summary(files: RunDir, result: dict, recipe: Recipe, strategy: Strategy) -> None:
     """Rank 0, at the end of a finished or interrupted run: summary.json, loss.png, and where they are."""
-    summary = {**result, "recipe": recipe.name, "strategy": strategy.name, "run_dir": str(run_dir)}
-    RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
+    summary = {**result, "recipe": recipe.name, "strategy": strategy.name, "run_dir": str(files.root)}
+    files.summary.write_text(json.dumps(summary, indent=2) + "\n")
     status, step = result["status"], result["step"]
-    picture = plot.try_plot_run(run_dir, f"{recipe.name} under {strategy.name}: {status} at step {step}")
-    print(f"{status}: step {step}; results in {run_dir}/ (metrics.jsonl, summary.json, checkpoints/, logs/)")
+    picture = plot.try_plot_run(files, f"{recipe.name} under {strategy.name}: {status} at step {step}")
+    print(f"{status}: step {step}; results in {files.root}/ (metrics.jsonl, summary.json, checkpoints/, logs/)")
     if picture:
         print(f"loss curve: {picture}", flush=True)
 
@@ -300,7 +298,7 @@ def checked_inputs(args: argparse.Namespace):
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe)
     files = RunDir(recipe.output_dir)
     tag = resume_tag(files.checkpoints, args.resume)
-    check_run_dir(recipe, args.recipe, recipe.output_dir, tag, args.resume, fingerprint)
+    check_run_dir(recipe, args.recipe, files, tag, args.resume, fingerprint)
     if tag:
         from dstrain.checkpoint import nvme
         from dstrain.data.tokenizer import check_run_tokenizer
@@ -344,6 +342,7 @@ def task_requests(recipe: Recipe, task_items) -> list:
 def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
     recipe, strategy, fingerprint, tag, task_items = checked_inputs(args)
     run_dir = recipe.output_dir
+    files = RunDir(run_dir)
     import torch
 
     from dstrain.train import distributed
@@ -358,18 +357,17 @@ def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
     from dstrain.train.watchdog import enable_flight_recorder
 
     if recipe.train.watchdog.enabled:
-        enable_flight_recorder(run_dir, get_accelerator().communication_backend_name())
+        enable_flight_recorder(files, get_accelerator().communication_backend_name())
     distributed.init()
     rank = distributed.rank()
-    lock = distributed.on_rank0(lambda: claim_run_dir(run_dir, recipe, strategy, tag), f"use {run_dir}")
-    console.open_log(run_dir, rank)
+    lock = distributed.on_rank0(lambda: claim_run_dir(files, recipe, strategy, tag), f"use {run_dir}")
+    console.open_log(files, rank)
 
     if tag:  # saved under another world size or ZeRO stage? rank 0 converts it, the others wait
         from dstrain.checkpoint import reshard
 
-        checkpoints = RunDir(run_dir).checkpoints
         reshard.prepare_resume(
-            checkpoints, tag, strategy, recipe.model, recipe.optim.weight_decay, on_rank0=distributed.on_rank0
+            files.checkpoints, tag, strategy, recipe.model, recipe.optim.weight_decay, on_rank0=distributed.on_rank0
         )
     model = build_model(recipe, strategy)
     if recipe.init_from and not tag:  # continued pretraining starts from a Hugging Face model, once
@@ -382,7 +380,7 @@ def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
         engine,
         train_data,
         valid_sets,
-        run_dir,
+        files,
         fingerprint,
         identity(recipe, fingerprint),
         tasks,
@@ -392,7 +390,7 @@ def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
         trainer.resume(tag)
     result = trainer.fit()
     if rank == 0:
-        write_summary(run_dir, result, recipe, strategy)
+        write_summary(files, result, recipe, strategy)
     torch.distributed.barrier()
     if lock:
         lock.close()

@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from collections import deque
-from pathlib import Path
 
 from dstrain.config import WatchdogConfig
 from dstrain.run_dir import RunDir
@@ -38,23 +37,19 @@ LAGGARD_DELAY_S = 1.0  # a rank behind the others exits this much later, so that
 MEDIAN_OF = 50  # step durations in the median
 
 
-def hang_dir(run_dir: Path) -> Path:
-    return RunDir(Path(run_dir)).hang
-
-
-def enable_flight_recorder(run_dir: Path, backend: str) -> None:
+def enable_flight_recorder(files: RunDir, backend: str) -> None:
     """Before the process group starts: torch's NCCL flight recorder, dumped into run_dir/hang/ on a timeout."""
     if backend != "nccl":
         return
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(hang_dir(run_dir) / "nccl_trace_rank_"))
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(files.hang / "nccl_trace_rank_"))
 
 
 class Watchdog(threading.Thread):
-    def __init__(self, config: WatchdogConfig, run_dir: Path, rank: int, world: int, backend: str = "gloo"):
+    def __init__(self, config: WatchdogConfig, files: RunDir, rank: int, world: int, backend: str = "gloo"):
         super().__init__(name="dstrain-watchdog", daemon=True)
-        self.config, self.dir, self.rank, self.world, self.backend = config, hang_dir(run_dir), rank, world, backend
+        self.config, self.dir, self.rank, self.world, self.backend = config, files.hang, rank, world, backend
         self.phase, self.step, self.where, self.tick = "start", 0, "start", 0
         self.started = self.created = time.monotonic()
         self.born = time.time()  # reports older than this are from an earlier launch
