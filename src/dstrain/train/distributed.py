@@ -8,6 +8,7 @@ LOCAL_RANK / MASTER_ADDR / MASTER_PORT; `srun` exports SLURM_* instead; a plain
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import re
@@ -104,6 +105,10 @@ def shutdown() -> None:
     in place of the real exit status that Slurm's requeue logic, CI and scripts read."""
     if torch.distributed.is_initialized():
         deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's cached groups
+    # The engine and its optimizer hold the groups too, in reference cycles that only the collector frees: free them
+    # now, while the interpreter is whole, so gloo joins its threads here and not at finalization (one such abort,
+    # after "completed", was seen in a CI run's Slurm job; pytorch/pytorch#179291 describes the race).
+    gc.collect()
 
 
 def all_ok(ok: bool) -> bool:
