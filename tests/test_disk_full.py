@@ -6,6 +6,7 @@ past it: an NVMe run's swap files (shutil.copytree inside engine.save_checkpoint
 
 import errno
 import os
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,24 @@ class FullDisk:
 
     def close(self):
         pass
+
+
+def assert_one_full_disk_line_and_step2_kept(codes: list[int], err: str, run: Path) -> Path:
+    """Every rank exited DISK_FULL_EXIT with one line and no traceback; the partial tag is gone, `latest` and the
+    published step-2 checkpoint are intact. Returns the checkpoints folder."""
+    from dstrain.checkpoint.store import damage, published_tags
+    from dstrain.errors import DISK_FULL_EXIT
+
+    assert codes == [DISK_FULL_EXIT, DISK_FULL_EXIT]
+    assert "Traceback" not in err and "Error in sys.excepthook" not in err, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("dstrain")]
+    assert line.startswith("dstrain: error: ") and "is full (No space left on device)" in line
+    assert "GiB free, a checkpoint needs ~" in line and "`latest` is untouched" in line
+    checkpoints = run / "checkpoints"
+    assert not list(checkpoints.glob("*.partial"))
+    assert (checkpoints / "latest").read_text() == "global_step2"
+    assert published_tags(checkpoints) == ["global_step2"] and damage(checkpoints / "global_step2") is None
+    return checkpoints
 
 
 def train_with_full_disk_at(argv: list[str], step: int, rank: int, logs_too: bool) -> int:
@@ -57,23 +76,11 @@ def train_with_full_disk_at(argv: list[str], step: int, rank: int, logs_too: boo
 def test_a_full_disk_ends_every_rank_in_one_line_and_keeps_the_published_checkpoints(
     tmp_path, corpus, capfd, background, rank, logs_too
 ):
-    from dstrain.checkpoint.store import damage, published_tags
-    from dstrain.errors import DISK_FULL_EXIT
-
     train = {"steps": 6, "checkpoint_interval": 2, "keep_last": 3, "async_checkpoint": background}
     recipe = small_recipe(tmp_path, corpus, train=train)
     run = tmp_path / "run"
     codes = spawn_ranks(2, train_with_full_disk_at, train_argv(recipe, "zero1", run), 4, rank, logs_too, timeout=300)
-    assert codes == [DISK_FULL_EXIT, DISK_FULL_EXIT]
-    err = capfd.readouterr().err
-    assert "Traceback" not in err and "Error in sys.excepthook" not in err, err[-3000:]
-    (line,) = [line for line in err.splitlines() if line.startswith("dstrain")]
-    assert line.startswith("dstrain: error: ") and "is full (No space left on device)" in line
-    assert "GiB free, a checkpoint needs ~" in line and "`latest` is untouched" in line
-    checkpoints = run / "checkpoints"
-    assert not list(checkpoints.glob("*.partial"))
-    assert (checkpoints / "latest").read_text() == "global_step2"
-    assert published_tags(checkpoints) == ["global_step2"] and damage(checkpoints / "global_step2") is None
+    assert_one_full_disk_line_and_step2_kept(codes, capfd.readouterr().err, run)
 
 
 def train_with_full_disk_in_the_swap_copy(argv: list[str], step: int, rank: int) -> int:
@@ -96,9 +103,6 @@ def train_with_full_disk_in_the_swap_copy(argv: list[str], step: int, rank: int)
 
 
 def test_a_full_disk_while_copying_the_nvme_swap_files_ends_in_one_line(tmp_path, corpus, capfd, async_io):
-    from dstrain.checkpoint.store import damage, published_tags
-    from dstrain.errors import DISK_FULL_EXIT
-
     if async_io:
         pytest.skip(async_io)
     # Wide enough that sub-groups of at least 1 MiB per rank are swapped (tests/test_nvme.py's model).
@@ -107,14 +111,5 @@ def test_a_full_disk_while_copying_the_nvme_swap_files_ends_in_one_line(tmp_path
     run = tmp_path / "run"
     argv = train_argv(recipe, nvme_config(tmp_path), run)
     codes = spawn_ranks(2, train_with_full_disk_in_the_swap_copy, argv, 4, 1, timeout=300)
-    assert codes == [DISK_FULL_EXIT, DISK_FULL_EXIT]
-    err = capfd.readouterr().err
-    assert "Traceback" not in err and "Error in sys.excepthook" not in err, err[-3000:]
-    (line,) = [line for line in err.splitlines() if line.startswith("dstrain")]
-    assert line.startswith("dstrain: error: ") and "is full (No space left on device)" in line
-    assert "GiB free, a checkpoint needs ~" in line and "`latest` is untouched" in line
-    checkpoints = run / "checkpoints"
-    assert not list(checkpoints.glob("*.partial"))
-    assert (checkpoints / "latest").read_text() == "global_step2"
-    assert published_tags(checkpoints) == ["global_step2"] and damage(checkpoints / "global_step2") is None
+    checkpoints = assert_one_full_disk_line_and_step2_kept(codes, capfd.readouterr().err, run)
     assert (checkpoints / "global_step2" / "offloaded_tensors").is_dir()  # the swap copy of step 2 went through
