@@ -16,13 +16,19 @@ ZERO12_MODEL_FILE = "mp_rank_00_model_states.pt"  # what a ZeRO-0/1/2 engine rea
 ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # what a ZeRO-3 engine reads (rank 0's)
 
 
-def check_groups(tag_dir: Path, saved: int, current: int) -> None:
-    # DeepSpeed's loaders zip the saved groups with the current ones: a mismatch would drop state silently.
-    if saved != current:
+def check_groups(tag_dir: Path, saved: list[str], current: list[str]) -> None:
+    """DeepSpeed's loaders zip the saved parameter groups with the current ones by position: a rank's groups must be
+    the saved ones or their first few (a pipeline stage holds no group it has no parameter of), or state would land
+    in the wrong group or be dropped silently."""
+    if current != saved[: len(current)]:
         raise DstrainError(
-            f"{tag_dir}: its optimizer has {saved} parameter group(s), this run's has {current}, so DeepSpeed cannot "
+            f"{tag_dir}: its optimizer's parameter groups are {saved}, this rank's are {current}, so DeepSpeed cannot "
             f"carry the optimizer state over; resume with the saved ds_config and rank count"
         )
+
+
+def group_names(groups: list[dict]) -> list[str]:
+    return [str(group.get("name", index)) for index, group in enumerate(groups)]
 
 
 # --- ZeRO-0, which DeepSpeed's universal checkpoints do not cover -----------------------------------
@@ -30,21 +36,21 @@ def check_groups(tag_dir: Path, saved: int, current: int) -> None:
 # numbered in the order dstrain.model.gpt.param_groups hands them to the optimizer.
 
 
-def _optimizer_order(model_config: GPTConfig, weight_decay: float) -> list[list[str]]:
-    """Parameter names of each optimizer group, in the engine's order (built on the meta device: no memory)."""
+def _optimizer_order(model_config: GPTConfig, weight_decay: float) -> dict[str, list[str]]:
+    """Each optimizer group's name -> its parameters' names, in the engine's order (built on the meta device)."""
     from dstrain.model.gpt import GPT, param_groups
 
     with torch.device("meta"):
         model = GPT(model_config)
     names = {id(p): n for n, p in model.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for group in param_groups(model, weight_decay)]
+    return {group["name"]: [names[id(p)] for p in group["params"]] for group in param_groups(model, weight_decay)}
 
 
 def universal_from_zero0(tag_dir: Path, out: Path, model_config: GPTConfig, weight_decay: float) -> None:
     model_state = read_pt(tag_dir / ZERO12_MODEL_FILE)
     optimizer = model_state["optimizer"]
     order = _optimizer_order(model_config, weight_decay)
-    for group, names in zip(optimizer["param_groups"], order):
+    for group, names in zip(optimizer["param_groups"], order.values()):
         for index, name in zip(group["params"], names):
             folder = out / "zero" / name
             folder.mkdir(parents=True)
@@ -77,11 +83,11 @@ def zero0_from_universal(universal: Path, out: Path, model_config: GPTConfig, we
     module = {name: read_pt(zero / name / "fp32.pt")["param"] for name in names if (zero / name).is_dir()}
     module["lm_head.weight"] = module.get("lm_head.weight", module["embed.tok.weight"])
     order = _optimizer_order(model_config, weight_decay)
-    check_groups(universal.parent, len(saved_groups), len(order))
+    check_groups(universal.parent, group_names(saved_groups), list(order))
     state, groups, index = {}, [], 0
-    for saved_group, group_names in zip(saved_groups, order):
+    for saved_group, names_of_group in zip(saved_groups, order.values()):
         groups.append({k: v for k, v in saved_group.items() if k != "params"} | {"params": []})
-        for name in group_names:
+        for name in names_of_group:
             state[index] = {key: read_pt(zero / name / f"{key}.pt")["param"] for key in ("exp_avg", "exp_avg_sq")}
             state[index]["step"] = read_pt(zero / name / "step.pt")
             groups[-1]["params"].append(index)

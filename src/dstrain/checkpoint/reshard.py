@@ -33,6 +33,7 @@ from dstrain.checkpoint.ds_files import (
     ZERO3_MODEL_FILE,
     ZERO12_MODEL_FILE,
     check_groups,
+    group_names,
     read_pt,
     universal_from_zero0,
     zero0_from_universal,
@@ -163,6 +164,8 @@ def convert(tag_dir: Path, old: Topology, new: Topology, model_config: GPTConfig
             universal_from_zero0(tag_dir, work / UNIVERSAL, model_config, weight_decay)
         else:
             _ds_to_universal(tag_dir, work / UNIVERSAL)
+            if old.pp_stages > 1:
+                _groups_of_every_stage(tag_dir, work / UNIVERSAL)
         _bridge_deepspeed_gaps(work / UNIVERSAL)
         if old.pp_stages > 1:
             for plain, piped in _pipeline_names(model_config).items():
@@ -204,6 +207,25 @@ def _ds_to_universal(tag_dir: Path, out: Path) -> None:
             f"{tag_dir}: DeepSpeed's universal-checkpoint conversion failed: {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}; resume with the saved ds_config and rank count"
         ) from None
+
+
+def _groups_of_every_stage(tag_dir: Path, universal: Path) -> None:
+    """DeepSpeed 0.19.8's ds_to_universal keeps the first pipeline stage's parameter groups only
+    (``_save_optimizer_state`` reads pp_index 0), and a stage has none of a group it holds no parameter of (the
+    engine drops empty groups: train/grad_norm.py::pad_group_norms), so a first stage of matrices only would leave
+    the no-decay group out. The groups of every stage instead, by name: the fullest stage's, then any it lacks."""
+    path = universal / "zero" / "optimizer_state.pt"
+    optim = read_pt(path)
+    files = sorted(tag_dir.glob("zero_pp_rank_0_mp_rank_*_optim_states.pt"))
+    stages: list[list[dict]] = [
+        read_pt(f)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"] for f in files
+    ]
+    groups = list(max(stages, key=len, default=optim["param_groups"]))
+    for group in (g for stage in stages for g in stage):
+        if group.get("name") not in group_names(groups):
+            groups.append(group)
+    optim["param_groups"] = groups
+    torch.save(optim, path)
 
 
 def _sp_view(tag_dir: Path, view: Path) -> Path:
@@ -272,7 +294,10 @@ def repair_after_load(engine, tag_dir: Path) -> None:
     if not engine.load_universal_checkpoint():
         return
     saved_groups = read_pt(tag_dir / UNIVERSAL / "zero" / "optimizer_state.pt")["param_groups"]
-    check_groups(tag_dir, len(saved_groups), len(engine.optimizer.param_groups))
+    saved_names, names = group_names(saved_groups), group_names(engine.optimizer.param_groups)
+    if engine.zero_optimization_stage() == 3 and len(names) == len(saved_names):
+        names = saved_names  # slip 1 below gave every group the first one's name; ZeRO-3 has no stages to lack one
+    check_groups(tag_dir, saved_names, names)
     if engine.zero_optimization_stage() != 3:
         return
     optimizer = engine.optimizer

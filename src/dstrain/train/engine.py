@@ -142,6 +142,7 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
         # section's presence is the switch, so torch.compile is one ds_config swap like every other strategy.
         engine.compile()
     grad_norm.install(engine)  # ZeRO-0 fp32: DeepSpeed keeps no norm (and pipelines clip by the wrong one)
+    grad_norm.pad_group_norms(engine)  # pipelines: a stage without a no-decay group would hang the norm
     if recipe.optim.kind == "muon":
         muon_zero.install(engine)  # ZeRO-1/2: clip the raw gradient, then orthogonalise, as ZeRO-0 does
         run_muon_eagerly_on_cpu(engine.optimizer)

@@ -13,6 +13,12 @@ the ZeRO optimizers do (``stage_1_and_2.get_grad_norm_direct``: every gradient o
 later pipeline stages and tensor-parallel replicas skipped —, summed over the model-parallel group, each
 gradient's norm taken in ``get_norm_dtype()``: fp64 where the device has it), clips by it with DeepSpeed's
 coefficient ``min(1, clip / (norm + 1e-6))``, and keeps it where ``get_global_grad_norm`` reads it.
+
+A third defect hangs a pipeline under ZeRO-1 (and fp16): ``DeepSpeedEngine._configure_basic_optimizer`` drops the
+parameter groups that are empty on a rank, and ``stage_1_and_2.scaled_global_norm`` all-reduces each group's
+norm over the model-parallel group, so a stage holding only matrices (an embedding, an untied head: no 1-D
+parameter for the no-decay group) makes one all-reduce fewer than the others and every rank waits
+(test_deepspeed_pipeline_zero1_drops_a_stages_empty_group). ``pad_group_norms`` makes the missing calls.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import torch
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.utils import get_norm_dtype
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
+
+from dstrain.errors import DstrainError
 
 
 def takes_the_clip_fp32_path(engine) -> bool:
@@ -74,3 +82,43 @@ def install(engine) -> None:
 
     engine._take_model_step = take_model_step_with_norm
     engine.clip_fp32_gradients = types.MethodType(lambda self: None, engine)  # clipped above, by the global norm
+
+
+def pad_group_norms(engine) -> None:
+    """A pipeline rank with fewer parameter groups than another stage makes the missing norm all-reduces after its
+    own (module docstring). Any pairing of groups gives the same total: each all-reduce sums squares over the
+    stages, and the total is the root of all of them. DeepSpeed's fp16 optimizers norm each group inside their step,
+    where no call can be added: refused in one line. The bf16 optimizer and ZeRO-0 fp32 (``install``) take one norm
+    over all groups and need nothing."""
+    import deepspeed
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(engine, deepspeed.PipelineEngine):
+        return
+    optimizer, group = engine.optimizer, engine.mpu.get_model_parallel_group()
+    own = len(optimizer.param_groups)
+    counts = torch.tensor([float(own), -float(own)], device=engine.device)
+    torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=group)
+    most, fewest = int(counts[0].item()), -int(counts[1].item())
+    if most == fewest:
+        return
+    if isinstance(optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        raise DstrainError(
+            f"pipeline stages hold {fewest} and {most} parameter groups (a stage of matrices only has no no-decay "
+            "group), and DeepSpeed 0.19.8's fp16 optimizer norms each group across the stages, so the step would "
+            'hang: use bf16, ZeRO-1, or another "pipeline.partition_method"'
+        )
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return
+    missing = most - own
+    scaled_global_norm = optimizer.scaled_global_norm
+
+    def scaled_global_norm_with_the_missing_groups(norm_type=2):
+        norms = [scaled_global_norm(norm_type)]
+        norms += [optimizer.get_grad_norm_direct([], [], norm_type) for _ in range(missing)]
+        return combine_grad_norm_groups(norms, norm_type=norm_type)
+
+    optimizer.scaled_global_norm = scaled_global_norm_with_the_missing_groups
