@@ -2,9 +2,10 @@
 
 ``dstrain compare --plan K`` runs the K fastest layouts, which on 2 CPU ranks are all ZeRO-0 or ZeRO-1 with or
 without SP: it never checks a ZeRO-3, offloaded, pipelined or tensor-parallel prediction. This bench calibrates
-this machine as ``--plan`` does (the bare model, a gloo all-reduce and all-to-all, DeepSpeed's engines), takes the
-planner's fastest layout of each kind in KINDS and runs them the way ``--plan`` does (interleaved, three stretches
-each), then prints the same table: predicted and measured seconds per step, their ratio, each run's spread.
+this machine as ``--plan`` does (the bare model, a gloo all-reduce, DeepSpeed's engines, a TP and an SP group),
+takes the planner's fastest layout of each kind in KINDS and runs them the way ``--plan`` does (interleaved, three
+stretches each), then prints the same table, fastest predicted first: predicted and measured seconds per step,
+their ratio, each run's spread. The calibration times a few steps per kind: run it on an otherwise idle machine.
 
     .venv/bin/python bench/bench_plan.py --out runs/bench-plan-tiny
     .venv/bin/python bench/bench_plan.py --out runs/bench-plan-gpt2 model.flavour=gpt2 model.n_kv_head=4 \\
@@ -59,7 +60,7 @@ def main() -> None:
     fastest = {}
     for planned in every:  # fastest first
         fastest.setdefault(planned.layout.describe(), planned)
-    kept = [fastest[kind] for kind in KINDS if kind in fastest]
+    kept = sorted((fastest[kind] for kind in KINDS if kind in fastest), key=lambda p: p.prediction.step_s)
     print("not planned here:", [kind for kind in KINDS if kind not in fastest])
     configs, predicted = write_configs(kept, args.out)
     entries = [(Path(c).stem, c, []) for c in configs]

@@ -43,6 +43,22 @@ def test_engine_costs_add_per_step_and_per_micro_batch_of_their_kind_only():
     assert engine_kind(_predict(bare, Layout(zero=2, micro=4, tp=2))[0]) == "zero2"  # TP takes its ZeRO stage's
 
 
+def test_parallel_costs_add_per_micro_batch_and_per_sample_to_layouts_with_that_group_only():
+    bare = DEVICES["h100-sxm"]
+    costed = dataclasses.replace(bare, parallel_costs=(("tp", 0.5, 0.125), ("sp", 0.25, 0.0625)))
+    for layout, per_micro, per_sample in [
+        (Layout(zero=1, micro=4, tp=2), 0.5, 0.125),
+        (Layout(zero=1, micro=2, sp=2), 0.25, 0.0625),
+        (Layout(zero=1, micro=2), 0.0, 0.0),
+        (Layout(zero=1, micro=2, pp=2), 0.0, 0.0),
+    ]:
+        strategy, without = _predict(bare, layout)
+        _, with_costs = _predict(costed, layout)
+        added = strategy.grad_accum * (per_micro + strategy.micro_batch * per_sample)
+        assert with_costs.engine_s == pytest.approx(without.engine_s + added), layout
+        assert with_costs.step_s == pytest.approx(without.step_s + added), layout
+
+
 def test_step_times_leave_out_the_first_step_of_each_stretch(tmp_path):
     """--plan's runs resume twice (three stretches): the first step of each stretch warms up and is not counted."""
     from dstrain.commands.compare_plan import step_seconds

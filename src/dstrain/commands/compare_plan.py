@@ -30,6 +30,11 @@ def write_planned(recipe: Recipe, recipe_file: str, nproc: int, k: int, out: Pat
     kept, _ = plan(recipe, recipe_file, cluster, "fp32", k, torch_adam=True)
     if not kept:
         raise DstrainError(f"{recipe_file}: no layout dstrain accepts fits {nproc} ranks of this machine")
+    return write_configs(kept, out)
+
+
+def write_configs(kept: list, out: Path) -> tuple[list[str], dict]:
+    """Planned layouts as ds_config files in OUT/planned/, and the predicted seconds per step of each (by stem)."""
     folder = out / "planned"
     folder.mkdir(parents=True, exist_ok=True)
     configs, predicted = [], {}

@@ -17,6 +17,9 @@ Stated assumptions (each replaceable, each named in the plan's output):
   partitions' all-gather, TP's, SP's and EP's collectives and the pipeline's sends are on the critical path.
 - Pipeline: the bubble of DeepSpeed's own schedule (1F1B or DualPipeV) simulated with a backward of twice the
   forward (strategy.pipe_schedules; for 1F1B that is (stages - 1) / accumulation steps of the compute).
+- Engine (calibrated devices only: dstrain compare --plan, train/calibrate_engine.py): DeepSpeed's own seconds per
+  step and per micro-batch of each engine kind, and what a TP or an SP group adds per micro-batch and per sample
+  beyond its collectives' bytes (per-call latency, AutoTP's and Ulysses' copies). A datasheet device has neither.
 - Offload: the optimizer's partition crosses the host link twice per step (gradients down, parameters up) and
   DeepSpeed's CPU Adam updates it at ``Device.cpu_adam_params_per_s``; ZeRO-3 parameter offload brings every
   parameter up once per forward and backward. Not overlapped.
@@ -52,14 +55,26 @@ class Device:
     micro_batch_overhead_s: float = 0.0  # fixed seconds of each micro-batch's forward + backward (launches, hooks)
     overlaps_communication: bool = True  # collectives on their own streams; False on a CPU (gloo runs them inline)
     # (engine kind, seconds per step, seconds per micro-batch) DeepSpeed's engine adds beyond the model's compute and
-    # collectives; measured by dstrain plan --calibrate (train/calibrate_engine.py), none for a datasheet device
+    # collectives; measured by dstrain compare --plan (train/calibrate_engine.py), none for a datasheet device
     engine_costs: tuple[tuple[str, float, float], ...] = ()
+    # ("tp" or "sp", seconds per micro-batch, seconds per sample of it) a TP or SP group of 2 adds beyond its ZeRO
+    # stage's engine and the bytes of its collectives: per-call latency, AutoTP's and Ulysses' copies; measured by
+    # dstrain compare --plan (train/calibrate_engine.py), none for a datasheet device
+    parallel_costs: tuple[tuple[str, float, float], ...] = ()
 
     def engine_seconds(self, kind: str, micro_batches: int) -> float:
         for name, per_step, per_micro in self.engine_costs:
             if name == kind:
                 return per_step + micro_batches * per_micro
         return 0.0
+
+    def parallel_seconds(self, strategy: Strategy) -> float:
+        sizes = {"tp": strategy.tp_size, "sp": strategy.sp_size}
+        return sum(
+            strategy.grad_accum * (per_micro + strategy.micro_batch * per_sample)
+            for kind, per_micro, per_sample in self.parallel_costs
+            if sizes[kind] > 1
+        )
 
     def rate(self, precision: str, tokens: int) -> float:
         """FLOP/s reached by a matmul of ``tokens`` rows."""
@@ -149,7 +164,10 @@ def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cl
         fraction = bubble_fraction(strategy.pipe_schedule, strategy.pp_stages, strategy.grad_accum)
         pred.bubble_s = pred.compute_s * fraction
     pred.offload_s = offload_seconds(strategy, counts, cluster.device)
-    pred.engine_s = cluster.device.engine_seconds(engine_kind(strategy), strategy.grad_accum)
+    device = cluster.device
+    pred.engine_s = device.engine_seconds(engine_kind(strategy), strategy.grad_accum) + device.parallel_seconds(
+        strategy
+    )
     return pred
 
 
