@@ -38,7 +38,7 @@ def _kinds(ranks: int) -> dict:
     from dstrain.strategy.layouts import Layout
 
     kinds = {f"zero{z}": Layout(zero=z, micro=1) for z in range(4)}
-    if ranks >= 2:  # DualPipeV takes 1F1B's (time_model.engine_kind): its engine hung in this loop, not in training
+    if ranks >= 2:  # DualPipeV takes the 1F1B engine's cost (time_model.engine_kind): the same instruction loop
         kinds.update(pipeline=Layout(zero=1, micro=1, pp=2), tp=Layout(zero=1, micro=1, tp=2))
         kinds["sp"] = Layout(zero=0, micro=1, sp=2)
     return kinds
