@@ -14,7 +14,7 @@ later pipeline stages and tensor-parallel replicas skipped —, summed over the 
 gradient's norm taken in ``get_norm_dtype()``: fp64 where the device has it), clips by it with DeepSpeed's
 coefficient ``min(1, clip / (norm + 1e-6))``, and keeps it where ``get_global_grad_norm`` reads it.
 
-A third defect hangs a pipeline under ZeRO-1 (and fp16): ``DeepSpeedEngine._configure_basic_optimizer`` drops the
+A third defect hangs a pipeline under ZeRO-1 (and fp16): ``DeepSpeedEngine._configure_optimizer`` drops the
 parameter groups that are empty on a rank, and ``stage_1_and_2.scaled_global_norm`` all-reduces each group's
 norm over the model-parallel group, so a stage holding only matrices (an embedding, an untied head: no 1-D
 parameter for the no-decay group) makes one all-reduce fewer than the others and every rank waits
