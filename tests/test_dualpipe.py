@@ -112,17 +112,11 @@ def test_a_stage_without_a_no_decay_group_is_covered(runs):
     """The llama's rank 0 (embedding and head) saved one parameter group, rank 1 two: DeepSpeed's ZeRO-1 norm hangs on
     that unpadded (train/grad_norm.py::pad_group_norms) and its universal conversion loses the second group unless
     the stages' groups are joined (checkpoint/reshard.py::_groups_of_every_stage); the tests above pass through both."""
-    import torch
+    from dstrain.checkpoint.ds_files import read_pt
 
     tag = runs["llama_dualpipev"] / "checkpoints" / "global_step4"
-    groups = [
-        len(
-            torch.load(tag / f"zero_pp_rank_0_mp_rank_0{stage}_optim_states.pt", weights_only=False)[
-                "optimizer_state_dict"
-            ]["base_optimizer_state"]["param_groups"]
-        )
-        for stage in (0, 1)
-    ]
+    files = [tag / f"zero_pp_rank_0_mp_rank_0{stage}_optim_states.pt" for stage in (0, 1)]
+    groups = [len(read_pt(f)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]) for f in files]
     assert groups == [1, 2]
 
 

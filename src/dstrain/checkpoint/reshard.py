@@ -221,9 +221,12 @@ def _groups_of_every_stage(tag_dir: Path, universal: Path) -> None:
         read_pt(f)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"] for f in files
     ]
     groups = list(max(stages, key=len, default=optim["param_groups"]))
-    for group in (g for stage in stages for g in stage):
-        if group.get("name") not in group_names(groups):
-            groups.append(group)
+    names = set(group_names(groups))
+    for stage in stages:
+        for name, group in zip(group_names(stage), stage):
+            if name not in names:
+                groups.append(group)
+                names.add(name)
     optim["param_groups"] = groups
     torch.save(optim, path)
 

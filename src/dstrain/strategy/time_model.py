@@ -164,10 +164,8 @@ def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cl
         fraction = bubble_fraction(strategy.pipe_schedule, strategy.pp_stages, strategy.grad_accum)
         pred.bubble_s = pred.compute_s * fraction
     pred.offload_s = offload_seconds(strategy, counts, cluster.device)
-    device = cluster.device
-    pred.engine_s = device.engine_seconds(engine_kind(strategy), strategy.grad_accum) + device.parallel_seconds(
-        strategy
-    )
+    engine_s = cluster.device.engine_seconds(engine_kind(strategy), strategy.grad_accum)
+    pred.engine_s = engine_s + cluster.device.parallel_seconds(strategy)
     return pred
 
 

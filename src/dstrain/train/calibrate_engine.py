@@ -74,24 +74,25 @@ def _step_seconds(engine, pipeline: bool, ids, accumulation: int) -> float:
     return time.perf_counter() - start
 
 
-def _measure_kind(recipe: Recipe, kind: str, layout, ranks: int) -> list[float]:
-    """Median seconds per step at each of the kind's points (a collective: every rank calls it)."""
+def _measure_kind(small: Recipe, strategy, kind: str) -> list[float]:
+    """Median seconds per step at each of the kind's points (a collective: every rank calls it); ``small`` and
+    ``strategy``: the kind's layout at one sample per micro-batch (_strategy)."""
     import torch
 
     from dstrain.train.engine import build_engine, build_model
 
-    small, strategy = _strategy(recipe, layout, ranks, 1, ACCUMULATIONS[0])
+    pipeline = strategy.pp_stages > 1
     engine = build_engine(small, strategy, build_model(small, strategy))
     dp, seconds = strategy.dp_size, []
     for micro, accumulation in _points(kind):
         if accumulation != engine.gradient_accumulation_steps():  # (only the engine kinds'; TP/SP keep theirs)
             engine.set_train_batch_size(accumulation * dp)  # the engine's micro-batch stays 1: a plain one takes any
-        ids = torch.randint(0, recipe.model.vocab_size, (micro, recipe.data.seq_len))
+        ids = torch.randint(0, small.model.vocab_size, (micro, small.data.seq_len))
         if strategy.sp_size > 1:  # this rank's slice of the sequence (dstrain.train.sequence.shard)
-            part = recipe.data.seq_len // strategy.sp_size
+            part = small.data.seq_len // strategy.sp_size
             ids = ids[:, engine.mpu.get_sequence_parallel_rank() * part :][:, :part].contiguous()
-        _step_seconds(engine, layout.pp > 1, ids, accumulation)
-        times = [_step_seconds(engine, layout.pp > 1, ids, accumulation) for _ in range(TIMED_STEPS)]
+        _step_seconds(engine, pipeline, ids, accumulation)
+        times = [_step_seconds(engine, pipeline, ids, accumulation) for _ in range(TIMED_STEPS)]
         seconds.append(statistics.median(times))
     engine.destroy()
     return seconds
@@ -112,10 +113,10 @@ def _measure_rank(rank: int, ranks: int, port: int, recipe: Recipe, queue) -> No
     for kind, layout in _kinds(ranks).items():
         torch.manual_seed(0)
         try:
-            _strategy(recipe, layout, ranks, 1, ACCUMULATIONS[0])
+            small, strategy = _strategy(recipe, layout, ranks, 1, ACCUMULATIONS[0])
         except DstrainError:  # a layout dstrain refuses for this recipe (the same on every rank): never planned
             continue
-        out[kind] = _measure_kind(recipe, kind, layout, ranks)
+        out[kind] = _measure_kind(small, strategy, kind)
         if rank == 0:
             print(f"calibrated {kind}: {out[kind]}", file=sys.stderr, flush=True)
     if rank == 0:
@@ -148,7 +149,8 @@ def with_engine_costs(recipe: Recipe, device: Device, ranks: int) -> Device:
     steps = measured_steps(recipe, ranks)
     cluster = Cluster(device, 1, ranks)
     residuals: dict[str, list[float]] = {}
-    for kind, layout in _kinds(ranks).items():
+    kinds = _kinds(ranks)
+    for kind, layout in kinds.items():
         if kind not in steps:
             continue
         residuals[kind] = []
@@ -163,7 +165,7 @@ def with_engine_costs(recipe: Recipe, device: Device, ranks: int) -> Device:
     device = dataclasses.replace(device, engine_costs=tuple(costs))
     parallel = []
     for kind in (k for k in residuals if k in ("tp", "sp")):
-        base = device.engine_seconds(f"zero{_kinds(ranks)[kind].zero}", ACCUMULATIONS[0])
+        base = device.engine_seconds(f"zero{kinds[kind].zero}", ACCUMULATIONS[0])
         small, large = ((r - base) / ACCUMULATIONS[0] for r in residuals[kind])  # per micro-batch
         per_sample = max(0.0, (large - small) / (PARALLEL_MICROS[1] - PARALLEL_MICROS[0]))
         parallel.append((kind, max(0.0, small - PARALLEL_MICROS[0] * per_sample), per_sample))
