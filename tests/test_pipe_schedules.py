@@ -1,16 +1,17 @@
 """The planner's pipeline bubble and held activations, simulated on DeepSpeed's own schedules
-(dstrain.strategy.pipe_schedules), and DualPipeV as a layout of dstrain plan."""
+(dstrain.plan.bubble, dstrain.strategy.pipe_schedules), and DualPipeV as a layout of dstrain plan."""
 
 from __future__ import annotations
 
 import pytest
 
 from dstrain.config import load_recipe
-from dstrain.strategy.layouts import Layout, plan
+from dstrain.plan.bubble import BACKWARD_OVER_FORWARD, bubble_fraction
+from dstrain.plan.layouts import Layout, plan
+from dstrain.plan.time_model import DEVICES, Cluster, predict, traffic_table
 from dstrain.strategy.param_counts import count_params
-from dstrain.strategy.pipe_schedules import BACKWARD_OVER_FORWARD, bubble_fraction, held_stages
+from dstrain.strategy.pipe_schedules import held_stages
 from dstrain.strategy.resolve import resolve
-from dstrain.strategy.time_model import DEVICES, Cluster, predict, traffic_table
 
 from train_helpers import ROOT
 

@@ -1,5 +1,5 @@
 """dstrain plan: the layouts it keeps are the ones dstrain.train accepts and that fit; what it writes trains as is;
-the time model's pieces behave as stated (dstrain.strategy.time_model). Bytes per collective: test_plan_traffic.py."""
+the time model's pieces behave as stated (dstrain.plan.time_model). Bytes per collective: test_plan_traffic.py."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 
 from dstrain.commands.cli import main as cli
 from dstrain.config import load_recipe
-from dstrain.strategy.layouts import Layout, plan
+from dstrain.plan.layouts import Layout, plan
+from dstrain.plan.time_model import DEVICES, Cluster, predict
+from dstrain.plan.traffic import WIRE
 from dstrain.strategy.memory import estimate, estimate_file
 from dstrain.strategy.param_counts import count_params
 from dstrain.strategy.resolve import AUTO, load_ds_config, resolve
-from dstrain.strategy.time_model import DEVICES, Cluster, predict
-from dstrain.strategy.traffic import WIRE
 
 from ranks import run_ranks
 from train_helpers import ROOT, small_recipe, train, train_losses

@@ -1,5 +1,5 @@
 """dstrain compare --plan's side of the planner: the calibrated engine costs in the time model (DeepSpeed's own
-seconds per step and per micro-batch, by engine kind; dstrain.train.calibrate_engine measures them, and measuring is
+seconds per step and per micro-batch, by engine kind; dstrain.plan.calibrate_engine measures them, and measuring is
 timing, left to dstrain compare --plan and BENCHMARKS.md, never asserted here), and the interleaved runs' step
 times."""
 
@@ -11,9 +11,9 @@ import json
 import pytest
 
 from dstrain.config import load_recipe
-from dstrain.strategy.layouts import Layout
+from dstrain.plan.layouts import Layout
+from dstrain.plan.time_model import DEVICES, Cluster, engine_kind, layout_counts, predict
 from dstrain.strategy.resolve import resolve
-from dstrain.strategy.time_model import DEVICES, Cluster, engine_kind, layout_counts, predict
 
 from train_helpers import ROOT
 

@@ -1,4 +1,4 @@
-"""The planner's bytes per collective (dstrain.strategy.traffic) against DeepSpeed's own communication logger.
+"""The planner's bytes per collective (dstrain.plan.traffic) against DeepSpeed's own communication logger.
 
 Each layout trains 2 steps on 2 gloo ranks with ``comms_logger`` on; the logger is reset before step 2 and read
 after it, so the numbers are one steady optimizer step (the first step's lazy set-up collectives are not counted).
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from dstrain.config import load_recipe
+from dstrain.plan.time_model import expert_share, layout_counts
+from dstrain.plan.traffic import step_traffic
 from dstrain.strategy.resolve import load_ds_config, resolve
-from dstrain.strategy.time_model import expert_share, layout_counts
-from dstrain.strategy.traffic import step_traffic
 
 from ranks import run_ranks
 from train_helpers import ROOT, small_recipe, train_argv

@@ -105,9 +105,9 @@ class ScheduleConfig:
 
 @dataclass
 class SpikeGuardConfig:
-    """Loss-spike rollback (dstrain.train.heal). A spike: the step's ``metric`` above ``factor`` x the median of its
-    last ``window`` values (a median, not a mean: one earlier spike or a slow drift does not move it). Then every rank
-    reloads the newest complete checkpoint, skips the global batches from its consumed_samples through the spiking
+    """Loss-spike rollback (dstrain.train.spike_guard). A spike: the step's ``metric`` above ``factor`` x the median of
+    its last ``window`` values (a median, not a mean: one earlier spike or a slow drift does not move it). Then every
+    rank reloads the newest complete checkpoint, skips the global batches from its consumed_samples through the spiking
     step, and goes on; more than ``max_rollbacks`` spikes within ``rollback_window`` steps stop the run."""
 
     enabled: bool = False  # off: no statistic is kept and nothing is ever rolled back

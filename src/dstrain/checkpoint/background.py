@@ -94,7 +94,7 @@ class BackgroundSaves:
         self.engine, self.checkpoint_dir, self.keep_last, self.identity = engine, checkpoint_dir, keep_last, identity
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.step, self.shape = 0, dict[str, object]()
+        self.step, self.topology = 0, dict[str, object]()
         self.snapshot: SnapshotEngine | None = None
         self.write_s = 0.0  # how long the last background write took
         self.buffers: dict[str, list[torch.Tensor]] = {}  # SnapshotEngine's host buffers, reused by every save
@@ -110,7 +110,7 @@ class BackgroundSaves:
         client_state = store.prepare(self.engine, self.checkpoint_dir, tag_for(step), client_state)
         snapshot = SnapshotEngine(self.engine._config, self.buffers)
         store.write_partial(self.engine, self.checkpoint_dir, tag_for(step), client_state, snapshot, rank_files)
-        self.step, self.shape, self.error, self.snapshot = step, client_state["topology"], None, snapshot
+        self.step, self.topology, self.error, self.snapshot = step, client_state["topology"], None, snapshot
         self.thread = threading.Thread(target=self._write, args=(snapshot,), name="dstrain-checkpoint", daemon=True)
         self.thread.start()
 
@@ -135,7 +135,7 @@ class BackgroundSaves:
         disk_full = self.snapshot.disk_full if self.snapshot else None
         self.thread, self.snapshot = None, None
         store.agree_written(self.engine, self.checkpoint_dir, tag_for(self.step), disk_full)
-        store.publish(self.checkpoint_dir, self.step, self.shape, self.keep_last, self.identity)
+        store.publish(self.checkpoint_dir, self.step, self.topology, self.keep_last, self.identity)
 
     def wait(self) -> None:
         """Every rank: wait for the write in flight, then publish it."""

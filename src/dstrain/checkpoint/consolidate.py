@@ -20,13 +20,21 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 import tempfile
 from pathlib import Path
 
 import torch
 
 from dstrain.checkpoint import nvme, reshard, safe_load
+from dstrain.checkpoint.ds_files import (
+    EXPERT_FILES,
+    LAYER_FILE,
+    MP_RANK_FILE,
+    PIPE_LAYER_FILES,
+    TP_RANK1_MODEL_FILE,
+    ZERO_MODEL_FILES,
+    ZERO_OPTIM_FILES,
+)
 from dstrain.checkpoint.store import check_loadable, damage, newest_intact_other_than, published_tags
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
@@ -34,10 +42,6 @@ from dstrain.model.gpt import StateDict
 from dstrain.model.pipe import TIED_KEY, layer_prefixes
 from dstrain.run_dir import LATEST, RunDir
 from dstrain.typed_yaml import parse
-
-LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
-MP_RANK_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-
 
 # --- pipeline layers <-> plain names ---
 
@@ -126,7 +130,7 @@ def read_checkpoint(path: str | Path) -> tuple[GPTConfig, StateDict]:
     tag = tag_folder(path)
     ranks = sorted((int(m.group(1)), p) for p in tag.iterdir() if (m := MP_RANK_FILE.match(p.name)))
     if not ranks:
-        if any(tag.glob("zero_pp_rank_*_model_states.pt")):
+        if any(tag.glob(ZERO_MODEL_FILES)):
             raise DstrainError(f"{tag} is a ZeRO-3 checkpoint; consolidate it with {tag.parent / 'zero_to_fp32.py'}")
         raise DstrainError(f"{tag}: no DeepSpeed model states in it; name a run folder or a global_step* folder")
     first = safe_load.load(ranks[0][1])
@@ -174,9 +178,6 @@ def load_run(run_dir: str | os.PathLike, tag: str | None):
     return recipe, checkpoints / tag
 
 
-EXPERT_FILES = "layer_*_expert_*_mp_rank_*_model_states.pt"  # DeepSpeed MoE: one file per layer and expert
-
-
 def weights_kind(tag_dir: Path) -> str:
     """ "fp32 master" for a bf16 run, whose checkpoint keeps them apart from its bf16 module weights (ZeRO and fp16
     runs read through zero_to_fp32 get their masters too), else "module"."""
@@ -204,10 +205,10 @@ def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
         for path in sorted(tag_dir.glob(EXPERT_FILES)):
             state.update(safe_load.load(path))
         return state
-    if any(tag_dir.glob("layer_*-model_states.pt")) or any(tag_dir.glob("mp_rank_01_model_states.pt")):
+    if any(tag_dir.glob(PIPE_LAYER_FILES)) or any(tag_dir.glob(TP_RANK1_MODEL_FILE)):
         # Pipeline layer files / AutoTP shards: read_checkpoint consolidates them into the plain model.
         return read_checkpoint(tag_dir)[1]
-    if any(tag_dir.glob("zero_pp_rank_*_optim_states.pt")):  # ZeRO-1/2/3 partitions
+    if any(tag_dir.glob(ZERO_OPTIM_FILES)):  # ZeRO-1/2/3 partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         # DeepSpeed's own consolidation (its torch.load calls go through safe_load); its progress

@@ -4,6 +4,7 @@ and loader do not cover (dstrain.checkpoint.reshard uses it to resume into or ou
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -12,8 +13,24 @@ from dstrain.checkpoint import safe_load
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 
+# DeepSpeed 0.19.8's file names inside a checkpoint tag, spelled here only.
 ZERO12_MODEL_FILE = "mp_rank_00_model_states.pt"  # what a ZeRO-0/1/2 engine reads
 ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # what a ZeRO-3 engine reads (rank 0's)
+MODEL_FILES = "*model_states.pt"  # every model-state file, of any layout
+OPTIM_FILES = "*_optim_states.pt"  # every rank's optimizer-state file
+ZERO_MODEL_FILES = "zero_pp_rank_*_model_states.pt"  # ZeRO-3: one per data-parallel rank
+ZERO_OPTIM_FILES = "zero_pp_rank_*_optim_states.pt"  # ZeRO-1/2/3 partitions
+STAGE0_OPTIM_FILES = "zero_pp_rank_0_mp_rank_*_optim_states.pt"  # data-parallel rank 0's, one per model-parallel rank
+PIPE_LAYER_FILES = "layer_*-model_states.pt"  # a pipeline engine's, one per layer
+TP_RANK1_MODEL_FILE = "mp_rank_01_model_states.pt"  # present only when tensor-parallel ranks saved their shards
+EXPERT_FILES = "layer_*_expert_*_mp_rank_*_model_states.pt"  # DeepSpeed MoE: one file per layer and expert
+LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
+MP_RANK_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+
+
+def optim_file_rank(path: Path) -> int:
+    """The data-parallel rank of ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``."""
+    return int(path.name.split("_")[3])
 
 
 def check_groups(tag_dir: Path, saved: list[str], current: list[str]) -> None:

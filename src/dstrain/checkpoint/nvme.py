@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from dstrain.checkpoint.ds_files import MODEL_FILES, OPTIM_FILES, optim_file_rank
 from dstrain.errors import DstrainError
 
 OFFLOADED = "offloaded_tensors"  # DeepSpeed's folder in a tag (engine.py save_checkpoint / load_checkpoint)
@@ -163,9 +164,9 @@ def spliced_copy(tag_dir: Path, out: Path) -> Path:
 
     target = out / tag_dir.name
     target.mkdir(parents=True)
-    for path in sorted(tag_dir.glob("*_model_states.pt")):
+    for path in sorted(tag_dir.glob(MODEL_FILES)):
         os.symlink(path.resolve(), target / path.name)
-    for rank, path in enumerate(sorted(tag_dir.glob("*_optim_states.pt"), key=_rank_of)):
+    for rank, path in enumerate(sorted(tag_dir.glob(OPTIM_FILES), key=optim_file_rank)):
         state = read_pt(path)
         folder = rank_folder(tag_dir, rank)
         try:
@@ -181,7 +182,3 @@ def spliced_copy(tag_dir: Path, out: Path) -> Path:
                 flats[i] = _read_swap(folder / group["swap_file"], group["numel"])
         torch.save(state, target / path.name)
     return target
-
-
-def _rank_of(path: Path) -> int:
-    return int(path.name.split("_")[3])  # zero_pp_rank_<r>_mp_rank_00_optim_states.pt

@@ -60,7 +60,7 @@ class ClientState:
     data_fingerprint: str | None  # the prepared data's; a resume on other data is refused
     world_size: int
     strategy: str  # the ds_config's name
-    spike_guard: dict | None = None  # train.heal.SpikeGuard.state_dict(), in runs with train.spike_guard
+    spike_guard: dict | None = None  # train.spike_guard.SpikeGuard.state_dict(), in runs with train.spike_guard
 
     def to_saved(self) -> dict:
         """The keys DeepSpeed saves: these fields, a guard's only when there is one."""

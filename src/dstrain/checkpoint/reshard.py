@@ -30,6 +30,8 @@ import torch
 
 from dstrain.checkpoint import safe_load
 from dstrain.checkpoint.ds_files import (
+    MODEL_FILES,
+    STAGE0_OPTIM_FILES,
     ZERO3_MODEL_FILE,
     ZERO12_MODEL_FILE,
     check_groups,
@@ -216,7 +218,7 @@ def _groups_of_every_stage(tag_dir: Path, universal: Path) -> None:
     the no-decay group out. The groups of every stage instead, by name: the fullest stage's, then any it lacks."""
     path = universal / "zero" / "optimizer_state.pt"
     optim = read_pt(path)
-    files = sorted(tag_dir.glob("zero_pp_rank_0_mp_rank_*_optim_states.pt"))
+    files = sorted(tag_dir.glob(STAGE0_OPTIM_FILES))
     stages: list[list[dict]] = [
         read_pt(f)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"] for f in files
     ]
@@ -238,7 +240,7 @@ def _sp_view(tag_dir: Path, view: Path) -> Path:
     shutil.rmtree(view, ignore_errors=True)
     view.mkdir(parents=True)
     for path in (p for p in tag_dir.iterdir() if p.is_file()):
-        if path.name.endswith("model_states.pt"):
+        if path.match(MODEL_FILES):
             state = read_pt(path)
             state["checkpoint_parallel_dimensions"]["tp_degree"] = 1
             torch.save(state, view / path.name)
@@ -259,7 +261,7 @@ def _bridge_deepspeed_gaps(universal: Path) -> None:
       3. the ZeRO-1/2 loader reads per-parameter {"param": tensor} dicts and a step.pt, while the ZeRO-3
          conversion writes bare flat tensors and no step.
     """
-    model_files = sorted(universal.glob("*model_states.pt"))
+    model_files = sorted(universal.glob(MODEL_FILES))
     model_state = read_pt(model_files[0])
     for name in (ZERO12_MODEL_FILE, ZERO3_MODEL_FILE):
         if not (universal / name).exists():

@@ -22,9 +22,9 @@ from dstrain.run_dir import RunDir
 def write_planned(recipe: Recipe, recipe_file: str, nproc: int, k: int, out: Path) -> tuple[list[str], dict]:
     """The K fastest layouts for nproc ranks on this machine as ds_config files in OUT/planned/, and the predicted
     seconds per step of each (by stem)."""
-    from dstrain.strategy.layouts import plan
-    from dstrain.strategy.time_model import Cluster
-    from dstrain.train.calibrate import calibrated_device
+    from dstrain.plan.calibrate import calibrated_device
+    from dstrain.plan.layouts import plan
+    from dstrain.plan.time_model import Cluster
 
     cluster = Cluster(calibrated_device(recipe, nproc, engines=True), 1, nproc)
     kept, _ = plan(recipe, recipe_file, cluster, "fp32", k, torch_adam=True)

@@ -1,6 +1,6 @@
 """``dstrain plan``: the fastest layout that fits a recipe on a cluster, predicted in seconds without a GPU, and
-written as a ds_config that dstrain.train takes unchanged. The layouts are dstrain.strategy.layouts', the time
-model dstrain.strategy.time_model's (its assumptions are printed with the table).
+written as a ds_config that dstrain.train takes unchanged. The layouts are dstrain.plan.layouts', the time
+model dstrain.plan.time_model's (its assumptions are printed with the table).
 
     dstrain plan --recipe recipes/llama-7b.yaml --nodes 4 --gpus-per-node 8 --device h100-sxm --out ds_configs/plan.json
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 
 from dstrain.config import Recipe, load_recipe_to_size
 from dstrain.errors import DstrainError
-from dstrain.strategy.layouts import Planned, plan
+from dstrain.plan.layouts import Planned, plan
+from dstrain.plan.time_model import DEVICES, Cluster, Device
 from dstrain.strategy.memory_parts import GIB
-from dstrain.strategy.time_model import DEVICES, Cluster, Device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def device_of(args: argparse.Namespace, recipe: Recipe) -> tuple[Device, str]:
     """The device the plan is for, and the precision it trains in."""
     if args.calibrate:
-        from dstrain.train.calibrate import calibrated_device
+        from dstrain.plan.calibrate import calibrated_device
 
         return calibrated_device(recipe, args.nodes * args.gpus_per_node), "fp32"
     device = DEVICES[args.device or "h100-sxm"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dstrain.data.manifest import MANIFEST_NAME
 from dstrain.data.prepare import DEFAULT_SHARD_TOKENS, PrepareOptions, run
-from dstrain.data.tasks import merge
+from dstrain.data.prepare_parts import merge
 from dstrain.errors import DstrainError
 
 

@@ -13,7 +13,7 @@ Its presence means every shard it lists is complete. Keys::
     source                     {"dataset", "config", "split", "text_field", "fingerprint"}
     command                    the equivalent `dstrain prepare ...` command line
     task                       only in a task's folder before the merge: {"index", "count", and
-                               "files": [a, b] + "file_digests", or "rows": [a, b]} (data/tasks.py)
+                               "files": [a, b] + "file_digests", or "rows": [a, b]} (data/prepare_parts.py)
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ overflow it, so shard boundaries depend only on the inputs. A re-run with the sa
 inputs keeps every complete shard and writes only the missing ones.
 
 As one of N tasks (``--num-tasks``, or a Slurm array), the same happens in
-``OUT/tasks/<i>-of-<N>/`` for the task's part of the input; tasks.py splits and merges.
+``OUT/tasks/<i>-of-<N>/`` for the task's part of the input; prepare_parts.py splits and merges.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from dstrain.data import tasks
+from dstrain.data import prepare_parts
 from dstrain.data.encode import ParallelEncoder
 from dstrain.data.manifest import FORMAT, FORMAT_VERSION, INPUTS_NAME, MANIFEST_NAME, shard_files, write_json_atomic
 from dstrain.data.shards import SHARD_NAME, ShardReader, ShardWriter, shard_paths, token_dtype
@@ -290,10 +290,10 @@ def _trained_tokenizer(opts: PrepareOptions, source, saved, earlier_hash: str | 
 
 
 def run(opts: PrepareOptions) -> dict:
-    """Prepare ``opts.dataset`` into ``opts.out``; as one of N tasks, only this task's part (see tasks.py),
+    """Prepare ``opts.dataset`` into ``opts.out``; as one of N tasks, only this task's part (see prepare_parts.py),
     merged by the task that finishes last. Returns the manifest written (the task's part, or the merged one)."""
     _check_options(opts)
-    slot = tasks.task_slot(opts.num_tasks, opts.task_index, os.environ)
+    slot = prepare_parts.task_slot(opts.num_tasks, opts.task_index, os.environ)
     if slot is not None and opts.train_tokenizer is not None:
         raise DstrainError(
             f"--train-tokenizer with {slot.count} tasks: each task would train its own tokenizer; "
@@ -310,11 +310,13 @@ def run(opts: PrepareOptions) -> dict:
     if (merged := _complete_manifest(out)) is not None:
         if (conflict := _conflict_ignoring_fingerprint(merged, spec, opts)) is not None:
             raise _refuse(out, conflict)
-        return tasks.merge(out) if (out / tasks.TASKS_DIR).exists() else merged  # a merge cut short: finish it
-    tasks.check_layout(out, slot)
-    source, record = tasks.open_part(spec, slot)
-    part = _prepare_folder(tasks.task_folder(out, slot), opts, source, {"task": record})
-    tasks.merge_if_last(out, slot.count)
+        return (
+            prepare_parts.merge(out) if (out / prepare_parts.TASKS_DIR).exists() else merged
+        )  # a merge cut short: finish it
+    prepare_parts.check_layout(out, slot)
+    source, record = prepare_parts.open_part(spec, slot)
+    part = _prepare_folder(prepare_parts.task_folder(out, slot), opts, source, {"task": record})
+    prepare_parts.merge_if_last(out, slot.count)
     return part
 
 

@@ -40,8 +40,9 @@ from dstrain.run_dir import RunDir, step_of
 from dstrain.train import mixture
 from dstrain.train.averaging import WeightAverager
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank
-from dstrain.train.heal import SpikeGuard, StepHealth
+from dstrain.train.fatal_steps import FatalStepCheck
 from dstrain.train.moe_metrics import MoEMeter
+from dstrain.train.spike_guard import SpikeGuard
 from dstrain.train.steps import StepHooks, StepRunner
 from dstrain.train.stop import StopSignal
 from dstrain.train.task_eval import TaskEvaluator
@@ -215,7 +216,7 @@ class Trainer:
     def roll_back(self, value: float, limit: float) -> bool:
         """Every rank: reload the newest complete checkpoint, skip the data since it, log the event (True); with no
         checkpoint yet, log the event and go on (False); after too many spikes, stop with one line.
-        The trainer has just taken the spiking step (dstrain.train.heal describes the rollback)."""
+        The trainer has just taken the spiking step (dstrain.train.spike_guard describes the rollback)."""
         assert self.guard is not None
         guard = self.guard
         config = guard.config
@@ -272,7 +273,7 @@ class Trainer:
             print(describe_params(self.recipe.model), self.peak_line, sep="\n", flush=True)
             mixture.print_stages(self.recipe, self.train_data)
         self.clock = IntervalClock()
-        health = StepHealth(self.engine, t, self.strategy.precision, self.files.checkpoints)
+        health = FatalStepCheck(self.engine, t, self.strategy.precision, self.files.checkpoints)
         status = "completed"
         self.watch.start()
         while self.progress.step < total:

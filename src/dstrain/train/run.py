@@ -165,7 +165,7 @@ def resume_tag(checkpoint_dir: Path, resume: str) -> str | None:
     if resume == "none":
         return None
     with warnings.catch_warnings():
-        if os.environ.get("RANK", "0") != "0":  # a damaged tag is reported once, by rank 0
+        if env_rank() != 0:  # a damaged tag is reported once, by rank 0
             warnings.simplefilter("ignore")
         tag = store.newest_complete(checkpoint_dir) if resume == "auto" else resume
     if resume != "auto" and (problem := store.damage(checkpoint_dir / resume)):

@@ -8,7 +8,7 @@ Stated assumptions (each replaceable, each named in the plan's output):
   (``Device.micro_batch_overhead_s``); +1/3 of the FLOPs with activation checkpointing (the forward runs
   twice); under tensor parallelism the replicated output head is computed on every TP rank.
   ``dstrain plan --calibrate`` measures the rate and the fixed cost on this machine instead.
-- Communication: the bytes of dstrain.strategy.traffic (checked against DeepSpeed's comms logger) over the
+- Communication: the bytes of dstrain.plan.traffic (checked against DeepSpeed's comms logger) over the
   bandwidth of the group that carries them: intra-node when the group's ranks share a node, inter-node otherwise.
   Ranks are laid out tensor-, then sequence-, then data-parallel innermost, pipeline stages outermost.
 - Overlap: on devices with communication streams (not a CPU, where gloo runs each collective inline), ZeRO-3's
@@ -16,8 +16,8 @@ Stated assumptions (each replaceable, each named in the plan's output):
   exceeds the compute they hide behind is exposed); ZeRO-0/1's all-reduce after the last backward, the updated
   partitions' all-gather, TP's, SP's and EP's collectives and the pipeline's sends are on the critical path.
 - Pipeline: the bubble of DeepSpeed's own schedule (1F1B or DualPipeV) simulated with a backward of twice the
-  forward (strategy.pipe_schedules; for 1F1B that is (stages - 1) / accumulation steps of the compute).
-- Engine (calibrated devices only: dstrain compare --plan, train/calibrate_engine.py): DeepSpeed's own seconds per
+  forward (plan.bubble; for 1F1B that is (stages - 1) / accumulation steps of the compute).
+- Engine (calibrated devices only: dstrain compare --plan, plan/calibrate_engine.py): DeepSpeed's own seconds per
   step and per micro-batch of each engine kind, and what a TP or an SP group adds per micro-batch and per sample
   beyond its collectives' bytes (per-call latency, AutoTP's and Ulysses' copies). A datasheet device has neither.
 - Offload: the optimizer's partition crosses the host link twice per step (gradients down, parameters up) and
@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 from dstrain.config import Recipe
 from dstrain.model.config import flops_per_token
+from dstrain.plan.bubble import bubble_fraction
+from dstrain.plan.traffic import Traffic, dtype_bytes, step_traffic
 from dstrain.strategy.param_counts import ParamCounts, count_params
-from dstrain.strategy.pipe_schedules import bubble_fraction
 from dstrain.strategy.resolve import Strategy
-from dstrain.strategy.traffic import Traffic, dtype_bytes, step_traffic
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 
@@ -55,11 +55,11 @@ class Device:
     micro_batch_overhead_s: float = 0.0  # fixed seconds of each micro-batch's forward + backward (launches, hooks)
     overlaps_communication: bool = True  # collectives on their own streams; False on a CPU (gloo runs them inline)
     # (engine kind, seconds per step, seconds per micro-batch) DeepSpeed's engine adds beyond the model's compute and
-    # collectives; measured by dstrain compare --plan (train/calibrate_engine.py), none for a datasheet device
+    # collectives; measured by dstrain compare --plan (plan/calibrate_engine.py), none for a datasheet device
     engine_costs: tuple[tuple[str, float, float], ...] = ()
     # ("tp" or "sp", seconds per micro-batch, seconds per sample of it) a TP or SP group of 2 adds beyond its ZeRO
     # stage's engine and the bytes of its collectives: per-call latency, AutoTP's and Ulysses' copies; measured by
-    # dstrain compare --plan (train/calibrate_engine.py), none for a datasheet device
+    # dstrain compare --plan (plan/calibrate_engine.py), none for a datasheet device
     parallel_costs: tuple[tuple[str, float, float], ...] = ()
 
     def engine_seconds(self, kind: str, micro_batches: int) -> float:

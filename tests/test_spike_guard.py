@@ -151,7 +151,7 @@ def test_sigterm_then_kill9_during_background_writes_lose_nothing(recipe, clean,
 
 def test_spike_guard_median_threshold_and_too_many_rollbacks():
     from dstrain.config import SpikeGuardConfig
-    from dstrain.train.heal import SpikeGuard
+    from dstrain.train.spike_guard import SpikeGuard
 
     guard = SpikeGuard(SpikeGuardConfig(enabled=True, window=3, factor=2.0, max_rollbacks=2, rollback_window=10))
     assert [guard.observe(v) for v in (5.0, 4.0, 100.0)] == [None, None, None]  # the window fills first

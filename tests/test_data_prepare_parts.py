@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dstrain.data.prepare as prepare_module
-from dstrain.data import tasks
+from dstrain.data import prepare_parts
 from dstrain.data.dataset import build_dataset
 from dstrain.data.prepare import prepare
 from dstrain.data.shards import ShardReader
@@ -65,7 +65,7 @@ def _assert_trains_the_same(merged: Path, single: Path) -> None:
         assert np.array_equal(a, b)
     for split in ("train", "valid"):
         assert np.array_equal(_samples(merged, split), _samples(single, split))
-    assert not (merged / tasks.TASKS_DIR).exists()
+    assert not (merged / prepare_parts.TASKS_DIR).exists()
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_killed_task_redoes_only_its_unfinished_part(tmp_path, inputs, monkeypat
     with pytest.raises(Killed):
         _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=1)
     assert not (out / "manifest.json").exists()
-    task0 = tasks.task_folder(out, tasks.TaskSlot(0, 2))
+    task0 = prepare_parts.task_folder(out, prepare_parts.TaskSlot(0, 2))
     before = {p.name: p.stat().st_mtime_ns for p in task0.iterdir()}
     counting = []
 
@@ -156,13 +156,13 @@ def test_merge_command_waits_for_every_task_and_is_idempotent(tmp_path, inputs):
     _prepare(inputs["files"], out, inputs["tokenizer"], num_tasks=3, task_index=2)
     _prepare(inputs["files"], out, inputs["tokenizer"], num_tasks=3, task_index=0)
     with pytest.raises(DstrainError, match=r"tasks 1 of 3 have not finished; rerun them \(sbatch --array=1 "):
-        tasks.merge(out)
+        prepare_parts.merge(out)
     assert not (out / "manifest.json").exists()
     _prepare(inputs["files"], out, inputs["tokenizer"], num_tasks=3, task_index=1)  # the last one merges
     merged = (out / "manifest.json").read_bytes()
-    assert tasks.merge(out) == json.loads(merged) and (out / "manifest.json").read_bytes() == merged
+    assert prepare_parts.merge(out) == json.loads(merged) and (out / "manifest.json").read_bytes() == merged
     again = _prepare(inputs["files"], out, inputs["tokenizer"], num_tasks=3, task_index=1)  # a late requeue
-    assert again == json.loads(merged) and not (out / tasks.TASKS_DIR).exists()
+    assert again == json.loads(merged) and not (out / prepare_parts.TASKS_DIR).exists()
     other = tmp_path / "other_tokenizer"
     save_tokenizer(train_bpe_tokenizer(iter([["a few words of text"] * 10]), 300, 10), other)
     with pytest.raises(DstrainError, match="already holds data prepared from a different tokenizer"):
@@ -173,7 +173,7 @@ def test_merge_command_waits_for_every_task_and_is_idempotent(tmp_path, inputs):
 def test_interrupted_merge_is_finished_by_the_next(tmp_path, inputs, monkeypatch):
     out = tmp_path / "out"
     moves = []
-    real_move = tasks._move
+    real_move = prepare_parts._move
 
     def dying_move(src, dst):
         if len(moves) == 3:
@@ -181,26 +181,26 @@ def test_interrupted_merge_is_finished_by_the_next(tmp_path, inputs, monkeypatch
         moves.append(dst)
         real_move(src, dst)
 
-    monkeypatch.setattr(tasks, "_move", dying_move)
+    monkeypatch.setattr(prepare_parts, "_move", dying_move)
     with pytest.raises(Killed):
         _run_tasks(inputs["files"], out, inputs["tokenizer"], 2)
-    monkeypatch.setattr(tasks, "_move", real_move)
-    (out / tasks.TASKS_DIR / tasks.MERGE_LOCK).unlink()  # what the dead merger left
-    tasks.merge(out)
+    monkeypatch.setattr(prepare_parts, "_move", real_move)
+    (out / prepare_parts.TASKS_DIR / prepare_parts.MERGE_LOCK).unlink()  # what the dead merger left
+    prepare_parts.merge(out)
     _assert_trains_the_same(out, inputs["one"]["files"])
 
 
 def test_task_slot_comes_from_the_slurm_array():
     array = {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "64"}
-    assert tasks.task_slot(None, None, array) == tasks.TaskSlot(5, 64)
-    assert tasks.task_slot(None, None, {}) is None
-    assert tasks.task_slot(1, 0, array) is None  # one task: a plain prepare
+    assert prepare_parts.task_slot(None, None, array) == prepare_parts.TaskSlot(5, 64)
+    assert prepare_parts.task_slot(None, None, {}) is None
+    assert prepare_parts.task_slot(1, 0, array) is None  # one task: a plain prepare
     rerun = {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "2"}  # sbatch --array=3,7 --num-tasks 64
-    assert tasks.task_slot(64, None, rerun) == tasks.TaskSlot(7, 64)
+    assert prepare_parts.task_slot(64, None, rerun) == prepare_parts.TaskSlot(7, 64)
     with pytest.raises(DstrainError, match=r"SLURM_ARRAY_TASK_ID 64 is outside \[0, 64\); submit --array=0-63"):
-        tasks.task_slot(None, None, {"SLURM_ARRAY_TASK_ID": "64", "SLURM_ARRAY_TASK_COUNT": "64"})
+        prepare_parts.task_slot(None, None, {"SLURM_ARRAY_TASK_ID": "64", "SLURM_ARRAY_TASK_COUNT": "64"})
     with pytest.raises(DstrainError, match="--num-tasks N and --task-index I together"):
-        tasks.task_slot(4, None, {})
+        prepare_parts.task_slot(4, None, {})
 
 
 def test_split_files_is_contiguous_nonempty_and_balanced():
@@ -208,7 +208,7 @@ def test_split_files_is_contiguous_nonempty_and_balanced():
     for _ in range(200):
         sizes = rng.integers(1, 1000, size=int(rng.integers(1, 40))).tolist()
         count = int(rng.integers(1, len(sizes) + 1))
-        runs = tasks.split_files(sizes, count)
+        runs = prepare_parts.split_files(sizes, count)
         assert runs[0][0] == 0 and runs[-1][1] == len(sizes) and all(a < b for a, b in runs)
         assert all(x[1] == y[0] for x, y in zip(runs, runs[1:]))
         largest = max(sum(sizes[a:b]) for a, b in runs)
@@ -263,19 +263,19 @@ def test_folder_prepared_before_per_file_hashes_still_continues(tmp_path, inputs
 def test_requeued_task_finishes_a_merge_cut_short_after_its_manifest(tmp_path, inputs, monkeypatch):
     out = tmp_path / "out"
 
-    real_rmtree = tasks.shutil.rmtree
+    real_rmtree = prepare_parts.shutil.rmtree
 
     def rmtree(path, *args, **kwargs):
-        if Path(path).name == tasks.TASKS_DIR:
+        if Path(path).name == prepare_parts.TASKS_DIR:
             raise Killed  # the merge, killed once its manifest is written, before it cleans up
         real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(tasks.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(prepare_parts.shutil, "rmtree", rmtree)
     with pytest.raises(Killed):
         _run_tasks(inputs["files"], out, inputs["tokenizer"], 2)
     monkeypatch.undo()
-    assert (out / "manifest.json").is_file() and (out / tasks.TASKS_DIR).is_dir()
+    assert (out / "manifest.json").is_file() and (out / prepare_parts.TASKS_DIR).is_dir()
     monkeypatch.setattr(prepare_module, "ShardWriter", None)  # a requeued task writes no shard: it only merges
     _prepare(inputs["files"], out, inputs["tokenizer"], num_tasks=2, task_index=0)
-    assert not (out / tasks.TASKS_DIR).exists()
+    assert not (out / prepare_parts.TASKS_DIR).exists()
     _assert_trains_the_same(out, inputs["one"]["files"])

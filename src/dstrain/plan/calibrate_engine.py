@@ -1,6 +1,6 @@
 """What DeepSpeed's engines cost beyond the bare model's forward and backward, measured on this machine.
 
-The bare-model calibration (dstrain.train.calibrate) sees none of the engine's own time: ZeRO's gradient hooks and
+The bare-model calibration (dstrain.plan.calibrate) sees none of the engine's own time: ZeRO's gradient hooks and
 bucketing, ZeRO-3's gathers and releases per module, the pipeline engine's instruction loop, the optimizer step.
 On 2 CPU ranks that time is most of a small model's step (BENCHMARKS.md: ~1 s per ZeRO-3 micro-batch against a
 0-19 ms bare fixed cost). Here each engine kind (ZeRO-0..3 without model parallelism, a 2-stage pipeline) runs the
@@ -25,7 +25,7 @@ import sys
 import time
 
 from dstrain.config import Recipe
-from dstrain.strategy.time_model import Cluster, Device, predict
+from dstrain.plan.time_model import Cluster, Device, predict
 
 ACCUMULATIONS = (4, 8)  # micro-batches per step of the engine kinds, at micro-batches of one sample
 PARALLEL_MICROS = (1, 4)  # samples per micro-batch of the TP and SP kinds, at ACCUMULATIONS[0] micro-batches
@@ -35,7 +35,7 @@ TIMED_STEPS = 3  # per point, after one untimed step
 def _kinds(ranks: int) -> dict:
     """Each calibrated kind's layout: the ZeRO stages' and the pipeline's engines, and a TP and an SP group of 2
     on the ZeRO stage the planner pairs them with (time_model.Device.parallel_costs)."""
-    from dstrain.strategy.layouts import Layout
+    from dstrain.plan.layouts import Layout
 
     kinds = {f"zero{z}": Layout(zero=z, micro=1) for z in range(4)}
     if ranks >= 2:  # DualPipeV takes the 1F1B engine's cost (time_model.engine_kind): the same instruction loop
@@ -144,7 +144,7 @@ def measured_steps(recipe: Recipe, ranks: int) -> dict[str, list[float]]:
 def with_engine_costs(recipe: Recipe, device: Device, ranks: int) -> Device:
     """``device`` with each engine kind's unpredicted seconds per step and per micro-batch, and each parallel
     kind's per micro-batch and per sample beyond its ZeRO stage's engine (module docstring)."""
-    from dstrain.strategy.time_model import layout_counts
+    from dstrain.plan.time_model import layout_counts
 
     steps = measured_steps(recipe, ranks)
     cluster = Cluster(device, 1, ranks)

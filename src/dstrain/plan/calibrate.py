@@ -14,7 +14,7 @@ import os
 import time
 
 from dstrain.config import Recipe
-from dstrain.strategy.time_model import Device
+from dstrain.plan.time_model import Device
 
 ALL_REDUCE_BYTES = 16 * 2**20
 
@@ -78,12 +78,12 @@ def all_reduce_gbps() -> float:
 
 def calibrated_device(recipe: Recipe, ranks: int, engines: bool = False) -> Device:
     """This machine as the time model's Device, for ``ranks`` ranks sharing its cores and memory; ``engines``: with
-    what each DeepSpeed engine kind costs beyond that (train/calibrate_engine.py: a minute or two more, which
+    what each DeepSpeed engine kind costs beyond that (plan/calibrate_engine.py: a minute or two more, which
     ``dstrain compare --plan`` spends and ``dstrain plan --calibrate`` does not)."""
     device = bare_device(recipe, ranks)
     if not engines:
         return device
-    from dstrain.train.calibrate_engine import with_engine_costs
+    from dstrain.plan.calibrate_engine import with_engine_costs
 
     return with_engine_costs(recipe, device, ranks)
 
