@@ -198,13 +198,17 @@ def test_model_states_match_what_two_ranks_hold(tmp_path):
 # --- activations against autograd's saved tensors ---------------------------------------------------------
 
 
-def saved_tensor_bytes(config: GPTConfig, batch: int, seq: int, dtype, checkpointed: bool = False) -> int:
+def saved_tensor_bytes(
+    config: GPTConfig, batch: int, seq: int, dtype, checkpointed: bool = False, tiles: tuple[int, int] = (1, 1)
+) -> int:
     """Bytes of the distinct tensors autograd saves for backward in one forward (parameters excluded), with the
-    blocks run through DeepSpeed's activation checkpointing as the trainer applies it, or plainly."""
+    blocks run through DeepSpeed's activation checkpointing as the trainer applies it, or plainly; ``tiles``: the
+    loss and MLP tiles of dstrain.train.tiling."""
     import deepspeed
     import torch
 
     from dstrain.model.gpt import GPT, lm_loss
+    from dstrain.train import tiling
 
     torch.manual_seed(0)
     model = GPT(config).to(dtype).train()
@@ -225,8 +229,16 @@ def saved_tensor_bytes(config: GPTConfig, batch: int, seq: int, dtype, checkpoin
         return t
 
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1))
+    if tiles[1] > 1:
+        tiling.tile_mlps(model, tiles[1])
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        if tiles[0] == 1:
+            lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        else:  # SequenceTiledCompute keeps the hidden states and labels on its ctx, out of the hooks' sight
+            hidden, labels = model(tokens[:, :-1], head=False), tokens[:, 1:]
+            tiling.mean_loss(model.lm_head, model.lm_head.weight, hidden, labels, tiles[0])
+            for kept in (hidden, labels):
+                saved[kept.untyped_storage().data_ptr()] = kept.untyped_storage().nbytes()
     return sum(saved.values())
 
 
@@ -265,6 +277,49 @@ def test_activation_formula_matches_saved_tensors(tmp_path, flavour, config, che
         f"saved {measured:,} B ({formula / measured - 1:+.3%})"
     )
     assert abs(formula / measured - 1) < 0.001  # the formula counts what autograd keeps, to a few scalars
+
+
+@pytest.mark.parametrize("flavour", ["llama", "gpt2"])
+def test_tiled_loss_and_mlp_save_what_the_formula_says(tmp_path, flavour):
+    """A chunked loss saves no log-probabilities and a tiled MLP only its input: the formula's saved bytes against
+    autograd's (and the tiled functions' own) saved tensors, fp32, 4 loss tiles and 2 MLP tiles."""
+    import torch
+
+    kv = {"n_kv_head": 2} if flavour == "llama" else {"n_kv_head": None}
+    recipe_file = write_recipe(tmp_path, n_layer=2, flavour=flavour, **kv)
+    recipe = load_recipe(recipe_file)
+    path = ROOT / "ds_configs" / "zero2.json"
+    ds = {**load_ds_config(path), "tiling": {"loss": 4, "mlp": 2}}
+    strategy = resolve(recipe, recipe_file, ds, path, 2)
+    est = estimate(recipe, strategy, 1, 2, fused_norms=False)
+    formula = next(p.backward for p in est.parts if p.name == "saved for backward")
+    measured = saved_tensor_bytes(recipe.model, strategy.micro_batch, 32, torch.float32, tiles=(4, 2))
+    print(f"tiled activations {flavour}: formula {formula:,} B, saved {measured:,} B ({formula / measured - 1:+.3%})")
+    assert abs(formula / measured - 1) < 0.001
+    plain = estimate(recipe, resolve(recipe, recipe_file, {**ds, "tiling": {"loss": 1}}, path, 2), 1, 2)
+    tokens, vocab = strategy.micro_batch * 32, recipe.model.vocab_size
+    logits = {p.name: p.backward for p in est.parts + plain.parts if p.name.startswith("logits")}
+    assert logits == {
+        "logits gradient (backward start)": 8 * tokens * vocab,
+        "logits of 1 of 4 loss tiles (backward)": 12 * tokens // 4 * vocab + 4 * tokens * recipe.model.d_model,
+    }
+
+
+def test_chunked_loss_is_the_default_where_the_logits_are_large():
+    """continue-qwen2.5-0.5b under zero1_bf16 on 8 GPUs (micro-batch 4 of 4096 tokens, 151,936-entry vocabulary):
+    the whole loss would hold 12·T·V = 27.8 GiB; "auto" (the key absent) cuts each sequence into 32 tiles, the
+    logits' part falls from 18.55 GiB to one tile's, under 1 GiB."""
+    recipe_file = ROOT / "recipes" / "continue-qwen2.5-0.5b.yaml"
+    recipe = load_recipe(recipe_file)
+    config = load_ds_config(ROOT / "ds_configs" / "zero1_bf16.json")
+    assert "tiling" not in config
+    chunked = estimate(recipe, resolve(recipe, recipe_file, config, "zero1_bf16", 8, check_device=False), 1, 8)
+    whole = resolve(recipe, recipe_file, {**config, "tiling": {"loss": 1}}, "zero1_bf16", 8, check_device=False)
+    whole_est = estimate(recipe, whole, 1, 8)
+    logits = [next(p.backward for p in e.parts if p.name.startswith("logits")) for e in (whole_est, chunked)]
+    assert logits[0] / GIB == pytest.approx(18.55, abs=0.005) and logits[1] < GIB
+    assert any(p.name == "logits of 1 of 32 loss tiles (backward)" for p in chunked.parts)
+    assert whole_est.peak() - chunked.peak() > 26 * GIB  # the saved fp32 log-probs go too
 
 
 # --- the published formulas, DeepSpeed's estimators, and refusals -------------------------------------------

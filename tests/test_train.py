@@ -43,6 +43,8 @@ def equivalence_runs(tmp_path_factory, corpus):
         for name in ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero1_fusedadam"]
     }
     configs["zero0_micro2_accum2"] = ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=2)
+    for name in ("zero2", "zero3"):  # the chunked loss: 4 tiles of 8 tokens (tied heads: tests/test_parallel.py)
+        configs[f"{name}_chunked"] = ds_config(tmp, name, tiling={"loss": 4})
     runs = {name: tmp / name for name in configs}
     qwen3 = small_recipe(tmp, corpus, name="qwen3", model=QWEN3_MODEL)
     argvs = [train_argv(recipe, configs[n], runs[n]) for n in configs]
@@ -55,7 +57,18 @@ def equivalence_runs(tmp_path_factory, corpus):
 
 
 @pytest.mark.parametrize(
-    "strategy", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero1_fusedadam", "zero0_micro2_accum2"]
+    "strategy",
+    [
+        "zero1",
+        "zero2",
+        "zero3",
+        "zero2_offload",
+        "zero3_offload",
+        "zero1_fusedadam",
+        "zero0_micro2_accum2",
+        "zero2_chunked",
+        "zero3_chunked",
+    ],
 )
 def test_strategies_give_the_same_losses(equivalence_runs, strategy):
     reference = train_losses(equivalence_runs["zero0"])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dstrain.config import Recipe, load_recipe_to_size
 from dstrain.errors import DstrainError
-from dstrain.plan.layouts import Planned, plan
+from dstrain.plan.layouts import Planned, plan, smallest_fitting_nodes
 from dstrain.plan.time_model import DEVICES, Cluster, Device
 from dstrain.strategy.memory_parts import GIB
 
@@ -86,9 +86,16 @@ def main(args: argparse.Namespace) -> int:
         cluster = Cluster(device, args.nodes, args.gpus_per_node)
         found, fitting = plan(recipe, args.recipe, cluster, precision, args.top, torch_adam=args.calibrate)
     if not found:
+        with contextlib.redirect_stdout(sys.stderr):
+            nodes = smallest_fitting_nodes(recipe, args.recipe, cluster, precision)
+        fix = (
+            f"the fewest nodes on which one fits: {nodes} (--nodes {nodes}), or pick a device with more memory"
+            if nodes
+            else "none fits on up to 1024 such nodes either: pick a device with more memory"
+        )
         raise DstrainError(
             f"{args.recipe}: no layout dstrain accepts fits {args.nodes} x {args.gpus_per_node} devices of "
-            f"{device.memory_gib:.4g} GiB; add nodes or pick a device with more memory"
+            f"{device.memory_gib:.4g} GiB; {fix}"
         )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

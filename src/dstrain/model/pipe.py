@@ -8,6 +8,9 @@ what the next stage needs: a hidden-state tensor, or `(hidden, position_ids)` wh
     layer n+1        final norm
     layer n+2        head        (the tied embedding's weight, or its own Linear)
 
+With a chunked loss (``head_loss``) the head layer hands the loss its input and weight instead of the logits, and
+the loss applies the head tile by tile (dstrain.train.tiling): the last stage never holds the whole logits.
+
 Initial weights equal `GPT(config)`'s for the same seed: each layer is built from the CPU RNG state
 the plain constructor had when it reached that layer (recorded by building the layers once, in order,
 one at a time), so a stage that builds only its own layers still draws exactly the plain model's
@@ -16,6 +19,8 @@ converter in `dstrain.checkpoint.consolidate` uses it in both directions.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -62,9 +67,21 @@ class HeadPipe(Linear):
         super().__init__(config.d_model, config.vocab_size, bias=False, std=config.init_std)
 
 
+class HeadInputPipe(HeadPipe):
+    """An untied GPT.lm_head whose loss applies it: (its input, its weight)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return x, self.weight
+
+
 def tied_head(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
     """GPT.lm_head when tied: logits from the token embedding's own weight."""
     return F.linear(x, embedding.tok.weight)
+
+
+def tied_head_input(embedding: EmbeddingPipe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tied GPT.lm_head whose loss applies it: (its input, the token embedding's weight)."""
+    return x, embedding.tok.weight
 
 
 class _SeededLayerSpec(LayerSpec):
@@ -82,8 +99,9 @@ class _SeededTiedLayerSpec(_SeededLayerSpec, TiedLayerSpec):
     pass
 
 
-def layer_specs(config: GPTConfig, seed: int) -> list[LayerSpec]:
-    """The pipeline's layers in GPT order, each seeded to draw what GPT(config) draws for it."""
+def layer_specs(config: GPTConfig, seed: int, head_input: bool = False) -> list[LayerSpec]:
+    """The pipeline's layers in GPT order, each seeded to draw what GPT(config) draws for it; ``head_input``: the
+    head layer passes (its input, its weight) to the loss instead of the logits."""
 
     def spec(typename, tied_fn=None, tied=False):
         if tied:
@@ -93,7 +111,10 @@ def layer_specs(config: GPTConfig, seed: int) -> list[LayerSpec]:
     specs = [spec(EmbeddingPipe, tied=config.tied)]
     specs += [spec(BlockPipe) for _ in range(config.n_layer)]
     specs.append(spec(FinalNormPipe))
-    specs.append(spec(EmbeddingPipe, tied_head, tied=True) if config.tied else spec(HeadPipe))
+    if config.tied:
+        specs.append(spec(EmbeddingPipe, tied_head_input if head_input else tied_head, tied=True))
+    else:
+        specs.append(spec(HeadInputPipe if head_input else HeadPipe))
     # Replay GPT.__init__'s draws layer by layer; the tied head draws nothing there, like GPT's tied lm_head.
     torch.manual_seed(seed)
     for s in specs:
@@ -119,8 +140,10 @@ def build_pipeline(
     partition_method: str = "parameters",
     activation_checkpoint_interval: int = 0,
     schedule: str = "1f1b",
+    head_loss: Callable | None = None,
 ) -> PipelineModule:
-    """GPT(config) as a PipelineModule of `stages` stages, with lm_loss as its loss.
+    """GPT(config) as a PipelineModule of `stages` stages, with lm_loss as its loss; ``head_loss((hidden, weight),
+    labels)``: a loss that applies the head itself (the chunked loss) instead.
 
     schedule "dualpipev" builds DeepSpeed's DualPipeVModule instead: the layers cut into 2 x `stages` stages, rank r
     holding stage r and its mirror 2 x stages - 1 - r, so rank 0 holds the embedding, the head and the loss
@@ -128,9 +151,9 @@ def build_pipeline(
     """
     module = DualPipeVModule if schedule == "dualpipev" else PipelineModule
     return module(
-        layers=layer_specs(config, seed),
+        layers=layer_specs(config, seed, head_input=head_loss is not None),
         num_stages=stages,
-        loss_fn=lm_loss,
+        loss_fn=head_loss or lm_loss,
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
         # Only blocks: DeepSpeed's reentrant checkpoint would cut the embedding off from its gradient.
@@ -146,5 +169,7 @@ __all__ = [
     "BlockPipe",
     "FinalNormPipe",
     "HeadPipe",
+    "HeadInputPipe",
     "tied_head",
+    "tied_head_input",
 ]

@@ -4,16 +4,17 @@ dstrain.train runs (its refusals are the planner's), sized by the memory model, 
 Enumerated: ZeRO 0-3; CPU offload of the optimizer (stage 1-3) and of the parameters (stage 3); tensor-parallel,
 pipeline (1F1B and DualPipeV schedules), sequence-parallel and expert-parallel sizes (powers of two; TP and SP within
 a node, a planner policy: their per-block collectives across nodes never win); micro-batches (powers of two);
-activation checkpointing.
-Not enumerated: NVMe offload (it needs a path on the cluster's nodes), tiling (the memory model does not count
-what it saves, so a tiled layout would look the same), fp32 and fp16 where bf16 runs (bf16 is as exact here:
-dstrain sums its gradients in fp32).
+activation checkpointing; the chunked loss (``tiling.loss`` "auto" against 1, where "auto" chunks at all) and the
+tiled MLP (``tiling.mlp`` 4, without a pipeline). The memory model counts what each lever frees, the time model
+what each recomputes; for each layout the largest micro-batch that fits is kept with the smaller ones.
+Not enumerated: NVMe offload (it needs a path on the cluster's nodes), fp32 and fp16 where bf16 runs (bf16 is as
+exact here: dstrain sums its gradients in fp32).
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dstrain.config import Recipe
@@ -43,6 +44,8 @@ class Layout:
     offload: str = "none"  # "none", "optimizer" (to the CPU) or "optimizer+params"
     checkpointing: bool = False
     schedule: str = "1f1b"  # the pipeline's ("pipeline.schedule"): "1f1b" or "dualpipev"
+    chunked_loss: bool = False  # "tiling.loss": "auto" (chunked where the logits are large), else 1 (whole)
+    mlp_tiles: int = 1  # "tiling.mlp"
 
     def ds_config(self, precision: str, torch_adam: bool) -> dict:
         """This layout as a ds_config: the recipe's fields "auto", the strategy's set."""
@@ -91,6 +94,9 @@ class Layout:
             config["activation_checkpointing"] = dict(CHECKPOINTING)
         if self.sp > 1:
             config["sequence_parallel_size"] = self.sp
+        config["tiling"] = {"loss": AUTO if self.chunked_loss else 1}
+        if self.mlp_tiles > 1:
+            config["tiling"]["mlp"] = self.mlp_tiles
         if self.ep > 1:
             config["expert_parallel"] = {"enabled": True, "autoep_size": self.ep}
         return config
@@ -104,6 +110,10 @@ class Layout:
             parts.append(f"offload {self.offload}")
         if self.checkpointing:
             parts.append("act-ckpt")
+        if self.chunked_loss:
+            parts.append("chunked-loss")
+        if self.mlp_tiles > 1:
+            parts.append(f"mlp-tiles{self.mlp_tiles}")
         return " ".join(parts)
 
 
@@ -138,9 +148,19 @@ def candidate_layouts(recipe: Recipe, cluster: Cluster) -> list[list[Layout]]:
                         for offload in ("none", "optimizer", "optimizer+params")[: 1 + (zero > 0) + (zero == 3)]:
                             for ckpt in (False, True):
                                 for sched in ("1f1b", "dualpipev") if pp > 1 else ("1f1b",):
-                                    layouts = [Layout(zero, m, tp, pp, sp, ep, offload, ckpt, sched) for m in micros]
-                                    shapes.append(layouts)
+                                    shape = (zero, tp, pp, sp, ep, offload, ckpt, sched)
+                                    shapes += [_micro_batches(shape, micros, *levers) for levers in tiling_levers(pp)]
     return shapes
+
+
+def tiling_levers(pp: int) -> list[tuple[bool, int]]:
+    """(chunked loss, MLP tiles) to weigh: each alone and both; the MLP is not tiled in a pipeline (refused)."""
+    return [(False, 1), (True, 1)] + ([(False, 4), (True, 4)] if pp == 1 else [])
+
+
+def _micro_batches(shape: tuple, micros: list[int], chunked: bool, mlp_tiles: int) -> list[Layout]:
+    zero, tp, pp, sp, ep, offload, ckpt, sched = shape
+    return [Layout(zero, m, tp, pp, sp, ep, offload, ckpt, sched, chunked, mlp_tiles) for m in micros]
 
 
 def plan(
@@ -160,6 +180,8 @@ def plan(
                 est = estimate(recipe, strategy, cluster.nodes, cluster.gpus_per_node, device.memory_gib)
             except DstrainError:  # refused by dstrain.train's own checks
                 continue
+            if layout.chunked_loss and strategy.loss_tiles == 1:
+                continue  # "auto" keeps this micro-batch's loss whole: the unchunked layout already weighs it
             if not est.fits:
                 break  # a larger micro-batch needs more memory still
             found.append(_timed(recipe, layout, config, strategy, est, cluster, precision))
@@ -176,6 +198,43 @@ def plan(
         if len(kept) == top:
             break
     return kept, len(found)
+
+
+def fits_somewhere(recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: str) -> bool:
+    """Whether any layout dstrain accepts fits ``cluster`` (the memory model only, its smallest micro-batch)."""
+    world = cluster.nodes * cluster.gpus_per_node
+    for shape in candidate_layouts(recipe, cluster):
+        for layout in shape:
+            try:
+                config = layout.ds_config(precision, False)
+                strategy = resolve(recipe, recipe_file, config, "plan", world, check_device=False, validate=False)
+                est = estimate(recipe, strategy, cluster.nodes, cluster.gpus_per_node, cluster.device.memory_gib)
+            except DstrainError:
+                continue
+            if est.fits:
+                return True
+            break  # the smallest micro-batch this layout accepts does not fit: no larger one will
+    return False
+
+
+def smallest_fitting_nodes(
+    recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: str, most: int = 1024
+) -> int | None:
+    """The fewest nodes (of ``cluster``'s kind, more than it has) on which some layout fits, or None up to ``most``:
+    doubling, then bisecting between the last count that does not fit and the first that does."""
+
+    def fits(nodes: int) -> bool:
+        return fits_somewhere(recipe, recipe_file, replace(cluster, nodes=nodes), precision)
+
+    low, high = cluster.nodes, cluster.nodes * 2
+    while not fits(high):
+        low, high = high, high * 2
+        if high > most:
+            return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return high
 
 
 def _timed(

@@ -6,7 +6,8 @@ Stated assumptions (each replaceable, each named in the plan's output):
   tokens a rank processes, over ``Device.efficiency`` x peak, scaled by T / (T + half_tokens) for a micro-batch of T
   tokens per rank (small matmuls run below the device's best rate), plus a fixed cost per micro-batch
   (``Device.micro_batch_overhead_s``); +1/3 of the FLOPs with activation checkpointing (the forward runs
-  twice); under tensor parallelism the replicated output head is computed on every TP rank.
+  twice); under tensor parallelism the replicated output head is computed on every TP rank; tiling's recompute
+  (tiling_recompute_flops: the chunked loss's head forward, the tiled MLPs' forward).
   ``dstrain plan --calibrate`` measures the rate and the fixed cost on this machine instead.
 - Communication: the bytes of dstrain.plan.traffic (checked against DeepSpeed's comms logger) over the
   bandwidth of the group that carries them: intra-node when the group's ranks share a node, inter-node otherwise.
@@ -137,6 +138,17 @@ class Cluster:
         return gbps * GBIT
 
 
+def tiling_recompute_flops(m, strategy: Strategy) -> float:
+    """FLOPs per token (over the world, like flops_per_token) that tiling adds: a chunked loss runs the head's
+    forward again in the backward (2·d·V, on every TP rank: the head is not sharded), a tiled MLP each MLP's forward
+    (2·d·f per matrix)."""
+    flops = 2.0 * m.d_model * m.vocab_size * strategy.tp_size if strategy.loss_tiles > 1 else 0.0
+    if strategy.mlp_tiles > 1:
+        matrices = 3 if m.flavour == "llama" else 2
+        flops += 2.0 * matrices * m.d_model * m.ff_dim * (m.n_layer - m.n_moe_layers)
+    return flops
+
+
 def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cluster) -> Prediction:
     """Seconds of one optimizer step of ``strategy`` on ``cluster`` (module docstring)."""
     m, world = recipe.model, cluster.nodes * cluster.gpus_per_node
@@ -146,6 +158,7 @@ def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cl
         flops += 6 * m.vocab_size * m.d_model * tokens_step / world * (strategy.tp_size - 1)
     if strategy.activation_checkpointing:
         flops *= 4 / 3
+    flops += tiling_recompute_flops(m, strategy) * tokens_step / world
     matmul_tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
     overhead = strategy.grad_accum * cluster.device.micro_batch_overhead_s
     pred = Prediction(compute_s=flops / cluster.device.rate(strategy.precision, matmul_tokens) + overhead)

@@ -13,22 +13,26 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     """(saved for backward, logits gradient) per rank; a pipeline's first stage holds min(stages, accumulation)
     micro-batches (1F1B), a DualPipeV rank stages + 1/2 of its share, and its rank 0 the head besides
     (strategy.pipe_schedules counts them). ``fused_norms``: torch's RMSNorm on a GPU is one fused kernel that keeps
-    its input and an fp32 rstd per row; on a CPU (False) its composite path keeps fp32 copies of input and output."""
+    its input and an fp32 rstd per row; on a CPU (False) its composite path keeps fp32 copies of input and output.
+
+    Tiling (dstrain.strategy.tiling): a chunked loss saves no log-probabilities; its backward holds one tile's three
+    fp32 T x V tensors (12·T·V/n) and the hidden states' gradient. A tiled MLP saves only its input (the norm's
+    output, counted already): its intermediates exist for one tile of one block in the backward (mlp_tile_bytes)."""
     m, t = recipe.model, strategy.tp_size
     a = 4 if strategy.precision == "fp32" else 2
     seq = recipe.data.seq_len // strategy.sp_size  # a sequence-parallel rank's slice of each sample
     tokens = strategy.micro_batch * seq
-    h, kv, f, heads = m.d_model, m.kv_heads * m.head_dim, m.ff_dim, m.n_head
+    h, kv, heads = m.d_model, m.kv_heads * m.head_dim, m.n_head
     q = m.n_head * m.head_dim  # d_model unless model.d_head decouples them (Qwen3)
     if m.flavour == "llama":
         norm = (a if fused_norms else 8) * h + 4  # the norm's input (fused) or fp32 input and output; rstd
-        inner = 2 * q + 2 * kv + 4 * f  # q, k, v, attention output; gate, up, silu(gate), their product
+        inner = 2 * q + 2 * kv + mlp_inner(m) * (strategy.mlp_tiles == 1)  # q, k, v, attention output; the MLP's
         if m.qk_norm is not None:  # the q and k norms keep theirs too, with an rstd per head (or per token)
             rstd = 4 * (heads + m.kv_heads if m.qk_norm == "head" else 2)
             inner += ((a if fused_norms else 8) * (q + kv) + rstd) // a
     else:
         norm = a * (h + 2)  # LayerNorm keeps its input, mean and rstd
-        inner = 2 * h + 2 * kv + 2 * f  # q, k, v, attention output; up, gelu(up)
+        inner = 2 * h + 2 * kv + mlp_inner(m) * (strategy.mlp_tiles == 1)  # q, k, v, attention output; the MLP's
     per_token = 2 * norm + a * (2 * h + inner / t) + 4 * heads / t  # + the linears' inputs, attention log-sum-exp
     block = tokens * per_token + (2 * seq * m.head_dim * a if m.flavour == "llama" else 0)  # RoPE cos, sin
     layers = math.ceil(m.n_layer / strategy.pp_stages)
@@ -36,10 +40,15 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
         stage = layers * tokens * a * h + block  # block inputs, plus one block recomputed in the backward
     else:
         stage = layers * block
-    head = tokens * (norm + a * h + 4 * m.vocab_size + 8)  # final norm, lm_head input, fp32 log-probs, labels
     # The loss's backward holds three fp32 T x V tensors at once: the saved log-probs, nll_loss's (dense) gradient
     # and log_softmax's; the first is in `head`. (4 + a) undercounted bf16 by 2·T·V: 3 GiB of gpt2-125m's 30 on an H100.
-    ids, logits_grad = tokens * 8, int(tokens * 8 * m.vocab_size)
+    if strategy.loss_tiles == 1:
+        head = tokens * (norm + a * h + 4 * m.vocab_size + 8)  # final norm, lm_head input, fp32 log-probs, labels
+        logits_grad = tokens * 8 * m.vocab_size
+    else:  # one tile's three fp32 T x V tensors, and the gradient of the hidden states the tiles fill
+        head = tokens * (norm + a * h + 8)
+        logits_grad = tokens // strategy.loss_tiles * 12 * m.vocab_size + tokens * a * h
+    ids = tokens * 8
     if strategy.pp_stages == 1:
         return int(stage + head + ids), logits_grad
     from dstrain.strategy.pipe_schedules import held_stages
@@ -56,3 +65,18 @@ def sp_exchange_bytes(recipe: Recipe, strategy: Strategy) -> int:
     m, a = recipe.model, 4 if strategy.precision == "fp32" else 2
     tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
     return 2 * a * tokens * (m.n_head * m.head_dim + 2 * m.kv_heads * m.head_dim)
+
+
+def mlp_inner(m) -> int:
+    """Elements a token's MLP saves for its backward beyond its input: SwiGLU gate, up, silu(gate) and their product;
+    gpt2 up and gelu(up)."""
+    return (4 if m.flavour == "llama" else 2) * m.ff_dim
+
+
+def mlp_tile_bytes(recipe: Recipe, strategy: Strategy) -> int:
+    """A tiled MLP's backward: one tile of one block recomputed, its intermediates and their gradients, and the
+    gradient of the block's whole input (TiledMLP's x_grad)."""
+    m, a = recipe.model, 4 if strategy.precision == "fp32" else 2
+    tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
+    tile = tokens // strategy.mlp_tiles
+    return a * (2 * tile * mlp_inner(m) // strategy.tp_size + tokens * m.d_model)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.model.config import num_params
-from dstrain.strategy.activations import activation_bytes, sp_exchange_bytes
+from dstrain.strategy.activations import activation_bytes, mlp_tile_bytes, sp_exchange_bytes
 from dstrain.strategy.averaging_memory import averaging_parts
 from dstrain.strategy.memory_parts import GIB, Estimate, Part
 from dstrain.strategy.param_counts import MOE_FORMULA, ParamCounts, count_params, moe_activation_bytes
@@ -87,11 +87,7 @@ def estimate(
     muon = muon_params(recipe.model) if recipe.optim.kind == "muon" else 0  # accepted on plain data parallelism only
     est.parts = model_state_parts(strategy, counts.per_rank, persistent, part, muon)
     est.parts += averaging_parts(recipe.train.averaging, strategy, counts.per_rank)
-    saved, transient = activation_bytes(recipe, strategy, fused_norms)
-    est.parts += [
-        Part("activations", "saved for backward", "device", saved, 0, "see module docstring"),
-        Part("activations", "logits gradient (backward start)", "device", transient, 0, "8·T·V"),
-    ]
+    est.parts += activation_parts(recipe, strategy, fused_norms)
     if recipe.model.moe is not None:
         moe_bytes = moe_activation_bytes(recipe.model, strategy.micro_batch * recipe.data.seq_len, strategy.precision)
         est.parts.append(Part("activations", "MoE experts and all-to-all buffers", "device", moe_bytes, 0, MOE_FORMULA))
@@ -102,6 +98,23 @@ def estimate(
     est.sp_size = strategy.sp_size
     est.deepspeed_reference = deepspeed_reference(counts, est)
     return est
+
+
+def activation_parts(recipe: Recipe, strategy: Strategy, fused_norms: bool) -> list[Part]:
+    """Saved for the backward, the loss's logits (whole, or one tile of the chunked loss), a tiled MLP's tile."""
+    saved, logits = activation_bytes(recipe, strategy, fused_norms)
+    parts = [Part("activations", "saved for backward", "device", saved, 0, "see module docstring")]
+    n = strategy.loss_tiles
+    if n == 1:
+        parts.append(Part("activations", "logits gradient (backward start)", "device", logits, 0, "8·T·V"))
+    else:
+        name = f"logits of 1 of {n} loss tiles (backward)"
+        parts.append(Part("activations", name, "device", logits, 0, "12·(T/n)·V + a·T·d"))
+    if strategy.mlp_tiles > 1:
+        name = f"MLP: 1 of {strategy.mlp_tiles} tiles recomputed (backward)"
+        tile = mlp_tile_bytes(recipe, strategy)
+        parts.append(Part("activations", name, "device", tile, 0, "2a·(T/m)·MLP intermediates + a·T·d"))
+    return parts
 
 
 def model_state_parts(

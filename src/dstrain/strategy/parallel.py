@@ -1,5 +1,5 @@
-"""The ds_config sections that choose the parallel layout (pipeline, AutoTP, Ulysses SP, expert parallelism,
-tiling), checked against the model before anything runs: the refusals resolve.py runs for dstrain.train and
+"""The ds_config sections that choose the parallel layout (pipeline, AutoTP, Ulysses SP, expert parallelism),
+checked against the model before anything runs: the refusals resolve.py runs for dstrain.train and
 dstrain plan alike. How the parameters then fall onto ranks is param_counts.py."""
 
 from __future__ import annotations
@@ -95,23 +95,6 @@ def _check_moe_combinations(
     for refused, message in refusals:
         if refused:
             raise DstrainError(f"{ds_file}: {message}")
-
-
-def check_tiling(config: dict, recipe: Recipe, ds_file: str, pp_stages: int) -> tuple[int, int]:
-    """dstrain's own "tiling" section (dstrain.train.tiling): tiles of the loss and of each MLP, 1 = off."""
-    section = config.get("tiling", {})
-    unknown = sorted(set(section) - {"loss", "mlp"}) if isinstance(section, dict) else ["(not an object)"]
-    if unknown:
-        raise DstrainError(f'{ds_file}: unknown key "tiling.{unknown[0]}"; the tiling section takes "loss" and "mlp"')
-    tiles = [section.get(key, 1) for key in ("loss", "mlp")]
-    for key, value in zip(("loss", "mlp"), tiles):
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= recipe.data.seq_len:
-            raise DstrainError(
-                f"{ds_file}: tiling.{key}={value!r}; use a number of sequence tiles from 1 (off) to data.seq_len"
-            )
-    if pp_stages > 1 and max(tiles) > 1:
-        raise DstrainError(f"{ds_file}: tiling with pipeline.stages > 1 is not supported; remove the tiling section")
-    return tiles[0], tiles[1]
 
 
 TP_LAYOUT = {

@@ -26,6 +26,7 @@ from dstrain.strategy import parallel
 from dstrain.strategy.ds_schema import validate_ds_config
 from dstrain.strategy.optimizer import check_muon, fill_optimizer
 from dstrain.strategy.precision import Precision
+from dstrain.strategy.tiling import check_tiling
 from dstrain.strategy.topology import Topology
 
 AUTO = "auto"
@@ -54,8 +55,10 @@ class Strategy:
     grad_accum: int  # micro-batches per optimizer step on each rank
     offload_optimizer: str | None  # "cpu", "nvme" or None
     offload_param: str | None
-    loss_tiles: int = 1  # the loss in this many sequence tiles (ds_config "tiling.loss"); Range: 1 (off) .. seq_len
-    mlp_tiles: int = 1  # each MLP in this many sequence tiles (ds_config "tiling.mlp"); Range: 1 (off) .. seq_len
+    # the loss in this many sequence tiles of each rank's slice (ds_config "tiling.loss", "auto" when absent:
+    # dstrain.strategy.tiling); Range: 1 (off) .. seq_len / sp, a divisor
+    loss_tiles: int = 1
+    mlp_tiles: int = 1  # each MLP in this many sequence tiles (ds_config "tiling.mlp"); Range: 1 (off), a divisor
 
     @property
     def name(self) -> str:
@@ -157,10 +160,10 @@ def resolve(
         _check_bf16_sums_in_fp32(config, ds_file, stage)
     tp_size, pp_stages, sp_size, dp_size = _parallel_sizes(config, recipe, recipe_file, ds_file, world_size)
     ep_size = parallel.check_expert_parallel(config, recipe, recipe_file, ds_file, dp_size, pp_stages, tp_size, sp_size)
-    loss_tiles, mlp_tiles = parallel.check_tiling(config, recipe, ds_file, pp_stages)
     check_muon(recipe, config, ds_file, stage, precision, (tp_size, pp_stages, sp_size, ep_size))
     micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages > 1 or sp_size > 1)
     parallel.check_pipeline_accumulation(config, ds_file, pp_stages, grad_accum)
+    loss_tiles, mlp_tiles = check_tiling(config, recipe, ds_file, micro, sp_size, pp_stages)
     _fill_recipe_values(config, recipe, recipe_file, ds_file)
     leftover = _find_auto(config)
     if leftover:

@@ -78,6 +78,18 @@ def continuation_stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return torch.stack([(picked * scored).double().sum(1), misses.double().sum(1)], dim=1)
 
 
+def tiled_continuation_stats(
+    project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, tiles: int
+) -> torch.Tensor:
+    """continuation_stats of project(hidden) without the whole logits: the head applied to ``tiles`` sequence chunks
+    in turn (the chunked loss's counterpart, dstrain.train.tiling); each row's sums add up over the chunks."""
+    step = math.ceil(hidden.shape[1] / tiles)
+    chunks = range(0, hidden.shape[1], step)
+    return torch.stack(
+        [continuation_stats(project(hidden[:, i : i + step]), targets[:, i : i + step]) for i in chunks]
+    ).sum(0)
+
+
 @dataclass
 class PreparedTask:
     """A task's items and their requests' rows, tokenized once for every evaluation of a run."""

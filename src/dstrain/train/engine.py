@@ -31,6 +31,11 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
         from dstrain.model.pipe import build_pipeline
 
         pipeline = strategy.ds_config.get("pipeline", {})
+        head_loss = None
+        if strategy.loss_tiles > 1:
+            from dstrain.train import tiling
+
+            head_loss = tiling.pipeline_loss(strategy.loss_tiles)
         # The ds_config's activation_checkpointing section alone means every block, as for the plain model.
         interval = pipeline.get("activation_checkpoint_interval", 0) or int(strategy.activation_checkpointing)
         return build_pipeline(
@@ -40,6 +45,7 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
             partition_method=pipeline.get("partition_method", "parameters"),
             activation_checkpoint_interval=interval,
             schedule=pipeline.get("schedule", "1f1b"),
+            head_loss=head_loss,
         )
     torch.manual_seed(recipe.seed)  # identical initial weights on every rank and under every strategy
     init = (

@@ -100,7 +100,8 @@ class StepRunner:
         labels, tiles = batch["labels"], self.strategy.loss_tiles
         if tiles > 1:
             hidden = self.engine(batch["input_ids"], position_ids, head=False)
-            losses = tiling.tiled_loss_sum(self.engine.module.lm_head, hidden, labels, tiles)
+            head = self.engine.module.lm_head
+            losses = tiling.tiled_loss_sum(head, head.weight, hidden, labels, tiles, self.recipe.model.tied)
         else:
             losses = token_loss_sum(self.engine(batch["input_ids"], position_ids), labels)
         count = (labels != -100).sum().to(losses.dtype)

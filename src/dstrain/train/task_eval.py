@@ -2,7 +2,8 @@
 scorer sees the whole model's logits under every strategy. ZeRO (any stage), AutoTP and expert parallelism: the
 engine's forward gives them. Sequence parallelism: each rank scores its slice and the SP group adds the slices up.
 Pipeline: the engine's eval path (``eval_batch``), with the scorer's statistics as the loss function, hands them to
-the last stage; the other stages add nothing to the gathered table."""
+the last stage; the other stages add nothing to the gathered table. Where the run's loss is chunked, so is the
+scorer's head (scoring.tiled_continuation_stats)."""
 
 from __future__ import annotations
 
@@ -39,22 +40,38 @@ class TaskEvaluator:
             engine.train()
 
     def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        steps, engine = self.trainer.steps, self.trainer.engine
+        steps = self.trainer.steps
         if steps.pipeline:
             return self._pipe_forward(inputs, targets)
         if steps.sp_group is not None:
             part = sequence.shard({"input_ids": inputs, "labels": targets}, steps.sp_rank, steps.sp_size, False)
-            stats = scoring.continuation_stats(engine(part["input_ids"], part["position_ids"]), part["labels"])
+            stats = self._stats(part["input_ids"], part["position_ids"], part["labels"])
             torch.distributed.all_reduce(stats, group=steps.sp_group)  # the slices' sums make the sample's
             return stats
-        return scoring.continuation_stats(engine(inputs), targets)
+        return self._stats(inputs, None, targets)
+
+    def _stats(self, inputs: torch.Tensor, position_ids: torch.Tensor | None, targets: torch.Tensor) -> torch.Tensor:
+        """The scorer's statistics, chunk by chunk where the run's loss is chunked (ds_config "tiling.loss")."""
+        engine, tiles = self.trainer.engine, self.trainer.strategy.loss_tiles
+        if tiles == 1:
+            return scoring.continuation_stats(engine(inputs, position_ids), targets)
+        hidden = engine(inputs, position_ids, head=False)
+        return scoring.tiled_continuation_stats(engine.module.lm_head, hidden, targets, tiles)
+
+    def _pipe_stats(self, outputs, targets: torch.Tensor) -> torch.Tensor:
+        """The pipeline's last stage: logits, or (hidden states, head weight) where the loss is chunked."""
+        if isinstance(outputs, torch.Tensor):
+            return scoring.continuation_stats(outputs, targets)
+        hidden, weight = outputs
+        project = lambda tile: torch.nn.functional.linear(tile, weight)  # noqa: E731
+        return scoring.tiled_continuation_stats(project, hidden, targets, self.trainer.strategy.loss_tiles)
 
     def _pipe_forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """The pipeline's eval path with the scorer's statistics as its loss: the last stage returns them.
         DeepSpeed 0.19.8's PipelineEngine.eval_batch adds every output into ``total_loss``, which only train_batch
         resets: the valid loss's scalar and these (B, 2) rows would not add up, so it is emptied around each call."""
         engine = self.trainer.engine
-        loss_fn, engine.module.loss_fn = engine.module.loss_fn, scoring.continuation_stats
+        loss_fn, engine.module.loss_fn = engine.module.loss_fn, self._pipe_stats
         engine.total_loss = None
         try:
             with monitor_paused(engine):

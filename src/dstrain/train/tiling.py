@@ -10,19 +10,37 @@ loss scale, sequence.backward_factor) would reach the hidden states' gradient bu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dstrain.model.gpt import token_loss_sum
 
 
-def tiled_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, tiles: int) -> torch.Tensor:
-    """Sum of the token losses (fp32, label -100 not counted) of lm_head(hidden), ``tiles`` sequence tiles at a time."""
+def tiled_loss_sum(
+    project: Callable[[torch.Tensor], torch.Tensor],
+    weight: torch.Tensor,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    tiles: int,
+    shared: bool = False,
+) -> torch.Tensor:
+    """Sum of the token losses (fp32, label -100 not counted) of project(hidden), ``tiles`` sequence tiles at a time.
+
+    ``project``: the head (``lm_head``, a module, so that ZeRO-3 gathers its weight for each tile); ``weight``: its
+    weight; ``shared``: the weight is also used before the head (tied to the embedding), so ZeRO must reduce its
+    gradient once the embedding's share is in, not after the last tile."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_tiled_compute
 
     def loss_sum(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(lm_head(hidden), labels)
+        return token_loss_sum(project(hidden), labels)
 
+    compute_params = [weight]  # ZeRO: the head's gradient is ready after the last tile only
+    if shared and torch.is_grad_enabled() and hidden.requires_grad:
+        _hold_reduction_past_the_head(weight, hidden)
+        compute_params = []
     return sequence_tiled_compute(
         loss_sum,
         hidden.shape[1],
@@ -30,10 +48,48 @@ def tiled_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
         {"hidden": hidden, "labels": labels},
         {},
         "hidden",
-        compute_params=[lm_head.weight],  # ZeRO: the head's gradient is ready after the last tile only
+        compute_params=compute_params,
         output_unshard_dimension=0,
         output_reduction="sum",
     )
+
+
+def _hold_reduction_past_the_head(weight: torch.Tensor, hidden: torch.Tensor) -> None:
+    """ZeRO reduces a parameter's gradient each time autograd accumulates one unless ``ds_grad_is_ready`` is False
+    (DeepSpeed's convention for tiled compute). The tiles accumulate the head's share one by one, and a tied weight's
+    embedding share comes last, after the rest of the backward: the reduction waits until the hidden states' gradient
+    (the tiled loss's whole backward) is done, then the embedding's accumulation reduces the sum once."""
+    weight.ds_grad_is_ready = False  # type: ignore[attr-defined]
+
+    def release(grad: torch.Tensor) -> None:
+        weight.ds_grad_is_ready = True  # type: ignore[attr-defined]
+
+    hidden.register_hook(release)
+
+
+def mean_loss(
+    project: Callable[[torch.Tensor], torch.Tensor],
+    weight: torch.Tensor,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    tiles: int,
+    shared: bool = False,
+) -> torch.Tensor:
+    """lm_loss of project(hidden) without its full logits: the tiled sum over the counted tokens."""
+    losses = tiled_loss_sum(project, weight, hidden, labels, tiles, shared)
+    return losses / (labels != -100).sum().clamp(min=1).to(losses.dtype)
+
+
+def pipeline_loss(tiles: int) -> Callable[[tuple[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor]:
+    """The pipeline's last-stage loss when its head layer hands over (hidden, weight) (dstrain.model.pipe): lm_loss,
+    tile by tile. The weight is the head's own there, even when tied (the last stage holds its own copy, whose
+    gradient DeepSpeed adds to the embedding's after the backward)."""
+
+    def loss(outputs: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        hidden, weight = outputs
+        return mean_loss(lambda tile: F.linear(tile, weight), weight, hidden, labels, tiles)
+
+    return loss
 
 
 def tile_mlps(model: nn.Module, tiles: int) -> None:
