@@ -157,6 +157,18 @@ CASES = {
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", tiling={"los": 4}), []),
         ['unknown key "tiling.los"', '"loss" and "mlp"'],
     ),
+    "loss chunks not dividing the sequence": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", tiling={"loss": 5}), []),
+        ["tiling.loss=5 does not divide the 32 tokens of a rank's sequence", "use 4 or 8"],
+    ),
+    "loss chunks not dividing a sequence-parallel rank's slice": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "sp2_zero1", tiling={"loss": 32}), []),
+        ["tiling.loss=32", "from 1 (off) to the 16 tokens of a rank's sequence", '"auto"'],
+    ),
+    "tiled MLP with pipeline stages": (
+        lambda t, c: (small_recipe(t, c), ds_config(t, "pp2_zero1", tiling={"mlp": 2}), []),
+        ["tiling.mlp with pipeline.stages > 1 is not supported"],
+    ),
     "fp16 on a device without it": (
         lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/zero1_fp16.json", []),
         ["fp16 is not supported on this device", "ds_configs/zero1_bf16.json"],

@@ -149,6 +149,7 @@ def test_shipped_continue_recipe_fits_one_node_under_its_ds_config(recipe_file):
     from dstrain.model.families import CLASSES, check_exportable
     from dstrain.strategy.memory import estimate_file
     from dstrain.strategy.memory_parts import GIB
+    from dstrain.strategy.resolve import load_ds_config
 
     root = recipe_file.parents[1]
     ds_config = root / re.search(r"^# ds_config: (\S+)", recipe_file.read_text(), re.M).group(1)
@@ -158,6 +159,8 @@ def test_shipped_continue_recipe_fits_one_node_under_its_ds_config(recipe_file):
     assert CLASSES[family][0] in recipe_file.read_text()
     est = estimate_file(recipe, recipe_file, ds_config, nodes=1, gpus_per_node=8)
     assert est.fits and est.peak() < 79 * GIB, (ds_config.name, est.peak() / GIB)
+    # dstrain plan's choice for 1 x 8 H100, which says whether the loss is chunked (docs/memory.md)
+    assert ds_config.parent.name == "planned" and "loss" in load_ds_config(ds_config)["tiling"]
 
 
 def test_checkpoints_recorded_before_the_family_fields_still_resume():
