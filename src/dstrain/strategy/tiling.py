@@ -69,7 +69,9 @@ def check_tiling(
                 f"{ds_file}: tiling.{key}={value} does not divide the {seq} tokens of a rank's sequence "
                 f"(data.seq_len / sequence_parallel_size); use {below} or {above}"
             )
-    if pp_stages > 1 and tiles[1] > 1 and config.get("pipeline", {}).get("schedule") == "dualpipev":
-        # DualPipeV runs two stages' blocks per rank through DeepSpeed's own overlapped schedule; untested with tiling
-        raise DstrainError(f"{ds_file}: tiling.mlp with pipeline.schedule dualpipev is not supported; remove it")
+    if pp_stages > 1 and tiles[1] > 1:  # the pipeline's last stage chunks the loss (model/pipe.py), not the MLPs
+        raise DstrainError(
+            f"{ds_file}: tiling.mlp with pipeline.stages > 1 is not supported (the stages' blocks are not tiled); "
+            f"remove tiling.mlp"
+        )
     return tiles[0], tiles[1]

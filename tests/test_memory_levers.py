@@ -1,0 +1,112 @@
+"""The memory levers (docs/memory.md): what dstrain estimate counts for the chunked loss and the tiled MLP, the
+chunked loss as the default where the logits are large, and what dstrain plan weighs and says. Same math under every
+strategy: tests/test_tiling.py, and the chunked runs of tests/test_train.py, test_parallel.py, test_sequence.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from test_estimate import saved_tensor_bytes, write_recipe
+
+from dstrain.commands.cli import main as cli
+from dstrain.config import load_recipe
+from dstrain.plan.layouts import Layout, plan
+from dstrain.plan.time_model import DEVICES, Cluster, predict
+from dstrain.strategy.memory import estimate
+from dstrain.strategy.memory_parts import GIB
+from dstrain.strategy.param_counts import count_params
+from dstrain.strategy.resolve import load_ds_config, resolve
+
+from train_helpers import ROOT
+
+H100 = DEVICES["h100-sxm"]
+
+
+def _strategy(recipe, layout: Layout, world: int):
+    return resolve(recipe, "r.yaml", layout.ds_config("bf16", False), "c.json", world, check_device=False)
+
+
+@pytest.mark.parametrize("flavour", ["llama", "gpt2"])
+def test_tiled_loss_and_mlp_save_what_the_formula_says(tmp_path, flavour):
+    """A chunked loss saves no log-probabilities and a tiled MLP only its input: the formula's saved bytes against
+    autograd's (and the tiled functions' own) saved tensors, fp32, 4 loss tiles and 2 MLP tiles."""
+    import torch
+
+    kv = {"n_kv_head": 2} if flavour == "llama" else {"n_kv_head": None}
+    recipe_file = write_recipe(tmp_path, n_layer=2, flavour=flavour, **kv)
+    recipe = load_recipe(recipe_file)
+    path = ROOT / "ds_configs" / "zero2.json"
+    ds = {**load_ds_config(path), "tiling": {"loss": 4, "mlp": 2}}
+    strategy = resolve(recipe, recipe_file, ds, path, 2)
+    est = estimate(recipe, strategy, 1, 2, fused_norms=False)
+    formula = next(p.backward for p in est.parts if p.name == "saved for backward")
+    measured = saved_tensor_bytes(recipe.model, strategy.micro_batch, 32, torch.float32, tiles=(4, 2))
+    print(f"tiled activations {flavour}: formula {formula:,} B, saved {measured:,} B ({formula / measured - 1:+.3%})")
+    assert abs(formula / measured - 1) < 0.001
+    plain = estimate(recipe, resolve(recipe, recipe_file, {**ds, "tiling": {"loss": 1}}, path, 2), 1, 2)
+    tokens, vocab = strategy.micro_batch * 32, recipe.model.vocab_size
+    logits = {p.name: p.backward for p in est.parts + plain.parts if p.name.startswith("logits")}
+    assert logits == {
+        "logits gradient (backward start)": 8 * tokens * vocab,
+        "logits of 1 of 4 loss tiles (backward)": 12 * tokens // 4 * vocab + 4 * tokens * recipe.model.d_model,
+    }
+
+
+def test_chunked_loss_is_the_default_where_the_logits_are_large():
+    """continue-qwen2.5-0.5b under zero1_bf16 on 8 GPUs (micro-batch 4 of 4096 tokens, 151,936-entry vocabulary):
+    the whole loss would hold 12·T·V = 27.8 GiB; "auto" (the key absent) cuts each sequence into 32 tiles, the
+    logits' part falls from 18.55 GiB to one tile's, under 1 GiB."""
+    recipe_file = ROOT / "recipes" / "continue-qwen2.5-0.5b.yaml"
+    recipe = load_recipe(recipe_file)
+    config = load_ds_config(ROOT / "ds_configs" / "zero1_bf16.json")
+    assert "tiling" not in config
+    chunked = estimate(recipe, resolve(recipe, recipe_file, config, "zero1_bf16", 8, check_device=False), 1, 8)
+    whole = resolve(recipe, recipe_file, {**config, "tiling": {"loss": 1}}, "zero1_bf16", 8, check_device=False)
+    whole_est = estimate(recipe, whole, 1, 8)
+    logits = [next(p.backward for p in e.parts if p.name.startswith("logits")) for e in (whole_est, chunked)]
+    assert logits[0] / GIB == pytest.approx(18.55, abs=0.005) and logits[1] < GIB
+    assert any(p.name == "logits of 1 of 32 loss tiles (backward)" for p in chunked.parts)
+    assert whole_est.peak() - chunked.peak() > 26 * GIB  # the saved fp32 log-probs go too
+
+
+def test_a_recipe_that_fits_nowhere_is_told_the_fewest_nodes_that_fit(capsys):
+    """llama-7b on 2 devices of 5 GiB: no layout fits one node; the planner names the fewest such nodes on which one
+    does (8: ZeRO-3 with the optimizer and parameters offloaded, 16 ranks' shares), and 8 does fit while 7 does not."""
+    from dstrain.plan.layouts import fits_somewhere
+
+    recipe_file = ROOT / "recipes" / "llama-7b.yaml"
+    argv = ["plan", "--recipe", str(recipe_file), "--gpus-per-node", "2", "--device-memory", "5"]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no layout dstrain accepts fits 1 x 2 devices of 5 GiB" in err[0], err
+    assert "the fewest nodes on which one fits: 8 (--nodes 8)" in err[0]
+    recipe, small = load_recipe(recipe_file), dataclasses.replace(H100, memory_gib=5)
+    assert fits_somewhere(recipe, recipe_file, Cluster(small, 8, 2), "bf16")
+    assert not fits_somewhere(recipe, recipe_file, Cluster(small, 7, 2), "bf16")
+
+
+def test_plan_weighs_the_chunked_loss_and_charges_its_recompute():
+    """qwen2.5-0.5b's 151,936-entry vocabulary: the chunked loss frees the logits (a larger micro-batch fits on 40
+    GiB), and the time model adds the head's forward once more (2·d·V FLOPs a token)."""
+    recipe_file = ROOT / "recipes" / "continue-qwen2.5-0.5b.yaml"
+    recipe, cluster = load_recipe(recipe_file), Cluster(dataclasses.replace(H100, memory_gib=40), 1, 8)
+    kept, _ = plan(recipe, recipe_file, cluster, "bf16", top=10_000)
+    largest = {
+        chunked: max(
+            p.strategy.micro_batch
+            for p in kept
+            if p.layout.chunked_loss == chunked
+            and p.layout.zero == 1
+            and p.layout.tp * p.layout.pp * p.layout.sp == 1
+            and not p.layout.checkpointing
+        )
+        for chunked in (False, True)
+    }
+    assert largest[True] > largest[False]
+    whole, chunked = (_strategy(recipe, Layout(zero=1, micro=4, chunked_loss=c), 8) for c in (False, True))
+    assert (whole.loss_tiles, chunked.loss_tiles) == (1, 32)
+    counts = count_params(recipe.model)
+    extra = predict(recipe, chunked, counts, cluster).compute_s - predict(recipe, whole, counts, cluster).compute_s
+    flops = 2 * recipe.model.d_model * recipe.model.vocab_size * recipe.train.global_batch * recipe.data.seq_len / 8
+    assert extra == pytest.approx(flops / H100.rate("bf16", 4 * recipe.data.seq_len), rel=1e-9)
