@@ -110,3 +110,51 @@ def test_plan_weighs_the_chunked_loss_and_charges_its_recompute():
     extra = predict(recipe, chunked, counts, cluster).compute_s - predict(recipe, whole, counts, cluster).compute_s
     flops = 2 * recipe.model.d_model * recipe.model.vocab_size * recipe.train.global_batch * recipe.data.seq_len / 8
     assert extra == pytest.approx(flops / H100.rate("bf16", 4 * recipe.data.seq_len), rel=1e-9)
+
+
+def tied_head_chunked_steps() -> list[str]:
+    """Rank target (world 1): one ZeRO-2 step of a tied gpt2 with the chunked loss, with DeepSpeed's own
+    compute_params protocol alone, then with the reduction held past the head (dstrain's way)."""
+    from dstrain.train import distributed
+
+    distributed.init()
+    return [tied_head_chunked_step(hold) for hold in (False, True)]
+
+
+def tied_head_chunked_step(hold: bool) -> str:
+    import deepspeed
+    import torch
+
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.gpt import GPT
+    from dstrain.train import tiling
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(flavour="gpt2", vocab_size=128, max_seq_len=16, n_layer=1, n_head=2, d_model=32))
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 2},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1))
+    head = engine.module.lm_head
+    try:
+        hidden = engine(ids[:, :-1], head=False)
+        engine.backward(tiling.mean_loss(head, head.weight, hidden, ids[:, 1:], 4, shared=hold))
+        engine.step()
+    except AssertionError as e:
+        return "reduced twice" if "already been reduced" in str(e) else repr(e)
+    return "ok"
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed_defect("SequenceTiledCompute's ds_grad_is_ready ignores a weight also used before the head")
+def test_deepspeed_tiled_compute_reduces_a_tied_head_twice():
+    """DeepSpeed 0.19.8's SequenceTiledCompute marks the head's weight ready after its last chunk, so ZeRO-2 reduces
+    it there, and again when the embedding (the same tied weight) adds its share: "has already been reduced"
+    (ZeRO-3 trips over the same in its bucket). dstrain.train.tiling._hold_reduction_past_the_head holds the
+    reduction until the embedding's share is in; when this fails, DeepSpeed handles shared weights: drop it."""
+    from ranks import run_ranks
+
+    assert run_ranks(1, tied_head_chunked_steps) == [["reduced twice", "ok"]]

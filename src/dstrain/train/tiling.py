@@ -55,10 +55,14 @@ def tiled_loss_sum(
 
 
 def _hold_reduction_past_the_head(weight: torch.Tensor, hidden: torch.Tensor) -> None:
-    """ZeRO reduces a parameter's gradient each time autograd accumulates one unless ``ds_grad_is_ready`` is False
-    (DeepSpeed's convention for tiled compute). The tiles accumulate the head's share one by one, and a tied weight's
-    embedding share comes last, after the rest of the backward: the reduction waits until the hidden states' gradient
-    (the tiled loss's whole backward) is done, then the embedding's accumulation reduces the sum once."""
+    """The one place dstrain works around DeepSpeed 0.19.8's tiled compute with a tied head (no upstream issue found;
+    tests/test_memory_levers.py::test_deepspeed_tiled_compute_reduces_a_tied_head_twice fails when it is fixed).
+
+    ZeRO reduces a parameter's gradient each time autograd accumulates one unless ``ds_grad_is_ready`` is False
+    (DeepSpeed's convention for tiled compute). SequenceTiledCompute sets it True for the last tile, so ZeRO-2 reduces
+    the head's share there and asserts when the embedding, the same weight, adds its share later ("has already been
+    reduced"; ZeRO-3 asserts on the duplicate in its bucket). Here the reduction waits until the hidden states'
+    gradient (the tiled loss's whole backward) is done; the embedding's accumulation then reduces the sum once."""
     weight.ds_grad_is_ready = False  # type: ignore[attr-defined]
 
     def release(grad: torch.Tensor) -> None:
