@@ -74,14 +74,17 @@ def runs(tmp_path_factory, corpus):
             tmp, "pp2_zero1", **micro2, pipeline={**DUALPIPEV, "activation_checkpoint_interval": 1}
         ),
         "dualpipev_zero0": ds_config(tmp, "pp2_zero1", **micro2, pipeline=DUALPIPEV, zero_optimization={"stage": 0}),
+        "dualpipev_chunked": ds_config(tmp, "pp2_zero1", **micro2, pipeline=DUALPIPEV, tiling={"loss": 4}),
     }
     schedule = {"gpt2": "dualpipev_recompute", "llama": "dualpipev"}
     d = {f"{m}_{c}": tmp / f"{m}_{c}" for m in recipes for c in ("zero1", "1f1b", "dualpipev")}
-    d.update(gpt2_zero0=tmp / "gpt2_zero0", gpt2_resumed=tmp / "gpt2_resumed")
+    d.update(gpt2_zero0=tmp / "gpt2_zero0", gpt2_resumed=tmp / "gpt2_resumed", gpt2_chunked=tmp / "gpt2_chunked")
     argvs = [
         *(train_argv(recipes[m], configs[c], d[f"{m}_{c}"]) for m in recipes for c in ("zero1", "1f1b")),
         *(train_argv(recipes[m], configs[schedule[m]], d[f"{m}_dualpipev"]) for m in recipes),
         train_argv(recipes["gpt2"], configs["dualpipev_zero0"], d["gpt2_zero0"]),
+        # the chunked loss on rank 0, which holds the tied head and the embedding both
+        train_argv(recipes["gpt2"], configs["dualpipev_chunked"], d["gpt2_chunked"]),
     ]
     resumed = train_argv(recipes["gpt2"], configs[schedule["gpt2"]], d["gpt2_resumed"])
     calls = [*(("train", [a]) for a in argvs), ("train_and_signal_at", [resumed, 4]), ("train", [resumed])]
@@ -105,6 +108,15 @@ def test_dualpipev_gives_the_losses_and_norms_of(runs, model, reference):
     np.testing.assert_allclose(norms(runs[f"{model}_dualpipev"]), norms(runs[f"{model}_{reference}"]), rtol=LOSS_RTOL)
     np.testing.assert_allclose(evals(runs[f"{model}_dualpipev"]), evals(runs[f"{model}_{reference}"]), rtol=LOSS_RTOL)
     assert expected[-1] < expected[0] - 0.3  # and the model learns
+
+
+@pytest.mark.distributed
+def test_dualpipev_with_the_chunked_loss_gives_the_zero1_losses_and_norms(runs):
+    """The tied gpt2 with its loss in 4 chunks on DualPipeV's rank 0 (the head and the embedding on one rank)."""
+    got, want = runs["gpt2_chunked"], runs["gpt2_zero1"]
+    np.testing.assert_allclose(train_losses(got), train_losses(want), rtol=LOSS_RTOL)
+    np.testing.assert_allclose(norms(got), norms(want), rtol=LOSS_RTOL)
+    np.testing.assert_allclose(evals(got), evals(want), rtol=LOSS_RTOL)
 
 
 @pytest.mark.distributed

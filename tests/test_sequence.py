@@ -67,6 +67,7 @@ def runs(tmp_path_factory, tiny_corpus):
         ("train_and_signal_at", [train_argv(llama, "zero0", tmp / "plain_then_sp"), 5]),
         ("train", [train_argv(llama, "sp2_zero3", tmp / "plain_then_sp")]),
         ("train", [train_argv(llama, tiled, tmp / "llama_sp2_zero3_tiled")]),
+        ("train", [train_argv(gpt2, tiled, tmp / "gpt2_sp2_zero3_tiled")]),  # the chunked loss with a tied head
         ("train_without_workaround", [train_argv(llama, "sp2_zero3", tmp / "defect", "train.steps=2")]),
     ]
     assert run_ranks(2, run_all, two) == [[0] * len(two)] * 2
@@ -95,6 +96,7 @@ def close(got: list[float], want: list[float]) -> bool:
         ("gpt2_sp2_dp2_zero1", "gpt2_zero0"),
         ("qwen3_sp2_zero3", "qwen3_zero0"),
         ("qwen3_sp2_zero3_tiled", "qwen3_zero0"),
+        ("gpt2_sp2_zero3_tiled", "gpt2_zero0"),
     ],
 )
 def test_sequence_parallel_gives_zero0_losses_and_grad_norms(runs, run, reference):

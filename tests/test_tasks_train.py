@@ -11,12 +11,13 @@ from task_fixtures import write_task_file
 
 import train_helpers
 from ranks import run_ranks
-from train_helpers import read_metrics, small_recipe, train_argv
+from train_helpers import ds_config, read_metrics, small_recipe, train_argv
 
 pytestmark = pytest.mark.distributed
 
 FORMATS = ("hellaswag", "arc", "piqa", "winogrande", "lambada")
-STRATEGIES = ("zero1", "zero3", "pp2_zero1", "tp2_zero1", "sp2_zero1")
+STRATEGIES = ("zero1", "zero3", "pp2_zero1", "tp2_zero1", "sp2_zero1", "zero3_chunked", "pp2_chunked")
+CHUNKED = {"zero3_chunked": "zero3", "pp2_chunked": "pp2_zero1"}  # the loss, and so the scorer's head, in 4 chunks
 LIMIT = 6  # items per task: 22 requests of hellaswag/arc, 12 of piqa/winogrande, 6 of lambada
 
 
@@ -71,7 +72,8 @@ def runs(tmp_path_factory, corpus):
     recipe = small_recipe(tmp, corpus, name="dense", train=train)
     moe = small_recipe(tmp, corpus, name="moe", train=train, model={"moe": {"num_experts": 4, "top_k": 2}})
     dirs = {name: tmp / name for name in [*STRATEGIES, "ep2_zero1"]}
-    calls = [("train", [train_argv(recipe, name, dirs[name])]) for name in STRATEGIES]
+    configs = {name: ds_config(tmp, CHUNKED[name], tiling={"loss": 4}) if name in CHUNKED else name for name in dirs}
+    calls = [("train", [train_argv(recipe, configs[name], dirs[name])]) for name in STRATEGIES]
     calls.append(("train", [train_argv(moe, "ep2_zero1", dirs["ep2_zero1"])]))
     calls += [("eval_tasks", [[run, "--tasks"]]) for run in dirs.values()]
     calls.append(("pipeline_eval_total_loss", []))
@@ -101,7 +103,8 @@ def test_tasks_are_logged_at_each_evaluation(runs, strategy):
 
 
 def test_every_strategy_logs_the_same_accuracies(runs):
-    """Same math, same items: the accuracies at each evaluation agree exactly across ZeRO-1/3, PP2, TP2 and SP2."""
+    """Same math, same items: the accuracies at each evaluation agree exactly across ZeRO-1/3, PP2, TP2 and SP2, and
+    with the loss and the scorer's head chunked under ZeRO-3 and on the pipeline's last stage."""
     reference = [task_numbers(r) for r in evals(runs[0]["zero1"])]
     assert len(reference) == 2 and all(reference)
     for strategy in STRATEGIES[1:]:

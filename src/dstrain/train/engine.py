@@ -35,7 +35,8 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
         if strategy.loss_tiles > 1:
             from dstrain.train import tiling
 
-            head_loss = tiling.pipeline_loss(strategy.loss_tiles)
+            shared = recipe.model.tied and strategy.pipe_schedule == "dualpipev"  # rank 0 holds both ends
+            head_loss = tiling.pipeline_loss(strategy.loss_tiles, shared)
         # The ds_config's activation_checkpointing section alone means every block, as for the plain model.
         interval = pipeline.get("activation_checkpoint_interval", 0) or int(strategy.activation_checkpointing)
         return build_pipeline(

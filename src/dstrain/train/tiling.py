@@ -84,14 +84,17 @@ def mean_loss(
     return losses / (labels != -100).sum().clamp(min=1).to(losses.dtype)
 
 
-def pipeline_loss(tiles: int) -> Callable[[tuple[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor]:
+def pipeline_loss(
+    tiles: int, shared: bool
+) -> Callable[[tuple[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor]:
     """The pipeline's last-stage loss when its head layer hands over (hidden, weight) (dstrain.model.pipe): lm_loss,
-    tile by tile. The weight is the head's own there, even when tied (the last stage holds its own copy, whose
-    gradient DeepSpeed adds to the embedding's after the backward)."""
+    tile by tile. ``shared``: the stage's head weight is also its embedding's (a tied head where one rank holds both
+    ends, DualPipeV's rank 0); under 1F1B the last stage holds its own copy, whose gradient DeepSpeed adds to the
+    embedding's after the backward."""
 
     def loss(outputs: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         hidden, weight = outputs
-        return mean_loss(lambda tile: F.linear(tile, weight), weight, hidden, labels, tiles)
+        return mean_loss(lambda tile: F.linear(tile, weight), weight, hidden, labels, tiles, shared)
 
     return loss
 
