@@ -274,28 +274,36 @@ def task_parts(record: Mapping[str, Any]) -> list[str]:
 
 
 class MetricsLog:
-    """metrics.jsonl (one object per log or eval) plus rank 0's console line; other ranks write nothing."""
+    """metrics.jsonl (one object per log or eval) plus rank 0's console line; other ranks write nothing. Every
+    record also goes to the monitors the run's ds_config enables (W&B, TensorBoard, CSV: dstrain.monitors)."""
 
     def __init__(self, files: RunDir, enabled: bool, total_steps: int, monitor=None):
+        """``monitor``: DeepSpeed's MonitorMaster (engine.monitor); only a block dstrain does not write itself (comet)
+        can enable it."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self.start = time.time()
         self.file = files.metrics.open("a") if enabled else None
+        self.monitors = None
+        if enabled:
+            from dstrain.monitors import open_monitors
+
+            records = _read(files.metrics)  # what a resumed run kept (run.claim_run_dir cut it at the checkpoint)
+            logged_through = max((r["step"] for r in records), default=0)
+            self.monitors = open_monitors(files, logged_through, [r for r in records if "event" in r])
 
     def write(self, record: dict) -> None:
         if self.file is None:  # not rank 0
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.monitor is not None:  # DeepSpeed's TensorBoard / CSV / W&B writers, when the ds_config enables them
-            step = record["step"]
-            split = record.get("split")  # "valid", or "valid/<source>" -> eval/<source>/loss
-            prefix = "train" if split is None else "eval" + split.removeprefix("valid")
-            events = [
-                (f"{prefix}/{k}", v, step) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"
-            ]
-            self.monitor.write_events(events)
+        if self.monitors is not None:
+            self.monitors.write(record)
+        if self.monitor is not None and "event" not in record:
+            from dstrain.monitors import scalars
+
+            self.monitor.write_events([(name, value, record["step"]) for name, value in scalars(record).items()])
 
     def print_step(self, record: dict, start_step: int) -> None:
         if not self.enabled:
@@ -328,10 +336,14 @@ class MetricsLog:
         self.file.close()
         drop_records_after(path, step)
         self.file = path.open("a")
+        if self.monitors is not None:
+            self.monitors.drop_after(step)
 
     def close(self) -> None:
         if self.file:
             self.file.close()
+        if self.monitors is not None:
+            self.monitors.close()
 
 
 def peak_tensor_bytes(fn, device_type: str) -> int:

@@ -22,6 +22,7 @@ import yaml
 
 from dstrain.config import Recipe, load_recipe, to_dict
 from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError, OneLineArgumentParser
+from dstrain.monitors.settings import check_monitors
 from dstrain.run_dir import LAUNCH_KEY, RunDir, launch_record, step_of
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 from dstrain.train import console, plot, preflight
@@ -295,6 +296,7 @@ def checked_inputs(args: argparse.Namespace):
         recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, env_world_size()
     )
     preflight.check(recipe, args.recipe)
+    check_monitors(strategy.ds_config, args.deepspeed_config, recipe.output_dir)
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe)
     files = RunDir(recipe.output_dir)
     tag = resume_tag(files.checkpoints, args.resume)

@@ -1,0 +1,133 @@
+"""The dashboards of a run: W&B, TensorBoard and CSV files, each a sink of what metrics.jsonl receives.
+
+Every record ``MetricsLog`` writes reaches each enabled monitor at its optimizer step: a train record as
+``train/<key>``, an eval record of split ``valid`` as ``eval/<key>`` and of split ``valid/<source>`` (a data source,
+``averaged`` for the averaged weights) as ``eval/<source>/<key>``; events (a resume, a rolled-back spike) as the
+monitor shows text. Rank 0 alone writes them. What each monitor makes of a resume or a rollback, so that no step
+shows two values, is in its module; docs/monitoring.md says it for users.
+
+The protocol, one small interface each monitor keeps: ``write(record)``, ``event(record)``, ``drop_after(step)``
+(a rollback: the records after ``step`` belong to a discarded stretch) and ``close()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from dstrain.monitors.settings import monitor_settings
+from dstrain.run_dir import LAUNCH_KEY, RunDir
+
+
+class Monitor(Protocol):
+    def write(self, record: Mapping[str, Any]) -> None: ...
+
+    def event(self, record: Mapping[str, Any]) -> None: ...
+
+    def drop_after(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """A train or eval record's numbers under the monitors' names (None, text and flags left out)."""
+    split = record.get("split")
+    prefix = "train" if split is None else "eval" + split.removeprefix("valid")
+    return {
+        f"{prefix}/{key}": value
+        for key, value in record.items()
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+
+
+def describe(record: Mapping[str, Any]) -> str:
+    """An event record in one line, as a dashboard shows it."""
+    kind, step = record["event"], record["step"]
+    if kind == "resume":
+        changed = record.get("changed") or {}
+        line = f"resumed from {record.get('tag')} at step {step}"
+        if changed:
+            line += "; recipe changed: " + ", ".join(f"{k} {old} → {new}" for k, (old, new) in changed.items())
+        return line
+    if kind == "spike":
+        value, threshold = record["value"], record["threshold"]
+        what = f"{record['metric']} spike at step {record['spike_step']} ({value:.4g} > {threshold:.4g})"
+        skipped = record.get("skipped_samples")
+        if not skipped:
+            return what + "; no checkpoint yet, training went on"
+        return f"{what}: rolled back to {record['rolled_back_to']}, skipping samples {skipped[0]}-{skipped[1] - 1}"
+    details = {k: v for k, v in record.items() if k not in ("event", "step")}
+    return f"{kind} at step {step}" + (f": {json.dumps(details)}" if details else "")
+
+
+class Monitors:
+    """The enabled monitors as one. A monitor that fails is reported in one line and closed; training goes on
+    (a dashboard is not worth a run, and metrics.jsonl holds everything)."""
+
+    def __init__(self, monitors: list[Monitor]):
+        self.monitors = monitors
+
+    def _each(self, method: str, *args) -> None:
+        for monitor in list(self.monitors):
+            try:
+                getattr(monitor, method)(*args)
+            except Exception as e:
+                print(
+                    f"dstrain: warning: the {type(monitor).__name__} stopped ({type(e).__name__}: {e}); "
+                    f"metrics.jsonl goes on",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.monitors.remove(monitor)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._each("event" if "event" in record else "write", record)
+
+    def drop_after(self, step: int) -> None:
+        self._each("drop_after", step)
+
+    def close(self) -> None:
+        self._each("close")
+        self.monitors = []
+
+
+def run_config(files: RunDir) -> dict:
+    """What W&B and TensorBoard record once as the run's config: the recipe and the resolved ds_config, as the run
+    folder holds them (the launch record apart)."""
+    recipe = yaml.safe_load(files.recipe.read_text()) if files.recipe.is_file() else {}
+    launch = recipe.pop(LAUNCH_KEY, None)
+    ds_config = json.loads(files.ds_config.read_text()) if files.ds_config.is_file() else {}
+    return {"recipe": recipe, "ds_config": ds_config, "launch": launch}
+
+
+def open_monitors(files: RunDir, logged_through: int, events: list, env: Mapping[str, str] = os.environ) -> Monitors:
+    """Rank 0: the monitors the run folder's ds_config.json enables, continuing what they hold of this run.
+    ``logged_through``: the last step metrics.jsonl holds (a resumed run logs the steps after it again); ``events``:
+    the run's events so far."""
+    if not files.ds_config.is_file():
+        return Monitors([])
+    settings = monitor_settings(json.loads(files.ds_config.read_text()), files.root, env)
+    if not settings.any:
+        return Monitors([])
+    config = run_config(files)
+    monitors: list[Monitor] = []
+    if settings.csv is not None:
+        from dstrain.monitors.csv_files import CsvMonitor
+
+        monitors.append(CsvMonitor(settings.csv, logged_through))
+    if settings.tensorboard is not None:
+        from dstrain.monitors.tensorboard_events import TensorBoardMonitor
+
+        monitors.append(TensorBoardMonitor(settings.tensorboard, logged_through, config))
+    if settings.wandb is not None:
+        from dstrain.monitors.wandb_run import WandbMonitor
+
+        name = str(config["recipe"].get("name") or Path(files.root).name)
+        monitors.append(WandbMonitor(settings.wandb, files.wandb_run, name, config, events))
+    return Monitors(monitors)

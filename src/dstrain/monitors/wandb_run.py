@@ -1,0 +1,83 @@
+"""The W&B monitor: one W&B run per dstrain run, however often it is requeued or resumed.
+
+The run's id lives in the run folder (RunDir.wandb_run, with the last step sent); a resumed run continues it
+(``resume="allow"``), and ``--resume none`` moves the file aside with the rest of the old run, so a new W&B run
+starts. Every number goes at the optimizer step, W&B's own step (``_step``): one x-axis. W&B keeps what it was
+sent and refuses a step below its last, so the steps a resume or a rollback trains again (after the checkpoint, up
+to where the last attempt got) are not sent a second time: W&B shows their first values, the events say what
+happened, and metrics.jsonl and TensorBoard hold the values trained again. Events are W&B alerts (the run's page
+and the team's notifications) and the ``events`` table of the run's summary. The config, the recipe and the
+resolved ds_config, is set when the run is created (updated on a resume, where the current recipe applies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dstrain.monitors import describe, scalars
+from dstrain.monitors.settings import WandbSettings
+
+EVENT_COLUMNS: list[str | int] = ["step", "event", "text"]
+
+
+class WandbMonitor:
+    def __init__(self, settings: WandbSettings, id_file: Path, name: str, config: dict, events: list):
+        import wandb
+
+        self.wandb, self.id_file = wandb, id_file
+        saved = json.loads(id_file.read_text()) if id_file.is_file() else None
+        # Steps up to here are in W&B already (from an earlier attempt): not sent again.
+        self.sent_through = int(saved["logged_through"]) if saved else -1
+        self.floor = self.sent_through
+        settings.dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=settings.project,
+            entity=settings.entity,
+            group=settings.group,
+            name=name,
+            id=saved["id"] if saved else None,  # W&B names a new run
+            resume="allow",
+            dir=str(settings.dir),
+            mode=settings.mode,
+            config=None if saved else config,
+            # dstrain keeps the console in logs/rank<r>.log (train/console.py); W&B capturing it too would wrap it twice
+            settings=wandb.Settings(console="off"),
+        )
+        if saved:
+            self.run.config.update(config, allow_val_change=True)
+        self._save()  # before the first number: a job killed now still continues this W&B run
+        self.events = [[e["step"], e["event"], describe(e)] for e in events]
+        where = self.run.url or f"{settings.dir / 'wandb'} (wandb sync to upload)"
+        state = "continues" if saved else "started"
+        print(f"W&B run {self.run.id} {state} ({settings.mode}, project {settings.project}): {where}", flush=True)
+
+    def _save(self) -> None:
+        tmp = self.id_file.with_name(self.id_file.name + ".tmp")
+        tmp.write_text(json.dumps({"id": self.run.id, "logged_through": self.sent_through}) + "\n")
+        os.replace(tmp, self.id_file)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        step = int(record["step"])
+        if step <= self.floor:
+            return
+        self.run.log(scalars(record), step=step)
+        if step > self.sent_through:
+            self.sent_through = step
+            self._save()
+
+    def event(self, record: Mapping[str, Any]) -> None:
+        text = describe(record)
+        self.events.append([record["step"], record["event"], text])
+        level = "INFO" if record["event"] == "resume" else "WARN"
+        self.run.alert(title=f"{self.run.name}: {record['event']} at step {record['step']}", text=text, level=level)
+        self.run.summary["events"] = self.wandb.Table(columns=EVENT_COLUMNS, data=self.events)
+
+    def drop_after(self, step: int) -> None:
+        self.floor = max(self.floor, self.sent_through)
+
+    def close(self) -> None:
+        self.run.finish()
