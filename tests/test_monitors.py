@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
+import signal
 
 import pytest
 import yaml
@@ -16,7 +18,9 @@ from dstrain.errors import DstrainError
 from dstrain.metrics import MetricsLog, drop_records_after, read_events, read_records
 from dstrain.monitors.settings import check_monitors, monitor_settings
 from dstrain.run_dir import RunDir
+from dstrain.train.run import move_previous_run
 
+from ranks import run_ranks
 from train_helpers import ds_config, small_recipe, train_argv
 
 MONITORS = {
@@ -143,8 +147,7 @@ def test_monitors_follow_a_rollback_and_a_resume_after_a_kill(offline):
     the values it was sent first, each step once, in one run."""
     files = RunDir(offline / "run")
     files.root.mkdir()
-    files.recipe.write_text(yaml.safe_dump({"name": "tiny", "seed": 1}))
-    files.ds_config.write_text(json.dumps(_resolved(files)))
+    _write_run_files(files)
     log = MetricsLog(files, True, 10)
     for step in range(1, 7):
         log.write(record(step, 1))
@@ -198,6 +201,20 @@ def test_monitors_follow_a_rollback_and_a_resume_after_a_kill(offline):
         assert [row[:2] for row in csv.reader(f)] == [["step", "event"], ["4", "spike"], ["6", "resume"]]
     assert [e["event"] for e in read_events(files.metrics)] == ["spike", "resume"]
 
+    move_previous_run(files)  # what `--resume none` (or a start without a checkpoint) does: a new W&B run
+    _write_run_files(files)  # run.claim_run_dir writes them again
+    log = MetricsLog(files, True, 10)
+    log.write(record(1, 3))
+    log.close()
+    (fresh,) = wandb_runs(files.root / "wandb")
+    assert fresh["id"] != sessions[0]["id"] and [row["_step"] for row in fresh["history"]] == [1]
+    assert by_step(tensorboard_scalars(files.root / "tensorboard" / "tiny")["train/loss"]) == pytest.approx({1: 1.3})
+
+
+def _write_run_files(files: RunDir) -> None:
+    files.recipe.write_text(yaml.safe_dump({"name": "tiny", "seed": 1}))
+    files.ds_config.write_text(json.dumps(_resolved(files)))
+
 
 def _resolved(files: RunDir) -> dict:
     return {
@@ -205,3 +222,80 @@ def _resolved(files: RunDir) -> dict:
         "csv_monitor": {"enabled": True, "output_path": str(files.root / "csv"), "job_name": "tiny"},
         "wandb": {"enabled": True, "project": "dstrain-tests"},
     }
+
+
+# --- a real run, 2 ranks, every monitor on: a spike rolled back, a stop, a resume, a fresh start ---------------------
+
+GUARD = ("train.spike_guard.enabled=true", "train.spike_guard.window=3")
+POISON = (48, 56)  # global batch 6 (8 samples), read by step 7: a spike, rolled back to global_step6
+
+
+def poisoned_then_stopped(argv: list[str], stop_after: int) -> int:
+    """Rank target: train with samples POISON's loss x 10 (a spike at step 7), rank 0 asking to stop after step
+    ``stop_after``."""
+    from dstrain.train.run import main
+    from dstrain.train.steps import StepHooks
+
+    class Hooks(StepHooks):
+        def train_batch(self, samples, batch):
+            return {**batch, "poisoned": any(POISON[0] <= i < POISON[1] for i in samples)}
+
+        def forward(self, step, batch, forward):
+            loss = forward(batch)
+            return loss * 10.0 if batch.get("poisoned") else loss
+
+        def stepped(self, taken: int) -> None:
+            if taken == stop_after and os.environ["RANK"] == "0":
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    return main(argv, Hooks())
+
+
+@pytest.fixture(scope="module")
+def monitored(tmp_path_factory, corpus):
+    """Steps 1-8 (a spike at 7 rolled back to 6, a stop after 8), then the same command again (resumes to 10)."""
+    folder = tmp_path_factory.mktemp("monitored")
+    recipe = small_recipe(folder, corpus, train={"checkpoint_interval": 2, "eval_interval": 2})
+    run = folder / "run"
+    argv = train_argv(recipe, ds_config(folder, "zero1", **MONITORS), run, *GUARD, "train.eval_samples=8")
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP", "WANDB_RUN_ID", "WANDB_DIR"):
+            env.delenv(name, raising=False)
+        env.setenv("WANDB_MODE", "offline")
+        env.setenv("WANDB_SILENT", "true")
+        assert run_ranks(2, poisoned_then_stopped, argv, 8) == [0, 0]
+        assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+        assert run_ranks(2, poisoned_then_stopped, argv, 0) == [0, 0]
+    return run
+
+
+@pytest.mark.distributed
+def test_every_number_reaches_each_monitor_once_at_its_step(monitored):
+    run = monitored
+    records = read_records(run / "metrics.jsonl")
+    train = {r["step"]: r["loss"] for r in records if "split" not in r}
+    valid = {r["step"]: r["loss"] for r in records if r.get("split") == "valid"}
+    assert list(train) == list(range(1, 11)) and list(valid) == [2, 4, 6, 8, 10]
+    assert [(e["event"], e["step"]) for e in read_events(run / "metrics.jsonl")] == [("spike", 6), ("resume", 8)]
+    tb = tensorboard_scalars(run / "tensorboard" / "small")
+    assert by_step(tb["train/loss"]) == pytest.approx(train, rel=1e-6)  # float32 in event files
+    assert by_step(tb["eval/loss"]) == pytest.approx(valid, rel=1e-6)
+    assert set(by_step(tb["train/lr"])) == set(train) and "train/mem_peak_bytes" in tb
+    texts = tensorboard_texts(run / "tensorboard" / "small")
+    assert [s for s, _ in texts["events/spike"]] == [6] and [s for s, _ in texts["events/resume"]] == [8]
+    assert "config" in texts
+    csvs = csv_scalars(run / "csv" / "small")
+    assert by_step(csvs["train_loss"]) == train and by_step(csvs["eval_loss"]) == valid
+    sessions = wandb_runs(run / "wandb")
+    assert (
+        len(sessions) == 2
+        and sessions[0]["id"] == sessions[1]["id"] == json.loads((run / "wandb_run.json").read_text())["id"]
+    )
+    # The spike was rolled back before step 7 was logged: W&B holds exactly metrics.jsonl's numbers.
+    assert wandb_history(sessions, "train/loss") == train
+    assert wandb_history(sessions, "eval/loss") == valid
+    assert set(wandb_history(sessions, "train/tokens_per_s")) == set(train)
+    alerts = [title for s in sessions for title, _ in s["alerts"]]
+    assert alerts == ["small: spike at step 6", "small: resume at step 8"]
+    assert sessions[0]["config"]["recipe"]["train"]["steps"] == 10
+    assert sessions[0]["config"]["ds_config"]["zero_optimization"]["stage"] == 1
