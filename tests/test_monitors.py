@@ -11,6 +11,7 @@ import os
 import signal
 
 import pytest
+import wandb
 import yaml
 from monitor_readers import csv_scalars, tensorboard_scalars, tensorboard_texts, wandb_runs
 
@@ -90,7 +91,12 @@ def test_missing_monitor_pieces_are_one_line(tmp_path, monkeypatch):
         )
     with pytest.raises(DstrainError, match=r"^WANDB_MODE=offlne is not a W&B mode"):
         check_monitors({}, "d.json", tmp_path, {"WANDB_MODE": "offlne"})
-    check_monitors(MONITORS, "d.json", tmp_path, {"WANDB_DIR": str(tmp_path / "new" / "wandb")})  # created later
+    no_key = {"NETRC": str(tmp_path / "no-netrc")}
+    with pytest.raises(DstrainError, match=r"^W&B is online \(WANDB_MODE\) but finds no API key"):
+        check_monitors({"wandb": {"enabled": True}}, "d.json", tmp_path, no_key)
+    check_monitors({"wandb": {"enabled": True}}, "d.json", tmp_path, {**no_key, "WANDB_API_KEY": "k" * 40})
+    offline = {"WANDB_DIR": str(tmp_path / "new" / "wandb"), "WANDB_MODE": "offline"}
+    check_monitors(MONITORS, "d.json", tmp_path, offline)  # a WANDB_DIR to be created is fine
 
 
 @pytest.mark.parametrize(
@@ -177,6 +183,7 @@ def test_monitors_follow_a_rollback_and_a_resume_after_a_kill(offline):
         log.write(record(step, 2))
     log.write({"step": 10, "split": "valid", "loss": 10.05, "ppl": 9.0})
     log.close()
+    wandb.teardown()  # W&B's service writes the .wandb file's last records as it shuts down (at exit in a run)
 
     train = {r["step"]: r["loss"] for r in read_records(files.metrics) if "split" not in r}
     assert train == {s: s + (0.1 if s <= 4 else 0.2) for s in range(1, 11)}
@@ -206,6 +213,7 @@ def test_monitors_follow_a_rollback_and_a_resume_after_a_kill(offline):
     log = MetricsLog(files, True, 10)
     log.write(record(1, 3))
     log.close()
+    wandb.teardown()
     (fresh,) = wandb_runs(files.root / "wandb")
     assert fresh["id"] != sessions[0]["id"] and [row["_step"] for row in fresh["history"]] == [1]
     assert by_step(tensorboard_scalars(files.root / "tensorboard" / "tiny")["train/loss"]) == pytest.approx({1: 1.3})

@@ -104,6 +104,25 @@ def check_monitors(config: Mapping, ds_file: str, run_dir: Path, env: Mapping[st
             raise DstrainError(f"{why} but {package} is not installed; pip install {INSTALLS[package]}")
     if settings.wandb is not None and env.get("WANDB_DIR"):
         _check_writable(Path(env["WANDB_DIR"]), settings.wandb.mode)
+    if settings.wandb is not None and settings.wandb.mode == "online" and not _has_wandb_key(env):
+        raise DstrainError(
+            "W&B is online (WANDB_MODE) but finds no API key (WANDB_API_KEY, or ~/.netrc from `wandb login`); "
+            "run `wandb login` once, set WANDB_API_KEY, or WANDB_MODE=offline"
+        )
+
+
+def _has_wandb_key(env: Mapping[str, str]) -> bool:
+    """W&B's own sources of a key, read without wandb (it would ask on a terminal, or fail after the launch)."""
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(env.get("NETRC")).authenticators(host or "") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def _check_writable(folder: Path, mode: str) -> None:

@@ -44,14 +44,17 @@ class WandbMonitor:
             dir=str(settings.dir),
             mode=settings.mode,
             config=None if saved else config,
-            # dstrain keeps the console in logs/rank<r>.log (train/console.py); W&B capturing it too would wrap it twice
-            settings=wandb.Settings(console="off"),
+            # dstrain keeps the console in logs/rank<r>.log (train/console.py), W&B capturing it too would wrap it
+            # twice; quiet: dstrain prints the one line that says where the run is, W&B no summary of every number
+            settings=wandb.Settings(console="off", quiet=True),
         )
         if saved:
             self.run.config.update(config, allow_val_change=True)
         self._save()  # before the first number: a job killed now still continues this W&B run
         self.events = [[e["step"], e["event"], describe(e)] for e in events]
-        where = self.run.url or f"{settings.dir / 'wandb'} (wandb sync to upload)"
+        folder = Path(self.run.dir).parent  # this job's offline-run-* / run-* folder
+        # run.url warns in offline mode, where there is none
+        where = self.run.url if settings.mode == "online" else f"wandb sync {folder} uploads it"
         state = "continues" if saved else "started"
         print(f"W&B run {self.run.id} {state} ({settings.mode}, project {settings.project}): {where}", flush=True)
 
