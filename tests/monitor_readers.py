@@ -50,10 +50,11 @@ def wandb_records(path: Path):
 
 def wandb_runs(wandb_dir: Path) -> list[dict]:
     """Each session's .wandb file under ``wandb_dir`` (W&B's wandb/ folder), in time order: its run id, its
-    history rows ({key: value} with ``_step``), its alerts (title, text) and its config."""
+    history rows ({key: value} with ``_step``), its alerts (title, text), its config and its exit code (None: the
+    job did not finish it)."""
     sessions = []
     for path in sorted(wandb_dir.glob("*run-*/run-*.wandb")):
-        session: dict = {"id": None, "history": [], "alerts": [], "config": {}}
+        session: dict = {"id": None, "history": [], "alerts": [], "config": {}, "exit_code": None}
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
@@ -66,6 +67,8 @@ def wandb_runs(wandb_dir: Path) -> list[dict]:
                 session["history"].append(row)
             elif kind == "alert":
                 session["alerts"].append((record.alert.title, record.alert.text))
+            elif kind == "exit":
+                session["exit_code"] = record.exit.exit_code
             elif kind == "config":
                 session["config"].update({item.key: json.loads(item.value_json) for item in record.config.update})
         sessions.append(session)

@@ -15,7 +15,7 @@ import wandb
 import yaml
 from monitor_readers import csv_scalars, tensorboard_scalars, tensorboard_texts, wandb_runs
 
-from dstrain.errors import DstrainError
+from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError
 from dstrain.metrics import MetricsLog, drop_records_after, read_events, read_records
 from dstrain.monitors.settings import check_monitors, monitor_settings
 from dstrain.run_dir import RunDir
@@ -212,10 +212,15 @@ def test_monitors_follow_a_rollback_and_a_resume_after_a_kill(offline):
     _write_run_files(files)  # run.claim_run_dir writes them again
     log = MetricsLog(files, True, 10)
     log.write(record(1, 3))
-    log.close()
+    log.stopped(1, DiskFull("checkpoint global_step1 did not fit"), DISK_FULL_EXIT)  # as run.train does
     wandb.teardown()
     (fresh,) = wandb_runs(files.root / "wandb")
     assert fresh["id"] != sessions[0]["id"] and [row["_step"] for row in fresh["history"]] == [1]
+    assert fresh["alerts"] == [
+        ("tiny: disk_full at step 1", "disk_full at step 1: checkpoint global_step1 did not fit")
+    ]
+    assert fresh["exit_code"] == DISK_FULL_EXIT and sessions[0]["exit_code"] == 0
+    assert read_events(files.metrics)[-1]["event"] == "disk_full"
     assert by_step(tensorboard_scalars(files.root / "tensorboard" / "tiny")["train/loss"]) == pytest.approx({1: 1.3})
 
 

@@ -26,6 +26,7 @@ from typing import Any, Required, TypedDict, cast
 
 from tqdm import tqdm
 
+from dstrain.errors import DISK_FULL_EXIT
 from dstrain.run_dir import RunDir
 
 
@@ -176,10 +177,12 @@ class MetricsRecord(TypedDict, total=False):
 
 
 class EventRecord(TypedDict, total=False):
-    """One event line of metrics.jsonl: a resume (``tag``, ``changed``) or a loss spike rolled back."""
+    """One event line of metrics.jsonl: a resume (``tag``, ``changed``), a loss spike rolled back, or a run stopped
+    by an error (``message``)."""
 
     step: Required[int]
-    event: Required[str]  # "resume" | "spike"
+    event: Required[str]  # "resume" | "spike" | "disk_full" | "stopped"
+    message: str  # disk_full, stopped: the error's line
     tag: str  # resume: the checkpoint tag resumed from
     changed: dict  # resume: recipe key -> [old, new]
     spike_step: int  # spike
@@ -338,6 +341,24 @@ class MetricsLog:
         self.file = path.open("a")
         if self.monitors is not None:
             self.monitors.drop_after(step)
+
+    def stopped(self, step: int, error: Exception, exit_code: int) -> None:
+        """A run stopped by an error every rank raised (a full disk, too many fp16 overflows, a loss that is not
+        finite, too many rollbacks): its event, to the monitors first (the disk may be the full one), which close
+        with the run marked failed."""
+        if self.file is None:
+            return
+        record = {
+            "step": step,
+            "event": "disk_full" if exit_code == DISK_FULL_EXIT else "stopped",
+            "message": str(error),
+        }
+        if self.monitors is not None:
+            self.monitors.write(record)
+            self.monitors.close(exit_code)
+            self.monitors = None
+        with contextlib.suppress(OSError):
+            self.write(record)
 
     def close(self) -> None:
         if self.file:

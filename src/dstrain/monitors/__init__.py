@@ -7,7 +7,7 @@ monitor shows text. Rank 0 alone writes them. What each monitor makes of a resum
 shows two values, is in its module; docs/monitoring.md says it for users.
 
 The protocol, one small interface each monitor keeps: ``write(record)``, ``event(record)``, ``drop_after(step)``
-(a rollback: the records after ``step`` belong to a discarded stretch) and ``close()``.
+(a rollback: the records after ``step`` belong to a discarded stretch) and ``close(exit_code)``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Monitor(Protocol):
 
     def drop_after(self, step: int) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, exit_code: int = 0) -> None: ...
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
@@ -62,6 +62,8 @@ def describe(record: Mapping[str, Any]) -> str:
         if not skipped:
             return what + "; no checkpoint yet, training went on"
         return f"{what}: rolled back to {record['rolled_back_to']}, skipping samples {skipped[0]}-{skipped[1] - 1}"
+    if "message" in record:  # a run stopped by an error: disk_full, stopped
+        return f"{kind} at step {step}: {record['message']}"
     details = {k: v for k, v in record.items() if k not in ("event", "step")}
     return f"{kind} at step {step}" + (f": {json.dumps(details)}" if details else "")
 
@@ -92,8 +94,9 @@ class Monitors:
     def drop_after(self, step: int) -> None:
         self._each("drop_after", step)
 
-    def close(self) -> None:
-        self._each("close")
+    def close(self, exit_code: int = 0) -> None:
+        """``exit_code``: the training command's (W&B marks a run that ends with another than 0 failed)."""
+        self._each("close", exit_code)
         self.monitors = []
 
 

@@ -57,7 +57,7 @@ class CsvMonitor:
                 csv.writer(f).writerows(kept)
             os.replace(tmp, path)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
         pass
 
 

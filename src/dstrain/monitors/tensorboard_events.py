@@ -43,5 +43,5 @@ class TensorBoardMonitor:
         self.writer.close()
         self.writer = self._open(step + 1)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
         self.writer.close()

@@ -82,5 +82,5 @@ class WandbMonitor:
     def drop_after(self, step: int) -> None:
         self.floor = max(self.floor, self.sent_through)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)

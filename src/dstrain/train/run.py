@@ -390,7 +390,11 @@ def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
     )
     if tag:
         trainer.resume(tag)
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except DstrainError as e:  # DiskFull too: the dashboards say why the run stopped
+        trainer.log.stopped(trainer.progress.step, e, DISK_FULL_EXIT if isinstance(e, DiskFull) else 2)
+        raise
     if rank == 0:
         write_summary(files, result, recipe, strategy)
     torch.distributed.barrier()
