@@ -376,18 +376,8 @@ def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
         ep_rank = strategy.ep_rank(torch.distributed.get_rank())
         load_init_from(model, recipe, args.recipe, strategy.zero_stage == 3, strategy.ep_size, ep_rank)
     engine = build_engine(recipe, strategy, model)
-    trainer = Trainer(
-        recipe,
-        strategy,
-        engine,
-        train_data,
-        valid_sets,
-        files,
-        fingerprint,
-        identity(recipe, fingerprint),
-        tasks,
-        hooks,
-    )
+    run_identity = identity(recipe, fingerprint)
+    trainer = Trainer(recipe, strategy, engine, train_data, valid_sets, files, fingerprint, run_identity, tasks, hooks)
     if tag:
         trainer.resume(tag)
     try:
