@@ -304,7 +304,7 @@ class MetricsLog:
         if self.monitors is not None:
             self.monitors.write(record)
         if self.monitor is not None and "event" not in record:
-            from dstrain.monitors import scalars
+            from dstrain.monitors.records import scalars
 
             self.monitor.write_events([(name, value, record["step"]) for name, value in scalars(record).items()])
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dstrain.monitors import describe, scalars
+from dstrain.monitors.records import describe, scalars
 
 EVENTS = "events.csv"  # a number's file is named train_... or eval_..., never this
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dstrain.monitors import describe, scalars
+from dstrain.monitors.records import describe, scalars
 
 
 class TensorBoardMonitor:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dstrain.monitors import describe, scalars
+from dstrain.monitors.records import describe, scalars
 from dstrain.monitors.settings import WandbSettings
 
 EVENT_COLUMNS: list[str | int] = ["step", "event", "text"]
