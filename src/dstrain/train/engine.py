@@ -340,8 +340,9 @@ def load_init_from(
 @contextlib.contextmanager
 def monitor_paused(engine):
     """PipelineEngine.eval_batch(reduce_output=None) hands its monitor and its loss broadcast a list, or None off
-    the last stage, whenever the ds_config enables a monitor (DeepSpeed 0.19.8; tests/test_parallel.py::
-    test_deepspeed_pipeline_eval_monitor_defect). Our own eval record reaches the monitor through MetricsLog."""
+    the last stage, whenever DeepSpeed's monitor is on (DeepSpeed 0.19.8; tests/test_parallel.py::
+    test_deepspeed_pipeline_eval_monitor_defect): since dstrain writes TensorBoard, CSV and W&B itself
+    (dstrain.monitors), only a comet block turns it on. Our own eval record reaches the monitors through MetricsLog."""
     enabled = engine.monitor.enabled
     engine.monitor.enabled = False
     try:
