@@ -9,6 +9,8 @@ import importlib.util
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import wandb
@@ -312,3 +314,42 @@ def test_every_number_reaches_each_monitor_once_at_its_step(monitored):
     assert alerts == ["small: spike at step 6", "small: resume at step 8"]
     assert sessions[0]["config"]["recipe"]["train"]["steps"] == 10
     assert sessions[0]["config"]["ds_config"]["zero_optimization"]["stage"] == 1
+
+
+KILLED_JOB = """
+import os, sys
+from pathlib import Path
+from dstrain.metrics import MetricsLog
+from dstrain.run_dir import RunDir
+
+log = MetricsLog(RunDir(Path(sys.argv[1])), True, 6)
+for step in range(1, 6):
+    log.write({"step": step, "loss": step + 0.1})
+os._exit(9)  # a job killed hard: no close, W&B's service dies with it
+"""
+
+
+def test_a_job_killed_hard_leaves_nothing_missing_from_wandb(offline):
+    """A killed job's W&B service dies before writing (all) its records; the next job, in the same W&B run, sends
+    what the run folder kept (steps 1-2, before the checkpoint) and what it trains again (3-6): every step, once."""
+    files = RunDir(offline / "run")
+    files.root.mkdir()
+    _write_run_files(files)
+    killed = subprocess.run([sys.executable, "-c", KILLED_JOB, str(files.root)], capture_output=True, text=True)
+    assert killed.returncode == 9, killed.stderr[-2000:]
+    assert json.loads(files.wandb_run.read_text())["logged_through"] == -1  # nothing W&B surely holds
+    drop_records_after(files.metrics, 2)  # run.claim_run_dir, resuming from global_step2
+    log = MetricsLog(files, True, 6)
+    log.write({"step": 2, "event": "resume", "tag": "global_step2", "changed": {}})
+    for step in range(3, 7):
+        log.write({"step": step, "loss": step + 0.2})
+    log.close()
+    wandb.teardown()
+    want = {1: 1.1, 2: 2.1, 3: 3.2, 4: 4.2, 5: 5.2, 6: 6.2}
+    assert {r["step"]: r["loss"] for r in read_records(files.metrics)} == want
+    sessions = wandb_runs(files.root / "wandb")
+    (finished,) = [s for s in sessions if s["exit_code"] == 0]  # what the killed job's file holds depends on timing
+    assert {s["id"] for s in sessions if s["id"]} == {finished["id"]}
+    assert wandb_history([finished], "train/loss") == want
+    assert by_step(csv_scalars(files.root / "csv" / "tiny")["train_loss"]) == want
+    assert by_step(tensorboard_scalars(files.root / "tensorboard" / "tiny")["train/loss"]) == pytest.approx(want)

@@ -292,9 +292,8 @@ class MetricsLog:
         if enabled:
             from dstrain.monitors import open_monitors
 
-            records = _read(files.metrics)  # what a resumed run kept (run.claim_run_dir cut it at the checkpoint)
-            logged_through = max((r["step"] for r in records), default=0)
-            self.monitors = open_monitors(files, logged_through, [r for r in records if "event" in r])
+            # what a resumed run kept (run.claim_run_dir cut it at the checkpoint)
+            self.monitors = open_monitors(files, _read(files.metrics))
 
     def write(self, record: dict) -> None:
         if self.file is None:  # not rank 0

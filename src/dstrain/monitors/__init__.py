@@ -76,16 +76,17 @@ def run_config(files: RunDir) -> dict:
     return {"recipe": recipe, "ds_config": ds_config, "launch": launch}
 
 
-def open_monitors(files: RunDir, logged_through: int, events: list, env: Mapping[str, str] = os.environ) -> Monitors:
+def open_monitors(files: RunDir, kept: list[dict], env: Mapping[str, str] = os.environ) -> Monitors:
     """Rank 0: the monitors the run folder's ds_config.json enables, continuing what they hold of this run.
-    ``logged_through``: the last step metrics.jsonl holds (a resumed run logs the steps after it again); ``events``:
-    the run's events so far."""
+    ``kept``: the records of metrics.jsonl a resumed run keeps (those up to its checkpoint); it logs the later steps
+    again."""
     if not files.ds_config.is_file():
         return Monitors([])
     settings = monitor_settings(json.loads(files.ds_config.read_text()), files.root, env)
     if not settings.any:
         return Monitors([])
     config = run_config(files)
+    logged_through = max((r["step"] for r in kept), default=0)
     monitors: list[Monitor] = []
     if settings.csv is not None:
         from dstrain.monitors.csv_files import CsvMonitor
@@ -99,5 +100,5 @@ def open_monitors(files: RunDir, logged_through: int, events: list, env: Mapping
         from dstrain.monitors.wandb_run import WandbMonitor
 
         name = str(config["recipe"].get("name") or Path(files.root).name)
-        monitors.append(WandbMonitor(settings.wandb, files.wandb_run, name, config, events))
+        monitors.append(WandbMonitor(settings.wandb, files.wandb_run, name, config, kept))
     return Monitors(monitors)

@@ -1,13 +1,18 @@
 """The W&B monitor: one W&B run per dstrain run, however often it is requeued or resumed.
 
-The run's id lives in the run folder (RunDir.wandb_run, with the last step sent); a resumed run continues it
-(``resume="allow"``), and ``--resume none`` moves the file aside with the rest of the old run, so a new W&B run
-starts. Every number goes at the optimizer step, W&B's own step (``_step``): one x-axis. W&B keeps what it was
-sent and refuses a step below its last, so the steps a resume or a rollback trains again (after the checkpoint, up
-to where the last attempt got) are not sent a second time: W&B shows their first values, the events say what
-happened, and metrics.jsonl and TensorBoard hold the values trained again. Events are W&B alerts (the run's page
-and the team's notifications) and the ``events`` table of the run's summary. The config, the recipe and the
-resolved ds_config, is set when the run is created (updated on a resume, where the current recipe applies).
+The run's id lives in the run folder (RunDir.wandb_run), with the last step W&B surely holds; a resumed run
+continues it (``resume="allow"``), and ``--resume none`` moves the file aside with the rest of the old run, so a new
+W&B run starts. Every number goes at the optimizer step, W&B's own step (``_step``): one x-axis.
+
+W&B keeps what it was sent and refuses a step below its last, so the steps a resume or a rollback trains again
+(after the checkpoint, up to where the last attempt got) are not sent a second time: W&B shows their first values,
+the events say what happened, metrics.jsonl and TensorBoard hold the values trained again. What W&B surely holds:
+what a job sent before it closed its run, or, online, what the server's history holds; a job killed hard takes its
+unwritten records with it (W&B's service dies with it), and the next job sends those steps again.
+
+Events are W&B alerts (the run's page and the team's notifications) and the ``events`` table of the run's summary.
+The config, the recipe and the resolved ds_config, is set when the run is created (updated on a resume, where the
+current recipe applies).
 """
 
 from __future__ import annotations
@@ -25,14 +30,14 @@ EVENT_COLUMNS: list[str | int] = ["step", "event", "text"]
 
 
 class WandbMonitor:
-    def __init__(self, settings: WandbSettings, id_file: Path, name: str, config: dict, events: list):
+    def __init__(self, settings: WandbSettings, id_file: Path, name: str, config: dict, kept: list[dict]):
+        """``kept``: metrics.jsonl's records so far; those W&B may not hold (a killed job's last ones) are sent."""
         import wandb
 
         self.wandb, self.id_file = wandb, id_file
         saved = json.loads(id_file.read_text()) if id_file.is_file() else None
-        # Steps up to here are in W&B already (from an earlier attempt): not sent again.
+        # Steps up to here are in W&B already (an earlier job closed its run with them): not sent again.
         self.sent_through = int(saved["logged_through"]) if saved else -1
-        self.floor = self.sent_through
         settings.dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=settings.project,
@@ -50,8 +55,14 @@ class WandbMonitor:
         )
         if saved:
             self.run.config.update(config, allow_val_change=True)
+        if saved and settings.mode == "online":  # the server's history says how far a killed job's rows got
+            self.sent_through = max(self.sent_through, self.run.step - 1)
+        self.floor = self.sent_through
         self._save()  # before the first number: a job killed now still continues this W&B run
-        self.events = [[e["step"], e["event"], describe(e)] for e in events]
+        self.events = [[r["step"], r["event"], describe(r)] for r in kept if "event" in r]
+        for record in kept:
+            if "event" not in record:
+                self.write(record)
         folder = Path(self.run.dir).parent  # this job's offline-run-* / run-* folder
         # run.url warns in offline mode, where there is none
         where = self.run.url if settings.mode == "online" else f"wandb sync {folder} uploads it"
@@ -68,9 +79,7 @@ class WandbMonitor:
         if step <= self.floor:
             return
         self.run.log(scalars(record), step=step)
-        if step > self.sent_through:
-            self.sent_through = step
-            self._save()
+        self.sent_through = max(self.sent_through, step)
 
     def event(self, record: Mapping[str, Any]) -> None:
         text = describe(record)
@@ -84,3 +93,6 @@ class WandbMonitor:
 
     def close(self, exit_code: int = 0) -> None:
         self.run.finish(exit_code=exit_code)
+        # Only now is what was sent durable: a killed job's W&B service dies with it, before writing its last
+        # records (offline: before its first 32 KiB block), so its steps are sent again by the next job.
+        self._save()
