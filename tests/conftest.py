@@ -6,6 +6,8 @@ import tempfile
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No W&B from a developer's environment (WANDB_PROJECT turns it on): tests/test_monitors.py runs it offline itself.
+os.environ["WANDB_MODE"] = "disabled"
 # The venv's tools first (its ninja builds DeepSpeed's CPU ops; another ninja forces a rebuild of the cache).
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
 # datasets' Arrow cache of the test corpora goes with the test session, not into ~/.cache.

@@ -193,8 +193,8 @@ def test_signal_checkpoints_and_resume_continues_exactly(tmp_path, corpus, equiv
 @pytest.mark.launcher
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
 def test_launchers_end_to_end(tmp_path, corpus, launcher):
-    """The real `deepspeed` launcher and torchrun, 2 CPU ranks each, as users run them; DeepSpeed's own CSV
-    monitor (enabled in the ds_config) writes into the run directory."""
+    """The real `deepspeed` launcher and torchrun, 2 CPU ranks each, as users run them; the CSV monitor (DeepSpeed's
+    csv_monitor block in the ds_config, written by dstrain.monitors) writes into the run directory."""
     recipe = small_recipe(tmp_path, corpus, train={"steps": 6, "log_interval": 2})
     config = ds_config(tmp_path, "zero1", csv_monitor={"enabled": True})
     run = tmp_path / "run"

@@ -26,6 +26,7 @@ from typing import Any, Required, TypedDict, cast
 
 from tqdm import tqdm
 
+from dstrain.errors import DISK_FULL_EXIT
 from dstrain.run_dir import RunDir
 
 
@@ -176,10 +177,12 @@ class MetricsRecord(TypedDict, total=False):
 
 
 class EventRecord(TypedDict, total=False):
-    """One event line of metrics.jsonl: a resume (``tag``, ``changed``) or a loss spike rolled back."""
+    """One event line of metrics.jsonl: a resume (``tag``, ``changed``), a loss spike rolled back, or a run stopped
+    by an error (``message``)."""
 
     step: Required[int]
-    event: Required[str]  # "resume" | "spike"
+    event: Required[str]  # "resume" | "spike" | "disk_full" | "stopped"
+    message: str  # disk_full, stopped: the error's line
     tag: str  # resume: the checkpoint tag resumed from
     changed: dict  # resume: recipe key -> [old, new]
     spike_step: int  # spike
@@ -274,28 +277,35 @@ def task_parts(record: Mapping[str, Any]) -> list[str]:
 
 
 class MetricsLog:
-    """metrics.jsonl (one object per log or eval) plus rank 0's console line; other ranks write nothing."""
+    """metrics.jsonl (one object per log or eval) plus rank 0's console line; other ranks write nothing. Every
+    record also goes to the monitors the run's ds_config enables (W&B, TensorBoard, CSV: dstrain.monitors)."""
 
     def __init__(self, files: RunDir, enabled: bool, total_steps: int, monitor=None):
+        """``monitor``: DeepSpeed's MonitorMaster (engine.monitor); only a block dstrain does not write itself (comet)
+        can enable it."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self.start = time.time()
         self.file = files.metrics.open("a") if enabled else None
+        self.monitors = None
+        if enabled:
+            from dstrain.monitors import open_monitors
+
+            # what a resumed run kept (run.claim_run_dir cut it at the checkpoint)
+            self.monitors = open_monitors(files, _read(files.metrics))
 
     def write(self, record: dict) -> None:
         if self.file is None:  # not rank 0
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.monitor is not None:  # DeepSpeed's TensorBoard / CSV / W&B writers, when the ds_config enables them
-            step = record["step"]
-            split = record.get("split")  # "valid", or "valid/<source>" -> eval/<source>/loss
-            prefix = "train" if split is None else "eval" + split.removeprefix("valid")
-            events = [
-                (f"{prefix}/{k}", v, step) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"
-            ]
-            self.monitor.write_events(events)
+        if self.monitors is not None:
+            self.monitors.write(record)
+        if self.monitor is not None and "event" not in record:
+            from dstrain.monitors.records import scalars
+
+            self.monitor.write_events([(name, value, record["step"]) for name, value in scalars(record).items()])
 
     def print_step(self, record: dict, start_step: int) -> None:
         if not self.enabled:
@@ -328,10 +338,32 @@ class MetricsLog:
         self.file.close()
         drop_records_after(path, step)
         self.file = path.open("a")
+        if self.monitors is not None:
+            self.monitors.drop_after(step)
+
+    def stopped(self, step: int, error: Exception, exit_code: int) -> None:
+        """A run stopped by an error every rank raised (a full disk, too many fp16 overflows, a loss that is not
+        finite, too many rollbacks): its event, to the monitors first (the disk may be the full one), which close
+        with the run marked failed."""
+        if self.file is None:
+            return
+        record = {
+            "step": step,
+            "event": "disk_full" if exit_code == DISK_FULL_EXIT else "stopped",
+            "message": str(error),
+        }
+        if self.monitors is not None:
+            self.monitors.write(record)
+            self.monitors.close(exit_code)
+            self.monitors = None
+        with contextlib.suppress(OSError):
+            self.write(record)
 
     def close(self) -> None:
         if self.file:
             self.file.close()
+        if self.monitors is not None:
+            self.monitors.close()
 
 
 def peak_tensor_bytes(fn, device_type: str) -> int:

@@ -8,6 +8,8 @@ checkpoints/global_step<N>/   DeepSpeed's checkpoint of step N, and `latest` nam
 logs/rank<r>.log, loss.png    each rank's full output; train and valid loss with the learning rate
 tasks.png                     the train.tasks' accuracies at each evaluation (runs with train.tasks)
 hang/rank<r>.txt              every thread's stack of each rank when the hang watchdog fired, the stuck ranks named
+tensorboard/, csv/            the monitors' files, when the ds_config enables them (dstrain.monitors)
+wandb_run.json, wandb/        the W&B run this run logs to (its id: a resumed run continues it), W&B's own files
 previous/<UTC time>/          an earlier run's files, moved aside by `--resume none`
 """
 
@@ -43,7 +45,8 @@ def step_of(tag: str) -> int:
 class RunDir:
     root: Path
 
-    # What a run writes (DeepSpeed's monitors: tensorboard/, csv/), and so what `--resume none` moves into previous/.
+    # What a run writes (the monitors: tensorboard/, csv/, wandb_run.json and W&B's wandb/), and so what
+    # `--resume none` moves into previous/ (a fresh start is a new W&B run).
     # The logs of the launch itself (compare's launcher.log, the Slurm job's link) stay.
     WRITTEN = (
         "checkpoints",
@@ -57,11 +60,13 @@ class RunDir:
         "tasks.png",
         "tensorboard",
         "csv",
+        "wandb_run.json",
+        "wandb",
         "hang",
     )
-    # What may be in a run folder besides: a metrics rewrite in progress, W&B's folder, what launchers put there
-    # first (slurm/train.sbatch its hostfile), earlier runs.
-    ALLOWED = (*WRITTEN, "metrics.jsonl.tmp", "wandb", "hostfile", "previous")
+    # What may be in a run folder besides: a metrics rewrite in progress, what launchers put there first
+    # (slurm/train.sbatch its hostfile), earlier runs.
+    ALLOWED = (*WRITTEN, "metrics.jsonl.tmp", "hostfile", "previous")
 
     @property
     def recipe(self) -> Path:
@@ -95,6 +100,11 @@ class RunDir:
     def records(self) -> tuple[Path, ...]:
         """What any run leaves, even one that failed at its start: one of them there, a run was here."""
         return self.metrics, self.summary, self.ds_config
+
+    @property
+    def wandb_run(self) -> Path:
+        """The W&B run's id and the last step sent to it (dstrain.monitors.wandb_run)."""
+        return self.root / "wandb_run.json"
 
     @property
     def loss_plot(self) -> Path:

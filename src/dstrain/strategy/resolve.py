@@ -315,17 +315,17 @@ def _check_bf16_sums_in_fp32(config: dict, ds_file: str, stage: int) -> None:
 
 
 def _fill_monitor_paths(config: dict, recipe: Recipe) -> None:
-    """DeepSpeed's monitor blocks write where the run lives unless the ds_config says otherwise."""
-    for block, folder in [("tensorboard", "tensorboard"), ("csv_monitor", "csv"), ("wandb", None)]:
+    """The TensorBoard and CSV monitors write into the run folder, in a folder named after the recipe, unless the
+    ds_config says otherwise (DeepSpeed's output_path / job_name). DeepSpeed's wandb block has neither: its project,
+    team and group default to W&B's environment variables (dstrain.monitors.settings)."""
+    for block, folder in [("tensorboard", "tensorboard"), ("csv_monitor", "csv")]:
         section = config.get(block)
         if not isinstance(section, dict) or not section.get("enabled"):
             continue
-        if folder and section.get("output_path", AUTO) == AUTO:
+        if section.get("output_path", AUTO) == AUTO:
             section["output_path"] = str(recipe.output_dir / folder)
         if section.get("job_name", AUTO) == AUTO:
             section["job_name"] = recipe.name
-        if block == "wandb" and section.get("project", AUTO) == AUTO:
-            section["project"] = "dstrain"
 
 
 def _differs(pinned: Any, value: Any) -> bool:

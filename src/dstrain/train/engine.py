@@ -15,6 +15,7 @@ import torch
 
 from dstrain.config import Recipe
 from dstrain.model.gpt import GPT, param_groups
+from dstrain.monitors.settings import MONITOR_BLOCKS
 from dstrain.strategy.resolve import Strategy
 from dstrain.train import grad_norm, muon_zero
 from dstrain.train.schedule import build_scheduler
@@ -130,8 +131,9 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
 
         tiling.tile_mlps(model, strategy.mlp_tiles)
     # "expert_parallel" is dstrain's to read (strategy: the classic MoE layer's size); given to DeepSpeed it would turn
-    # on AutoEP, which finds no layer of its own here.
-    ds_config = {key: value for key, value in strategy.ds_config.items() if key != "expert_parallel"}
+    # on AutoEP, which finds no layer of its own here. The monitor blocks are dstrain's to write (dstrain.monitors, at
+    # the optimizer step): DeepSpeed's own writers would log its events at the sample count, a second x-axis.
+    ds_config = {k: v for k, v in strategy.ds_config.items() if k not in ("expert_parallel", *MONITOR_BLOCKS)}
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, recipe.optim.weight_decay),
@@ -345,8 +347,9 @@ def load_init_from(
 @contextlib.contextmanager
 def monitor_paused(engine):
     """PipelineEngine.eval_batch(reduce_output=None) hands its monitor and its loss broadcast a list, or None off
-    the last stage, whenever the ds_config enables a monitor (DeepSpeed 0.19.8; tests/test_parallel.py::
-    test_deepspeed_pipeline_eval_monitor_defect). Our own eval record reaches the monitor through MetricsLog."""
+    the last stage, whenever DeepSpeed's monitor is on (DeepSpeed 0.19.8; tests/test_parallel.py::
+    test_deepspeed_pipeline_eval_monitor_defect): since dstrain writes TensorBoard, CSV and W&B itself
+    (dstrain.monitors), only a comet block turns it on. Our own eval record reaches the monitors through MetricsLog."""
     enabled = engine.monitor.enabled
     engine.monitor.enabled = False
     try:

@@ -22,6 +22,7 @@ import yaml
 
 from dstrain.config import Recipe, load_recipe, to_dict
 from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError, OneLineArgumentParser
+from dstrain.monitors.settings import check_monitors
 from dstrain.run_dir import LAUNCH_KEY, RunDir, launch_record, step_of
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 from dstrain.train import console, plot, preflight
@@ -295,6 +296,7 @@ def checked_inputs(args: argparse.Namespace):
         recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, env_world_size()
     )
     preflight.check(recipe, args.recipe)
+    check_monitors(strategy.ds_config, args.deepspeed_config, recipe.output_dir)
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe)
     files = RunDir(recipe.output_dir)
     tag = resume_tag(files.checkpoints, args.resume)
@@ -374,21 +376,15 @@ def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
         ep_rank = strategy.ep_rank(torch.distributed.get_rank())
         load_init_from(model, recipe, args.recipe, strategy.zero_stage == 3, strategy.ep_size, ep_rank)
     engine = build_engine(recipe, strategy, model)
-    trainer = Trainer(
-        recipe,
-        strategy,
-        engine,
-        train_data,
-        valid_sets,
-        files,
-        fingerprint,
-        identity(recipe, fingerprint),
-        tasks,
-        hooks,
-    )
+    run_identity = identity(recipe, fingerprint)
+    trainer = Trainer(recipe, strategy, engine, train_data, valid_sets, files, fingerprint, run_identity, tasks, hooks)
     if tag:
         trainer.resume(tag)
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except DstrainError as e:  # DiskFull too: the dashboards say why the run stopped
+        trainer.log.stopped(trainer.progress.step, e, DISK_FULL_EXIT if isinstance(e, DiskFull) else 2)
+        raise
     if rank == 0:
         write_summary(files, result, recipe, strategy)
     torch.distributed.barrier()
