@@ -82,6 +82,37 @@ def test_moe_block_equals_a_token_by_token_computation():
     assert counts is None  # eval forwards are not counted in the training shares
 
 
+def test_recompute_keeps_the_router_losses_their_gradient_and_counts_each_token_once():
+    """A checkpointed MoE block gives the router the gradients of the aux and z losses (the refusal's reason, gone),
+    and the MoE meter counts each routed token once though the recompute runs the router again. fp32, one process."""
+    import deepspeed
+
+    from dstrain.model.gpt import lm_loss
+    from dstrain.train.moe_metrics import MoEMeter
+
+    config = dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, aux_loss_coef=0.5, z_loss_coef=0.1))
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def step(checkpoint_fn):
+        torch.manual_seed(0)
+        model = GPT(config).train()
+        model.checkpoint_fn = checkpoint_fn
+        meter = MoEMeter(model, config, torch.device("cpu"))
+        loss = lm_loss(model(tokens), tokens)
+        (loss + meter.losses()).backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        return [loss.item(), *meter.sums.tolist()], [c.tolist() for c in meter.counts], grads
+
+    plain, recomputed = step(None), step(deepspeed.checkpointing.checkpoint)
+    assert recomputed[0] == pytest.approx(plain[0], rel=1e-6, abs=0)  # loss; aux, z, micro-batches
+    assert recomputed[1] == plain[1]
+    assert all(sum(layer) == tokens.numel() * 2 for layer in recomputed[1])  # top-2: each token's 2 copies, once
+    router = "blocks.0.mlp.moe.deepspeed_moe.gate.wg.weight"
+    assert plain[2][router].abs().sum() > 0
+    for name, grad in plain[2].items():
+        assert torch.allclose(recomputed[2][name], grad, rtol=1e-6, atol=1e-9), name
+
+
 def test_param_counts_total_and_active():
     model = GPT(CONFIG)
     total = sum(p.numel() for p in model.parameters())

@@ -73,11 +73,6 @@ def _check_moe_combinations(
             f"0-2 only); use ds_configs/ep2_zero2_bf16.json or zero2_bf16.json",
         ),
         (
-            "activation_checkpointing" in config,
-            "activation_checkpointing with model.moe would train the router without its aux and z losses (a "
-            "checkpointed block's first forward runs without autograd); remove the activation_checkpointing section",
-        ),
-        (
             pp_stages > 1,
             "model.moe with pipeline.stages > 1 is not supported (dstrain's pipeline stages carry no DeepSpeed MoE "
             "layer); use ds_configs/ep2_zero1.json",
