@@ -177,7 +177,7 @@ def test_a_moe_checkpoint_does_not_change_topology(tmp_path):
     ep2 = Topology(world_size=2, zero_stage=1, dp_size=2, tp_size=1, pp_stages=1, precision="fp32", ep_size=2)
     ep1 = dataclasses.replace(ep2, ep_size=1)
     assert needs_conversion(ep2, ep1) and needs_conversion(ep1, ep2) and not needs_conversion(ep2, ep2)
-    with pytest.raises(DstrainError, match="an MoE run cannot change topology .*expert-parallel 2 -> ZeRO-1"):
+    with pytest.raises(DstrainError, match="an MoE run cannot change topology .*expert-parallel 2 -> ZeRO-1.*/5716"):
         check_convertible(tmp_path, ep2, ep1, moe=True)
     assert Topology.from_record(ep2.to_record()) == ep2
 
