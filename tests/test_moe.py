@@ -3,6 +3,7 @@
 activation checkpointing (the router losses keep their gradient through the recompute), the run resumes exactly, and
 the checkpoint exports to a MixtralForCausalLM with our logits."""
 
+import json
 import math
 
 import pytest
@@ -34,6 +35,19 @@ def run_all(calls: list) -> list:
     return [(globals().get(name) or getattr(train_helpers, name))(*args) for name, args in calls]
 
 
+def shipped_layout_in_fp32(tmp, name: str = "ep8_zero2_offload_bf16"):
+    """The layout shipped with continue-qwen3-30b-a3b (ZeRO-2, experts split, optimizer on the host) on 2 fp32 ranks:
+    experts over 2, its micro-batch for the global batch of 8, and activation checkpointing besides."""
+    config = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
+    for key in ("bf16", "data_types", "communication_data_type"):
+        config.pop(key)
+    config.update(train_micro_batch_size_per_gpu=4, activation_checkpointing=CHECKPOINTING)
+    config["expert_parallel"]["autoep_size"] = 2
+    path = tmp / f"{name}-fp32-ep2-recompute.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus):
     tmp = tmp_path_factory.mktemp("moe")
@@ -48,6 +62,7 @@ def runs(tmp_path_factory, corpus):
         "ep2_zero2": ep2_zero2,
         "zero1_recompute": ds_config(tmp, "zero1", activation_checkpointing=CHECKPOINTING),
         "ep2_zero1_recompute": ds_config(tmp, "ep2_zero1", activation_checkpointing=CHECKPOINTING),
+        "shipped_layout": shipped_layout_in_fp32(tmp),
     }
     d = {name: tmp / name for name in [*configs, "ep2_resumed", "qwen3_moe_zero1", "qwen3_moe_ep2_zero1"]}
     calls = [("train", [train_argv(recipe, config, d[name])]) for name, config in configs.items()]
@@ -79,6 +94,7 @@ def train_records(run_dir) -> list[dict]:
         ("zero2", "zero1"),
         ("ep2_dp4", "zero1_dp4"),
         ("qwen3_moe_ep2_zero1", "qwen3_moe_zero1"),
+        ("shipped_layout", "ep2_zero1"),  # DeepSpeed takes the planner's MoE layout, CPU Adam and recompute
     ],
 )
 def test_expert_parallel_gives_the_same_losses_and_gradients(runs, run, reference):
