@@ -73,6 +73,10 @@ def model_parallel_size(ds: dict) -> int:
     return ds.get("pipeline", {}).get("stages", 1) * tp * ds.get("sequence_parallel_size", 1)
 
 
+def expert_parallel_size(ds: dict) -> int:
+    return ds.get("expert_parallel", {}).get("autoep_size", 1)
+
+
 @pytest.mark.parametrize("config", SHIPPED)
 def test_every_shipped_ds_config_resolves_or_refuses_clearly(tmp_path, config, monkeypatch):
     fake_fp16(monkeypatch, False)  # a device without fp16, whatever this machine has
@@ -82,10 +86,10 @@ def test_every_shipped_ds_config_resolves_or_refuses_clearly(tmp_path, config, m
         return
     recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4, "n_head": 8, "d_model": 64}}
     recipe["train"] = {"global_batch": 32, "steps": 4}
-    if "expert_parallel" in ds:  # expert parallelism needs a mixture of experts
-        recipe["model"]["moe"] = {"num_experts": 4}
+    if "expert_parallel" in ds:  # expert parallelism needs a mixture of experts, and as many data-parallel ranks
+        recipe["model"]["moe"] = {"num_experts": max(4, expert_parallel_size(ds))}
     stages = model_parallel_size(ds)
-    s = strategy_for(tmp_path, ds, world=2 * stages, recipe=recipe)
+    s = strategy_for(tmp_path, ds, world=max(2, expert_parallel_size(ds)) * stages, recipe=recipe)
     assert s.micro_batch * s.grad_accum * s.dp_size == 32
 
 
@@ -96,12 +100,12 @@ def test_every_shipped_ds_config_passes_deepspeeds_own_parser(tmp_path, monkeypa
     fake_fp16(monkeypatch, True)
     recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4, "n_head": 8, "d_model": 64}}
     recipe["train"] = {"global_batch": 32, "steps": 4}
-    moe_recipe = {**recipe, "model": {**recipe["model"], "moe": {"num_experts": 4}}}
     for config in SHIPPED:
         ds = json.loads((ROOT / "ds_configs" / config).read_text())
-        stages = model_parallel_size(ds)
-        model = moe_recipe if "expert_parallel" in ds else recipe
-        validate_ds_config(strategy_for(tmp_path, ds, world=2 * stages, recipe=model).ds_config, config)
+        stages, ep = model_parallel_size(ds), expert_parallel_size(ds)
+        model = {**recipe, "model": {**recipe["model"], "moe": {"num_experts": max(4, ep)}}}
+        model = model if "expert_parallel" in ds else recipe
+        validate_ds_config(strategy_for(tmp_path, ds, world=max(2, ep) * stages, recipe=model).ds_config, config)
 
 
 def test_deepspeed_sections_dstrain_does_not_read_are_accepted(tmp_path):

@@ -1,7 +1,9 @@
 """Mixture of experts on CPU ranks (gloo, fp32): expert parallelism from the ds_config never changes the math
-(losses, router losses and pre-clip gradient norms of EP1 and EP2 agree under ZeRO-1 and ZeRO-2), the run resumes
-exactly, and the checkpoint exports to a MixtralForCausalLM with our logits."""
+(losses, router losses and pre-clip gradient norms of EP1 and EP2 agree under ZeRO-1 and ZeRO-2), nor does
+activation checkpointing (the router losses keep their gradient through the recompute), the run resumes exactly, and
+the checkpoint exports to a MixtralForCausalLM with our logits."""
 
+import json
 import math
 
 import pytest
@@ -16,6 +18,9 @@ pytestmark = pytest.mark.distributed
 # EP2 computes each expert on the tokens of both ranks in one matmul where EP1 runs two and the all-reduce adds
 # them: the same fp32 sums in another order. Measured: agreement to ~1e-7 relative over 10 steps.
 RTOL = 1e-5
+# Recompute runs the same block on the same inputs: the same sums in the same order (measured: equal, bit for bit)
+RECOMPUTE_RTOL = 1e-6
+CHECKPOINTING = {"partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False}
 MOE = {"num_experts": 4, "top_k": 2}
 # Qwen3-MoE's features: q/k norms per head, a decoupled head width, unnormalised top-k weights, a dense first block
 QWEN3_MOE = {
@@ -30,6 +35,19 @@ def run_all(calls: list) -> list:
     return [(globals().get(name) or getattr(train_helpers, name))(*args) for name, args in calls]
 
 
+def shipped_layout_in_fp32(tmp, name: str = "ep8_zero2_offload_bf16"):
+    """The layout shipped with continue-qwen3-30b-a3b (ZeRO-2, experts split, optimizer on the host) on 2 fp32 ranks:
+    experts over 2, its micro-batch for the global batch of 8, and activation checkpointing besides."""
+    config = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
+    for key in ("bf16", "data_types", "communication_data_type"):
+        config.pop(key)
+    config.update(train_micro_batch_size_per_gpu=4, activation_checkpointing=CHECKPOINTING)
+    config["expert_parallel"]["autoep_size"] = 2
+    path = tmp / f"{name}-fp32-ep2-recompute.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus):
     tmp = tmp_path_factory.mktemp("moe")
@@ -42,6 +60,9 @@ def runs(tmp_path_factory, corpus):
         "ep2_zero1": ROOT / "ds_configs" / "ep2_zero1.json",
         "zero2": zero2,
         "ep2_zero2": ep2_zero2,
+        "zero1_recompute": ds_config(tmp, "zero1", activation_checkpointing=CHECKPOINTING),
+        "ep2_zero1_recompute": ds_config(tmp, "ep2_zero1", activation_checkpointing=CHECKPOINTING),
+        "shipped_layout": shipped_layout_in_fp32(tmp),
     }
     d = {name: tmp / name for name in [*configs, "ep2_resumed", "qwen3_moe_zero1", "qwen3_moe_ep2_zero1"]}
     calls = [("train", [train_argv(recipe, config, d[name])]) for name, config in configs.items()]
@@ -73,6 +94,7 @@ def train_records(run_dir) -> list[dict]:
         ("zero2", "zero1"),
         ("ep2_dp4", "zero1_dp4"),
         ("qwen3_moe_ep2_zero1", "qwen3_moe_zero1"),
+        ("shipped_layout", "ep2_zero1"),  # DeepSpeed takes the planner's MoE layout, CPU Adam and recompute
     ],
 )
 def test_expert_parallel_gives_the_same_losses_and_gradients(runs, run, reference):
@@ -82,6 +104,15 @@ def test_expert_parallel_gives_the_same_losses_and_gradients(runs, run, referenc
         a = [r[key] for r in ours]
         b = [r[key] for r in theirs]
         assert a == pytest.approx(b, rel=RTOL), key
+
+
+@pytest.mark.parametrize("run, reference", [("zero1_recompute", "zero1"), ("ep2_zero1_recompute", "ep2_zero1")])
+def test_activation_checkpointing_keeps_the_router_losses_and_their_gradients(runs, run, reference):
+    ours, theirs = train_records(runs[run]), train_records(runs[reference])
+    assert len(ours) == len(theirs) == 10
+    keys = ["loss", "moe_aux_loss", "moe_z_loss", "grad_norm", "moe_layer0_share_max", "moe_layer1_share_entropy"]
+    for key in keys:
+        assert [r[key] for r in ours] == pytest.approx([r[key] for r in theirs], rel=RECOMPUTE_RTOL, abs=0), key
 
 
 def test_metrics_record_router_losses_and_expert_shares(runs):

@@ -41,6 +41,12 @@ LAYOUTS = {
     ),
     "sp2": ("sp2_zero1", {}, False),
     "ep2": ("ep2_zero1", {"train_micro_batch_size_per_gpu": 2}, True),
+    # the recompute dispatches and combines each MoE block's tokens again
+    "ep2_recompute": (
+        "ep2_zero1",
+        {"train_micro_batch_size_per_gpu": 2, "activation_checkpointing": {"partition_activations": False}},
+        True,
+    ),
 }
 
 

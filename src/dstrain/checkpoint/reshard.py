@@ -131,8 +131,9 @@ def check_convertible(tag_dir: Path, old: Topology, new: Topology, moe: bool = F
         # per-expert files and their optimizer state in expert-data-parallel partitions, which it does not read.
         raise DstrainError(
             f"{tag_dir}: an MoE run cannot change topology ({old.describe()} -> {new.describe()}): DeepSpeed's "
-            f"universal checkpoint does not convert its expert optimizer partitions; resume with the saved "
-            f"ds_config and rank count, or continue from the weights (dstrain export, then init_from)"
+            f"universal checkpoint does not convert its expert optimizer partitions "
+            f"(https://github.com/deepspeedai/DeepSpeed/issues/5716); resume with the saved ds_config and rank "
+            f"count, or continue from the weights (dstrain export, then init_from)"
         )
     for t in (old, new):
         what = (

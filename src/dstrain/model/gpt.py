@@ -34,7 +34,7 @@ from torch import nn
 
 from dstrain.model.config import GPTConfig
 from dstrain.model.doc_attention import doc_attention
-from dstrain.model.moe import MoEMLP
+from dstrain.model.moe import MoEMLP, checkpointed_moe_block
 from dstrain.model.rope import rope_cos_sin
 
 StateDict = dict[str, torch.Tensor]  # a model's weights by parameter name
@@ -266,7 +266,10 @@ class GPT(nn.Module):
         if self.checkpoint_fn is not None and self.training:
             # No None argument: DeepSpeed 0.19.8's partition_activations mangles non-tensor arguments in the backward
             # (checkpointing.get_partitioned_activations_for_backward pairs each with a None size).
-            return self.checkpoint_fn(block, x) if position_ids is None else self.checkpoint_fn(block, x, position_ids)
+            args = (x,) if position_ids is None else (x, position_ids)
+            if isinstance(block.mlp, MoEMLP):  # its router losses leave the checkpoint as outputs (model/moe.py)
+                return checkpointed_moe_block(self.checkpoint_fn, block, *args)
+            return self.checkpoint_fn(block, *args)
         return block(x, position_ids)
 
 

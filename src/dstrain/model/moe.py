@@ -17,6 +17,13 @@ counts first choices only), so the gate is ours: MOELayer takes any gate returni
 Expert parallelism is chosen by the ds_config, outside the model: GPT(config, ep_size, ep_rank) keeps experts
 ep_rank * E/ep_size ... of each layer; every rank draws the initial weights of all experts in the same order, so
 the weights of expert e are the same whatever the layout.
+
+Activation checkpointing (checkpointed_moe_block): a checkpointed block's first forward runs without autograd, so
+the router losses it leaves on the Router would carry no gradient. The block is therefore checkpointed as a function
+returning (output, aux loss, z loss): the checkpoint's outputs join the graph, and the recompute in the backward
+takes the losses' gradients back into the router. The recompute runs the Router again, so the Router keeps only its
+last forward's losses and token counts, and the MoE meter (train/moe_metrics.py) adds them up once per micro-batch,
+outside the recomputed region.
 """
 
 from __future__ import annotations
@@ -58,7 +65,8 @@ class Router(nn.Module):
     """A gate for DeepSpeed's MOELayer with Mixtral's routing, dropless.
 
     Returns the sparse routes MOELayer dispatches; keeps this forward's losses (aux_loss, z_loss, differentiable)
-    and adds the token counts per expert to `counts` (read and reset by the metrics).
+    and token counts per expert (`counts`, None after an eval forward), which the MoE meter reads once per
+    micro-batch: a recompute in the backward overwrites them with the same values and counts nothing twice.
     """
 
     def __init__(self, config: GPTConfig, wg: nn.Module) -> None:
@@ -69,7 +77,7 @@ class Router(nn.Module):
         self.wg = wg  # d_model -> num_experts logits, without bias
         self.ep_group = None  # set by DeepSpeed (MOELayer._set_ep_group) once the engine made the groups
         self.aux_loss = self.z_loss = torch.zeros(())
-        # Tokens per expert since the metrics last read them; not a buffer, which a bf16 engine would round.
+        # Tokens per expert of the last training forward; not a buffer, which a bf16 engine would round.
         self.counts: torch.Tensor | None = None
 
     def _set_ep_group(self, ep_group) -> None:
@@ -87,9 +95,7 @@ class Router(nn.Module):
         one_hot = F.one_hot(routes, self.num_experts)
         slots = ((one_hot.cumsum(dim=0) - 1) * one_hot).sum(dim=-1).view(self.top_k, -1)
         counts = one_hot.sum(dim=0)
-        if self.training:
-            counted = counts.detach().to(torch.float64)
-            self.counts = counted if self.counts is None else self.counts + counted
+        self.counts = counts.detach().to(torch.float64) if self.training else None
         # Dropless: the buffer holds the busiest expert's tokens on any rank of the expert-parallel group.
         capacity = counts.max().detach()
         if self.ep_group is not None and torch.distributed.get_world_size(self.ep_group) > 1:
@@ -134,6 +140,21 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.moe(x)[0]
+
+
+def checkpointed_moe_block(checkpoint_fn, block: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+    """block(*args) through ``checkpoint_fn`` (deepspeed.checkpointing.checkpoint) with its router's losses among the
+    checkpoint's outputs (module docstring): what the Router holds afterwards is part of the graph, and the loss
+    built on it reaches the router's weights through the recompute."""
+    mlp = block.mlp
+    assert isinstance(mlp, MoEMLP)
+    router = mlp.router
+
+    def block_and_router_losses(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return block(*inputs), router.aux_loss, router.z_loss
+
+    out, router.aux_loss, router.z_loss = checkpoint_fn(block_and_router_losses, *args)
+    return out
 
 
 def moe_routers(model: nn.Module) -> list[Router]:

@@ -25,9 +25,9 @@ T = micro-batch x seq_len / sp the tokens of one micro-batch on a rank and h the
     PP (1F1B)   send and recv Thb per micro-batch on every stage (activations one way, their gradients back)
     SP          all_to_all_single per block and micro-batch: q, k, v and the context in the forward, their
                 gradients in the backward (Ulysses)
-    EP          all_to_all_single per MoE layer and micro-batch: dispatch and combine in the forward and backward,
-                k·T tokens padded to the busiest expert (dropless: the planner assumes balanced routing, the
-                test measures the run's imbalance)
+    EP          all_to_all_single per MoE layer and micro-batch: dispatch and combine in the forward and backward
+                (and in the recompute, with activation checkpointing), k·T tokens padded to the busiest expert
+                (dropless: the planner assumes balanced routing, the test measures the run's imbalance)
 
 The ZeRO all-reduce runs over the data-parallel group (and the sequence-parallel ranks); expert parameters reduce
 over their expert-data-parallel group.
@@ -157,7 +157,7 @@ def model_parallel_traffic(recipe: Recipe, strategy: Strategy, imbalance: float 
         )
     if strategy.ep_size > 1 and m.moe is not None:
         routed = tokens * m.moe.top_k * imbalance * m.d_model * b  # num_experts x capacity x d_model
-        per_layer = round(4 * routed)  # dispatch and combine, forward and backward
+        per_layer = round((2 * recompute + 2) * routed)  # dispatch and combine, forward(s) and backward
         parts.append(
             Traffic("all_to_all_single", "ep", strategy.ep_size, g * m.n_moe_layers * per_layer, "tokens", False)
         )

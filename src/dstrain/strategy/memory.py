@@ -89,8 +89,10 @@ def estimate(
     est.parts += averaging_parts(recipe.train.averaging, strategy, counts.per_rank)
     est.parts += activation_parts(recipe, strategy, fused_norms)
     if recipe.model.moe is not None:
-        moe_bytes = moe_activation_bytes(recipe.model, strategy.micro_batch * recipe.data.seq_len, strategy.precision)
-        est.parts.append(Part("activations", "MoE experts and all-to-all buffers", "device", moe_bytes, 0, MOE_FORMULA))
+        tokens, recompute = strategy.micro_batch * recipe.data.seq_len, strategy.activation_checkpointing
+        moe_bytes = moe_activation_bytes(recipe.model, tokens, strategy.precision, recompute)
+        formula = MOE_FORMULA.replace("n_moe", "1") if recompute else MOE_FORMULA
+        est.parts.append(Part("activations", "MoE experts and all-to-all buffers", "device", moe_bytes, 0, formula))
     est.parts += buffer_parts(strategy, zero, counts)
     if strategy.sp_size > 1:
         size = sp_exchange_bytes(recipe, strategy)

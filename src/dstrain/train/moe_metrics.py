@@ -22,6 +22,8 @@ class MoEMeter:
         self.routers = moe_routers(module)
         self.layers = [i for i in range(config.n_layer) if config.is_moe_block(i)]
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # aux, z, micro-batches
+        # Routed tokens per expert of each MoE layer since the last record
+        self.counts = [torch.zeros(r.num_experts, dtype=torch.float64, device=device) for r in self.routers]
 
     @property
     def enabled(self) -> bool:
@@ -31,18 +33,19 @@ class MoEMeter:
         """What the last forward's routers add to the LM loss (coefficients applied); counted for the metrics."""
         extra, aux, z = router_losses(self.module, self.config)
         self.sums += torch.stack([aux.detach().double(), z.detach().double(), torch.ones((), dtype=torch.float64)])
+        # Counted here, once per micro-batch: a checkpointed block's recompute runs its router again (model/moe.py).
+        for router, counts in zip(self.routers, self.counts):
+            if router.counts is not None:
+                counts += router.counts.to(counts.device)
         return extra
 
     def record(self) -> dict:
         """A collective: the interval's aux/z means over all ranks and the token shares per layer; then reset."""
-        counts = [
-            r.counts if r.counts is not None else torch.zeros(r.num_experts, dtype=torch.float64) for r in self.routers
-        ]
-        packed = torch.cat([self.sums, *[c.to(self.device) for c in counts]])
+        packed = torch.cat([self.sums, *self.counts])
         torch.distributed.all_reduce(packed)
         self.sums.zero_()
-        for r in self.routers:
-            r.counts = None
+        for counts in self.counts:
+            counts.zero_()
         aux, z, n = packed[:3].tolist()
         record: dict = {"moe_aux_loss": aux / max(n, 1), "moe_z_loss": z / max(n, 1)}
         offset = 3
