@@ -165,6 +165,14 @@ CASES = {
         lambda t, c: (small_recipe(t, c), ds_config(t, "sp2_zero1", tiling={"loss": 32}), []),
         ["tiling.loss=32", "from 1 (off) to the 16 tokens of a rank's sequence", '"auto"'],
     ),
+    "tiled MLP with a mixture of experts": (
+        lambda t, c: (
+            small_recipe(t, c, model={"moe": {"num_experts": 2, "top_k": 1}}),
+            ds_config(t, "zero1", tiling={"mlp": 2}),
+            [],
+        ),
+        ["tiling.mlp with model.moe is not supported", "activation_checkpointing"],
+    ),
     "tiled MLP with pipeline stages": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "pp2_zero1", tiling={"mlp": 2}), []),
         ["tiling.mlp with pipeline.stages > 1 is not supported"],

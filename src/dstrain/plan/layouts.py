@@ -137,7 +137,7 @@ def candidate_layouts(recipe: Recipe, cluster: Cluster) -> list[list[Layout]]:
     world, g = cluster.nodes * cluster.gpus_per_node, cluster.gpus_per_node
     experts = recipe.model.moe.num_experts if recipe.model.moe else 1
     micros = powers_of_two(min(recipe.train.global_batch, 64))
-    shapes = []
+    shapes, moe = [], recipe.model.moe is not None
     for tp in powers_of_two(g):
         for sp in powers_of_two(g):
             for pp in powers_of_two(min(world, recipe.model.n_layer)):
@@ -149,13 +149,16 @@ def candidate_layouts(recipe: Recipe, cluster: Cluster) -> list[list[Layout]]:
                             for ckpt in (False, True):
                                 for sched in ("1f1b", "dualpipev") if pp > 1 else ("1f1b",):
                                     shape = (zero, tp, pp, sp, ep, offload, ckpt, sched)
-                                    shapes += [_micro_batches(shape, micros, *levers) for levers in tiling_levers(pp)]
+                                    shapes += [
+                                        _micro_batches(shape, micros, *levers) for levers in tiling_levers(pp, moe)
+                                    ]
     return shapes
 
 
-def tiling_levers(pp: int) -> list[tuple[bool, int]]:
-    """(chunked loss, MLP tiles) to weigh: each alone and both; the MLP is not tiled in a pipeline (refused)."""
-    return [(False, 1), (True, 1)] + ([(False, 4), (True, 4)] if pp == 1 else [])
+def tiling_levers(pp: int, moe: bool) -> list[tuple[bool, int]]:
+    """(chunked loss, MLP tiles) to weigh: each alone and both; the MLP is not tiled in a pipeline or a mixture of
+    experts (both refused: dstrain.strategy.tiling)."""
+    return [(False, 1), (True, 1)] + ([(False, 4), (True, 4)] if pp == 1 and not moe else [])
 
 
 def _micro_batches(shape: tuple, micros: list[int], chunked: bool, mlp_tiles: int) -> list[Layout]:

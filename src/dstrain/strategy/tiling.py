@@ -69,6 +69,11 @@ def check_tiling(
                 f"{ds_file}: tiling.{key}={value} does not divide the {seq} tokens of a rank's sequence "
                 f"(data.seq_len / sequence_parallel_size); use {below} or {above}"
             )
+    if recipe.model.moe is not None and tiles[1] > 1:  # DeepSpeed's TiledMLP reruns the MoE layer without its router
+        raise DstrainError(  # losses' graph (their gradient would be lost, as under a plain recompute: model/moe.py)
+            f"{ds_file}: tiling.mlp with model.moe is not supported (the router's losses would lose their gradient); "
+            f"remove tiling.mlp, or use activation_checkpointing"
+        )
     if pp_stages > 1 and tiles[1] > 1:  # the pipeline's last stage chunks the loss (model/pipe.py), not the MLPs
         raise DstrainError(
             f"{ds_file}: tiling.mlp with pipeline.stages > 1 is not supported (the stages' blocks are not tiled); "
