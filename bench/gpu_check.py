@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import gpu_features as features
 import gpu_parts as parts
 import yaml
 
@@ -108,6 +109,13 @@ def plan_parts(dry: bool) -> list[Part]:
     tiny = run_s(dry, "tiny", 128, 16, precision_steps)
     result = [
         Part(
+            "profile_gpt2_125m",
+            lambda c: parts.profile(c, s125[0], s125[1], s125[2][0], profile_steps),
+            run_s(dry, s125[0], s125[1], 2 * s125[2][0], profile_steps),
+            PROFILE,
+            "Where gpt2-125m's step time goes (torch.profiler over 3 steps, eager, zero1_bf16)",
+        ),
+        Part(
             "speed_gpt2_125m",
             lambda c: parts.speed(c, *s125, speed_steps),
             speed_s(dry, s125, speed_steps),
@@ -115,18 +123,18 @@ def plan_parts(dry: bool) -> list[Part]:
             "Speed and MFU of gpt2-125m (bf16, zero1_bf16, world of one; eager and compile)",
         ),
         Part(
+            "loss_chunking",
+            lambda c: features.loss_chunking(c, precision_steps, None if dry else SPEED_125M),
+            2 * tiny + (0 if dry else speed_s(dry, (*SPEED_125M[:3], ["eager"]), speed_steps)),
+            VERDICT + SPEED[:2] + SPEED[4:8],
+            "The loss chunked against whole (tiny, fp32), then gpt2-125m with the loss whole",
+        ),
+        Part(
             "speed_gpt_1_3b",
             lambda c: parts.speed(c, *s13, speed_steps),
             speed_s(dry, s13, speed_steps),
             SPEED,
             "Speed and MFU of gpt-1.3b (bf16, zero1_bf16, world of one; eager and compile)",
-        ),
-        Part(
-            "profile_gpt2_125m",
-            lambda c: parts.profile(c, s125[0], s125[1], s125[2][0], profile_steps),
-            run_s(dry, s125[0], s125[1], 2 * s125[2][0], profile_steps),
-            PROFILE,
-            "Where gpt2-125m's step time goes (torch.profiler over 3 steps, eager, zero1_bf16)",
         ),
         Part(
             "precision",
@@ -157,6 +165,13 @@ def checks(dry: bool, tiny: float, steps: int, recipes: list[str]) -> list[Part]
     correctness, kernels and FLOP accounting."""
     masking_speed = None if dry else SPEED_125M
     return [
+        Part(
+            "moe_recompute",
+            lambda c: features.moe_recompute(c, steps, not dry),
+            (2 if dry else 4) * tiny,
+            VERDICT + ["tokens_per_s", "mem_peak_gib"],
+            "A mixture of experts with activation checkpointing against without (tiny-moe, fp32; bf16 speed)",
+        ),
         Part("pytest_gpu", parts.cuda_tests, 30.0 if dry else 150.0, VERDICT, "CUDA tests (pytest -m gpu)"),
         Part(
             "doc_masking",

@@ -124,6 +124,8 @@ def speed_config(variant: str, micro: int) -> dict:
     config = json.loads((CONFIGS / "zero1_bf16.json").read_text()) | {"train_micro_batch_size_per_gpu": micro}
     if variant == "compile":
         config["compile"] = {}  # dstrain calls engine.compile() when the ds_config has this section
+    if variant == "loss_whole":
+        config["tiling"] = {"loss": 1}  # the default ("auto") chunks gpt2-125m's loss at these micro-batches
     if variant == "checkpointing":
         config["activation_checkpointing"] = {}  # every block recomputes its activations in the backward
     return config

@@ -23,16 +23,18 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
     done = gpu_check(out, "--dry-run", "--work", str(tmp_path / "work"), corpus=corpus)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     # The plan, every part with its estimate, comes before the first part's result.
-    plan, _, results = done.stdout.partition("speed_gpt2_125m: done")
+    plan, _, results = done.stdout.partition("profile_gpt2_125m: done")
     assert results and all(f"  {name}" in plan for name in ("speed_gpt2_125m", "precision", "pytest_gpu", "flops"))
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md", "logs.tar.gz"]
     figures = json.loads((out / "gpu_check.json").read_text())
     parts = figures["parts"]
     assert list(parts) == [
-        "speed_gpt2_125m",
         "profile_gpt2_125m",
+        "speed_gpt2_125m",
+        "loss_chunking",
         "precision",
         "memory_gpt2_125m",
+        "moe_recompute",
         "pytest_gpu",
         "doc_masking",
         "published_family",
@@ -44,6 +46,8 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
     assert all(p["estimated_s"] > 0 and p["seconds"] >= 0 for p in parts.values())
     assert [row["ok"] for row in parts["precision"]["rows"]] == [True]  # bf16 against fp32, 1e-2 relative
     assert [row["ok"] for row in parts["correctness"]["rows"]] == [True]  # ZeRO-3 against ZeRO-0, 1e-5 relative
+    assert [row["ok"] for row in parts["loss_chunking"]["rows"]] == [True]  # chunked against whole, 1e-6 relative
+    assert [row["ok"] for row in parts["moe_recompute"]["rows"]] == [True]  # recompute against not, 1e-6 relative
     assert [row["ok"] for row in parts["doc_masking"]["rows"]] == [True]
     (memory,) = parts["memory_gpt2_125m"]["rows"]
     assert memory["status"] == "ok" and memory["measured_gib"] > 0 and memory["estimated_gib"] > 0
