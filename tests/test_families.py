@@ -21,6 +21,7 @@ from dstrain.model.rope import inverse_frequencies  # noqa: E402
 
 VOCAB = 101
 ATOL = 1e-5
+LENGTH = 48  # tokens of the parity inputs: more than the windows of the windowed families
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
@@ -45,7 +46,7 @@ SMALL = dict(
 # family test id -> (transformers config class, what sets the family apart, at a small size)
 FAMILIES = {
     "llama3": (transformers.LlamaConfig, dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
-    "mistral": (transformers.MistralConfig, dict(sliding_window=64, head_dim=16, rope_parameters=LINEAR_ROPE)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=16, head_dim=16, rope_parameters=LINEAR_ROPE)),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True, rope_parameters=YARN_ROPE)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
     "olmo2": (transformers.Olmo2Config, dict(pad_token_id=None, eos_token_id=1)),
@@ -102,9 +103,13 @@ def test_imported_family_gives_transformers_logits(imported):
     config = dataclasses.replace(config)  # a copy: doc_masking is flipped below
     ours = GPT(config).eval()
     ours.load_state_dict(state, strict=True)
-    ids = torch.randint(0, VOCAB, (2, 20))
+    ids = torch.randint(0, VOCAB, (2, LENGTH))  # longer than every window: the window cuts
     assert max_diff(ours(ids), hf(ids).logits) <= ATOL
-    position_ids = torch.cat([torch.arange(7), torch.arange(13)]).expand(2, -1)
+    if config.sliding_window is not None:
+        unwindowed = GPT(dataclasses.replace(config, sliding_window=None, layer_types=None)).eval()
+        unwindowed.load_state_dict(state, strict=True)
+        assert max_diff(unwindowed(ids), hf(ids).logits) > 1e-3
+    position_ids = torch.cat([torch.arange(19), torch.arange(LENGTH - 19)]).expand(2, -1)
     plain = hf(ids, position_ids=position_ids, attention_mask=torch.ones_like(ids)).logits
     assert max_diff(ours(ids, position_ids), plain) <= ATOL
     assert max_diff(plain, hf(ids).logits) > 1e-3  # the positions did matter

@@ -105,9 +105,15 @@ class GPTConfig:
     norm_placement: Literal["pre", "post"] = (
         "pre"  # pre: x + f(norm(x)); post: x + norm(f(x)) on attention and MLP outputs (OLMo 2)
     )
+    # --- per-block attention kinds (docs/published-models.md): global, local within a window, without RoPE ---
     sliding_window: Annotated[int, Range(ge=1)] | None = (
-        None  # Mistral's attention window; not implemented: refused when shorter than data.seq_len
+        None  # window W of the local blocks: a query attends to itself and the W-1 tokens before it; None = no window
     )
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = (
+        None  # each block's attention, as transformers names it; None = every block local if sliding_window is set
+    )
+    nope_layers: list[Annotated[int, Range(ge=0)]] = field(default_factory=list)  # blocks (0-based) without RoPE
+    attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (GPT-OSS's sinks)
     rope_scaling: RopeScaling | None = None  # RoPE scaling (Llama 3.x: llama3); None = unscaled
 
     @classmethod
@@ -164,6 +170,27 @@ class GPTConfig:
             raise bad("d_ff", f"{self.d_ff} is not positive", "set a positive integer or remove it")
         if self.moe is not None and self.n_moe_layers == 0:
             raise bad("moe.every", f"{self.moe.every} exceeds n_layer={self.n_layer}", "set every <= n_layer")
+        self._check_layer_kinds(bad)
+
+    def _check_layer_kinds(self, bad) -> None:
+        if self.flavour == "gpt2" and (self.layer_types or self.nope_layers or self.attention_sinks):
+            raise bad("flavour", "layer_types, nope_layers and attention_sinks need 'llama'", "set flavour: llama")
+        if self.layer_types is not None and len(self.layer_types) != self.n_layer:
+            raise bad("layer_types", f"{len(self.layer_types)} kinds for n_layer={self.n_layer}", "give one per block")
+        if self.layer_types and "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise bad("layer_types", "sliding_attention blocks need a window", "set model.sliding_window")
+        outside = [i for i in self.nope_layers if i >= self.n_layer]
+        if outside:
+            raise bad("nope_layers", f"block {outside[0]} does not exist (n_layer={self.n_layer})", "use 0..n_layer-1")
+
+    def window(self, index: int) -> int | None:
+        """The attention window of block `index` (0-based): sliding_window on a local block, None on a global one."""
+        local = self.layer_types is None or self.layer_types[index] == "sliding_attention"
+        return self.sliding_window if local else None
+
+    def uses_rope(self, index: int) -> bool:
+        """Whether block `index` rotates q and k (the llama flavour, but not the nope_layers)."""
+        return self.flavour == "llama" and index not in self.nope_layers
 
     @property
     def head_dim(self) -> int:
@@ -226,6 +253,8 @@ def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool
         attention += q_out + 2 * kv_out
     if config.qk_norm is not None:
         attention += 2 * config.head_dim if config.qk_norm == "head" else q_out + kv_out
+    if config.attention_sinks:
+        attention += config.n_head
     norm = 2 * d if config.flavour == "gpt2" else d
     dense_block = attention + mlp_params(config, config.ff_dim) + 2 * norm
     total = (config.n_layer - config.n_moe_layers) * dense_block + norm + (0 if config.tied else v * d)

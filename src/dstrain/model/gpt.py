@@ -106,31 +106,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v, causal and, with doc masking, within each document.
+    """softmax(q k^T / sqrt(d)) v, causal and, with doc masking, within each document; on a local block within its
+    window (model.layer_types, sliding_window), with sinks given (model.attention_sinks) one more logit per head.
 
     q, k, v: (B, L, heads, head_dim), the result too. A module of its own, without parameters, so that sequence
     parallelism can wrap it from outside (dstrain.train.sequence) without changing any parameter name.
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.config = config
+        self.window = config.window(index)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None, sinks=None
     ) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.config.doc_masking and position_ids is not None:
-            y = doc_attention(q, k, v, position_ids)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-        return y.transpose(1, 2)
+        documents = position_ids if self.config.doc_masking else None
+        return doc_attention(q, k, v, documents, self.window, sinks).transpose(1, 2)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.config = config
+        self.rope = config.uses_rope(index)
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         bias = config.flavour == "gpt2"
         qkv_bias = bias or config.qkv_bias
@@ -146,7 +146,10 @@ class Attention(nn.Module):
             per_head = config.qk_norm == "head"
             self.q_norm = make_norm(config, self.head_dim if per_head else q_width)
             self.k_norm = make_norm(config, self.head_dim if per_head else kv_width)
-        self.core = CoreAttention(config)
+        self.core = CoreAttention(config, index)
+        if config.attention_sinks:  # GPT-OSS's sinks: one logit per query head, initialised as transformers does
+            self.sinks = nn.Parameter(torch.empty(self.n_head))
+            normal_init(self.sinks, config.init_std)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -159,12 +162,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        if self.config.flavour == "llama":
+        if self.rope:
             positions = position_ids if position_ids is not None else torch.arange(length, device=x.device)[None]
             cos, sin = rope_cos_sin(positions, self.config, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # (B, L, heads, head_dim) in and out of the core: the layout sequence parallelism exchanges.
-        y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), position_ids)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # Sinks only where the model has them: Ulysses' wrapper passes the core no more than position_ids.
+        sinks = (self.sinks,) if self.config.attention_sinks else ()
+        y = self.core(q, k, v, position_ids, *sinks)
         return self.o_proj(y.reshape(batch, length, -1))
 
 
@@ -193,7 +199,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, index: int = 0, ep_size: int = 1, ep_rank: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(config)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, index)
         self.mlp_norm = make_norm(config)
         self.mlp: nn.Module
         if config.moe is not None and config.is_moe_block(index):  # the router drawn first, then each expert

@@ -85,13 +85,13 @@ class _SeededTiedLayerSpec(_SeededLayerSpec, TiedLayerSpec):
 def layer_specs(config: GPTConfig, seed: int) -> list[LayerSpec]:
     """The pipeline's layers in GPT order, each seeded to draw what GPT(config) draws for it."""
 
-    def spec(typename, tied_fn=None, tied=False):
+    def spec(typename, tied_fn=None, tied=False, *args):
         if tied:
             return _SeededTiedLayerSpec(TIED_KEY, typename, config, forward_fn=tied_fn, tied_weight_attr=["tok.weight"])
-        return _SeededLayerSpec(typename, config)
+        return _SeededLayerSpec(typename, config, *args)
 
     specs = [spec(EmbeddingPipe, tied=config.tied)]
-    specs += [spec(BlockPipe) for _ in range(config.n_layer)]
+    specs += [spec(BlockPipe, None, False, i) for i in range(config.n_layer)]  # each block its kind (layer_types)
     specs.append(spec(FinalNormPipe))
     specs.append(spec(EmbeddingPipe, tied_head, tied=True) if config.tied else spec(HeadPipe))
     # Replay GPT.__init__'s draws layer by layer; the tied head draws nothing there, like GPT's tied lm_head.
@@ -101,7 +101,7 @@ def layer_specs(config: GPTConfig, seed: int) -> list[LayerSpec]:
             s.rng_state = specs[0].rng_state
             continue
         s.rng_state = torch.get_rng_state()
-        s.typename(config)  # consume this layer's init; the module is dropped
+        s.typename(*s.module_args)  # consume this layer's init; the module is dropped
     return specs
 
 

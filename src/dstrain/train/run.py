@@ -63,13 +63,16 @@ def identity(recipe: Recipe, data_fingerprint: str) -> dict:
 
 # Model fields added after checkpoints first recorded their identity: left out at their defaults, so that a checkpoint
 # written before them still resumes (its record has no such key).
-LATER_MODEL_DEFAULTS = {
+LATER_MODEL_DEFAULTS: dict[str, object] = {
     "family": None,
     "d_head": None,
     "qkv_bias": False,
     "qk_norm": None,
     "norm_placement": "pre",
     "sliding_window": None,
+    "layer_types": None,
+    "nope_layers": [],
+    "attention_sinks": False,
     "rope_scaling": None,
 }
 LATER_MOE_DEFAULTS = {"norm_topk_prob": True, "dense_layers": []}
