@@ -158,3 +158,27 @@ def test_unsupported_family_features_are_named():
     config.family = "llama"
     with pytest.raises(DstrainError, match="model.qk_norm='head' has no counterpart in LlamaForCausalLM"):
         to_hf(config, state)
+
+
+def test_a_feature_dstrain_does_not_compute_is_refused_on_every_path_that_reads_a_model(tmp_path, capsys):
+    """The defect class of issue 39 (a Mistral window once imported and computed as full attention): every key of a
+    transformers config either converts, computes nothing (NEUTRAL) or is refused in one line, whether the folder is
+    imported, continued (init_from), evaluated or sampled from."""
+    from dstrain.checkpoint.consolidate import load_model_source
+    from dstrain.commands.cli import main as cli
+    from dstrain.model.hf import architecture_from_hf
+
+    hf_config = transformers.Qwen2Config(**(SMALL | dict(use_sliding_window=True, sliding_window=8)))
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(hf_config).save_pretrained(tmp_path)
+    expected = f"{tmp_path / 'config.json'}: use_sliding_window=True is not supported"
+    for read in (from_hf, architecture_from_hf, load_model_source):
+        with pytest.raises(DstrainError, match=expected):
+            read(tmp_path)
+    capsys.readouterr()
+    assert cli(["generate", str(tmp_path), "--prompt", "a"]) == 2
+    assert cli(["eval", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("use_sliding_window=True is not supported") == 2
+    config, state = from_hf(build_hf("llama3"))
+    with pytest.raises(DstrainError, match=r"model: nope_layers=\[1\] has no counterpart in LlamaForCausalLM"):
+        to_hf(dataclasses.replace(config, nope_layers=[1]), state)  # export: what the class cannot express

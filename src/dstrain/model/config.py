@@ -13,7 +13,7 @@ from dstrain.ranges import Range
 
 FLAVOURS = ("gpt2", "llama")
 # The published families of the llama flavour, each exported as its own transformers class (dstrain.model.families).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe", "smollm3", "phi3", "gemma3")
 
 
 @dataclass
@@ -102,8 +102,20 @@ class GPTConfig:
     qk_norm: Literal["head", "projection"] | None = (
         None  # RMSNorm of q and k before RoPE: per head over d_head (Qwen3), or over the whole projection (OLMo 2)
     )
-    norm_placement: Literal["pre", "post"] = (
-        "pre"  # pre: x + f(norm(x)); post: x + norm(f(x)) on attention and MLP outputs (OLMo 2)
+    norm_placement: Literal["pre", "post", "sandwich"] = (
+        "pre"  # pre: x + f(norm(x)); post: x + norm(f(x)) (OLMo 2); sandwich: x + norm(f(norm(x))) (Gemma 3)
+    )
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)
+    scale_embeddings: bool = False  # token embeddings multiplied by sqrt(d_model) (Gemma)
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP's activation: SwiGLU, or GeGLU (Gemma)
+    query_pre_attn_scalar: Annotated[float, Range(gt=0)] | None = (
+        None  # attention scores scaled by query_pre_attn_scalar**-0.5 (Gemma); None = head_dim**-0.5
+    )
+    partial_rotary_factor: Annotated[float, Range(gt=0, le=1)] = (
+        1.0  # share of each head's dimensions RoPE rotates, the first ones (Phi-3/4: partial rotary)
+    )
+    rope_local_theta: Annotated[float, Range(gt=0)] | None = (
+        None  # RoPE base of the local (sliding_attention) blocks, unscaled (Gemma 3); None = rope_theta and scaling
     )
     # --- per-block attention kinds (docs/published-models.md): global, local within a window, without RoPE ---
     sliding_window: Annotated[int, Range(ge=1)] | None = (
@@ -173,8 +185,13 @@ class GPTConfig:
         self._check_layer_kinds(bad)
 
     def _check_layer_kinds(self, bad) -> None:
-        if self.flavour == "gpt2" and (self.layer_types or self.nope_layers or self.attention_sinks):
-            raise bad("flavour", "layer_types, nope_layers and attention_sinks need 'llama'", "set flavour: llama")
+        gemma = (self.norm_unit_offset, self.scale_embeddings, self.mlp_activation != "silu", self.rope_local_theta)
+        if self.flavour == "gpt2" and (self.layer_types or self.nope_layers or self.attention_sinks or any(gemma)):
+            raise bad("flavour", "layer kinds, sinks and the Gemma features need 'llama'", "set flavour: llama")
+        if self.flavour == "gpt2" and (self.query_pre_attn_scalar or self.partial_rotary_factor != 1.0):
+            raise bad("flavour", "query_pre_attn_scalar and partial_rotary_factor need 'llama'", "set flavour: llama")
+        if self.flavour == "llama" and self.rotary_dim % 2:
+            raise bad("partial_rotary_factor", f"rotates {self.rotary_dim} dimensions, an odd number", "change it")
         if self.layer_types is not None and len(self.layer_types) != self.n_layer:
             raise bad("layer_types", f"{len(self.layer_types)} kinds for n_layer={self.n_layer}", "give one per block")
         if self.layer_types and "sliding_attention" in self.layer_types and self.sliding_window is None:
@@ -203,6 +220,11 @@ class GPTConfig:
         if self.family is not None:
             return self.family
         return "gpt2" if self.flavour == "gpt2" else "mixtral" if self.moe is not None else "llama"
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head RoPE rotates (transformers: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def kv_heads(self) -> int:
@@ -256,11 +278,13 @@ def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool
     if config.attention_sinks:
         attention += config.n_head
     norm = 2 * d if config.flavour == "gpt2" else d
-    dense_block = attention + mlp_params(config, config.ff_dim) + 2 * norm
+    block_norms = 4 * norm if config.norm_placement == "sandwich" else 2 * norm
+    dense_block = attention + mlp_params(config, config.ff_dim) + block_norms
     total = (config.n_layer - config.n_moe_layers) * dense_block + norm + (0 if config.tied else v * d)
     if config.moe is not None:
         experts = config.moe.top_k if active else config.moe.num_experts
-        moe_block = attention + 2 * norm + d * config.moe.num_experts + experts * mlp_params(config, config.expert_dim)
+        router = d * config.moe.num_experts
+        moe_block = attention + block_norms + router + experts * mlp_params(config, config.expert_dim)
         total += config.n_moe_layers * moe_block
     embeddings = v * d + (config.max_seq_len * d if config.flavour == "gpt2" else 0)
     return total if exclude_embeddings else total + embeddings

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from dstrain.errors import DstrainError
-from dstrain.model import families
+from dstrain.model import families, family_configs
 from dstrain.model.config import GPTConfig
 from dstrain.model.gpt import StateDict
 from dstrain.model.hf_moe import experts_from_hf, experts_to_hf
@@ -60,7 +60,7 @@ def to_hf(
             architectures=["GPT2LMHeadModel"],
         )
         return hf_config, _gpt2_to_hf(config, state_dict)
-    return families.hf_config(config, bos_token_id, eos_token_id), _llama_to_hf(config, state_dict)
+    return family_configs.hf_config(config, bos_token_id, eos_token_id), _llama_to_hf(config, state_dict)
 
 
 def from_hf(hf_model_or_dir: transformers.PreTrainedModel | str | os.PathLike) -> tuple[GPTConfig, StateDict]:
@@ -90,7 +90,7 @@ def from_hf(hf_model_or_dir: transformers.PreTrainedModel | str | os.PathLike) -
     if ARCHITECTURES[supported[0]] == "gpt2":
         config = _gpt2_config_from_hf(model.config, source)  # type: ignore[arg-type]  # a GPT2Config here
         return config, _gpt2_from_hf(config, hf_state, source)
-    config = families.config_from_hf(model.config, ARCHITECTURES[supported[0]], source)
+    config = family_configs.config_from_hf(model.config, ARCHITECTURES[supported[0]], source)
     return config, _llama_from_hf(config, hf_state, source)
 
 
@@ -114,7 +114,7 @@ def architecture_from_hf(folder: str | os.PathLike) -> GPTConfig:
     hf_config, architecture = _read_config(folder)
     if ARCHITECTURES[architecture] == "gpt2":
         return _gpt2_config_from_hf(hf_config, str(folder / "config.json"))
-    return families.config_from_hf(hf_config, ARCHITECTURES[architecture], str(folder / "config.json"))
+    return family_configs.config_from_hf(hf_config, ARCHITECTURES[architecture], str(folder / "config.json"))
 
 
 def _read_config(folder: Path):
