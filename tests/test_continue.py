@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from test_families import FAMILIES, SMALL, build_hf  # noqa: E402
+from test_families import FAMILIES, SMALL, build_hf, hf_class_name  # noqa: E402
 
 from dstrain.errors import DstrainError  # noqa: E402
 from dstrain.model.gpt import GPT  # noqa: E402
@@ -233,16 +233,14 @@ def test_every_family_continues_training_from_init_from_and_exports_to_its_class
     from ranks import run_ranks
     from train_helpers import ROOT, small_recipe, train_each, train_losses
 
-    families = ["llama3", "mistral", "qwen2", "qwen3", "olmo2", "qwen3_moe", "mixtral"]
+    families = ["llama3", "mistral", "qwen2", "qwen3", "olmo2", "qwen3_moe", "mixtral", "smollm3", "phi3", "gemma3"]
     argvs, runs = [], {}
     for family in families:
         config_class, features = FAMILIES[family]
         hf_config = config_class(**(SMALL | features | dict(vocab_size=512, initializer_range=0.02)))
         torch.manual_seed(0)
         published = tmp_path / f"{family}-published"
-        getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))(hf_config).save_pretrained(
-            published
-        )
+        getattr(transformers, hf_class_name(config_class))(hf_config).save_pretrained(published)
         recipe = yaml_without_model(small_recipe(tmp_path, corpus, name=family), tmp_path, init_from=str(published))
         ds = "ep2_zero1" if "moe" in family or family == "mixtral" else "zero1"
         runs[family] = tmp_path / f"{family}-run"

@@ -32,6 +32,8 @@ LLAMA3_ROPE = {
 }
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
 LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+PARTIAL_ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}  # Phi-3/4: half of each head
+LOCAL_ROPE = {"rope_type": "default", "rope_theta": 100.0}  # Gemma 3's local blocks: their own base, unscaled
 SMALL = dict(
     vocab_size=VOCAB,
     hidden_size=32,
@@ -68,7 +70,28 @@ FAMILIES = {
         dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=2),
     ),
     "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "smollm3": (transformers.SmolLM3Config, dict(num_hidden_layers=4, no_rope_layer_interval=2, pad_token_id=None)),
+    "phi3": (
+        transformers.Phi3Config,
+        dict(pad_token_id=None, sliding_window=16, rope_parameters=PARTIAL_ROPE),
+    ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            rope_parameters={"full_attention": LINEAR_ROPE, "sliding_attention": LOCAL_ROPE},
+        ),
+    ),
 }
+
+
+def hf_class_name(config_class: type) -> str:
+    """LlamaConfig -> LlamaForCausalLM; Gemma3TextConfig -> Gemma3ForCausalLM."""
+    return config_class.__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM")
 
 
 def build_hf(family: str) -> transformers.PreTrainedModel:
@@ -77,7 +100,7 @@ def build_hf(family: str) -> transformers.PreTrainedModel:
     config = config_class(**(SMALL | features))
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model_class = getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))
+    model_class = getattr(transformers, hf_class_name(config_class))
     model = model_class(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -134,6 +157,49 @@ def test_exported_family_is_the_same_class_with_the_same_logits(imported, tmp_pa
     assert type(transformers.AutoModelForCausalLM.from_config(loaded.config)) is type(hf)
     assert max_diff(loaded.eval()(ids).logits, hf(ids).logits) <= ATOL
     assert from_hf(tmp_path)[0] == config  # config.json -> the same model.* fields
+
+
+@pytest.mark.parametrize("family", ["mistral", "smollm3", "phi3", "gemma3"])
+@torch.no_grad()
+def test_greedy_generation_equals_transformers_generate(family):
+    """Past the windows (6 + 14 tokens > 16): transformers decodes with its cache (a sliding one on local layers),
+    we recompute the whole sequence each step; the tokens must agree (the other families: tests/test_hf.py's llama)."""
+    hf = build_hf(family)
+    config, state = from_hf(hf)
+    ours = GPT(config).eval()
+    ours.load_state_dict(state, strict=True)
+    prompt = torch.randint(2, VOCAB, (2, 6))
+    greedy = transformers.GenerationConfig(max_new_tokens=14, do_sample=False, pad_token_id=1, eos_token_id=None)
+    generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=greedy)
+    assert generated.shape == (2, 20)  # no early stop: every step compared
+    tokens = prompt
+    for _ in range(14):
+        tokens = torch.cat([tokens, ours(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, tokens)
+
+
+@pytest.mark.parametrize(
+    "family, feature, without",
+    [
+        ("smollm3", "nope_layers", []),
+        ("phi3", "partial_rotary_factor", 1.0),
+        ("gemma3", "rope_local_theta", None),
+        ("gemma3", "query_pre_attn_scalar", None),
+        ("gemma3", "layer_types", None),
+    ],
+)
+@torch.no_grad()
+def test_each_new_feature_is_computed(family, feature, without):
+    """The parity above is not vacuous: each feature of the new families, turned off, changes the logits."""
+    hf = build_hf(family)
+    config, state = from_hf(hf)
+    ids = torch.randint(0, VOCAB, (1, LENGTH))
+    logits = []
+    for variant in (config, dataclasses.replace(config, **{feature: without})):
+        model = GPT(variant).eval()
+        model.load_state_dict(state, strict=True)
+        logits.append(model(ids))
+    assert max_diff(logits[0], hf(ids).logits) <= ATOL and max_diff(*logits) > 1e-3
 
 
 @pytest.mark.parametrize("rope", [LLAMA3_ROPE, YARN_ROPE, LINEAR_ROPE], ids=lambda r: r["rope_type"])

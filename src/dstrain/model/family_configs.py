@@ -210,6 +210,7 @@ def hf_config(
         rope_parameters=rope_parameters(config),
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
+        pad_token_id=None,  # the tokenizer's own; a class default (Phi-3's 32000) may lie outside a small vocabulary
         architectures=[architecture],
     )
     kwargs["hidden_activation" if "hidden_activation" in class_fields else "hidden_act"] = activation
@@ -239,11 +240,12 @@ def _layer_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
     if family != "gemma3":
         return {}
     kinds = ["sliding_attention" if config.window(i) else "full_attention" for i in range(config.n_layer)]
+    scalar = config.query_pre_attn_scalar or config.head_dim
     return dict(
         layer_types=kinds,
         sliding_window=config.sliding_window,
         rope_parameters={"full_attention": rope_parameters(config), "sliding_attention": rope_parameters(config, True)},
-        query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
+        query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,  # transformers types it int
         final_logit_softcapping=None,
         attn_logit_softcapping=None,
         use_bidirectional_attention=False,

@@ -259,11 +259,23 @@ def _gpt2_from_hf(config: GPTConfig, hf_state: StateDict, source: str) -> StateD
 # --- the llama flavour (every family) ---
 
 
+def _rows(config: GPTConfig, name: str) -> int:
+    """Output rows of one of our projections that a family fuses (families.FUSED)."""
+    if "q_proj" in name:
+        return config.n_head * config.head_dim
+    return config.kv_heads * config.head_dim if "k_proj" in name or "v_proj" in name else config.ff_dim
+
+
 def _llama_to_hf(config: GPTConfig, sd: StateDict) -> StateDict:
     out = {"model.embed_tokens.weight": sd["embed.tok.weight"]}
+    fused = families.FUSED.get(config.resolved_family, {})
     for i in range(config.n_layer):
+        joined = {ours for parts in fused.values() for ours in parts}
         for ours, hf in families.block_names(config, i):
-            out[f"model.layers.{i}.{hf}"] = sd[f"blocks.{i}.{ours}"]
+            if ours not in joined:
+                out[f"model.layers.{i}.{hf}"] = sd[f"blocks.{i}.{ours}"]
+        for hf, parts in fused.items():  # Phi-3: [q; k; v] and [gate; up] along the output rows
+            out[f"model.layers.{i}.{hf}"] = torch.cat([sd[f"blocks.{i}.{ours}"] for ours in parts])
         if config.is_moe_block(i):
             experts_to_hf(config, sd, i, out)
     out["model.norm.weight"] = sd["norm.weight"]
@@ -274,9 +286,14 @@ def _llama_to_hf(config: GPTConfig, sd: StateDict) -> StateDict:
 def _llama_from_hf(config: GPTConfig, hf_state: StateDict, source: str) -> StateDict:
     take = _WeightTaker(hf_state, source)
     out = {"embed.tok.weight": take("model.embed_tokens.weight")}
+    fused = families.FUSED.get(config.resolved_family, {})
     for i in range(config.n_layer):
+        split: StateDict = {}
+        for hf, parts in fused.items():
+            pieces = take(f"model.layers.{i}.{hf}").split([_rows(config, ours) for ours in parts])
+            split |= {ours: piece.contiguous() for ours, piece in zip(parts, pieces, strict=True)}
         for ours, hf in families.block_names(config, i):
-            out[f"blocks.{i}.{ours}"] = take(f"model.layers.{i}.{hf}")
+            out[f"blocks.{i}.{ours}"] = split.pop(ours) if ours in split else take(f"model.layers.{i}.{hf}")
         if config.is_moe_block(i):
             experts_from_hf(config, take, i, out)
     out["norm.weight"] = take("model.norm.weight")
