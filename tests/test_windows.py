@@ -78,3 +78,15 @@ def test_layer_kinds_are_checked_and_resolved():
         GPTConfig(flavour="llama", n_layer=1, layer_types=["sliding_attention"])
     with pytest.raises(DstrainError, match="model.nope_layers: block 3 does not exist"):
         GPTConfig(flavour="llama", n_layer=3, nope_layers=[3])
+
+
+def test_a_local_block_costs_its_window_in_attention_flops():
+    """flops_per_token (MFU, `dstrain plan`'s step times) counts a local block's L x W band, not the L x L square."""
+    from dstrain.model.config import flops_per_token
+
+    kinds = ["sliding_attention", "full_attention", "sliding_attention"]
+    local = GPTConfig(flavour="llama", n_layer=3, n_head=4, d_model=64, sliding_window=100, layer_types=kinds)
+    full = GPTConfig(flavour="llama", n_layer=3, n_head=4, d_model=64)
+    seq = 1000
+    assert flops_per_token(full, seq) - flops_per_token(local, seq) == 12 * 4 * 16 * (seq - 100) * 2
+    assert flops_per_token(full, 50) == flops_per_token(local, 50)  # a window longer than the sequence cuts nothing

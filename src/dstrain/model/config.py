@@ -309,9 +309,11 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> int:
     plus the vocab_size*d_model output projection, counted whether or not it is tied (the logits matmul
     runs either way); the position table and embedding lookups cost no matmul FLOPs. The second term is
     the attention scores and weighted sum (QK^T and AV), counted over the full L x L square as in
-    Kaplan et al. / PaLM, ignoring the causal half.
+    Kaplan et al. / PaLM, ignoring the causal half; a local block (model.layer_types, sliding_window W) over the
+    L x min(W, L) band its queries attend to, which FlexAttention's block mask lets the GPU skip to.
     """
     n = num_params(config, exclude_embeddings=True, active=True) + (
         config.vocab_size * config.d_model if config.tied else 0
     )
-    return 6 * n + 12 * config.n_layer * config.n_head * config.head_dim * seq_len
+    keys = sum(min(config.window(i) or seq_len, seq_len) for i in range(config.n_layer))  # keys per query, summed
+    return 6 * n + 12 * config.n_head * config.head_dim * keys

@@ -29,14 +29,19 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     else:
         norm = a * (h + 2)  # LayerNorm keeps its input, mean and rstd
         inner = 2 * h + 2 * kv + 2 * f  # q, k, v, attention output; up, gelu(up)
-    per_token = 2 * norm + a * (2 * h + inner / t) + 4 * heads / t  # + the linears' inputs, attention log-sum-exp
+    norms = 4 if m.norm_placement == "sandwich" else 2  # Gemma 3 norms each output again (and keeps its input)
+    # Attention keeps q, k, v, its output and a log-sum-exp per query (flash and FlexAttention): linear in the
+    # sequence, so a local block's window saves FLOPs (model.config.flops_per_token), not activation memory.
+    per_token = norms * norm + a * (2 * h + inner / t) + 4 * heads / t  # + the linears' inputs, log-sum-exp
     block = tokens * per_token + (2 * seq * m.head_dim * a if m.flavour == "llama" else 0)  # RoPE cos, sin
+    offset = 4 * h if m.norm_unit_offset else 0  # Gemma's norm keeps 1 + weight, in fp32
+    block += norms * offset
     layers = math.ceil(m.n_layer / strategy.pp_stages)
     if strategy.activation_checkpointing:
         stage = layers * tokens * a * h + block  # block inputs, plus one block recomputed in the backward
     else:
         stage = layers * block
-    head = tokens * (norm + a * h + 4 * m.vocab_size + 8)  # final norm, lm_head input, fp32 log-probs, labels
+    head = tokens * (norm + a * h + 4 * m.vocab_size + 8) + offset  # final norm, lm_head input, log-probs, labels
     # The loss's backward holds three fp32 T x V tensors at once: the saved log-probs, nll_loss's (dense) gradient
     # and log_softmax's; the first is in `head`. (4 + a) undercounted bf16 by 2·T·V: 3 GiB of gpt2-125m's 30 on an H100.
     ids, logits_grad = tokens * 8, int(tokens * 8 * m.vocab_size)

@@ -73,6 +73,12 @@ LATER_MODEL_DEFAULTS: dict[str, object] = {
     "layer_types": None,
     "nope_layers": [],
     "attention_sinks": False,
+    "norm_unit_offset": False,
+    "scale_embeddings": False,
+    "mlp_activation": "silu",
+    "query_pre_attn_scalar": None,
+    "partial_rotary_factor": 1.0,
+    "rope_local_theta": None,
     "rope_scaling": None,
 }
 LATER_MOE_DEFAULTS = {"norm_topk_prob": True, "dense_layers": []}
