@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ranks import run_ranks
-from train_helpers import read_metrics, small_recipe, train_each, train_argv
+from train_helpers import read_metrics, small_recipe, train_argv, train_each
 
 pytestmark = pytest.mark.distributed
 
