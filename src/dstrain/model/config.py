@@ -13,7 +13,10 @@ from dstrain.ranges import Range
 
 FLAVOURS = ("gpt2", "llama")
 # The published families of the llama flavour, each exported as its own transformers class (dstrain.model.families).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe", "smollm3", "phi3", "gemma3")
+FAMILIES = (
+    *("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe"),
+    *("smollm3", "phi3", "gemma3", "gpt_oss"),
+)
 
 
 @dataclass
@@ -63,6 +66,13 @@ class MoEConfig:
     dense_layers: list[Annotated[int, Range(ge=0)]] = field(
         default_factory=list
     )  # blocks (0-based) kept dense whatever `every` says (Qwen3-MoE's mlp_only_layers)
+    # --- GPT-OSS's experts, each a small feature of its own ---
+    router_bias: bool = False  # a bias on the router's logits (GPT-OSS)
+    expert_bias: bool = False  # biases on each expert's gate, up and down projections (GPT-OSS)
+    swiglu_limit: Annotated[float, Range(gt=0)] | None = (
+        None  # GPT-OSS's clamped SwiGLU: gate clamped <= limit, up to +-limit, gate*sigmoid(alpha*gate)*(up+1)
+    )
+    swiglu_alpha: Annotated[float, Range(gt=0)] = 1.702  # the clamped SwiGLU's sigmoid slope (with swiglu_limit)
 
     def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
@@ -99,6 +109,7 @@ class GPTConfig:
     family: str | None = None  # transformers class export writes (FAMILIES); None = llama, or mixtral with moe
     d_head: Annotated[int, Range(ge=2)] | None = None  # width of one head; None = d_model / n_head (Qwen3: 128)
     qkv_bias: bool = False  # biases on q_proj, k_proj, v_proj only (Qwen2/2.5)
+    o_bias: bool = False  # a bias on the attention's o_proj too (GPT-OSS, with qkv_bias)
     qk_norm: Literal["head", "projection"] | None = (
         None  # RMSNorm of q and k before RoPE: per head over d_head (Qwen3), or over the whole projection (OLMo 2)
     )
@@ -254,10 +265,13 @@ class GPTConfig:
 # --- arithmetic on the config (no model built) ---
 
 
-def mlp_params(config: GPTConfig, width: int) -> int:
+def mlp_params(config: GPTConfig, width: int, expert: bool = False) -> int:
     """Parameters of one MLP of the flavour with hidden width `width` (an expert is one)."""
     d = config.d_model
-    return d * width + width + width * d + d if config.flavour == "gpt2" else 3 * d * width
+    if config.flavour == "gpt2":
+        return d * width + width + width * d + d
+    biases = 2 * width + d if expert and config.moe is not None and config.moe.expert_bias else 0
+    return 3 * d * width + biases
 
 
 def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool = False) -> int:
@@ -273,6 +287,8 @@ def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool
         attention += q_out + 2 * kv_out + d
     if config.qkv_bias:
         attention += q_out + 2 * kv_out
+    if config.o_bias:
+        attention += d
     if config.qk_norm is not None:
         attention += 2 * config.head_dim if config.qk_norm == "head" else q_out + kv_out
     if config.attention_sinks:
@@ -283,8 +299,8 @@ def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool
     total = (config.n_layer - config.n_moe_layers) * dense_block + norm + (0 if config.tied else v * d)
     if config.moe is not None:
         experts = config.moe.top_k if active else config.moe.num_experts
-        router = d * config.moe.num_experts
-        moe_block = attention + block_norms + router + experts * mlp_params(config, config.expert_dim)
+        router = (d + config.moe.router_bias) * config.moe.num_experts
+        moe_block = attention + block_norms + router + experts * mlp_params(config, config.expert_dim, expert=True)
         total += config.n_moe_layers * moe_block
     embeddings = v * d + (config.max_seq_len * d if config.flavour == "gpt2" else 0)
     return total if exclude_embeddings else total + embeddings

@@ -16,6 +16,8 @@ dstrain.model.family_configs the configs (docs/published-models.md has the table
 | gemma3    | Gemma3ForCausalLM    | layer_types (5 local : 1 global), sliding_window, rope_local_theta,           |
 |           |                      | norm_placement sandwich, norm_unit_offset, scale_embeddings, qk_norm head,    |
 |           |                      | mlp_activation gelu_tanh, query_pre_attn_scalar, d_head                       |
+| gpt_oss   | GptOssForCausalLM    | attention_sinks, layer_types (alternating 128-token windows), qkv_bias,       |
+|           |                      | o_bias, moe: router_bias, expert_bias, swiglu_limit, swiglu_alpha (top-4)     |
 
 Qwen3-MoE's decoder_sparse_step is moe.every, its mlp_only_layers moe.dense_layers, moe_intermediate_size d_expert.
 """
@@ -39,6 +41,7 @@ CLASSES = {
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config"),
     "phi3": ("Phi3ForCausalLM", "Phi3Config"),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig"),
 }
 ARCHITECTURE_FAMILY = {architecture: family for family, (architecture, _) in CLASSES.items()}
 _LLAMA: dict[str, Any] = {"qkv_bias": False, "qk_norm": None, "norm_placement": "pre", "moe": False}
@@ -57,9 +60,10 @@ FIXED: dict[str, dict[str, Any]] = {
     "gemma3": _LLAMA
     | {"qk_norm": "head", "norm_placement": "sandwich", "norm_unit_offset": True}
     | {"scale_embeddings": True, "mlp_activation": "gelu_tanh"},
+    "gpt_oss": _LLAMA | {"qkv_bias": True, "o_bias": True, "attention_sinks": True, "moe": True},
 }
 WINDOW_EVERY_BLOCK = {"mistral", "mixtral", "phi3"}  # one sliding_window for every block (no layer_types in HF)
-WINDOW_PER_BLOCK = {"gemma3"}  # HF's layer_types and sliding_window
+WINDOW_PER_BLOCK = {"gemma3", "gpt_oss"}  # HF's layer_types and sliding_window
 SLIDING_KEY = {"qwen2", "qwen3", "qwen3_moe", "smollm3"}  # config has use_sliding_window: dstrain converts false
 # HF name of a fused weight in a decoder layer -> our names, concatenated in this order along the output dimension.
 FUSED: dict[str, dict[str, tuple[str, ...]]] = {
@@ -107,6 +111,8 @@ def block_names(config: GPTConfig, index: int) -> list[tuple[str, str]]:
         names += [("mlp_post_norm.weight", "post_feedforward_layernorm.weight")]
     if config.qkv_bias:
         names += [(f"self_attn.{p}_proj.bias",) * 2 for p in "qkv"]
+    if config.o_bias:
+        names += [("self_attn.o_proj.bias",) * 2]
     if config.qk_norm is not None:
         names += [("self_attn.q_norm.weight",) * 2, ("self_attn.k_norm.weight",) * 2]
     if config.attention_sinks:

@@ -120,6 +120,18 @@ def _moe_fields(hf: transformers.PretrainedConfig, family: str) -> dict[str, Any
             dense_layers=list(hf.mlp_only_layers or []),
         )
         return {"moe": moe}
+    if family == "gpt_oss":
+        moe = MoEConfig(
+            num_experts=hf.num_local_experts,
+            top_k=hf.num_experts_per_tok,
+            d_expert=hf.intermediate_size,
+            aux_loss_coef=hf.router_aux_loss_coef,
+            router_bias=True,
+            expert_bias=True,
+            swiglu_limit=hf.swiglu_limit,
+            swiglu_alpha=hf.swiglu_alpha,
+        )
+        return {"moe": moe, "d_ff": None}
     return {}
 
 
@@ -237,9 +249,11 @@ def _layer_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
         return {"sliding_window": config.sliding_window}
     if family == "smollm3":
         return {"no_rope_layers": [int(config.uses_rope(i)) for i in range(config.n_layer)]}
-    if family != "gemma3":
+    if family not in families.WINDOW_PER_BLOCK:
         return {}
     kinds = ["sliding_attention" if config.window(i) else "full_attention" for i in range(config.n_layer)]
+    if family == "gpt_oss":
+        return dict(layer_types=kinds, sliding_window=config.sliding_window, attention_bias=True)
     scalar = config.query_pre_attn_scalar or config.head_dim
     return dict(
         layer_types=kinds,
@@ -272,6 +286,15 @@ def _moe_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
             mlp_only_layers=list(moe.dense_layers),
             router_aux_loss_coef=moe.aux_loss_coef,
         )
+    if family == "gpt_oss" and moe is not None:
+        return dict(
+            intermediate_size=config.expert_dim,
+            num_local_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            router_aux_loss_coef=moe.aux_loss_coef,
+            swiglu_limit=moe.swiglu_limit,
+            swiglu_alpha=moe.swiglu_alpha,
+        )
     return {}
 
 
@@ -282,11 +305,14 @@ def _architecture(config: GPTConfig) -> dict[str, Any]:
         del fields[key]
     if fields["moe"] is not None:
         del fields["moe"]["z_loss_coef"]  # a training choice transformers does not record
+        fields["moe"]["d_expert"] = config.expert_dim
     fields |= dict(
         windows=[config.window(i) for i in range(config.n_layer)],
         query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
         rope_local_theta=config.rope_local_theta or config.rope_theta,
         d_head=config.head_dim,
-        d_ff=config.expert_dim if config.moe is not None and config.resolved_family == "mixtral" else config.ff_dim,
+        n_kv_head=config.kv_heads,
+        tie_embeddings=config.tied,
+        d_ff=config.expert_dim if config.moe is not None and config.family in (None, "gpt_oss") else config.ff_dim,
     )
     return fields

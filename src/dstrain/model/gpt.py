@@ -162,7 +162,7 @@ class Attention(nn.Module):
         self.q_proj = Linear(d, q_width, qkv_bias, std)
         self.k_proj = Linear(d, kv_width, qkv_bias, std)
         self.v_proj = Linear(d, kv_width, qkv_bias, std)
-        self.o_proj = Linear(q_width, d, bias, std / math.sqrt(2 * config.n_layer))
+        self.o_proj = Linear(q_width, d, bias or config.o_bias, std / math.sqrt(2 * config.n_layer))
         # Per head: one weight every head uses, whole on each TP/SP rank (under TP its gradient is summed over the
         # group: train/engine.py). Over the projection (OLMo 2): it spans every head, so TP is refused.
         if config.qk_norm is not None:
@@ -198,18 +198,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig, width: int | None = None) -> None:
+    def __init__(self, config: GPTConfig, width: int | None = None, expert: bool = False) -> None:
+        """expert: one expert of an MoE layer, which model.moe may give biases and GPT-OSS's clamped SwiGLU."""
         super().__init__()
         d, ff, std = config.d_model, width or config.ff_dim, config.init_std
         self.swiglu = config.flavour == "llama"  # gated: SwiGLU, or GeGLU with mlp_activation gelu_tanh (Gemma)
         self.gelu_gate = config.mlp_activation == "gelu_tanh"
-        bias = not self.swiglu
+        moe = config.moe if expert else None
+        self.limit, self.alpha = (moe.swiglu_limit, moe.swiglu_alpha) if moe is not None else (None, 1.0)
+        bias = not self.swiglu or (moe is not None and moe.expert_bias)
         if self.swiglu:
             self.gate_proj = Linear(d, ff, bias, std)
         self.up_proj = Linear(d, ff, bias, std)
         self.down_proj = Linear(ff, d, bias, std / math.sqrt(2 * config.n_layer))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.limit is not None:  # GPT-OSS: transformers' GptOssExperts._apply_gate
+            gate, up = self.gate_proj(x).clamp(max=self.limit), self.up_proj(x).clamp(-self.limit, self.limit)
+            return self.down_proj(gate * torch.sigmoid(gate * self.alpha) * (up + 1))
         if self.swiglu:
             gate = self.gate_proj(x)
             gate = F.gelu(gate, approximate="tanh") if self.gelu_gate else F.silu(gate)
@@ -230,8 +236,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config)
         self.mlp: nn.Module
         if config.moe is not None and config.is_moe_block(index):  # the router drawn first, then each expert
-            wg = Linear(config.d_model, config.moe.num_experts, bias=False, std=config.init_std)
-            experts: list[nn.Module] = [MLP(config, config.expert_dim) for _ in range(config.moe.num_experts)]
+            wg = Linear(config.d_model, config.moe.num_experts, bias=config.moe.router_bias, std=config.init_std)
+            experts: list[nn.Module] = [MLP(config, config.expert_dim, True) for _ in range(config.moe.num_experts)]
             self.mlp = MoEMLP(config, wg, experts, ep_size, ep_rank)
         else:
             self.mlp = MLP(config)

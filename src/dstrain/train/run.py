@@ -79,9 +79,17 @@ LATER_MODEL_DEFAULTS: dict[str, object] = {
     "query_pre_attn_scalar": None,
     "partial_rotary_factor": 1.0,
     "rope_local_theta": None,
+    "o_bias": False,
     "rope_scaling": None,
 }
-LATER_MOE_DEFAULTS = {"norm_topk_prob": True, "dense_layers": []}
+LATER_MOE_DEFAULTS = {
+    "norm_topk_prob": True,
+    "dense_layers": [],
+    "router_bias": False,
+    "expert_bias": False,
+    "swiglu_limit": None,
+    "swiglu_alpha": 1.702,
+}
 
 
 def _without_later_defaults(fields: dict, defaults: dict) -> dict:
