@@ -82,10 +82,11 @@ def test_every_shipped_ds_config_resolves_or_refuses_clearly(tmp_path, config, m
         return
     recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4, "n_head": 8, "d_model": 64}}
     recipe["train"] = {"global_batch": 32, "steps": 4}
-    if "expert_parallel" in ds:  # expert parallelism needs a mixture of experts
-        recipe["model"]["moe"] = {"num_experts": 4}
+    ep = ds.get("expert_parallel", {}).get("autoep_size", 1)
+    if "expert_parallel" in ds:  # expert parallelism needs a mixture of experts, and a rank per expert group
+        recipe["model"]["moe"] = {"num_experts": max(4, ep)}
     stages = model_parallel_size(ds)
-    s = strategy_for(tmp_path, ds, world=2 * stages, recipe=recipe)
+    s = strategy_for(tmp_path, ds, world=max(2 * stages, ep), recipe=recipe)
     assert s.micro_batch * s.grad_accum * s.dp_size == 32
 
 
@@ -96,12 +97,12 @@ def test_every_shipped_ds_config_passes_deepspeeds_own_parser(tmp_path, monkeypa
     fake_fp16(monkeypatch, True)
     recipe = {**RECIPE, "model": {**RECIPE["model"], "n_layer": 4, "n_head": 8, "d_model": 64}}
     recipe["train"] = {"global_batch": 32, "steps": 4}
-    moe_recipe = {**recipe, "model": {**recipe["model"], "moe": {"num_experts": 4}}}
     for config in SHIPPED:
         ds = json.loads((ROOT / "ds_configs" / config).read_text())
-        stages = model_parallel_size(ds)
+        stages, ep = model_parallel_size(ds), ds.get("expert_parallel", {}).get("autoep_size", 1)
+        moe_recipe = {**recipe, "model": {**recipe["model"], "moe": {"num_experts": max(4, ep)}}}
         model = moe_recipe if "expert_parallel" in ds else recipe
-        validate_ds_config(strategy_for(tmp_path, ds, world=2 * stages, recipe=model).ds_config, config)
+        validate_ds_config(strategy_for(tmp_path, ds, world=max(2 * stages, ep), recipe=model).ds_config, config)
 
 
 def test_deepspeed_sections_dstrain_does_not_read_are_accepted(tmp_path):
