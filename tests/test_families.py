@@ -263,6 +263,11 @@ def test_a_feature_dstrain_does_not_compute_is_refused_on_every_path_that_reads_
     assert cli(["generate", str(tmp_path), "--prompt", "a"]) == 2
     assert cli(["eval", str(tmp_path)]) == 2
     assert capsys.readouterr().err.count("use_sliding_window=True is not supported") == 2
+    from dstrain.model.family_configs import check_round_trip
+
+    mistral = transformers.MistralConfig(**(SMALL | dict(sliding_window=16)))  # no layer_types: its window compared
+    with pytest.raises(DstrainError, match="sliding_window=16 is not supported; dstrain computes this family with"):
+        check_round_trip(mistral, transformers.MistralConfig(**(SMALL | dict(sliding_window=None))), "x")
     config, state = from_hf(build_hf("llama3"))
     with pytest.raises(DstrainError, match=r"model: nope_layers=\[1\] has no counterpart in LlamaForCausalLM"):
         to_hf(dataclasses.replace(config, nope_layers=[1]), state)  # export: what the class cannot express

@@ -181,7 +181,8 @@ def _value(hf: transformers.PretrainedConfig, key: str) -> Any:
         if "full_attention" in value:
             return {kind: read_rope(rope, "") for kind, rope in value.items()}
         return read_rope(value, "")
-    sliding = getattr(hf, "use_sliding_window", True) and "sliding_attention" in getattr(hf, "layer_types", ["x"])
+    kinds = getattr(hf, "layer_types", None)  # None: one window for every block (Mistral, Phi-3)
+    sliding = getattr(hf, "use_sliding_window", True) and (kinds is None or "sliding_attention" in kinds)
     if key == "sliding_window" and not sliding:
         return None
     return value
