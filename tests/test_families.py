@@ -86,6 +86,17 @@ FAMILIES = {
             rope_parameters={"full_attention": LINEAR_ROPE, "sliding_attention": LOCAL_ROPE},
         ),
     ),
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,  # low enough to cap these small random scores and logits
+            final_logit_softcapping=1.5,
+        ),
+    ),
     "gpt_oss": (
         transformers.GptOssConfig,
         dict(
@@ -110,7 +121,7 @@ def build_hf(family: str) -> transformers.PreTrainedModel:
     """A random model of the family, every norm and bias perturbed so that a swapped or dropped one shows."""
     config_class, features = FAMILIES[family]
     config = config_class(**(SMALL | features))
-    config._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"  # GPT-OSS's sinks: eager only
+    config._attn_implementation = "eager" if family in ("gpt_oss", "gemma2") else "sdpa"  # sinks, soft caps: eager
     torch.manual_seed(0)
     model_class = getattr(transformers, hf_class_name(config_class))
     model = model_class(config).eval()
@@ -173,7 +184,7 @@ def test_exported_family_is_the_same_class_with_the_same_logits(imported, tmp_pa
     assert from_hf(tmp_path)[0] == config  # config.json -> the same model.* fields
 
 
-@pytest.mark.parametrize("family", ["mistral", "smollm3", "phi3", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"])
 @torch.no_grad()
 def test_greedy_generation_equals_transformers_generate(family):
     """Past the windows (6 + 14 tokens > 16): transformers decodes with its cache (a sliding one on local layers),
@@ -200,6 +211,8 @@ def test_greedy_generation_equals_transformers_generate(family):
         ("gemma3", "rope_local_theta", None),
         ("gemma3", "query_pre_attn_scalar", None),
         ("gemma3", "layer_types", None),
+        ("gemma2", "attn_softcap", None),
+        ("gemma2", "logit_softcap", None),
         ("gpt_oss", "layer_types", None),
         ("gpt_oss", "moe", "unclamped"),
     ],

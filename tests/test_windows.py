@@ -35,14 +35,15 @@ def test_window_mask_is_transformers_sliding_window():
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on purpose: no compiler
 @pytest.mark.parametrize("documents", [True, False], ids=["packed", "one-document"])
 @pytest.mark.parametrize("sinks", [True, False], ids=["sinks", "no-sinks"])
-def test_flex_window_and_sinks_equal_the_dense_mask_forward_on_cpu(documents, sinks):
+@pytest.mark.parametrize("softcap", [None, 1.0], ids=["uncapped", "softcap"])
+def test_flex_window_and_sinks_equal_the_dense_mask_forward_on_cpu(documents, sinks, softcap):
     q, k, v, positions = packed()
     positions = positions if documents else None
     sink = torch.randn(q.shape[1]) if sinks else None
     with torch.no_grad():
-        flex = flex_doc_attention(q, k, v, positions, WINDOW, sink, compiled=False)
-        dense = dense_doc_attention(q, k, v, positions, WINDOW, sink)
-        unwindowed = dense_doc_attention(q, k, v, positions, None, sink)
+        flex = flex_doc_attention(q, k, v, positions, WINDOW, sink, softcap=softcap, compiled=False)
+        dense = dense_doc_attention(q, k, v, positions, WINDOW, sink, softcap=softcap)
+        unwindowed = dense_doc_attention(q, k, v, positions, None, sink, softcap=softcap)
     torch.testing.assert_close(flex, dense, rtol=0, atol=1e-5)
     assert (dense - unwindowed).abs().max() > 1e-2  # the window cut
 

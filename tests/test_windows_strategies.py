@@ -1,9 +1,9 @@
-"""Local attention, layers without RoPE and Gemma 3's conventions under every strategy (CPU ranks, gloo, fp32): a
+"""Local attention, layers without RoPE and Gemma's conventions under every strategy (CPU ranks, gloo, fp32): a
 small model with a window shorter than the sequence, packed documents, a block without RoPE, sandwich norms, (1+w)
-RMSNorm, GeGLU, query_pre_attn_scalar, a local RoPE base and partial rotary gives ZeRO-0's losses AND pre-clip
-gradient norms under ZeRO-3, TP2, PP2 and SP2 (Ulysses: the window applies to the global positions of the gathered
-sequence, and crosses the two ranks' halves). GPT-OSS's features (sinks, biases, its experts) under EP2 give EP1's.
-One process group for all seven runs of 5 steps."""
+RMSNorm, GeGLU, query_pre_attn_scalar, a local RoPE base, partial rotary and soft caps gives ZeRO-0's losses AND
+pre-clip gradient norms under ZeRO-3, TP2, PP2 and SP2 (Ulysses: the window applies to the global positions of the
+gathered sequence, and crosses the two ranks' halves). GPT-OSS's features (sinks, biases, its experts) under EP2
+give EP1's. One process group for all seven runs of 5 steps."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ WINDOWED = {
     "query_pre_attn_scalar": 24.0,
     "rope_local_theta": 100.0,
     "partial_rotary_factor": 0.5,
+    "attn_softcap": 2.0,  # Gemma 2's soft caps, low enough to act: on the pipeline's last stage too (HeadPipe)
+    "logit_softcap": 1.5,
 }
 # GPT-OSS's features at a small size: sinks, alternating windows, biases on q/k/v/o, a biased router, biased experts
 # with the clamped SwiGLU (a limit low enough to clamp these small activations).

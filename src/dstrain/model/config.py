@@ -15,7 +15,7 @@ FLAVOURS = ("gpt2", "llama")
 # The published families of the llama flavour, each exported as its own transformers class (dstrain.model.families).
 FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe"),
-    *("smollm3", "phi3", "gemma3", "gpt_oss"),
+    *("smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"),
 )
 
 
@@ -122,6 +122,12 @@ class GPTConfig:
     query_pre_attn_scalar: Annotated[float, Range(gt=0)] | None = (
         None  # attention scores scaled by query_pre_attn_scalar**-0.5 (Gemma); None = head_dim**-0.5
     )
+    attn_softcap: Annotated[float, Range(gt=0)] | None = (
+        None  # attention scores capped to c*tanh(s/c) before the mask (Gemma 2's attn_logit_softcapping)
+    )
+    logit_softcap: Annotated[float, Range(gt=0)] | None = (
+        None  # output logits capped to c*tanh(z/c) (Gemma 2's final_logit_softcapping)
+    )
     partial_rotary_factor: Annotated[float, Range(gt=0, le=1)] = (
         1.0  # share of each head's dimensions RoPE rotates, the first ones (Phi-3/4: partial rotary)
     )
@@ -201,6 +207,8 @@ class GPTConfig:
             raise bad("flavour", "layer kinds, sinks and the Gemma features need 'llama'", "set flavour: llama")
         if self.flavour == "gpt2" and (self.query_pre_attn_scalar or self.partial_rotary_factor != 1.0):
             raise bad("flavour", "query_pre_attn_scalar and partial_rotary_factor need 'llama'", "set flavour: llama")
+        if self.flavour == "gpt2" and (self.attn_softcap or self.logit_softcap):
+            raise bad("flavour", "attn_softcap and logit_softcap need 'llama'", "set flavour: llama")
         if self.flavour == "llama" and self.rotary_dim % 2:
             raise bad("partial_rotary_factor", f"rotates {self.rotary_dim} dimensions, an odd number", "change it")
         if self.layer_types is not None and len(self.layer_types) != self.n_layer:

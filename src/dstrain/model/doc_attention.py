@@ -1,5 +1,6 @@
-"""Masked attention: causal, and optionally within packed documents, within a sliding window and with attention
-sinks. FlexAttention with a block mask where the device runs it forward and backward, else SDPA with a dense mask.
+"""Masked attention: causal, and optionally within packed documents, within a sliding window, with attention
+sinks and soft-capped scores. FlexAttention with a block mask where the device runs it forward and backward, else
+SDPA with a dense mask.
 
 The mask a layer sees is the intersection of the causal mask, the document mask (documents start where position_ids
 is 0) and, on a local layer, the window (a query attends to itself and the window-1 keys before it, by index in the
@@ -36,18 +37,30 @@ def doc_causal_mask(position_ids: torch.Tensor | None, length: int, window: int 
 
 
 def dense_doc_attention(
-    q, k, v, position_ids: torch.Tensor | None, window: int | None = None, sinks=None, scale: float | None = None
+    q,
+    k,
+    v,
+    position_ids: torch.Tensor | None,
+    window: int | None = None,
+    sinks=None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: (B, heads, L, d), k/v: (B, kv_heads, L, d) -> (B, heads, L, d), through SDPA with the dense mask; with
-    sinks (heads,) the scores are materialised (SDPA has no sink term) as transformers' eager GPT-OSS attention."""
+    sinks (heads,) or a soft cap the scores are materialised (SDPA has neither) as transformers' eager attention of
+    GPT-OSS and Gemma 2 compute them."""
     if k.shape[1] != q.shape[1]:  # fused SDPA kernels with an explicit mask do not all take enable_gqa
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     mask = doc_causal_mask(position_ids, q.shape[2], window, q.device)
-    if sinks is None:
+    if sinks is None and softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return F.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
     sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     combined = torch.cat([scores, sink], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values  # as transformers: no overflow in bf16/fp16
@@ -104,17 +117,32 @@ def _mask_for(position_ids, batch: int, length: int, window: int | None, device)
 
 
 def flex_doc_attention(
-    q, k, v, position_ids, window: int | None = None, sinks=None, scale: float | None = None, compiled: bool = True
+    q,
+    k,
+    v,
+    position_ids,
+    window: int | None = None,
+    sinks=None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    compiled: bool = True,
 ) -> torch.Tensor:
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     mask = _mask_for(position_ids, q.shape[0], q.shape[2], window, q.device)
     attend = _compiled_flex() if compiled else flex_attention
     gqa = k.shape[1] != q.shape[1]
+    capped = None
+    if softcap is not None:
+
+        def capped(score, b, h, q_idx, kv_idx):  # the scaled score, before the mask (Gemma 2)
+            return torch.tanh(score / softcap) * softcap
+
     if sinks is None:
-        return attend(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+        return attend(q, k, v, score_mod=capped, block_mask=mask, scale=scale, enable_gqa=gqa)
     # A sink adds exp(sink) to the softmax's denominator Z = exp(lse): the output scales by Z / (Z + exp(sink)).
-    out, aux = attend(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    lse_request = AuxRequest(lse=True)
+    out, aux = attend(q, k, v, score_mod=capped, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=lse_request)
     lse = aux.lse
     return out * torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None]).unsqueeze(-1).to(out.dtype)
 
@@ -132,11 +160,14 @@ def flex_supported(device_type: str) -> bool:
     return True
 
 
-def doc_attention(q, k, v, position_ids, window: int | None = None, sinks=None, scale: float | None = None):
-    """Causal attention, within documents when position_ids is given, within the window, with sinks: FlexAttention
-    where the device supports it, else the dense mask. Plain causal attention takes SDPA's is_causal kernels."""
-    if position_ids is None and window is None and sinks is None:
+def doc_attention(
+    q, k, v, position_ids, window: int | None = None, sinks=None, scale: float | None = None, softcap=None
+):
+    """Causal attention, within documents when position_ids is given, within the window, with sinks and soft-capped
+    scores: FlexAttention where the device supports it, else the dense mask. Plain causal attention takes SDPA's
+    is_causal kernels."""
+    if position_ids is None and window is None and sinks is None and softcap is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if flex_supported(q.device.type):
-        return flex_doc_attention(q, k, v, position_ids, window, sinks, scale)
-    return dense_doc_attention(q, k, v, position_ids, window, sinks, scale)
+        return flex_doc_attention(q, k, v, position_ids, window, sinks, scale, softcap)
+    return dense_doc_attention(q, k, v, position_ids, window, sinks, scale, softcap)

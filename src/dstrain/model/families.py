@@ -16,6 +16,8 @@ dstrain.model.family_configs the configs (docs/published-models.md has the table
 | gemma3    | Gemma3ForCausalLM    | layer_types (5 local : 1 global), sliding_window, rope_local_theta,           |
 |           |                      | norm_placement sandwich, norm_unit_offset, scale_embeddings, qk_norm head,    |
 |           |                      | mlp_activation gelu_tanh, query_pre_attn_scalar, d_head                       |
+| gemma2    | Gemma2ForCausalLM    | as gemma3 without qk_norm and rope_local_theta, plus attn_softcap and         |
+|           |                      | logit_softcap (soft-capped scores and logits); layer_types alternating        |
 | gpt_oss   | GptOssForCausalLM    | attention_sinks, layer_types (alternating 128-token windows), qkv_bias,       |
 |           |                      | o_bias, moe: router_bias, expert_bias, swiglu_limit, swiglu_alpha (top-4)     |
 
@@ -40,11 +42,14 @@ CLASSES = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"),
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config"),
     "phi3": ("Phi3ForCausalLM", "Phi3Config"),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
     "gpt_oss": ("GptOssForCausalLM", "GptOssConfig"),
 }
 ARCHITECTURE_FAMILY = {architecture: family for family, (architecture, _) in CLASSES.items()}
 _LLAMA: dict[str, Any] = {"qkv_bias": False, "qk_norm": None, "norm_placement": "pre", "moe": False}
+_GEMMA = _LLAMA | {"norm_placement": "sandwich", "norm_unit_offset": True, "scale_embeddings": True}
+_GEMMA |= {"mlp_activation": "gelu_tanh"}
 # The model.* features each family's class has fixed (an export to it must match them; a feature its class cannot
 # express at all is caught by the round trip in family_configs.hf_config).
 FIXED: dict[str, dict[str, Any]] = {
@@ -57,13 +62,12 @@ FIXED: dict[str, dict[str, Any]] = {
     "qwen3_moe": _LLAMA | {"qk_norm": "head", "moe": True},
     "smollm3": _LLAMA,
     "phi3": _LLAMA,
-    "gemma3": _LLAMA
-    | {"qk_norm": "head", "norm_placement": "sandwich", "norm_unit_offset": True}
-    | {"scale_embeddings": True, "mlp_activation": "gelu_tanh"},
+    "gemma2": _GEMMA,
+    "gemma3": _GEMMA | {"qk_norm": "head"},
     "gpt_oss": _LLAMA | {"qkv_bias": True, "o_bias": True, "attention_sinks": True, "moe": True},
 }
 WINDOW_EVERY_BLOCK = {"mistral", "mixtral", "phi3"}  # one sliding_window for every block (no layer_types in HF)
-WINDOW_PER_BLOCK = {"gemma3", "gpt_oss"}  # HF's layer_types and sliding_window
+WINDOW_PER_BLOCK = {"gemma2", "gemma3", "gpt_oss"}  # HF's layer_types and sliding_window
 SLIDING_KEY = {"qwen2", "qwen3", "qwen3_moe", "smollm3"}  # config has use_sliding_window: dstrain converts false
 # HF name of a fused weight in a decoder layer -> our names, concatenated in this order along the output dimension.
 FUSED: dict[str, dict[str, tuple[str, ...]]] = {

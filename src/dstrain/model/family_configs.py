@@ -145,8 +145,10 @@ def config_from_hf(hf: transformers.PretrainedConfig, family: str, source: str) 
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     fixed = {k: v for k, v in families.FIXED[family].items() if k != "moe"}
     scalar = getattr(hf, "query_pre_attn_scalar", None)
+    caps = {"attn_softcap": getattr(hf, "attn_logit_softcapping", None)}
+    caps["logit_softcap"] = getattr(hf, "final_logit_softcapping", None)
     features = fixed | _rope_fields(hf, family, source) | _layer_fields(hf, family)
-    features |= {"d_ff": hf.intermediate_size} | _moe_fields(hf, family)
+    features |= {"d_ff": hf.intermediate_size} | _moe_fields(hf, family) | caps
     try:
         config = GPTConfig(
             flavour="llama",
@@ -256,15 +258,17 @@ def _layer_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
     if family == "gpt_oss":
         return dict(layer_types=kinds, sliding_window=config.sliding_window, attention_bias=True)
     scalar = config.query_pre_attn_scalar or config.head_dim
-    return dict(
+    gemma = dict(
         layer_types=kinds,
         sliding_window=config.sliding_window,
-        rope_parameters={"full_attention": rope_parameters(config), "sliding_attention": rope_parameters(config, True)},
         query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,  # transformers types it int
-        final_logit_softcapping=None,
-        attn_logit_softcapping=None,
-        use_bidirectional_attention=False,
+        final_logit_softcapping=config.logit_softcap,
+        attn_logit_softcapping=config.attn_softcap,
     )
+    if family == "gemma2":  # one rope_parameters; use_bidirectional_attention left at the class's None
+        return gemma
+    local_rope = {"full_attention": rope_parameters(config), "sliding_attention": rope_parameters(config, True)}
+    return gemma | dict(rope_parameters=local_rope, use_bidirectional_attention=False)
 
 
 def _moe_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:

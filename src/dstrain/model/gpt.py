@@ -8,8 +8,9 @@ RoPE scaling (rope_scaling, model/rope.py), q/k/v biases (qkv_bias), q/k RMSNorm
 (qk_norm), a head width apart from d_model/n_head (d_head), norms after attention and MLP (norm_placement), and
 MoE routing options (moe.norm_topk_prob, moe.dense_layers). Per block: local attention within a window
 (layer_types, sliding_window), no RoPE (nope_layers), sinks (attention_sinks). Gemma's conventions (norm_unit_offset,
-scale_embeddings, mlp_activation gelu_tanh, query_pre_attn_scalar, rope_local_theta) and Phi-3's partial rotary
-(partial_rotary_factor). model/families.py says which family uses which; docs/published-models.md explains them.
+scale_embeddings, mlp_activation gelu_tanh, query_pre_attn_scalar, rope_local_theta, Gemma 2's attn_softcap and
+logit_softcap) and Phi-3's partial rotary (partial_rotary_factor). model/families.py says which family uses which;
+docs/published-models.md explains them.
 
 Module tree (shared by both flavours, so a pipeline engine can cut the same blocks into stages):
 
@@ -70,6 +71,23 @@ class Linear(nn.Linear):
             normal_init(self.weight, self.std)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) (model.logit_softcap, Gemma 2); logits unchanged when cap is None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+class Head(Linear):
+    """lm_head: d_model -> vocab_size without bias, its logits soft-capped where model.logit_softcap says, so that
+    every caller (GPT.forward, the tiled loss, the pipeline's last stage) gets the same logits."""
+
+    def __init__(self, config: GPTConfig, std: float | None) -> None:
+        super().__init__(config.d_model, config.vocab_size, bias=False, std=std)
+        self.cap = config.logit_softcap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return soft_cap(super().forward(x), self.cap)
 
 
 class EmbeddingTable(nn.Embedding):
@@ -140,13 +158,14 @@ class CoreAttention(nn.Module):
         self.config = config
         self.window = config.window(index)
         self.scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+        self.softcap = config.attn_softcap
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None, sinks=None
     ) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         documents = position_ids if self.config.doc_masking else None
-        return doc_attention(q, k, v, documents, self.window, sinks, self.scale).transpose(1, 2)
+        return doc_attention(q, k, v, documents, self.window, sinks, self.scale, self.softcap).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -289,7 +308,7 @@ class GPT(nn.Module):
         self.norm = make_norm(config)
         # A tied head skips its own init (std=None) so it can never overwrite the embedding.
         head_std = None if config.tied else config.init_std
-        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False, std=head_std)
+        self.lm_head = Head(config, head_std)
         if config.tied:
             self.lm_head.weight = self.embed.tok.weight
         # fn(block, x[, position_ids]) -> x, run in training instead of block(x, position_ids): how the trainer applies

@@ -1,5 +1,5 @@
 """Conversion between our GPT and Hugging Face transformers: GPT2LMHeadModel, and the llama-flavour families
-(Llama, Mistral, Qwen2, Qwen3, OLMo 2, Mixtral, Qwen3-MoE, SmolLM3, Phi-3/4, Gemma 3, GPT-OSS: dstrain.model.families
+(Llama, Mistral, Qwen2, Qwen3, OLMo 2, Mixtral, Qwen3-MoE, SmolLM3, Phi-3/4, Gemma 2/3, GPT-OSS: dstrain.model.families
 has their tables, dstrain.model.family_configs converts their configs).
 
     hf_config, hf_state = to_hf(config, model.state_dict())   # then HFClass(hf_config).load_state_dict(hf_state)

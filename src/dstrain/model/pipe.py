@@ -23,12 +23,16 @@ from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayer
 from torch import nn
 
 from dstrain.model.config import GPTConfig
-from dstrain.model.gpt import Block, Embedding, Linear, lm_loss, make_norm
+from dstrain.model.gpt import Block, Embedding, Head, lm_loss, make_norm, soft_cap
 
 TIED_KEY = "embed"
 
 
 class EmbeddingPipe(Embedding):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        self.logit_softcap = config.logit_softcap  # the tied head's soft cap (tied_head)
+
     def forward(self, inputs):
         if isinstance(inputs, tuple):
             input_ids, position_ids = inputs
@@ -55,16 +59,16 @@ class FinalNormPipe(nn.Module):
         return self.norm(inputs[0] if isinstance(inputs, tuple) else inputs)
 
 
-class HeadPipe(Linear):
+class HeadPipe(Head):
     """An untied GPT.lm_head."""
 
     def __init__(self, config: GPTConfig) -> None:
-        super().__init__(config.d_model, config.vocab_size, bias=False, std=config.init_std)
+        super().__init__(config, std=config.init_std)
 
 
 def tied_head(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
-    """GPT.lm_head when tied: logits from the token embedding's own weight."""
-    return F.linear(x, embedding.tok.weight)
+    """GPT.lm_head when tied: logits from the token embedding's own weight (soft-capped as the model says)."""
+    return soft_cap(F.linear(x, embedding.tok.weight), embedding.logit_softcap)
 
 
 class _SeededLayerSpec(LayerSpec):

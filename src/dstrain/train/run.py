@@ -80,6 +80,8 @@ LATER_MODEL_DEFAULTS: dict[str, object] = {
     "partial_rotary_factor": 1.0,
     "rope_local_theta": None,
     "o_bias": False,
+    "attn_softcap": None,
+    "logit_softcap": None,
     "rope_scaling": None,
 }
 LATER_MOE_DEFAULTS = {
