@@ -234,7 +234,7 @@ def saved_tensor_bytes(config: GPTConfig, batch: int, seq: int, dtype, checkpoin
 QWEN3 = {"flavour": "llama", "family": "qwen3", "qk_norm": "head", "d_head": 64}
 
 
-# Gemma 3's: the sandwich's two norms more per block, GeGLU in place of SwiGLU
+# Gemma 3's: the sandwich's two norms more per block, (1 + w) RMSNorm, GeGLU in place of SwiGLU
 GEMMA3 = {"flavour": "llama", "norm_placement": "sandwich", "mlp_activation": "gelu_tanh", "norm_unit_offset": True}
 
 
