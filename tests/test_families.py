@@ -51,6 +51,10 @@ FAMILIES = {
     "mistral": (transformers.MistralConfig, dict(sliding_window=16, head_dim=16, rope_parameters=LINEAR_ROPE)),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True, rope_parameters=YARN_ROPE)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
+    "qwen2-windowed": (  # block 0 global, block 1 local (max_window_layers)
+        transformers.Qwen2Config,
+        dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    ),
     "olmo2": (transformers.Olmo2Config, dict(pad_token_id=None, eos_token_id=1)),
     "qwen3_moe": (
         transformers.Qwen3MoeConfig,
@@ -248,9 +252,9 @@ def test_unsupported_family_features_are_named():
     dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
     with pytest.raises(DstrainError, match="rope_type='dynamic'"):
         from_hf(transformers.LlamaForCausalLM(transformers.LlamaConfig(**(SMALL | dict(rope_parameters=dynamic)))))
-    sliding = transformers.Qwen2Config(**(SMALL | dict(use_sliding_window=True, sliding_window=8)))
-    with pytest.raises(DstrainError, match="use_sliding_window=True"):
-        from_hf(transformers.Qwen2ForCausalLM(sliding))
+    sliding = transformers.Qwen3MoeConfig(**(SMALL | dict(use_sliding_window=True, sliding_window=8)))
+    with pytest.raises(DstrainError, match="use_sliding_window=True"):  # Qwen3-MoE windows every block: not converted
+        from_hf(transformers.Qwen3MoeForCausalLM(sliding))
     config, state = from_hf(build_hf("qwen3"))
     config.family = "llama"
     with pytest.raises(DstrainError, match="model.qk_norm='head' has no counterpart in LlamaForCausalLM"):
@@ -265,17 +269,17 @@ def test_a_feature_dstrain_does_not_compute_is_refused_on_every_path_that_reads_
     from dstrain.commands.cli import main as cli
     from dstrain.model.hf import architecture_from_hf
 
-    hf_config = transformers.Qwen2Config(**(SMALL | dict(use_sliding_window=True, sliding_window=8)))
+    hf_config = transformers.LlamaConfig(**(SMALL | dict(mlp_bias=True)))
     torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(hf_config).save_pretrained(tmp_path)
-    expected = f"{tmp_path / 'config.json'}: use_sliding_window=True is not supported"
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path)
+    expected = f"{tmp_path / 'config.json'}: mlp_bias=True is not supported"
     for read in (from_hf, architecture_from_hf, load_model_source):
         with pytest.raises(DstrainError, match=expected):
             read(tmp_path)
     capsys.readouterr()
     assert cli(["generate", str(tmp_path), "--prompt", "a"]) == 2
     assert cli(["eval", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.count("use_sliding_window=True is not supported") == 2
+    assert capsys.readouterr().err.count("mlp_bias=True is not supported") == 2
     from dstrain.model.family_configs import check_round_trip
 
     mistral = transformers.MistralConfig(**(SMALL | dict(sliding_window=16)))  # no layer_types: its window compared

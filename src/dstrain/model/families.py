@@ -6,7 +6,7 @@ dstrain.model.family_configs the configs (docs/published-models.md has the table
 |-----------|----------------------|-------------------------------------------------------------------------------|
 | llama     | LlamaForCausalLM     | rope_scaling (Llama 3.x: llama3)                                              |
 | mistral   | MistralForCausalLM   | sliding_window (every block local)                                            |
-| qwen2     | Qwen2ForCausalLM     | qkv_bias (Qwen2 and Qwen2.5)                                                  |
+| qwen2     | Qwen2ForCausalLM     | qkv_bias (Qwen2 and Qwen2.5); layer_types with use_sliding_window (also Qwen3)|
 | qwen3     | Qwen3ForCausalLM     | qk_norm head, d_head                                                          |
 | olmo2     | Olmo2ForCausalLM     | qk_norm projection, norm_placement post                                       |
 | mixtral   | MixtralForCausalLM   | moe (every 1), sliding_window                                                 |
@@ -68,7 +68,8 @@ FIXED: dict[str, dict[str, Any]] = {
 }
 WINDOW_EVERY_BLOCK = {"mistral", "mixtral", "phi3"}  # one sliding_window for every block (no layer_types in HF)
 WINDOW_PER_BLOCK = {"gemma2", "gemma3", "gpt_oss"}  # HF's layer_types and sliding_window
-SLIDING_KEY = {"qwen2", "qwen3", "qwen3_moe", "smollm3"}  # config has use_sliding_window: dstrain converts false
+SLIDING_KEY = {"qwen2", "qwen3", "qwen3_moe", "smollm3"}  # config has use_sliding_window (Qwen3-MoE: only false)
+WINDOW_WHEN_ENABLED = {"qwen2", "qwen3", "smollm3"}  # use_sliding_window true: HF's layer_types and sliding_window
 # HF name of a fused weight in a decoder layer -> our names, concatenated in this order along the output dimension.
 FUSED: dict[str, dict[str, tuple[str, ...]]] = {
     "phi3": {

@@ -93,7 +93,9 @@ def _layer_fields(hf: transformers.PretrainedConfig, family: str) -> dict[str, A
     fields: dict[str, Any] = {"sliding_window": None, "layer_types": None, "nope_layers": []}
     if family in families.WINDOW_EVERY_BLOCK:
         fields["sliding_window"] = hf.sliding_window
-    if family in families.WINDOW_PER_BLOCK and "sliding_attention" in hf.layer_types:
+    per_block = family in families.WINDOW_PER_BLOCK
+    per_block |= family in families.WINDOW_WHEN_ENABLED and bool(getattr(hf, "use_sliding_window", False))
+    if per_block and "sliding_attention" in hf.layer_types:
         fields |= {"sliding_window": hf.sliding_window, "layer_types": list(hf.layer_types)}
     if family == "smollm3":  # HF's no_rope_layers is a mask, 1 = uses RoPE
         fields["nope_layers"] = [i for i, rope in enumerate(hf.no_rope_layers) if not rope]
@@ -250,11 +252,14 @@ def _layer_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
     """The HF keys of windows, layer kinds, RoPE per kind and Gemma's attention scale."""
     if family in families.WINDOW_EVERY_BLOCK:
         return {"sliding_window": config.sliding_window}
-    if family == "smollm3":
-        return {"no_rope_layers": [int(config.uses_rope(i)) for i in range(config.n_layer)]}
-    if family not in families.WINDOW_PER_BLOCK:
-        return {}
     kinds = ["sliding_attention" if config.window(i) else "full_attention" for i in range(config.n_layer)]
+    out: dict[str, Any] = {}
+    if family == "smollm3":
+        out["no_rope_layers"] = [int(config.uses_rope(i)) for i in range(config.n_layer)]
+    if family in families.WINDOW_WHEN_ENABLED and "sliding_attention" in kinds:  # Qwen2/3, SmolLM3: windows opt in
+        out |= dict(use_sliding_window=True, sliding_window=config.sliding_window, layer_types=kinds)
+    if family not in families.WINDOW_PER_BLOCK:
+        return out
     if family == "gpt_oss":
         return dict(layer_types=kinds, sliding_window=config.sliding_window, attention_bias=True)
     scalar = config.query_pre_attn_scalar or config.head_dim
