@@ -246,14 +246,18 @@ def saved_tensor_bytes(
 QWEN3 = {"flavour": "llama", "family": "qwen3", "qk_norm": "head", "d_head": 64}
 
 
-@pytest.mark.parametrize("flavour", ["llama", "gpt2", "qwen3"])
+# Gemma 3's: the sandwich's two norms more per block, (1 + w) RMSNorm, GeGLU in place of SwiGLU
+GEMMA3 = {"flavour": "llama", "norm_placement": "sandwich", "mlp_activation": "gelu_tanh", "norm_unit_offset": True}
+
+
+@pytest.mark.parametrize("flavour", ["llama", "gpt2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("config", ["zero2", "zero2_bf16"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_activation_formula_matches_saved_tensors(tmp_path, flavour, config, checkpointing):
     import torch
 
     kv = {"n_kv_head": 2} if flavour != "gpt2" else {"n_kv_head": None}
-    features = QWEN3 if flavour == "qwen3" else {"flavour": flavour}
+    features = {"qwen3": QWEN3, "gemma3": GEMMA3}.get(flavour, {"flavour": flavour})
     recipe_file = write_recipe(tmp_path, n_layer=3, **features, **kv)
     recipe = load_recipe(recipe_file)
     path = ROOT / "ds_configs" / f"{config}.json"

@@ -21,6 +21,7 @@ from dstrain.model.rope import inverse_frequencies  # noqa: E402
 
 VOCAB = 101
 ATOL = 1e-5
+LENGTH = 48  # tokens of the parity inputs: more than the windows of the windowed families
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
@@ -31,6 +32,8 @@ LLAMA3_ROPE = {
 }
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
 LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+PARTIAL_ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}  # Phi-3/4: half of each head
+LOCAL_ROPE = {"rope_type": "default", "rope_theta": 100.0}  # Gemma 3's local blocks: their own base, unscaled
 SMALL = dict(
     vocab_size=VOCAB,
     hidden_size=32,
@@ -45,9 +48,13 @@ SMALL = dict(
 # family test id -> (transformers config class, what sets the family apart, at a small size)
 FAMILIES = {
     "llama3": (transformers.LlamaConfig, dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
-    "mistral": (transformers.MistralConfig, dict(sliding_window=64, head_dim=16, rope_parameters=LINEAR_ROPE)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=16, head_dim=16, rope_parameters=LINEAR_ROPE)),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True, rope_parameters=YARN_ROPE)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
+    "qwen2-windowed": (  # block 0 global, block 1 local (max_window_layers)
+        transformers.Qwen2Config,
+        dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    ),
     "olmo2": (transformers.Olmo2Config, dict(pad_token_id=None, eos_token_id=1)),
     "qwen3_moe": (
         transformers.Qwen3MoeConfig,
@@ -67,16 +74,60 @@ FAMILIES = {
         dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=2),
     ),
     "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "smollm3": (transformers.SmolLM3Config, dict(num_hidden_layers=4, no_rope_layer_interval=2, pad_token_id=None)),
+    "phi3": (
+        transformers.Phi3Config,
+        dict(pad_token_id=None, sliding_window=16, rope_parameters=PARTIAL_ROPE),
+    ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            rope_parameters={"full_attention": LINEAR_ROPE, "sliding_attention": LOCAL_ROPE},
+        ),
+    ),
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,  # low enough to cap these small random scores and logits
+            final_logit_softcapping=1.5,
+        ),
+    ),
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        dict(
+            num_hidden_layers=2,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=16,
+            swiglu_limit=1.0,  # low enough that the clamps act on these small random weights
+            rope_parameters=YARN_ROPE | {"truncate": False},
+        ),
+    ),
 }
+
+
+def hf_class_name(config_class: type) -> str:
+    """LlamaConfig -> LlamaForCausalLM; Gemma3TextConfig -> Gemma3ForCausalLM."""
+    return config_class.__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM")
 
 
 def build_hf(family: str) -> transformers.PreTrainedModel:
     """A random model of the family, every norm and bias perturbed so that a swapped or dropped one shows."""
     config_class, features = FAMILIES[family]
     config = config_class(**(SMALL | features))
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "eager" if family in ("gpt_oss", "gemma2") else "sdpa"  # sinks, soft caps: eager
     torch.manual_seed(0)
-    model_class = getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))
+    model_class = getattr(transformers, hf_class_name(config_class))
     model = model_class(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -102,13 +153,19 @@ def test_imported_family_gives_transformers_logits(imported):
     config = dataclasses.replace(config)  # a copy: doc_masking is flipped below
     ours = GPT(config).eval()
     ours.load_state_dict(state, strict=True)
-    ids = torch.randint(0, VOCAB, (2, 20))
+    ids = torch.randint(0, VOCAB, (2, LENGTH))  # longer than every window: the window cuts
     assert max_diff(ours(ids), hf(ids).logits) <= ATOL
-    position_ids = torch.cat([torch.arange(7), torch.arange(13)]).expand(2, -1)
+    if config.sliding_window is not None:
+        unwindowed = GPT(dataclasses.replace(config, sliding_window=None, layer_types=None)).eval()
+        unwindowed.load_state_dict(state, strict=True)
+        assert max_diff(unwindowed(ids), hf(ids).logits) > 1e-3
+    position_ids = torch.cat([torch.arange(19), torch.arange(LENGTH - 19)]).expand(2, -1)
     plain = hf(ids, position_ids=position_ids, attention_mask=torch.ones_like(ids)).logits
     assert max_diff(ours(ids, position_ids), plain) <= ATOL
     assert max_diff(plain, hf(ids).logits) > 1e-3  # the positions did matter
-    packed = hf(ids, position_ids=position_ids, use_cache=False).logits  # HF's packed-document detection
+    # Packed documents: each document run alone through transformers (its own packed-document detection misses
+    # GPT-OSS's eager attention in transformers 5.23: its second document then attends to the first).
+    packed = torch.cat([hf(ids[:, :19]).logits, hf(ids[:, 19:]).logits], dim=1)
     config.doc_masking = True
     assert max_diff(ours(ids, position_ids), packed) <= ATOL
 
@@ -118,7 +175,7 @@ def test_exported_family_is_the_same_class_with_the_same_logits(imported, tmp_pa
     hf, config, state = imported
     hf_config, hf_state = to_hf(config, state)
     assert hf_config.architectures == [type(hf).__name__]
-    hf_config._attn_implementation = "sdpa"
+    hf_config._attn_implementation = hf.config._attn_implementation
     again = type(hf)(hf_config).eval()
     again.load_state_dict(hf_state, strict=True)
     ids = torch.randint(0, VOCAB, (2, 20))
@@ -129,6 +186,55 @@ def test_exported_family_is_the_same_class_with_the_same_logits(imported, tmp_pa
     assert type(transformers.AutoModelForCausalLM.from_config(loaded.config)) is type(hf)
     assert max_diff(loaded.eval()(ids).logits, hf(ids).logits) <= ATOL
     assert from_hf(tmp_path)[0] == config  # config.json -> the same model.* fields
+
+
+@pytest.mark.parametrize("family", ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"])
+@torch.no_grad()
+def test_greedy_generation_equals_transformers_generate(family):
+    """Past the windows (6 + 14 tokens > 16): transformers decodes with its cache (a sliding one on local layers),
+    we recompute the whole sequence each step; the tokens must agree (the other families: tests/test_hf.py's llama)."""
+    hf = build_hf(family)
+    config, state = from_hf(hf)
+    ours = GPT(config).eval()
+    ours.load_state_dict(state, strict=True)
+    prompt = torch.randint(2, VOCAB, (2, 6))
+    greedy = transformers.GenerationConfig(max_new_tokens=14, do_sample=False, pad_token_id=1, eos_token_id=None)
+    generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=greedy)
+    assert generated.shape == (2, 20)  # no early stop: every step compared
+    tokens = prompt
+    for _ in range(14):
+        tokens = torch.cat([tokens, ours(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, tokens)
+
+
+@pytest.mark.parametrize(
+    "family, feature, without",
+    [
+        ("smollm3", "nope_layers", []),
+        ("phi3", "partial_rotary_factor", 1.0),
+        ("gemma3", "rope_local_theta", None),
+        ("gemma3", "query_pre_attn_scalar", None),
+        ("gemma3", "layer_types", None),
+        ("gemma2", "attn_softcap", None),
+        ("gemma2", "logit_softcap", None),
+        ("gpt_oss", "layer_types", None),
+        ("gpt_oss", "moe", "unclamped"),
+    ],
+)
+@torch.no_grad()
+def test_each_new_feature_is_computed(family, feature, without):
+    """The parity above is not vacuous: each feature of the new families, turned off, changes the logits."""
+    hf = build_hf(family)
+    config, state = from_hf(hf)
+    ids = torch.randint(0, VOCAB, (1, LENGTH))
+    if without == "unclamped":  # GPT-OSS's experts with a plain SwiGLU
+        without = dataclasses.replace(config.moe, swiglu_limit=None)
+    logits = []
+    for variant in (config, dataclasses.replace(config, **{feature: without})):
+        model = GPT(variant).eval()
+        model.load_state_dict(state, strict=True)
+        logits.append(model(ids))
+    assert max_diff(logits[0], hf(ids).logits) <= ATOL and max_diff(*logits) > 1e-3
 
 
 @pytest.mark.parametrize("rope", [LLAMA3_ROPE, YARN_ROPE, LINEAR_ROPE], ids=lambda r: r["rope_type"])
@@ -146,10 +252,39 @@ def test_unsupported_family_features_are_named():
     dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
     with pytest.raises(DstrainError, match="rope_type='dynamic'"):
         from_hf(transformers.LlamaForCausalLM(transformers.LlamaConfig(**(SMALL | dict(rope_parameters=dynamic)))))
-    sliding = transformers.Qwen2Config(**(SMALL | dict(use_sliding_window=True, sliding_window=8)))
-    with pytest.raises(DstrainError, match="use_sliding_window=True"):
-        from_hf(transformers.Qwen2ForCausalLM(sliding))
+    sliding = transformers.Qwen3MoeConfig(**(SMALL | dict(use_sliding_window=True, sliding_window=8)))
+    with pytest.raises(DstrainError, match="use_sliding_window=True"):  # Qwen3-MoE windows every block: not converted
+        from_hf(transformers.Qwen3MoeForCausalLM(sliding))
     config, state = from_hf(build_hf("qwen3"))
     config.family = "llama"
     with pytest.raises(DstrainError, match="model.qk_norm='head' has no counterpart in LlamaForCausalLM"):
         to_hf(config, state)
+
+
+def test_a_feature_dstrain_does_not_compute_is_refused_on_every_path_that_reads_a_model(tmp_path, capsys):
+    """The defect class of issue 39 (a Mistral window once imported and computed as full attention): every key of a
+    transformers config either converts, computes nothing (NEUTRAL) or is refused in one line, whether the folder is
+    imported, continued (init_from), evaluated or sampled from."""
+    from dstrain.checkpoint.consolidate import load_model_source
+    from dstrain.commands.cli import main as cli
+    from dstrain.model.hf import architecture_from_hf
+
+    hf_config = transformers.LlamaConfig(**(SMALL | dict(mlp_bias=True)))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path)
+    expected = f"{tmp_path / 'config.json'}: mlp_bias=True is not supported"
+    for read in (from_hf, architecture_from_hf, load_model_source):
+        with pytest.raises(DstrainError, match=expected):
+            read(tmp_path)
+    capsys.readouterr()
+    assert cli(["generate", str(tmp_path), "--prompt", "a"]) == 2
+    assert cli(["eval", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("mlp_bias=True is not supported") == 2
+    from dstrain.model.family_configs import check_round_trip
+
+    mistral = transformers.MistralConfig(**(SMALL | dict(sliding_window=16)))  # no layer_types: its window compared
+    with pytest.raises(DstrainError, match="sliding_window=16 is not supported; dstrain computes this family with"):
+        check_round_trip(mistral, transformers.MistralConfig(**(SMALL | dict(sliding_window=None))), "x")
+    config, state = from_hf(build_hf("llama3"))
+    with pytest.raises(DstrainError, match=r"model: nope_layers=\[1\] has no counterpart in LlamaForCausalLM"):
+        to_hf(dataclasses.replace(config, nope_layers=[1]), state)  # export: what the class cannot express

@@ -108,6 +108,28 @@ def test_flex_doc_attention_equals_the_dense_mask_on_cuda():
         torch.testing.assert_close(flex, dense, rtol=0, atol=1e-4)
 
 
+def test_flex_window_and_sinks_equal_the_dense_mask_on_cuda():
+    """A local block (window 100, across 128-token blocks) with GPT-OSS's sinks, packed or not, takes FlexAttention
+    compiled on a GPU (block mask = causal, window and documents; sinks through the log-sum-exp): outputs and
+    gradients, sinks' included, equal the dense path's (transformers' eager GPT-OSS attention, tests/test_windows.py)
+    to 1e-4 in fp32, the bound of test_flex_doc_attention_equals_the_dense_mask_on_cuda. Not yet run on a GPU."""
+    from dstrain.model.doc_attention import dense_doc_attention, doc_attention, flex_supported
+
+    assert flex_supported("cuda")
+    torch.manual_seed(0)
+    length, cuts = 512, [0, 37, 300, 301, 512]
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cuts[:-1], cuts[1:])])[None].cuda()
+    inputs = [torch.randn(1, h, length, 64, device="cuda", requires_grad=True) for h in (8, 2, 2)]
+    sinks = torch.randn(8, device="cuda", requires_grad=True)
+    for documents in (positions, None):
+        results = []
+        for attend in (doc_attention, dense_doc_attention):
+            out = attend(*inputs, documents, 100, sinks)
+            results.append((out, *torch.autograd.grad(out.square().sum(), [*inputs, sinks])))
+        for flex, dense in zip(*results):
+            torch.testing.assert_close(flex, dense, rtol=0, atol=1e-4)
+
+
 def test_rms_norm_on_cuda_keeps_its_input_and_an_fp32_rstd():
     """`dstrain estimate` counts torch's fused CUDA RMSNorm (activations.py, fused_norms=True): it keeps its bf16 input
     and one fp32 rstd per row, where the CPU's composite path keeps fp32 copies of input and output. With it the

@@ -33,12 +33,6 @@ def validate(recipe: Recipe, file: Path) -> None:
     if len(set(names)) != len(names):
         twice = next(name for name in names if names.count(name) > 1)
         raise DstrainError(f"{file}: train.tasks names {twice!r} twice; give each task its own name")
-    window = recipe.model.sliding_window
-    if window is not None and window < recipe.data.seq_len:
-        raise DstrainError(
-            f"{file}: model.sliding_window={window} is shorter than data.seq_len={recipe.data.seq_len} and dstrain "
-            f"attends over the whole sequence; set data.seq_len <= {window}"
-        )
     w = t.watchdog
     if w.floor_s > w.ceiling_s:
         raise DstrainError(

@@ -13,7 +13,10 @@ from dstrain.ranges import Range
 
 FLAVOURS = ("gpt2", "llama")
 # The published families of the llama flavour, each exported as its own transformers class (dstrain.model.families).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe")
+FAMILIES = (
+    *("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe"),
+    *("smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"),
+)
 
 
 @dataclass
@@ -63,6 +66,13 @@ class MoEConfig:
     dense_layers: list[Annotated[int, Range(ge=0)]] = field(
         default_factory=list
     )  # blocks (0-based) kept dense whatever `every` says (Qwen3-MoE's mlp_only_layers)
+    # --- GPT-OSS's experts, each a small feature of its own ---
+    router_bias: bool = False  # a bias on the router's logits (GPT-OSS)
+    expert_bias: bool = False  # biases on each expert's gate, up and down projections (GPT-OSS)
+    swiglu_limit: Annotated[float, Range(gt=0)] | None = (
+        None  # GPT-OSS's clamped SwiGLU: gate clamped <= limit, up to +-limit, gate*sigmoid(alpha*gate)*(up+1)
+    )
+    swiglu_alpha: Annotated[float, Range(gt=0)] = 1.702  # the clamped SwiGLU's sigmoid slope (with swiglu_limit)
 
     def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
@@ -99,15 +109,40 @@ class GPTConfig:
     family: str | None = None  # transformers class export writes (FAMILIES); None = llama, or mixtral with moe
     d_head: Annotated[int, Range(ge=2)] | None = None  # width of one head; None = d_model / n_head (Qwen3: 128)
     qkv_bias: bool = False  # biases on q_proj, k_proj, v_proj only (Qwen2/2.5)
+    o_bias: bool = False  # a bias on the attention's o_proj too (GPT-OSS, with qkv_bias)
     qk_norm: Literal["head", "projection"] | None = (
         None  # RMSNorm of q and k before RoPE: per head over d_head (Qwen3), or over the whole projection (OLMo 2)
     )
-    norm_placement: Literal["pre", "post"] = (
-        "pre"  # pre: x + f(norm(x)); post: x + norm(f(x)) on attention and MLP outputs (OLMo 2)
+    norm_placement: Literal["pre", "post", "sandwich"] = (
+        "pre"  # pre: x + f(norm(x)); post: x + norm(f(x)) (OLMo 2); sandwich: x + norm(f(norm(x))) (Gemma 3)
     )
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)
+    scale_embeddings: bool = False  # token embeddings multiplied by sqrt(d_model) (Gemma)
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP's activation: SwiGLU, or GeGLU (Gemma)
+    query_pre_attn_scalar: Annotated[float, Range(gt=0)] | None = (
+        None  # attention scores scaled by query_pre_attn_scalar**-0.5 (Gemma); None = head_dim**-0.5
+    )
+    attn_softcap: Annotated[float, Range(gt=0)] | None = (
+        None  # attention scores capped to c*tanh(s/c) before the mask (Gemma 2's attn_logit_softcapping)
+    )
+    logit_softcap: Annotated[float, Range(gt=0)] | None = (
+        None  # output logits capped to c*tanh(z/c) (Gemma 2's final_logit_softcapping)
+    )
+    partial_rotary_factor: Annotated[float, Range(gt=0, le=1)] = (
+        1.0  # share of each head's dimensions RoPE rotates, the first ones (Phi-3/4: partial rotary)
+    )
+    rope_local_theta: Annotated[float, Range(gt=0)] | None = (
+        None  # RoPE base of the local (sliding_attention) blocks, unscaled (Gemma 3); None = rope_theta and scaling
+    )
+    # --- per-block attention kinds (docs/published-models.md): global, local within a window, without RoPE ---
     sliding_window: Annotated[int, Range(ge=1)] | None = (
-        None  # Mistral's attention window; not implemented: refused when shorter than data.seq_len
+        None  # window W of the local blocks: a query attends to itself and the W-1 tokens before it; None = no window
     )
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = (
+        None  # each block's attention, as transformers names it; None = every block local if sliding_window is set
+    )
+    nope_layers: list[Annotated[int, Range(ge=0)]] = field(default_factory=list)  # blocks (0-based) without RoPE
+    attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (GPT-OSS's sinks)
     rope_scaling: RopeScaling | None = None  # RoPE scaling (Llama 3.x: llama3); None = unscaled
 
     @classmethod
@@ -164,6 +199,34 @@ class GPTConfig:
             raise bad("d_ff", f"{self.d_ff} is not positive", "set a positive integer or remove it")
         if self.moe is not None and self.n_moe_layers == 0:
             raise bad("moe.every", f"{self.moe.every} exceeds n_layer={self.n_layer}", "set every <= n_layer")
+        self._check_layer_kinds(bad)
+
+    def _check_layer_kinds(self, bad) -> None:
+        gemma = (self.norm_unit_offset, self.scale_embeddings, self.mlp_activation != "silu", self.rope_local_theta)
+        if self.flavour == "gpt2" and (self.layer_types or self.nope_layers or self.attention_sinks or any(gemma)):
+            raise bad("flavour", "layer kinds, sinks and the Gemma features need 'llama'", "set flavour: llama")
+        if self.flavour == "gpt2" and (self.query_pre_attn_scalar or self.partial_rotary_factor != 1.0):
+            raise bad("flavour", "query_pre_attn_scalar and partial_rotary_factor need 'llama'", "set flavour: llama")
+        if self.flavour == "gpt2" and (self.attn_softcap or self.logit_softcap):
+            raise bad("flavour", "attn_softcap and logit_softcap need 'llama'", "set flavour: llama")
+        if self.flavour == "llama" and self.rotary_dim % 2:
+            raise bad("partial_rotary_factor", f"rotates {self.rotary_dim} dimensions, an odd number", "change it")
+        if self.layer_types is not None and len(self.layer_types) != self.n_layer:
+            raise bad("layer_types", f"{len(self.layer_types)} kinds for n_layer={self.n_layer}", "give one per block")
+        if self.layer_types and "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise bad("layer_types", "sliding_attention blocks need a window", "set model.sliding_window")
+        outside = [i for i in self.nope_layers if i >= self.n_layer]
+        if outside:
+            raise bad("nope_layers", f"block {outside[0]} does not exist (n_layer={self.n_layer})", "use 0..n_layer-1")
+
+    def window(self, index: int) -> int | None:
+        """The attention window of block `index` (0-based): sliding_window on a local block, None on a global one."""
+        local = self.layer_types is None or self.layer_types[index] == "sliding_attention"
+        return self.sliding_window if local else None
+
+    def uses_rope(self, index: int) -> bool:
+        """Whether block `index` rotates q and k (the llama flavour, but not the nope_layers)."""
+        return self.flavour == "llama" and index not in self.nope_layers
 
     @property
     def head_dim(self) -> int:
@@ -176,6 +239,11 @@ class GPTConfig:
         if self.family is not None:
             return self.family
         return "gpt2" if self.flavour == "gpt2" else "mixtral" if self.moe is not None else "llama"
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head RoPE rotates (transformers: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def kv_heads(self) -> int:
@@ -205,10 +273,13 @@ class GPTConfig:
 # --- arithmetic on the config (no model built) ---
 
 
-def mlp_params(config: GPTConfig, width: int) -> int:
+def mlp_params(config: GPTConfig, width: int, expert: bool = False) -> int:
     """Parameters of one MLP of the flavour with hidden width `width` (an expert is one)."""
     d = config.d_model
-    return d * width + width + width * d + d if config.flavour == "gpt2" else 3 * d * width
+    if config.flavour == "gpt2":
+        return d * width + width + width * d + d
+    biases = 2 * width + d if expert and config.moe is not None and config.moe.expert_bias else 0
+    return 3 * d * width + biases
 
 
 def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool = False) -> int:
@@ -224,14 +295,20 @@ def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool
         attention += q_out + 2 * kv_out + d
     if config.qkv_bias:
         attention += q_out + 2 * kv_out
+    if config.o_bias:
+        attention += d
     if config.qk_norm is not None:
         attention += 2 * config.head_dim if config.qk_norm == "head" else q_out + kv_out
+    if config.attention_sinks:
+        attention += config.n_head
     norm = 2 * d if config.flavour == "gpt2" else d
-    dense_block = attention + mlp_params(config, config.ff_dim) + 2 * norm
+    block_norms = 4 * norm if config.norm_placement == "sandwich" else 2 * norm
+    dense_block = attention + mlp_params(config, config.ff_dim) + block_norms
     total = (config.n_layer - config.n_moe_layers) * dense_block + norm + (0 if config.tied else v * d)
     if config.moe is not None:
         experts = config.moe.top_k if active else config.moe.num_experts
-        moe_block = attention + 2 * norm + d * config.moe.num_experts + experts * mlp_params(config, config.expert_dim)
+        router = (d + config.moe.router_bias) * config.moe.num_experts
+        moe_block = attention + block_norms + router + experts * mlp_params(config, config.expert_dim, expert=True)
         total += config.n_moe_layers * moe_block
     embeddings = v * d + (config.max_seq_len * d if config.flavour == "gpt2" else 0)
     return total if exclude_embeddings else total + embeddings
@@ -256,9 +333,11 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> int:
     plus the vocab_size*d_model output projection, counted whether or not it is tied (the logits matmul
     runs either way); the position table and embedding lookups cost no matmul FLOPs. The second term is
     the attention scores and weighted sum (QK^T and AV), counted over the full L x L square as in
-    Kaplan et al. / PaLM, ignoring the causal half.
+    Kaplan et al. / PaLM, ignoring the causal half; a local block (model.layer_types, sliding_window W) over the
+    L x min(W, L) band its queries attend to, which FlexAttention's block mask lets the GPU skip to.
     """
     n = num_params(config, exclude_embeddings=True, active=True) + (
         config.vocab_size * config.d_model if config.tied else 0
     )
-    return 6 * n + 12 * config.n_layer * config.n_head * config.head_dim * seq_len
+    keys = sum(min(config.window(i) or seq_len, seq_len) for i in range(config.n_layer))  # keys per query, summed
+    return 6 * n + 12 * config.n_head * config.head_dim * keys

@@ -1,11 +1,19 @@
-"""Attention within packed documents: FlexAttention with a block mask built from position_ids where the device runs
-it forward and backward, else SDPA with a dense boolean mask.
+"""Masked attention: causal, and optionally within packed documents, within a sliding window, with attention
+sinks and soft-capped scores. FlexAttention with a block mask where the device runs it forward and backward, else
+SDPA with a dense mask.
+
+The mask a layer sees is the intersection of the causal mask, the document mask (documents start where position_ids
+is 0) and, on a local layer, the window (a query attends to itself and the window-1 keys before it, by index in the
+sequence, as transformers' sliding_window_overlay: under Ulysses the index is the global position, the core attends
+over the gathered sequence). Sinks (GPT-OSS) are a learned logit per head that joins each softmax's denominator and
+weighs no value, exactly as transformers' eager_attention_forward of GPT-OSS.
 
 The dense mask costs seq² bytes per sample and keeps SDPA off the flash kernel on GPUs (the memory-efficient kernel
 takes masks); FlexAttention's block mask stores per 128 x 128 block whether it is empty, full or partial, and its
-compiled kernel skips the empty blocks. torch 2.13 has no FlexAttention backward on CPU (NotImplementedError), nor a
-CPU kernel for torch.nn.attention.varlen (flash only), so CPU training takes the dense mask: which kernel a device
-gets is probed once per device type (``flex_supported``), not assumed from its name.
+compiled kernel skips the empty blocks: a local layer of window W costs ~W/L of a global one. torch 2.13 has no
+FlexAttention backward on CPU (NotImplementedError), nor a CPU kernel for torch.nn.attention.varlen (flash only), so
+CPU training takes the dense mask: which kernel a device gets is probed once per device type (``flex_supported``),
+not assumed from its name. Block masks are built once per batch and window and shared by every layer of that kind.
 """
 
 from __future__ import annotations
@@ -16,34 +24,73 @@ import torch
 import torch.nn.functional as F
 
 
-def doc_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean (B, 1, L, L) mask, True = may attend: causal and within the same document."""
+def doc_causal_mask(position_ids: torch.Tensor | None, length: int, window: int | None = None, device=None):
+    """Boolean (B|1, 1, L, L) mask, True = may attend: causal, within the window, within the same document."""
+    index = torch.arange(length, device=device if position_ids is None else position_ids.device)
+    allowed = index[:, None] >= index[None, :]
+    if window is not None:
+        allowed = allowed & (index[:, None] - index[None, :] < window)
+    if position_ids is None:
+        return allowed[None, None]
     segment = torch.cumsum(position_ids == 0, dim=-1)
-    same_doc = segment[:, :, None] == segment[:, None, :]
-    length = position_ids.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    return (same_doc & causal).unsqueeze(1)
+    return (allowed & (segment[:, :, None] == segment[:, None, :])).unsqueeze(1)
 
 
-def dense_doc_attention(q, k, v, position_ids: torch.Tensor) -> torch.Tensor:
-    """q: (B, heads, L, d), k/v: (B, kv_heads, L, d) -> (B, heads, L, d), through SDPA with the dense mask."""
+def dense_doc_attention(
+    q,
+    k,
+    v,
+    position_ids: torch.Tensor | None,
+    window: int | None = None,
+    sinks=None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q: (B, heads, L, d), k/v: (B, kv_heads, L, d) -> (B, heads, L, d), through SDPA with the dense mask; with
+    sinks (heads,) or a soft cap the scores are materialised (SDPA has neither) as transformers' eager attention of
+    GPT-OSS and Gemma 2 compute them."""
     if k.shape[1] != q.shape[1]:  # fused SDPA kernels with an explicit mask do not all take enable_gqa
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=doc_causal_mask(position_ids))
+    mask = doc_causal_mask(position_ids, q.shape[2], window, q.device)
+    if sinks is None and softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return F.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values  # as transformers: no overflow in bf16/fp16
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
-def block_mask(position_ids: torch.Tensor):
-    """FlexAttention's BlockMask for causal attention within documents (a document starts where position_ids is 0)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def block_mask(position_ids: torch.Tensor | None, batch: int, length: int, window: int | None, device):
+    """FlexAttention's BlockMask: causal, within the window, within documents (position_ids None: one document)."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
-    segment = torch.cumsum(position_ids == 0, dim=-1)
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
 
-    def within_document(b, h, q_idx, kv_idx):
-        return (segment[b, q_idx] == segment[b, kv_idx]) & (q_idx >= kv_idx)
+    parts = [causal]
+    if window is not None:
 
-    batch, length = position_ids.shape
-    return create_block_mask(within_document, batch, None, length, length, device=position_ids.device)
+        def within_window(b, h, q_idx, kv_idx):
+            return q_idx - kv_idx < window
+
+        parts.append(within_window)
+    if position_ids is not None:
+        segment = torch.cumsum(position_ids == 0, dim=-1)
+
+        def within_document(b, h, q_idx, kv_idx):
+            return segment[b, q_idx] == segment[b, kv_idx]
+
+        parts.append(within_document)
+    rows = batch if position_ids is not None else None
+    return create_block_mask(and_masks(*parts), rows, None, length, length, device=device)
 
 
 @functools.cache
@@ -53,16 +100,51 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)  # eager FlexAttention materialises the scores
 
 
-_last_mask: list = [None, None]  # (position_ids, its BlockMask): every block of one forward gets the same tensor
+# The block masks of the current batch by window (None = global): every layer of a kind gets the same mask, built
+# once per batch (a batch is its position_ids tensor, or without one its length and device).
+_cache: dict = {"batch": None, "masks": {}}
 
 
-def flex_doc_attention(q, k, v, position_ids: torch.Tensor, compiled: bool = True) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import flex_attention
+def _mask_for(position_ids, batch: int, length: int, window: int | None, device):
+    key = position_ids if position_ids is not None else (batch, length, str(device))
+    old = _cache["batch"]
+    if not (old is key or (isinstance(old, tuple) and isinstance(key, tuple) and old == key)):
+        _cache.update(batch=key, masks={})
+    masks = _cache["masks"]
+    if window not in masks:
+        masks[window] = block_mask(position_ids, batch, length, window, device)
+    return masks[window]
 
-    if _last_mask[0] is not position_ids:
-        _last_mask[:] = [position_ids, block_mask(position_ids)]
+
+def flex_doc_attention(
+    q,
+    k,
+    v,
+    position_ids,
+    window: int | None = None,
+    sinks=None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    compiled: bool = True,
+) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    mask = _mask_for(position_ids, q.shape[0], q.shape[2], window, q.device)
     attend = _compiled_flex() if compiled else flex_attention
-    return attend(q, k, v, block_mask=_last_mask[1], enable_gqa=k.shape[1] != q.shape[1])
+    gqa = k.shape[1] != q.shape[1]
+    capped = None
+    if softcap is not None:
+
+        def capped(score, b, h, q_idx, kv_idx):  # the scaled score, before the mask (Gemma 2)
+            return torch.tanh(score / softcap) * softcap
+
+    if sinks is None:
+        return attend(q, k, v, score_mod=capped, block_mask=mask, scale=scale, enable_gqa=gqa)
+    # A sink adds exp(sink) to the softmax's denominator Z = exp(lse): the output scales by Z / (Z + exp(sink)).
+    lse_request = AuxRequest(lse=True)
+    out, aux = attend(q, k, v, score_mod=capped, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=lse_request)
+    lse = aux.lse
+    return out * torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None]).unsqueeze(-1).to(out.dtype)
 
 
 @functools.cache
@@ -78,8 +160,14 @@ def flex_supported(device_type: str) -> bool:
     return True
 
 
-def doc_attention(q, k, v, position_ids: torch.Tensor) -> torch.Tensor:
-    """Causal attention within documents: FlexAttention where the device supports it, else the dense mask."""
+def doc_attention(
+    q, k, v, position_ids, window: int | None = None, sinks=None, scale: float | None = None, softcap=None
+):
+    """Causal attention, within documents when position_ids is given, within the window, with sinks and soft-capped
+    scores: FlexAttention where the device supports it, else the dense mask. Plain causal attention takes SDPA's
+    is_causal kernels."""
+    if position_ids is None and window is None and sinks is None and softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if flex_supported(q.device.type):
-        return flex_doc_attention(q, k, v, position_ids)
-    return dense_doc_attention(q, k, v, position_ids)
+        return flex_doc_attention(q, k, v, position_ids, window, sinks, scale, softcap)
+    return dense_doc_attention(q, k, v, position_ids, window, sinks, scale, softcap)

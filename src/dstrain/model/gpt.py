@@ -6,7 +6,11 @@ llama: RoPE (HF rotate_half convention), RMSNorm, SwiGLU MLP, no biases, optiona
 The published llama-like families are features of the llama flavour, each a model.* field (model/config.py):
 RoPE scaling (rope_scaling, model/rope.py), q/k/v biases (qkv_bias), q/k RMSNorm per head or over the projection
 (qk_norm), a head width apart from d_model/n_head (d_head), norms after attention and MLP (norm_placement), and
-MoE routing options (moe.norm_topk_prob, moe.dense_layers). model/families.py says which family uses which.
+MoE routing options (moe.norm_topk_prob, moe.dense_layers). Per block: local attention within a window
+(layer_types, sliding_window), no RoPE (nope_layers), sinks (attention_sinks). Gemma's conventions (norm_unit_offset,
+scale_embeddings, mlp_activation gelu_tanh, query_pre_attn_scalar, rope_local_theta, Gemma 2's attn_softcap and
+logit_softcap) and Phi-3's partial rotary (partial_rotary_factor). model/families.py says which family uses which;
+docs/published-models.md explains them.
 
 Module tree (shared by both flavours, so a pipeline engine can cut the same blocks into stages):
 
@@ -69,6 +73,23 @@ class Linear(nn.Linear):
             nn.init.zeros_(self.bias)
 
 
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) (model.logit_softcap, Gemma 2); logits unchanged when cap is None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+class Head(Linear):
+    """lm_head: d_model -> vocab_size without bias, its logits soft-capped where model.logit_softcap says, so that
+    every caller (GPT.forward, the tiled loss, the pipeline's last stage) gets the same logits."""
+
+    def __init__(self, config: GPTConfig, std: float | None) -> None:
+        super().__init__(config.d_model, config.vocab_size, bias=False, std=std)
+        self.cap = config.logit_softcap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return soft_cap(super().forward(x), self.cap)
+
+
 class EmbeddingTable(nn.Embedding):
     """nn.Embedding drawing weight ~ normal(0, std)."""
 
@@ -80,11 +101,27 @@ class EmbeddingTable(nn.Embedding):
         normal_init(self.weight, self.std)
 
 
+class UnitOffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: normalised in fp32, scaled by (1 + weight), the weight starting at 0 (model.norm_unit_offset);
+    transformers' Gemma3RMSNorm, which torch's RMSNorm (scaled by weight) is not."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
 def make_norm(config: GPTConfig, width: int | None = None) -> nn.Module:
     """The flavour's norm over `width` features (default d_model)."""
     # torch's norms set weight=1 (and bias=0) in their own constructors; RMSNorm is one fused kernel.
     if config.flavour == "gpt2":
         return nn.LayerNorm(width or config.d_model, eps=config.norm_eps)
+    if config.norm_unit_offset:
+        return UnitOffsetRMSNorm(width or config.d_model, config.norm_eps)
     return nn.RMSNorm(width or config.d_model, eps=config.norm_eps)
 
 
@@ -97,40 +134,45 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, L, head_dim); cos/sin: (B|1, L, head_dim)."""
+    """x: (B, heads, L, head_dim); cos/sin: (B|1, L, rotary_dim): the first rotary_dim dimensions rotate."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+    if cos.shape[-1] == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turned, kept = x[..., : cos.shape[-1]], x[..., cos.shape[-1] :]
+    return torch.cat([turned * cos + rotate_half(turned) * sin, kept], dim=-1)
 
 
 # --- the transformer ---
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v, causal and, with doc masking, within each document.
+    """softmax(q k^T / sqrt(d)) v, causal and, with doc masking, within each document; on a local block within its
+    window (model.layer_types, sliding_window), with sinks given (model.attention_sinks) one more logit per head.
 
     q, k, v: (B, L, heads, head_dim), the result too. A module of its own, without parameters, so that sequence
     parallelism can wrap it from outside (dstrain.train.sequence) without changing any parameter name.
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.config = config
+        self.window = config.window(index)
+        self.scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+        self.softcap = config.attn_softcap
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None, sinks=None
     ) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.config.doc_masking and position_ids is not None:
-            y = doc_attention(q, k, v, position_ids)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-        return y.transpose(1, 2)
+        documents = position_ids if self.config.doc_masking else None
+        return doc_attention(q, k, v, documents, self.window, sinks, self.scale, self.softcap).transpose(1, 2)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.config = config
+        self.rope, self.local = config.uses_rope(index), config.window(index) is not None
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         bias = config.flavour == "gpt2"
         qkv_bias = bias or config.qkv_bias
@@ -139,14 +181,17 @@ class Attention(nn.Module):
         self.q_proj = Linear(d, q_width, qkv_bias, std)
         self.k_proj = Linear(d, kv_width, qkv_bias, std)
         self.v_proj = Linear(d, kv_width, qkv_bias, std)
-        self.o_proj = Linear(q_width, d, bias, std / math.sqrt(2 * config.n_layer))
+        self.o_proj = Linear(q_width, d, bias or config.o_bias, std / math.sqrt(2 * config.n_layer))
         # Per head: one weight every head uses, whole on each TP/SP rank (under TP its gradient is summed over the
         # group: train/engine.py). Over the projection (OLMo 2): it spans every head, so TP is refused.
         if config.qk_norm is not None:
             per_head = config.qk_norm == "head"
             self.q_norm = make_norm(config, self.head_dim if per_head else q_width)
             self.k_norm = make_norm(config, self.head_dim if per_head else kv_width)
-        self.core = CoreAttention(config)
+        self.core = CoreAttention(config, index)
+        if config.attention_sinks:  # GPT-OSS's sinks: one logit per query head, initialised as transformers does
+            self.sinks = nn.Parameter(torch.empty(self.n_head))
+            normal_init(self.sinks, config.init_std)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -159,53 +204,71 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        if self.config.flavour == "llama":
+        if self.rope:
             positions = position_ids if position_ids is not None else torch.arange(length, device=x.device)[None]
-            cos, sin = rope_cos_sin(positions, self.config, q.dtype)
+            cos, sin = rope_cos_sin(positions, self.config, q.dtype, self.local)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # (B, L, heads, head_dim) in and out of the core: the layout sequence parallelism exchanges.
-        y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), position_ids)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # Sinks only where the model has them: Ulysses' wrapper passes the core no more than position_ids.
+        sinks = (self.sinks,) if self.config.attention_sinks else ()
+        y = self.core(q, k, v, position_ids, *sinks)
         return self.o_proj(y.reshape(batch, length, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig, width: int | None = None) -> None:
+    def __init__(self, config: GPTConfig, width: int | None = None, expert: bool = False) -> None:
+        """expert: one expert of an MoE layer, which model.moe may give biases and GPT-OSS's clamped SwiGLU."""
         super().__init__()
         d, ff, std = config.d_model, width or config.ff_dim, config.init_std
-        self.swiglu = config.flavour == "llama"
-        bias = not self.swiglu
+        self.swiglu = config.flavour == "llama"  # gated: SwiGLU, or GeGLU with mlp_activation gelu_tanh (Gemma)
+        self.gelu_gate = config.mlp_activation == "gelu_tanh"
+        moe = config.moe if expert else None
+        self.limit, self.alpha = (moe.swiglu_limit, moe.swiglu_alpha) if moe is not None else (None, 1.0)
+        bias = not self.swiglu or (moe is not None and moe.expert_bias)
         if self.swiglu:
             self.gate_proj = Linear(d, ff, bias, std)
         self.up_proj = Linear(d, ff, bias, std)
         self.down_proj = Linear(ff, d, bias, std / math.sqrt(2 * config.n_layer))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.limit is not None:  # GPT-OSS: transformers' GptOssExperts._apply_gate
+            gate, up = self.gate_proj(x).clamp(max=self.limit), self.up_proj(x).clamp(-self.limit, self.limit)
+            return self.down_proj(gate * torch.sigmoid(gate * self.alpha) * (up + 1))
         if self.swiglu:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate = self.gate_proj(x)
+            gate = F.gelu(gate, approximate="tanh") if self.gelu_gate else F.silu(gate)
+            return self.down_proj(gate * self.up_proj(x))
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); with norm_placement post (OLMo 2)
-    x + norm(attn(x)), then x + norm(mlp(x)). The MLP is a mixture of experts (dstrain.model.moe) in the blocks
-    model.moe names, holding this rank's share of the experts."""
+    x + norm(attn(x)), then x + norm(mlp(x)); sandwich (Gemma 3) x + norm(attn(norm(x))), x + norm(mlp(norm(x))).
+    The MLP is a mixture of experts (dstrain.model.moe) in the blocks model.moe names, holding this rank's share of
+    the experts."""
 
     def __init__(self, config: GPTConfig, index: int = 0, ep_size: int = 1, ep_rank: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(config)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, index)
         self.mlp_norm = make_norm(config)
         self.mlp: nn.Module
         if config.moe is not None and config.is_moe_block(index):  # the router drawn first, then each expert
-            wg = Linear(config.d_model, config.moe.num_experts, bias=False, std=config.init_std)
-            experts: list[nn.Module] = [MLP(config, config.expert_dim) for _ in range(config.moe.num_experts)]
+            wg = Linear(config.d_model, config.moe.num_experts, bias=config.moe.router_bias, std=config.init_std)
+            experts: list[nn.Module] = [MLP(config, config.expert_dim, True) for _ in range(config.moe.num_experts)]
             self.mlp = MoEMLP(config, wg, experts, ep_size, ep_rank)
         else:
             self.mlp = MLP(config)
-        self.post_norm = config.norm_placement == "post"
+        self.placement = config.norm_placement
+        if self.placement == "sandwich":  # the norms after attention and MLP, beside the ones before (Gemma 3)
+            self.attn_post_norm, self.mlp_post_norm = make_norm(config), make_norm(config)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if self.post_norm:
+        if self.placement == "sandwich":
+            x = x + self.attn_post_norm(self.self_attn(self.attn_norm(x), position_ids))
+            return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
+        if self.placement == "post":
             x = x + self.attn_norm(self.self_attn(x, position_ids))
             return x + self.mlp_norm(self.mlp(x))
         x = x + self.self_attn(self.attn_norm(x), position_ids)
@@ -219,11 +282,14 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = EmbeddingTable(config.vocab_size, config.d_model, config.init_std)
         self.pos = None
+        self.scale = config.d_model**0.5 if config.scale_embeddings else None  # Gemma: x sqrt(d), in x's dtype
         if config.flavour == "gpt2":
             self.pos = EmbeddingTable(config.max_seq_len, config.d_model, config.init_std)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tok(input_ids)
+        if self.scale is not None:
+            x = x * torch.tensor(self.scale, dtype=x.dtype)
         if self.pos is not None:
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device)
@@ -242,7 +308,7 @@ class GPT(nn.Module):
         self.norm = make_norm(config)
         # A tied head skips its own init (std=None) so it can never overwrite the embedding.
         head_std = None if config.tied else config.init_std
-        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False, std=head_std)
+        self.lm_head = Head(config, head_std)
         if config.tied:
             self.lm_head.weight = self.embed.tok.weight
         # fn(block, x[, position_ids]) -> x, run in training instead of block(x, position_ids): how the trainer applies

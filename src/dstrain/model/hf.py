@@ -1,5 +1,6 @@
 """Conversion between our GPT and Hugging Face transformers: GPT2LMHeadModel, and the llama-flavour families
-(Llama, Mistral, Qwen2, Qwen3, OLMo 2, Mixtral, Qwen3-MoE: dstrain.model.families has their tables).
+(Llama, Mistral, Qwen2, Qwen3, OLMo 2, Mixtral, Qwen3-MoE, SmolLM3, Phi-3/4, Gemma 2/3, GPT-OSS: dstrain.model.families
+has their tables, dstrain.model.family_configs converts their configs).
 
     hf_config, hf_state = to_hf(config, model.state_dict())   # then HFClass(hf_config).load_state_dict(hf_state)
     config, state = from_hf("path/to/hf_folder")               # then GPT(config).load_state_dict(state)
@@ -19,7 +20,7 @@ import torch
 import transformers
 
 from dstrain.errors import DstrainError
-from dstrain.model import families
+from dstrain.model import families, family_configs
 from dstrain.model.config import GPTConfig
 from dstrain.model.gpt import StateDict
 from dstrain.model.hf_moe import experts_from_hf, experts_to_hf
@@ -60,7 +61,7 @@ def to_hf(
             architectures=["GPT2LMHeadModel"],
         )
         return hf_config, _gpt2_to_hf(config, state_dict)
-    return families.hf_config(config, bos_token_id, eos_token_id), _llama_to_hf(config, state_dict)
+    return family_configs.hf_config(config, bos_token_id, eos_token_id), _llama_to_hf(config, state_dict)
 
 
 def from_hf(hf_model_or_dir: transformers.PreTrainedModel | str | os.PathLike) -> tuple[GPTConfig, StateDict]:
@@ -90,7 +91,7 @@ def from_hf(hf_model_or_dir: transformers.PreTrainedModel | str | os.PathLike) -
     if ARCHITECTURES[supported[0]] == "gpt2":
         config = _gpt2_config_from_hf(model.config, source)  # type: ignore[arg-type]  # a GPT2Config here
         return config, _gpt2_from_hf(config, hf_state, source)
-    config = families.config_from_hf(model.config, ARCHITECTURES[supported[0]], source)
+    config = family_configs.config_from_hf(model.config, ARCHITECTURES[supported[0]], source)
     return config, _llama_from_hf(config, hf_state, source)
 
 
@@ -114,7 +115,7 @@ def architecture_from_hf(folder: str | os.PathLike) -> GPTConfig:
     hf_config, architecture = _read_config(folder)
     if ARCHITECTURES[architecture] == "gpt2":
         return _gpt2_config_from_hf(hf_config, str(folder / "config.json"))
-    return families.config_from_hf(hf_config, ARCHITECTURES[architecture], str(folder / "config.json"))
+    return family_configs.config_from_hf(hf_config, ARCHITECTURES[architecture], str(folder / "config.json"))
 
 
 def _read_config(folder: Path):
@@ -259,11 +260,23 @@ def _gpt2_from_hf(config: GPTConfig, hf_state: StateDict, source: str) -> StateD
 # --- the llama flavour (every family) ---
 
 
+def _rows(config: GPTConfig, name: str) -> int:
+    """Output rows of one of our projections that a family fuses (families.FUSED)."""
+    if "q_proj" in name:
+        return config.n_head * config.head_dim
+    return config.kv_heads * config.head_dim if "k_proj" in name or "v_proj" in name else config.ff_dim
+
+
 def _llama_to_hf(config: GPTConfig, sd: StateDict) -> StateDict:
     out = {"model.embed_tokens.weight": sd["embed.tok.weight"]}
+    fused = families.FUSED.get(config.resolved_family, {})
     for i in range(config.n_layer):
+        joined = {ours for parts in fused.values() for ours in parts}
         for ours, hf in families.block_names(config, i):
-            out[f"model.layers.{i}.{hf}"] = sd[f"blocks.{i}.{ours}"]
+            if ours not in joined:
+                out[f"model.layers.{i}.{hf}"] = sd[f"blocks.{i}.{ours}"]
+        for hf, parts in fused.items():  # Phi-3: [q; k; v] and [gate; up] along the output rows
+            out[f"model.layers.{i}.{hf}"] = torch.cat([sd[f"blocks.{i}.{ours}"] for ours in parts])
         if config.is_moe_block(i):
             experts_to_hf(config, sd, i, out)
     out["model.norm.weight"] = sd["norm.weight"]
@@ -274,9 +287,14 @@ def _llama_to_hf(config: GPTConfig, sd: StateDict) -> StateDict:
 def _llama_from_hf(config: GPTConfig, hf_state: StateDict, source: str) -> StateDict:
     take = _WeightTaker(hf_state, source)
     out = {"embed.tok.weight": take("model.embed_tokens.weight")}
+    fused = families.FUSED.get(config.resolved_family, {})
     for i in range(config.n_layer):
+        split: StateDict = {}
+        for hf, parts in fused.items():
+            pieces = take(f"model.layers.{i}.{hf}").split([_rows(config, ours) for ours in parts])
+            split |= {ours: piece.contiguous() for ours, piece in zip(parts, pieces, strict=True)}
         for ours, hf in families.block_names(config, i):
-            out[f"blocks.{i}.{ours}"] = take(f"model.layers.{i}.{hf}")
+            out[f"blocks.{i}.{ours}"] = split.pop(ours) if ours in split else take(f"model.layers.{i}.{hf}")
         if config.is_moe_block(i):
             experts_from_hf(config, take, i, out)
     out["norm.weight"] = take("model.norm.weight")

@@ -28,12 +28,16 @@ from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayer
 from torch import nn
 
 from dstrain.model.config import GPTConfig
-from dstrain.model.gpt import Block, Embedding, Linear, lm_loss, make_norm
+from dstrain.model.gpt import Block, Embedding, Head, lm_loss, make_norm, soft_cap
 
 TIED_KEY = "embed"
 
 
 class EmbeddingPipe(Embedding):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        self.logit_softcap = config.logit_softcap  # the tied head's soft cap (tied_head)
+
     def forward(self, inputs):
         if isinstance(inputs, tuple):
             input_ids, position_ids = inputs
@@ -60,11 +64,11 @@ class FinalNormPipe(nn.Module):
         return self.norm(inputs[0] if isinstance(inputs, tuple) else inputs)
 
 
-class HeadPipe(Linear):
+class HeadPipe(Head):
     """An untied GPT.lm_head."""
 
     def __init__(self, config: GPTConfig) -> None:
-        super().__init__(config.d_model, config.vocab_size, bias=False, std=config.init_std)
+        super().__init__(config, std=config.init_std)
 
 
 class HeadInputPipe(HeadPipe):
@@ -75,8 +79,8 @@ class HeadInputPipe(HeadPipe):
 
 
 def tied_head(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
-    """GPT.lm_head when tied: logits from the token embedding's own weight."""
-    return F.linear(x, embedding.tok.weight)
+    """GPT.lm_head when tied: logits from the token embedding's own weight (soft-capped as the model says)."""
+    return soft_cap(F.linear(x, embedding.tok.weight), embedding.logit_softcap)
 
 
 def tied_head_input(embedding: EmbeddingPipe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,13 +107,13 @@ def layer_specs(config: GPTConfig, seed: int, head_input: bool = False) -> list[
     """The pipeline's layers in GPT order, each seeded to draw what GPT(config) draws for it; ``head_input``: the
     head layer passes (its input, its weight) to the loss instead of the logits."""
 
-    def spec(typename, tied_fn=None, tied=False):
+    def spec(typename, tied_fn=None, tied=False, *args):
         if tied:
             return _SeededTiedLayerSpec(TIED_KEY, typename, config, forward_fn=tied_fn, tied_weight_attr=["tok.weight"])
-        return _SeededLayerSpec(typename, config)
+        return _SeededLayerSpec(typename, config, *args)
 
     specs = [spec(EmbeddingPipe, tied=config.tied)]
-    specs += [spec(BlockPipe) for _ in range(config.n_layer)]
+    specs += [spec(BlockPipe, None, False, i) for i in range(config.n_layer)]  # each block its kind (layer_types)
     specs.append(spec(FinalNormPipe))
     if config.tied:
         specs.append(spec(EmbeddingPipe, tied_head_input if head_input else tied_head, tied=True))
@@ -122,7 +126,7 @@ def layer_specs(config: GPTConfig, seed: int, head_input: bool = False) -> list[
             s.rng_state = specs[0].rng_state
             continue
         s.rng_state = torch.get_rng_state()
-        s.typename(config)  # consume this layer's init; the module is dropped
+        s.typename(*s.module_args)  # consume this layer's init; the module is dropped
     return specs
 
 

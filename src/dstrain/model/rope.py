@@ -14,9 +14,12 @@ import torch
 from dstrain.model.config import GPTConfig, RopeScaling
 
 
-def inverse_frequencies(config: GPTConfig, device: torch.device) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies (head_dim/2,) in fp32, the factor cos and sin are multiplied by)."""
-    dim, base, scaling = config.head_dim, config.rope_theta, config.rope_scaling
+def inverse_frequencies(config: GPTConfig, device: torch.device, local: bool = False) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (rotary_dim/2,) in fp32, the factor cos and sin are multiplied by); local: those of a
+    sliding_attention block where model.rope_local_theta gives it its own unscaled base (Gemma 3)."""
+    dim, base, scaling = config.rotary_dim, config.rope_theta, config.rope_scaling
+    if local and config.rope_local_theta is not None:
+        base, scaling = config.rope_local_theta, None
     exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     inv_freq = 1.0 / (base**exponent)
     if scaling is None:
@@ -71,14 +74,14 @@ def _yarn(dim: int, base: float, s: RopeScaling, device: torch.device) -> tuple[
 
 
 def rope_cos_sin(
-    position_ids: torch.Tensor, config: GPTConfig, dtype: torch.dtype
+    position_ids: torch.Tensor, config: GPTConfig, dtype: torch.dtype, local: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (B|1, L, head_dim), exactly as HF LlamaRotaryEmbedding computes them.
+    """cos, sin of shape (B|1, L, rotary_dim), exactly as HF LlamaRotaryEmbedding computes them.
 
     Angles are computed in fp32 on every call (cheap) rather than kept in a buffer, which a
     `model.to(bfloat16)` would silently round.
     """
-    inv_freq, scale = inverse_frequencies(config, position_ids.device)
+    inv_freq, scale = inverse_frequencies(config, position_ids.device, local)
     freqs = position_ids[..., None].float() * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)

@@ -33,8 +33,13 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     else:
         norm = a * (h + 2)  # LayerNorm keeps its input, mean and rstd
         inner = 2 * h + 2 * kv + mlp_inner(m) * (strategy.mlp_tiles == 1)  # q, k, v, attention output; the MLP's
-    per_token = 2 * norm + a * (2 * h + inner / t) + 4 * heads / t  # + the linears' inputs, attention log-sum-exp
+    norms = 4 if m.norm_placement == "sandwich" else 2  # Gemma 3 norms each output again (and keeps its input)
+    # Attention keeps q, k, v, its output and a log-sum-exp per query (flash and FlexAttention): linear in the
+    # sequence, so a local block's window saves FLOPs (model.config.flops_per_token), not activation memory.
+    per_token = norms * norm + a * (2 * h + inner / t) + 4 * heads / t  # + the linears' inputs, log-sum-exp
     block = tokens * per_token + (2 * seq * m.head_dim * a if m.flavour == "llama" else 0)  # RoPE cos, sin
+    offset = 4 * h if m.norm_unit_offset else 0  # Gemma's norm keeps 1 + weight, in fp32
+    block += norms * offset
     layers = math.ceil(m.n_layer / strategy.pp_stages)
     if strategy.activation_checkpointing:
         stage = layers * tokens * a * h + block  # block inputs, plus one block recomputed in the backward
@@ -48,6 +53,7 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     else:  # one tile's three fp32 T x V tensors, and the gradient of the hidden states the tiles fill
         head = tokens * (norm + a * h + 8)
         logits_grad = tokens // strategy.loss_tiles * 12 * m.vocab_size + tokens * a * h
+    head += offset
     ids = tokens * 8
     if strategy.pp_stages == 1:
         return int(stage + head + ids), logits_grad

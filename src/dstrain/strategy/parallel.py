@@ -149,6 +149,11 @@ def check_tensor_parallel(tp: dict, recipe: Recipe, recipe_file, ds_file: str, p
             f"{ds_file}: tensor_parallel with model.qk_norm projection (OLMo 2) is not supported: the norm spans every "
             f"head, AutoTP splits the heads; use a ZeRO or sequence-parallel config"
         )
+    if model.attention_sinks:
+        raise DstrainError(
+            f"{ds_file}: tensor_parallel with model.attention_sinks is not supported: AutoTP splits the heads and "
+            f"leaves each head's sink whole; use a ZeRO or expert-parallel config"
+        )
     if model.kv_heads % size:
         raise DstrainError(
             f"{ds_file}: tensor_parallel.autotp_size={size} does not divide the {model.kv_heads} key/value heads of "
@@ -203,6 +208,11 @@ def check_sequence_parallel(
             f"remove reduce_scatter: false"
         )
     model = recipe.model
+    if model.attention_sinks:
+        raise DstrainError(
+            f"{ds_file}: sequence_parallel_size with model.attention_sinks is not supported: after the all-to-all a "
+            f"rank attends with a slice of the heads, whose sinks the core is not given; use a ZeRO config"
+        )
     for heads, key in [(model.n_head, "model.n_head"), (model.kv_heads, "model.n_kv_head")]:
         if heads % size:
             raise DstrainError(

@@ -64,16 +64,35 @@ def identity(recipe: Recipe, data_fingerprint: str) -> dict:
 
 # Model fields added after checkpoints first recorded their identity: left out at their defaults, so that a checkpoint
 # written before them still resumes (its record has no such key).
-LATER_MODEL_DEFAULTS = {
+LATER_MODEL_DEFAULTS: dict[str, object] = {
     "family": None,
     "d_head": None,
     "qkv_bias": False,
     "qk_norm": None,
     "norm_placement": "pre",
     "sliding_window": None,
+    "layer_types": None,
+    "nope_layers": [],
+    "attention_sinks": False,
+    "norm_unit_offset": False,
+    "scale_embeddings": False,
+    "mlp_activation": "silu",
+    "query_pre_attn_scalar": None,
+    "partial_rotary_factor": 1.0,
+    "rope_local_theta": None,
+    "o_bias": False,
+    "attn_softcap": None,
+    "logit_softcap": None,
     "rope_scaling": None,
 }
-LATER_MOE_DEFAULTS = {"norm_topk_prob": True, "dense_layers": []}
+LATER_MOE_DEFAULTS = {
+    "norm_topk_prob": True,
+    "dense_layers": [],
+    "router_bias": False,
+    "expert_bias": False,
+    "swiglu_limit": None,
+    "swiglu_alpha": 1.702,
+}
 
 
 def _without_later_defaults(fields: dict, defaults: dict) -> dict:
