@@ -55,7 +55,7 @@ def test_model_is_the_published_config_json():
     import transformers
 
     from dstrain.model.config import num_params
-    from dstrain.model.families import config_from_hf, hf_config
+    from dstrain.model.family_configs import config_from_hf, hf_config
     from dstrain.model.hf import architecture_diff
 
     recipe = load_recipe(RECIPE)
