@@ -35,7 +35,7 @@ def run_all(calls: list) -> list:
     return [(globals().get(name) or getattr(train_helpers, name))(*args) for name, args in calls]
 
 
-def shipped_layout_in_fp32(tmp, name: str = "ep8_zero2_offload_bf16"):
+def shipped_layout_in_fp32(tmp, name: str = "planned/continue-qwen3-30b-a3b-1x8-h100"):
     """The layout shipped with continue-qwen3-30b-a3b (ZeRO-2, experts split, optimizer on the host) on 2 fp32 ranks:
     experts over 2, its micro-batch for the global batch of 8, and activation checkpointing besides."""
     config = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
@@ -43,7 +43,7 @@ def shipped_layout_in_fp32(tmp, name: str = "ep8_zero2_offload_bf16"):
         config.pop(key)
     config.update(train_micro_batch_size_per_gpu=4, activation_checkpointing=CHECKPOINTING)
     config["expert_parallel"]["autoep_size"] = 2
-    path = tmp / f"{name}-fp32-ep2-recompute.json"
+    path = tmp / f"{name.split('/')[-1]}-fp32-ep2-recompute.json"
     path.write_text(json.dumps(config))
     return path
 

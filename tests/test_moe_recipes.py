@@ -19,7 +19,7 @@ from dstrain.strategy.memory_parts import GIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "continue-qwen3-30b-a3b.yaml"
-DS_CONFIG = ROOT / "ds_configs" / "ep8_zero2_offload_bf16.json"
+DS_CONFIG = ROOT / "ds_configs" / "planned/continue-qwen3-30b-a3b-1x8-h100.json"
 
 # https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (the architecture keys)
 PUBLISHED = {
