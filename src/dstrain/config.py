@@ -60,6 +60,10 @@ class DataConfig:
         0.01  # fraction of documents held out for the valid split (document-level, seeded)
     )
     stages: list[DataStage] = field(default_factory=list)  # later mixtures (e.g. an anneal on high-quality data)
+    sft: bool = False  # instruction tuning: some sources are `dstrain prepare --chat` folders, whose loss mask says
+    # which tokens are learned (text sources mixed in learn every token); false refuses --chat folders
+    overlong: Literal["truncate", "drop"] = "truncate"  # a --chat conversation longer than seq_len + 1 tokens: cut
+    # to it (its tail is not learned) or left out (dstrain.data.chat_packing)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayer
 from torch import nn
 
 from dstrain.model.config import GPTConfig
-from dstrain.model.gpt import Block, Embedding, Linear, lm_loss, make_norm
+from dstrain.model.gpt import Block, Embedding, Linear, lm_loss, make_norm, token_loss_sum
 
 TIED_KEY = "embed"
 
@@ -112,6 +112,19 @@ def layer_prefixes(config: GPTConfig) -> list[tuple[str, str] | None]:
     return [("embed.", ""), *((f"blocks.{i}.", "") for i in range(config.n_layer)), ("norm.", "norm."), head]
 
 
+class PipeLoss:
+    """The pipeline's loss function: the micro-batch's mean loss (lm_loss), or during a train step its loss sum over
+    ``divisor``, the step's learned tokens per micro-batch, which the trainer sets (dstrain.train.steps)."""
+
+    def __init__(self) -> None:
+        self.divisor: float | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.divisor is None:
+            return lm_loss(logits, labels)
+        return token_loss_sum(logits, labels) / self.divisor
+
+
 def build_pipeline(
     config: GPTConfig,
     seed: int,
@@ -120,7 +133,7 @@ def build_pipeline(
     activation_checkpoint_interval: int = 0,
     schedule: str = "1f1b",
 ) -> PipelineModule:
-    """GPT(config) as a PipelineModule of `stages` stages, with lm_loss as its loss.
+    """GPT(config) as a PipelineModule of `stages` stages, with PipeLoss as its loss.
 
     schedule "dualpipev" builds DeepSpeed's DualPipeVModule instead: the layers cut into 2 x `stages` stages, rank r
     holding stage r and its mirror 2 x stages - 1 - r, so rank 0 holds the embedding, the head and the loss
@@ -130,7 +143,7 @@ def build_pipeline(
     return module(
         layers=layer_specs(config, seed),
         num_stages=stages,
-        loss_fn=lm_loss,
+        loss_fn=PipeLoss(),
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
         # Only blocks: DeepSpeed's reentrant checkpoint would cut the embedding off from its gradient.
