@@ -1,0 +1,187 @@
+"""Instruction-tuning data (issue 38): `dstrain prepare --chat` against TRL's SFTTrainer preprocessing (the referee),
+against masks built by hand from the assistant contents' token spans, and the one-line refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import numpy as np
+import pytest
+
+from dstrain.data.chat import encode_messages, encode_prompt_completion
+from dstrain.data.dataset import PreparedTokens, build_dataset, collate
+from dstrain.data.prepare import prepare
+from dstrain.errors import DstrainError
+
+from chat_fixtures import (
+    CONVERSATIONS,
+    END_OF_TURN,
+    PROMPT_COMPLETIONS,
+    QWEN25,
+    TEMPLATES,
+    save_chat_tokenizer,
+    template_tokenizer,
+    write_jsonl,
+)
+
+HELD_OUT = [  # shapes the referee sees that the fixtures' other tests do not: a system turn, three answers
+    [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Is a tuple mutable?"},
+        {"role": "assistant", "content": "No."},
+        {"role": "user", "content": "And a list?"},
+        {"role": "assistant", "content": "Yes, a list is."},
+        {"role": "user", "content": "Which one is hashable?"},
+        {"role": "assistant", "content": "The tuple, when its items are."},
+    ]
+]
+
+
+def prepared(tmp_path, rows: list[dict], template: str = "chatml-generation", **options):
+    """`dstrain prepare --chat` of ``rows`` with template ``template``'s tokenizer; (folder, its documents and masks)."""
+    tokenizer = save_chat_tokenizer(tmp_path / f"tok-{template}", template)
+    source = write_jsonl(tmp_path / "rows.jsonl", rows)
+    out = tmp_path / f"out-{template}"
+    prepare(str(source), str(out), tokenizer=str(tokenizer), chat=True, num_proc=1, progress=False, **options)
+    tokens = PreparedTokens(out)
+    docs = [tokens.document(d).tolist() for d in range(tokens.num_docs)]
+    return out, docs, [tokens.document_mask(d).astype(bool).tolist() for d in range(tokens.num_docs)]
+
+
+def trl_learned(rows: list[dict], tokenizer, **config) -> list[tuple[list[int], list[bool]]]:
+    """(input_ids, learned positions) of each row as TRL's SFTTrainer prepares it (labels not -100)."""
+    pytest.importorskip(
+        "trl", reason="TRL, the referee, is the test-only extra .[referee] (requirements.txt installs it)"
+    )
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    args = SFTConfig(output_dir=config.pop("output_dir"), report_to=[], use_cpu=True, max_length=None, **config)
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
+    )
+    return [(row["input_ids"], [label != -100 for label in row["labels"]]) for row in trainer.train_dataset]
+
+
+def test_conversations_match_trl_assistant_only_loss(tmp_path):
+    rows = [{"messages": c} for c in CONVERSATIONS + HELD_OUT]
+    _, docs, masks = prepared(tmp_path, rows)
+    referee = trl_learned(rows, template_tokenizer("chatml-generation"), assistant_only_loss=True, output_dir=tmp_path)
+    assert [ids for ids, _ in referee] == docs
+    assert [learned for _, learned in referee] == masks
+    assert all(any(m) and not all(m) for m in masks)
+
+
+@pytest.mark.parametrize("kind", ["plain", "conversational"])
+def test_prompt_completion_matches_trl_completion_only_loss(tmp_path, kind):
+    if kind == "plain":
+        rows = [dict(example) for example in PROMPT_COMPLETIONS]
+    else:
+        rows = [{"prompt": c[:-1], "completion": c[-1:]} for c in CONVERSATIONS + HELD_OUT]
+    _, docs, masks = prepared(tmp_path, rows, "chatml")
+    tokenizer = template_tokenizer("chatml")
+    referee = trl_learned(rows, tokenizer, completion_only_loss=True, output_dir=tmp_path)
+    assert [ids for ids, _ in referee] == docs
+    assert [learned for _, learned in referee] == masks
+
+
+def hand_built_mask(tokenizer, template: str, eot: str, conversation: list[dict]) -> tuple[list[int], list[bool]]:
+    """The expected mask, built without the code under test: each assistant content's characters in the rendered
+    conversation (found in order) and the end-of-turn token right after it, mapped to tokens by their offsets."""
+    text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    learned_chars, cursor = [], 0
+    for message in conversation:
+        if message["role"] != "assistant":
+            cursor = text.index(message["content"], cursor) + len(message["content"])
+            continue
+        start = text.index(message["content"], cursor)
+        end = start + len(message["content"])
+        assert text[end : end + len(eot)] == eot
+        learned_chars.append((start, end + len(eot)))
+        cursor = end
+    learned = [any(a <= s and e <= b for a, b in learned_chars) for s, e in encoding["offset_mapping"]]
+    return encoding["input_ids"], learned
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_masks_match_the_assistant_contents_token_spans(name):
+    tokenizer = template_tokenizer(name)
+    for conversation in CONVERSATIONS + HELD_OUT:
+        ids, mask = encode_messages(tokenizer, TEMPLATES[name], conversation)
+        expected_ids, expected = hand_built_mask(tokenizer, TEMPLATES[name], END_OF_TURN[name], conversation)
+        assert ids == expected_ids == tokenizer.apply_chat_template(conversation, tokenize=True)["input_ids"]
+        assert mask.astype(bool).tolist() == expected
+
+
+def test_prepare_without_markers_reports_the_mask_and_packs_whole_conversations(tmp_path):
+    out, docs, masks = prepared(tmp_path, [{"messages": c} for c in CONVERSATIONS * 30], "qwen2.5")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["chat"]["mask_from"].startswith("prefix renders")
+    assert manifest["chat"]["learned_tokens"] == sum(sum(m) for m in masks)
+    seq_len = 64
+    data = build_dataset([(str(out), 1.0)], "train", seq_len, 3, None, 0.05)
+    whole = {tuple(d) for d in docs}
+    for i in range(len(data)):
+        sample = data[i]
+        starts = np.flatnonzero(sample["position_ids"] == 0)  # a piece starts where positions restart
+        bounds = list(zip(starts, [*starts[1:], seq_len + 1]))
+        pieces = [sample["tokens"][a:b].tolist() for a, b in bounds]
+        padding = [not sample["loss_mask"][a:b].any() and tuple(p) not in whole for p, (a, b) in zip(pieces, bounds)]
+        # every piece is a whole conversation, one cut to seq_len + 1 tokens, or the sample's padding at its end
+        assert all(tuple(p) in whole or len(p) == seq_len + 1 or pad for p, pad in zip(pieces, padding))
+        assert not any(padding[:-1])
+    batch = collate([data[0], data[1]])
+    assert (batch["labels"] == -100).any() and (batch["labels"] != -100).any()
+
+
+@pytest.mark.parametrize(
+    "messages, fragment",
+    [
+        ([{"role": "user", "content": "hi"}], "no assistant turn"),
+        ([{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}], "unknown role 'bot'"),
+        ([{"role": "user", "content": " "}, {"role": "assistant", "content": "yo"}], "empty content"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}],
+            "the chat template refuses it: Conversation roles must alternate",
+        ),
+    ],
+)
+def test_bad_conversations_are_refused_in_one_line(tmp_path, messages, fragment):
+    rows = [{"messages": CONVERSATIONS[0]}, {"messages": messages}]
+    with pytest.raises(DstrainError) as error:
+        prepared(tmp_path, rows, "qwen2.5")
+    assert fragment in str(error.value) and "row 1" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_tokenizer_without_a_template_names_chat_template(tmp_path):
+    tokenizer = template_tokenizer("chatml")
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "tok")
+    source = write_jsonl(tmp_path / "rows.jsonl", [{"messages": CONVERSATIONS[0]}])
+    with pytest.raises(DstrainError, match="has no chat_template; pass one with --chat-template"):
+        prepare(str(source), str(tmp_path / "out"), tokenizer=str(tmp_path / "tok"), chat=True, progress=False)
+    (tmp_path / "t.jinja").write_text(QWEN25)  # the override renders it
+    manifest = prepare(
+        str(source), str(tmp_path / "out"), tokenizer=str(tmp_path / "tok"), chat=True, progress=False,
+        chat_template=str(tmp_path / "t.jinja"), num_proc=1,
+    )  # fmt: skip
+    assert manifest["chat"]["template_file"] == str(tmp_path / "t.jinja")
+
+
+def test_a_plain_pair_learns_the_completion_and_eos():
+    tokenizer = template_tokenizer("chatml")
+    ids, mask = encode_prompt_completion(tokenizer, None, "The capital of France is", " Paris.")
+    learned = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert learned == " Paris." + tokenizer.eos_token
