@@ -8,12 +8,6 @@ import json
 import datasets
 import numpy as np
 import pytest
-
-from dstrain.data.chat import encode_messages, encode_prompt_completion
-from dstrain.data.dataset import PreparedTokens, build_dataset, collate
-from dstrain.data.prepare import prepare
-from dstrain.errors import DstrainError
-
 from chat_fixtures import (
     CONVERSATIONS,
     END_OF_TURN,
@@ -24,6 +18,11 @@ from chat_fixtures import (
     template_tokenizer,
     write_jsonl,
 )
+
+from dstrain.data.chat import encode_messages, encode_prompt_completion
+from dstrain.data.dataset import PreparedTokens, build_dataset, collate
+from dstrain.data.prepare import prepare
+from dstrain.errors import DstrainError
 
 HELD_OUT = [  # shapes the referee sees that the fixtures' other tests do not: a system turn, three answers
     [
@@ -39,7 +38,7 @@ HELD_OUT = [  # shapes the referee sees that the fixtures' other tests do not: a
 
 
 def prepared(tmp_path, rows: list[dict], template: str = "chatml-generation", **options):
-    """`dstrain prepare --chat` of ``rows`` with template ``template``'s tokenizer; (folder, its documents and masks)."""
+    """`dstrain prepare --chat` of ``rows`` with ``template``'s tokenizer; (folder, its documents and masks)."""
     tokenizer = save_chat_tokenizer(tmp_path / f"tok-{template}", template)
     source = write_jsonl(tmp_path / "rows.jsonl", rows)
     out = tmp_path / f"out-{template}"
