@@ -184,3 +184,46 @@ def test_a_plain_pair_learns_the_completion_and_eos():
     ids, mask = encode_prompt_completion(tokenizer, None, "The capital of France is", " Paris.")
     learned = tokenizer.decode([t for t, m in zip(ids, mask) if m])
     assert learned == " Paris." + tokenizer.eos_token
+
+
+def test_packing_changes_no_tokens_loss(tmp_path):
+    """A packed sample (document masking, positions restarting at each conversation) gives each learned token the
+    loss it has in a sample of its conversation alone (padded), fp32 within 1e-6."""
+    import torch
+
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.gpt import GPT
+
+    out, _, _ = prepared(tmp_path, [{"messages": c} for c in (CONVERSATIONS + HELD_OUT) * 8], "llama3")
+    seq_len = 160
+    data = build_dataset([(str(out), 1.0)], "train", seq_len, 5, None, 0.1)
+    config = GPTConfig(
+        flavour="llama", vocab_size=400, max_seq_len=seq_len, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
+        doc_masking=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+
+    def token_losses(sample: dict) -> torch.Tensor:
+        batch = collate([sample])
+        with torch.no_grad():
+            logits = model(batch["input_ids"], batch["position_ids"])
+        return torch.nn.functional.cross_entropy(logits[0], batch["labels"][0], ignore_index=-100, reduction="none")
+
+    compared = 0
+    for i in range(len(data)):
+        sample = data[i]
+        packed = token_losses(sample)
+        starts = [int(s) for s in np.flatnonzero(sample["position_ids"] == 0)] + [seq_len + 1]
+        for a, b in zip(starts, starts[1:]):
+            alone = {k: sample[k][a:b] for k in ("tokens", "loss_mask")}
+            pad = seq_len + 1 - alone["tokens"].size
+            alone = {
+                "tokens": np.concatenate([alone["tokens"], np.zeros(pad, np.int64)]),
+                "loss_mask": np.concatenate([alone["loss_mask"], np.zeros(pad, np.uint8)]),
+                "position_ids": np.arange(seq_len),
+            }
+            learned = np.flatnonzero(alone["loss_mask"][1:])  # label positions, within the piece
+            torch.testing.assert_close(packed[a + learned], token_losses(alone)[learned], rtol=0, atol=1e-6)
+            compared += learned.size
+    assert len(data) >= 2 and compared > 100
