@@ -227,3 +227,14 @@ def test_packing_changes_no_tokens_loss(tmp_path):
             torch.testing.assert_close(packed[a + learned], token_losses(alone)[learned], rtol=0, atol=1e-6)
             compared += learned.size
     assert len(data) >= 2 and compared > 100
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_end_of_turn_is_the_templates_special_token(name):
+    from dstrain.data.chat import end_of_turn_ids
+
+    tokenizer = template_tokenizer(name)
+    eot = tokenizer.convert_tokens_to_ids(END_OF_TURN[name])
+    assert end_of_turn_ids(tokenizer) == [eot]  # the fixtures' EOS is their end of turn, as Qwen's and Llama's are
+    tokenizer.eos_token = "<|endoftext|>"
+    assert end_of_turn_ids(tokenizer) == [eot, tokenizer.eos_token_id]

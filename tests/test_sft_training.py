@@ -122,3 +122,22 @@ def test_the_step_loss_is_the_masked_cross_entropy_of_the_transformers_model(tmp
     halves = [torch.nn.functional.cross_entropy(logits[a:b].flatten(0, 1), batch["labels"][a:b].flatten()) for a, b in
               ((0, 2), (2, 4), (4, 6), (6, 8))]  # fmt: skip
     assert abs(torch.stack(halves).mean().item() - loss[0]) > 10 * CE_RTOL * loss[0]  # measured: 4e-5 relative
+
+
+def test_the_exported_chat_model_keeps_its_template_and_stops_at_its_end_of_turn(tmp_path, sft_runs, capsys):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from dstrain.commands.cli import main as cli
+
+    assert cli(["export", str(sft_runs["ce"]), "--out", str(tmp_path / "hf")]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer.chat_template == TEMPLATE.read_text()
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [tokenizer.eos_token_id]  # role-lines ends each answer with the EOS
+    capsys.readouterr()
+    argv = ["generate", str(tmp_path / "hf"), "--chat", "--system", "Be brief.", "--prompt", "What is json?"]
+    assert cli([*argv, "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    reply = capsys.readouterr().out
+    assert reply.strip() and "What is json?" not in reply  # the reply alone, not the rendered conversation

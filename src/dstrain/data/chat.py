@@ -272,3 +272,17 @@ class ChatEncoder:
             sizes = np.fromiter((len(ids) for ids in id_lists), dtype=np.int64, count=len(id_lists))
             flat = np.fromiter((t for ids in id_lists for t in ids), dtype=self.dtype, count=int(sizes.sum()))
             yield flat, sizes, np.concatenate(masks) if masks else np.zeros(0, np.uint8)
+
+
+def end_of_turn_ids(tokenizer, template: str | None = None) -> list[int]:
+    """The token ids that end an assistant turn in ``template`` (the tokenizer's own if None), followed by the EOS:
+    what generation stops at (transformers' generate, an inference server through generation_config.json). The end
+    of turn is what the template renders after an assistant's content, where that is special tokens (<|im_end|>,
+    <|eot_id|>, the EOS); a template that ends turns with plain text has none but the EOS."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes"}]
+    text = tokenizer.apply_chat_template(probe, chat_template=template, tokenize=False)
+    after = text[text.rindex("Yes") + len("Yes") :].strip()
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    ends = [i for i in ids if i in special] if ids and all(i in special for i in ids) else []
+    return list(dict.fromkeys([*ends, tokenizer.eos_token_id]))
