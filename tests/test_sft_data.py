@@ -4,6 +4,7 @@ against masks built by hand from the assistant contents' token spans, and the on
 from __future__ import annotations
 
 import json
+import re
 
 import datasets
 import numpy as np
@@ -238,3 +239,26 @@ def test_end_of_turn_is_the_templates_special_token(name):
     assert end_of_turn_ids(tokenizer) == [eot]  # the fixtures' EOS is their end of turn, as Qwen's and Llama's are
     tokenizer.eos_token = "<|endoftext|>"
     assert end_of_turn_ids(tokenizer) == [eot, tokenizer.eos_token_id]
+
+
+def test_sft_recipes_and_chat_folders_go_together(tmp_path, corpus):
+    """A --chat folder under a recipe without data.sft, and an SFT recipe without a --chat folder: one line each."""
+    import yaml
+
+    from dstrain.config import load_recipe
+    from dstrain.train.run import fingerprint_of_checked_data
+
+    chat, _, _ = prepared(tmp_path, [{"messages": c} for c in CONVERSATIONS], "chatml")
+    for folder, sft, fragment in (
+        (chat, False, "was prepared with --chat (conversations with a loss mask) but data.sft is false"),
+        (corpus, True, "data.sft is true but no data.sources folder was prepared with --chat"),
+    ):
+        path = tmp_path / f"sft-{sft}.yaml"
+        model = {"flavour": "llama", "n_layer": 1, "n_head": 2, "d_model": 32}
+        data = {"sources": [{"path": str(folder)}], "seq_len": 32, "sft": sft}
+        path.write_text(
+            yaml.safe_dump({"name": "x", "model": model, "data": data, "train": {"steps": 1, "global_batch": 2}})
+        )
+        with pytest.raises(DstrainError, match=re.escape(fragment)) as error:
+            fingerprint_of_checked_data(load_recipe(path), str(path))
+        assert str(path) in str(error.value) and "\n" not in str(error.value)
