@@ -262,3 +262,57 @@ def test_sft_recipes_and_chat_folders_go_together(tmp_path, corpus):
         with pytest.raises(DstrainError, match=re.escape(fragment)) as error:
             fingerprint_of_checked_data(load_recipe(path), str(path))
         assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_changed_mask_is_refused_like_a_changed_shard(tmp_path):
+    from dstrain.data.manifest import check_shards, read_manifest
+
+    out, _, _ = prepared(tmp_path, [{"messages": c} for c in CONVERSATIONS], "chatml")
+    check_shards(out, read_manifest(out))
+    mask = out / "shard_00000.mask.bin"
+    content = bytearray(mask.read_bytes())
+    content[len(content) // 2] ^= 1  # one token's learned bit flipped, the size unchanged
+    mask.write_bytes(bytes(content))
+    with pytest.raises(DstrainError, match="shard_00000.mask.bin: its content differs"):
+        check_shards(out, read_manifest(out))
+
+
+def test_two_tasks_and_their_merge_make_the_one_process_folder(tmp_path):
+    rows = [{"messages": c} for c in (CONVERSATIONS + HELD_OUT) * 5]
+    one, docs, masks = prepared(tmp_path, rows, "llama3")
+    merged = tmp_path / "merged"
+    for index in range(2):
+        prepare(
+            str(tmp_path / "rows.jsonl"), str(merged), tokenizer=str(tmp_path / "tok-llama3"), chat=True,
+            num_proc=1, progress=False, num_tasks=2, task_index=index,
+        )  # fmt: skip
+    tokens = PreparedTokens(merged)
+    assert [tokens.document(d).tolist() for d in range(tokens.num_docs)] == docs
+    assert [tokens.document_mask(d).astype(bool).tolist() for d in range(tokens.num_docs)] == masks
+    ours, theirs = (json.loads((f / "manifest.json").read_text())["chat"] for f in (one, merged))
+    assert ours == theirs
+
+
+def test_chat_mixed_with_text_learns_every_text_token(tmp_path):
+    """A mixture of a --chat folder and text prepared with the same tokenizer: text samples learn all their tokens."""
+    from dstrain.data.prepare import prepare as prepare_text
+
+    tokenizer = save_chat_tokenizer(tmp_path / "tok", "chatml")
+    text = prepare_text(
+        str(corpus_text(tmp_path)), str(tmp_path / "text"), tokenizer=str(tokenizer), num_proc=1, progress=False
+    )
+    assert "chat" not in text
+    source = write_jsonl(tmp_path / "rows.jsonl", [{"messages": c} for c in CONVERSATIONS * 20])
+    prepare(str(source), str(tmp_path / "chat"), tokenizer=str(tokenizer), chat=True, num_proc=1, progress=False)
+    data = build_dataset([(str(tmp_path / "chat"), 1.0), (str(tmp_path / "text"), 1.0)], "train", 32, 1, 40, 0.05)
+    kinds = [bool("loss_mask" in data[i]) for i in range(40)]
+    assert 10 < sum(kinds) < 30
+    batch = collate([data[i] for i in range(40)])
+    for i, chat in enumerate(kinds):
+        assert (batch["labels"][i] == -100).any() == chat
+
+
+def corpus_text(tmp_path):
+    from data_fixtures import corpus_file
+
+    return corpus_file(tmp_path, n_docs=60)
