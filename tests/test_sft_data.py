@@ -316,3 +316,20 @@ def corpus_text(tmp_path):
     from data_fixtures import corpus_file
 
     return corpus_file(tmp_path, n_docs=60)
+
+
+def test_a_killed_chat_prepare_resumes_to_the_same_folder(tmp_path):
+    rows = [{"messages": c} for c in (CONVERSATIONS + HELD_OUT) * 10]
+    out, docs, masks = prepared(tmp_path, rows, "chatml", shard_tokens=400)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["shards"]) >= 3
+    (out / "manifest.json").unlink()  # killed while shard 1's mask was being written: its files are not published
+    for name in ("shard_00001.bin", "shard_00001.idx", "shard_00001.mask.idx"):
+        (out / name).unlink()
+    kept = (out / "shard_00002.mask.bin").stat().st_mtime_ns
+    source, tokenizer = tmp_path / "rows.jsonl", tmp_path / "tok-chatml"
+    again = prepare(str(source), str(out), tokenizer=str(tokenizer), chat=True, num_proc=1, progress=False,
+                    shard_tokens=400)  # fmt: skip
+    assert again == manifest and (out / "shard_00002.mask.bin").stat().st_mtime_ns == kept
+    tokens = PreparedTokens(out)
+    assert [tokens.document_mask(d).astype(bool).tolist() for d in range(tokens.num_docs)] == masks
