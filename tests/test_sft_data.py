@@ -163,6 +163,7 @@ def test_bad_conversations_are_refused_in_one_line(tmp_path, messages, fragment)
     with pytest.raises(DstrainError) as error:
         prepared(tmp_path, rows, "qwen2.5")
     assert fragment in str(error.value) and "row 1" in str(error.value) and "\n" not in str(error.value)
+    assert not list((tmp_path / "out-qwen2.5").glob("shard_*"))  # refused before a shard was written
 
 
 def test_a_tokenizer_without_a_template_names_chat_template(tmp_path):

@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
     sft = recipe.data.sft
     carried = carry_published_files(recipe.init_from, tokenizer, tmp, not sft) if recipe.init_from else []
     if sft:
-        carried.append(f"generation_config.json eos_token_id {stop_at_end_of_turn(tmp, tokenizer)}")
+        carried.append(f"the chat template's end of turn as eos_token_id {stop_at_end_of_turn(tmp, tokenizer)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)  # replaces an empty folder, never a full one
     print(

@@ -161,14 +161,37 @@ def _mask_of_spans(tokenizer, full: str, spans: list[tuple[int, int, str]]) -> t
     return ids, mask
 
 
-def encode_messages(tokenizer, template: str, messages) -> tuple[list[int], np.ndarray]:
-    """(ids, loss mask) of a conversation; see the module docstring."""
+def check_conversation(messages) -> list[dict]:
+    """A conversation's messages (check_messages), with an assistant turn and a turn before the first; else
+    ExampleError."""
     messages = check_messages(messages)
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         raise ExampleError("the conversation has no assistant turn (nothing to learn)")
     if roles[0] == "assistant":
         raise ExampleError("the conversation starts with an assistant turn; put the prompt's turn before it")
+    return messages
+
+
+def check_example(fmt: str, example: dict) -> None:
+    """What can be checked of an example without rendering it (roles, contents, an assistant turn to learn)."""
+    if fmt == "messages":
+        check_conversation(example["messages"])
+        return
+    prompt, completion = example["prompt"], example["completion"]
+    if isinstance(prompt, list) or isinstance(completion, list):
+        check_messages(prompt, "prompt")
+        if not any(m["role"] == "assistant" for m in check_messages(completion, "completion")):
+            raise ExampleError("the completion has no assistant turn (nothing to learn)")
+        return
+    for name, value in (("prompt", prompt), ("completion", completion)):
+        if not isinstance(value, str) or not value.strip():
+            raise ExampleError(f"{name} is empty" if isinstance(value, str) else f"{name} is not text")
+
+
+def encode_messages(tokenizer, template: str, messages) -> tuple[list[int], np.ndarray]:
+    """(ids, loss mask) of a conversation; see the module docstring."""
+    messages = check_conversation(messages)
     if not has_generation_markers(template):
         return _mask_of_spans(tokenizer, *_spans_by_prefixes(tokenizer, template, messages))
     from jinja2.exceptions import TemplateError
@@ -200,11 +223,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def encode_prompt_completion(tokenizer, template: str | None, prompt, completion) -> tuple[list[int], np.ndarray]:
     """(ids, loss mask) of a prompt/completion pair: the completion is learned (TRL's completion_only_loss)."""
+    check_example("prompt-completion", {"prompt": prompt, "completion": completion})
     if isinstance(prompt, list) or isinstance(completion, list):
-        prompt = check_messages(prompt, "prompt")
-        completion = check_messages(completion, "completion")
-        if not any(m["role"] == "assistant" for m in completion):
-            raise ExampleError("the completion has no assistant turn (nothing to learn)")
+        prompt, completion = check_messages(prompt, "prompt"), check_messages(completion, "completion")
         from jinja2.exceptions import TemplateError
 
         try:
@@ -217,9 +238,6 @@ def encode_prompt_completion(tokenizer, template: str | None, prompt, completion
         except TemplateError as e:
             raise ExampleError(f"the chat template refuses it: {e}") from None
     else:
-        for name, value in (("prompt", prompt), ("completion", completion)):
-            if not isinstance(value, str) or not value.strip():
-                raise ExampleError(f"{name} is empty" if isinstance(value, str) else f"{name} is not text")
         eos = tokenizer.eos_token
         text = prompt + completion + ("" if completion.endswith(eos) else eos)
         prompt_ids, ids = tokenizer(text=prompt)["input_ids"], tokenizer(text=text)["input_ids"]
@@ -244,6 +262,22 @@ class ChatEncoder:
 
     def __enter__(self) -> ChatEncoder:
         return self
+
+    def check(self, source) -> None:
+        """Every example's structure, before anything is written (a source that can be read twice: not a stream);
+        the first bad row refused in one line. A template's own refusal shows when the example is rendered."""
+        from dstrain.data.sources import example_batches
+
+        row = 0
+        for examples in example_batches(source, 0, self.batch_docs):
+            for example in examples:
+                try:
+                    check_example(self.format, example)
+                except ExampleError as e:
+                    raise DstrainError(
+                        f"--dataset {source.spec.dataset!r} row {row}: {e}; fix or drop that example"
+                    ) from None
+                row += 1
 
     def __exit__(self, *exc) -> None:
         pass

@@ -307,6 +307,8 @@ def _tokenize(out: Path, source, tokenizer, opts: PrepareOptions) -> tuple[list[
     encoder: ParallelEncoder | ChatEncoder = ParallelEncoder.for_tokenizer(tokenizer, dtype, num_proc)
     if source.chat_format is not None:
         encoder = ChatEncoder(tokenizer, tokenizer.chat_template, source.chat_format, dtype)
+        if source.num_docs is not None:  # bad examples refused before the first shard is written
+            encoder.check(source)
     progress = Progress(source.num_docs or source.announced_docs, opts.progress)
     try:
         shards = write_shards(out, source, encoder, dtype, opts.shard_tokens, progress)

@@ -137,7 +137,7 @@ def write_shards(
                 return shards
 
 
-LENGTH_BOUNDS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+LENGTH_BOUNDS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def chat_counts(out: Path, shards: list[dict]) -> dict:
