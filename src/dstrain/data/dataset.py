@@ -232,14 +232,11 @@ def build_dataset(
     max_epochs: list[float | None] | None = None,
     overlong: str = "truncate",
 ) -> PackedDataset | BlendedDataset:
-    """The ``split`` of prepared folders blended by weight; see the module docstring.
-
-    ``num_samples=None``: exactly one epoch of every source. Index arrays are cached in
-    ``FOLDER/index_cache/`` (or ``cache_dir``) and memory-mapped. ``stages``: (first sample, weights) of
-    each mixture after the first (``sources``' weights from sample 0); ``max_epochs``: per source, the most
-    passes over its split (None: no cap). Both need ``num_samples``. ``overlong``: --chat folders' conversations
-    longer than a sample, truncated or dropped (dstrain.data.chat_packing).
-    """
+    """The ``split`` of prepared folders blended by weight; see the module docstring. ``num_samples=None``: exactly
+    one epoch of every source. Index arrays are cached in ``FOLDER/index_cache/`` (or ``cache_dir``) and
+    memory-mapped. ``stages``: (first sample, weights) of each mixture after the first (``sources``' weights from
+    sample 0); ``max_epochs``: per source, the most passes over its split (None: no cap). Both need
+    ``num_samples``. ``overlong``: --chat conversations longer than a sample, truncated or dropped (chat_packing)."""
     _check_arguments(sources, split, seq_len, num_samples, valid_fraction)
     prepared = [PreparedTokens(folder) for folder, _ in sources]
     folders = [folder for folder, _ in sources]
