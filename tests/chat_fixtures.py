@@ -13,12 +13,9 @@ from pathlib import Path
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>"]
 SPECIALS += ["<|end_header_id|>", "<|eot_id|>"]
 
-CHATML_GENERATION = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
-    "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# The shipped ChatML template with generation markers (recipes/sft-qwen3-0.6b.yaml renders with it): the referee
+# tests prove it against TRL.
+CHATML_GENERATION = (Path(__file__).resolve().parents[1] / "recipes/chat_templates/chatml-generation.jinja").read_text()
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
     "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
