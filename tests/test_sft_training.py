@@ -70,8 +70,13 @@ def sft_runs(tmp_path_factory, chat_folder):
     argvs = [train_argv(recipe, c, runs[n]) for n, c in one.items()]
     # Step 1 runs at lr 0 (warmup starts there): the 1-step run's checkpoint holds the weights its loss was taken with
     ce = sft_recipe(tmp, chat_folder, name="ce", model={"doc_masking": False}, schedule={"warmup_steps": 1})
-    argvs.append(train_argv(ce, ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=2), runs["ce"], "train.steps=1"))
-    assert run_ranks(1, train_each, argvs) == [[0, 0, 0]]
+    ce_config = ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=2)
+    argvs.append(train_argv(ce, ce_config, runs["ce"], "train.steps=1"))
+    # and a run whose init_from is the first run's folder, one step at lr 0: it ends with that run's weights
+    runs["from_run"] = tmp / "from_run"
+    again = sft_recipe(tmp, chat_folder, name="again", init_from=str(runs["r1_accum1"]), schedule={"warmup_steps": 1})
+    argvs.append(train_argv(again, one["r1_accum1"], runs["from_run"], "train.steps=1"))
+    assert run_ranks(1, train_each, argvs) == [[0, 0, 0, 0]]
     assert run_ranks(2, train_each, [train_argv(recipe, c, runs[n]) for n, c in two.items()]) == [[0] * 5] * 2
     return runs
 
@@ -123,6 +128,17 @@ def test_the_step_loss_is_the_masked_cross_entropy_of_the_transformers_model(tmp
     halves = [torch.nn.functional.cross_entropy(logits[a:b].flatten(0, 1), batch["labels"][a:b].flatten()) for a, b in
               ((0, 2), (2, 4), (4, 6), (6, 8))]  # fmt: skip
     assert abs(torch.stack(halves).mean().item() - loss[0]) > 10 * CE_RTOL * loss[0]  # measured: 4e-5 relative
+
+
+def test_init_from_a_run_folder_starts_from_its_newest_checkpoint(sft_runs):
+    """A run started from r1_accum1's folder takes one step at lr 0 (warmup), so it ends with r1_accum1's final
+    weights: the same final valid loss. Its step, on global batch 1, is not the fresh model's (r1_accum1's step 1)."""
+
+    def final_valid(run):
+        return [r["loss"] for r in read_metrics(sft_runs[run]) if r.get("split") == "valid"][-1]
+
+    np.testing.assert_allclose(final_valid("from_run"), final_valid("r1_accum1"), rtol=ACCUM_RTOL)
+    assert curves(sft_runs["from_run"])[0][0] < curves(sft_runs["r1_accum1"])[0][0] - 1e-3
 
 
 def test_the_exported_chat_model_keeps_its_template_and_stops_at_its_end_of_turn(tmp_path, sft_runs, capsys):
