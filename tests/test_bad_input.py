@@ -432,9 +432,9 @@ CASES = {
         ),
         ["init_from", "config.json: no such file"],
     ),
-    "init_from a dstrain run": (
+    "init_from a dstrain run without a checkpoint": (
         lambda t, c: (small_recipe(t, c, init_from=_existing_run(t, c)), ROOT / "ds_configs/zero1.json", []),
-        ["is a dstrain run, not a Hugging Face folder", "dstrain export"],
+        ["init_from", "checkpoints: no complete checkpoint"],
     ),
     "init_from a model without weights": (
         lambda t, c: (

@@ -136,7 +136,13 @@ def test_prepare_frames_documents_as_the_tokenizers_family(tmp_path, corpus):
         verify_tokenizer(tmp_path / "qwen", tmp_path / "llama3-tokenizer", flag="init_from's tokenizer")
 
 
-CONTINUE_RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("continue-*.yaml"))
+# The recipes at real size that start from a published (or exported) model: continued pretraining, and its SFT.
+CONTINUE_RECIPES = sorted(
+    [
+        *(Path(__file__).resolve().parents[1] / "recipes").glob("continue-*.yaml"),
+        *(Path(__file__).resolve().parents[1] / "recipes").glob("sft-qwen3-*.yaml"),
+    ]
+)
 
 
 @pytest.mark.parametrize("recipe_file", CONTINUE_RECIPES, ids=lambda p: p.stem)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-import dstrain.data.prepare as prepare_module
+import dstrain.data.shard_writing as prepare_module  # where shards are written
 from dstrain.data.prepare import prepare, verify_tokenizer
 from dstrain.data.shards import ShardReader
 from dstrain.data.tokenizer import save_tokenizer, tokenizer_hash, train_bpe_tokenizer
@@ -75,9 +75,9 @@ def test_interrupted_prepare_rewrites_only_the_missing_shard(tmp_path, tiny_corp
     written = []
 
     class CountingWriter(prepare_module.ShardWriter):
-        def __init__(self, prefix, dtype):
+        def __init__(self, prefix, dtype, *masked):
             written.append(Path(prefix).name)
-            super().__init__(prefix, dtype)
+            super().__init__(prefix, dtype, *masked)
 
     monkeypatch.setattr(prepare_module, "ShardWriter", CountingWriter)
     manifest = prepare(

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import dstrain.data.prepare as prepare_module
+import dstrain.data.shard_writing as prepare_module  # where shards are written
 from dstrain.data import prepare_parts
 from dstrain.data.dataset import build_dataset
 from dstrain.data.prepare import prepare
@@ -121,11 +121,11 @@ def test_killed_task_redoes_only_its_unfinished_part(tmp_path, inputs, monkeypat
     real_writer = prepare_module.ShardWriter
 
     class DyingWriter(real_writer):
-        def __init__(self, prefix, dtype):
+        def __init__(self, prefix, dtype, *masked):
             written.append(Path(prefix).name)
             if len(written) == 3:
                 raise Killed  # killed while its third shard is being written
-            super().__init__(prefix, dtype)
+            super().__init__(prefix, dtype, *masked)
 
     monkeypatch.setattr(prepare_module, "ShardWriter", DyingWriter)
     with pytest.raises(Killed):
@@ -136,9 +136,9 @@ def test_killed_task_redoes_only_its_unfinished_part(tmp_path, inputs, monkeypat
     counting = []
 
     class CountingWriter(real_writer):
-        def __init__(self, prefix, dtype):
+        def __init__(self, prefix, dtype, *masked):
             counting.append(Path(prefix).name)
-            super().__init__(prefix, dtype)
+            super().__init__(prefix, dtype, *masked)
 
     monkeypatch.setattr(prepare_module, "ShardWriter", CountingWriter)
     _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=0)  # a requeued task 0

@@ -60,6 +60,10 @@ class DataConfig:
         0.01  # fraction of documents held out for the valid split (document-level, seeded)
     )
     stages: list[DataStage] = field(default_factory=list)  # later mixtures (e.g. an anneal on high-quality data)
+    sft: bool = False  # instruction tuning: some sources are `dstrain prepare --chat` folders, whose loss mask says
+    # which tokens are learned (text sources mixed in learn every token); false refuses --chat folders
+    overlong: Literal["truncate", "drop"] = "truncate"  # a --chat conversation longer than seq_len + 1 tokens: cut
+    # to it (its tail is not learned) or left out (dstrain.data.chat_packing)
 
 
 @dataclass
@@ -196,7 +200,7 @@ class Recipe:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     seed: NonNegative = 1234  # model init and data order
     run_dir: str | None = None  # None = runs/<name>
-    init_from: str | None = None  # a Hugging Face model folder of the same architecture to start from
+    init_from: str | None = None  # a Hugging Face model folder or a dstrain run (its newest checkpoint) to start from
 
     @property
     def total_steps(self) -> int:
@@ -283,16 +287,18 @@ def fill_model_from_init_from(raw: dict, path: Path) -> None:
         return  # no init_from, or parse() reports the malformed section
     from dstrain.run_dir import RunDir
 
-    if RunDir(Path(source)).recipe.is_file():
-        return  # a dstrain run: train/preflight.py says to export it first
-    if model and not (Path(source) / "config.json").is_file():
+    run = RunDir(Path(source))
+    if run.recipe.is_file():  # a dstrain run (an SFT after a continued run): the model its recipe resolved
+        folder = dataclasses.asdict(load_recipe(run.recipe).model)
+    elif model and not (Path(source) / "config.json").is_file():
         return  # written out (a shipped recipe on a machine without the weights): preflight checks the folder
-    from dstrain.model.hf import architecture_from_hf  # torch and transformers: only for a recipe with init_from
+    else:
+        from dstrain.model.hf import architecture_from_hf  # torch and transformers: only for a recipe with init_from
 
-    try:
-        folder = dataclasses.asdict(architecture_from_hf(source))
-    except DstrainError as e:
-        raise DstrainError(f"{path}: init_from: {e}") from None
+        try:
+            folder = dataclasses.asdict(architecture_from_hf(source))
+        except DstrainError as e:
+            raise DstrainError(f"{path}: init_from: {e}") from None
     del folder["doc_masking"]
     given = model or {}
     for key in ("moe", "rope_scaling"):  # one level deeper: moe.aux_loss_coef alone keeps the folder's experts

@@ -164,7 +164,9 @@ class MetricsRecord(TypedDict, total=False):
     grad_norm: float | None  # pre-clip, fp32; None where the engine does not compute it
     loss_scale: float | None  # fp16 only
     skipped_steps: int
-    tokens_per_s: float  # over all ranks, training time only
+    learned_tokens: float  # per step (mean over the logged interval): the global batch's tokens with a label, the
+    # loss's divisor (all of them for text; a --chat sample's assistant tokens)
+    tokens_per_s: float  # over all ranks, training time only: every token processed, learned or not
     tflops_per_device: float
     mfu: float | None  # None where the device's peak is unknown
     mem_peak_bytes: int  # the largest of all ranks

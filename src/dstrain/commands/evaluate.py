@@ -110,7 +110,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     _check_data(sources[0][0], args.model, config, recipe)
     if config.position_limit and seq_len > config.position_limit:
         raise DstrainError(f"--seq-len {seq_len} exceeds the model's {config.position_limit} positions; lower it")
-    sets = build_valid_sets(sources, seq_len, seed, valid_fraction, split=args.split)
+    overlong = recipe.data.overlong if recipe is not None else _default(DataConfig, "overlong")
+    sets = build_valid_sets(sources, seq_len, seed, valid_fraction, split=args.split, overlong=overlong)
 
     distributed.init()
     from deepspeed.accelerator import get_accelerator
@@ -153,9 +154,10 @@ def _mean_loss(model, data, n: int, micro: int, device) -> tuple[float, int]:
     for start in range(0, len(mine), micro):
         batch = {k: v.to(device) for k, v in collate([data[i] for i in mine[start : start + micro]]).items()}
         position_ids = batch["position_ids"] if model.config.doc_masking else None
-        tokens = batch["labels"].numel()
-        loss = lm_loss(model(batch["input_ids"], position_ids), batch["labels"]).item()
-        sums += torch.tensor([loss * tokens, tokens], device=device, dtype=torch.float64)
+        tokens = int((batch["labels"] != -100).sum())  # the learned tokens (of --chat data: the assistant's)
+        if tokens:  # a micro-batch of prompts only has no mean
+            loss = lm_loss(model(batch["input_ids"], position_ids), batch["labels"]).item()
+            sums += torch.tensor([loss * tokens, tokens], device=device, dtype=torch.float64)
     torch.distributed.all_reduce(sums)
     if sums[1] == 0:
         raise DstrainError(f"the split holds no samples to evaluate (n={n})")

@@ -13,7 +13,9 @@ weights wherever the checkpoint holds them apart from the module's (bf16 runs: Z
 partitions), else the module's own (fp32 runs); `--dtype bf16` writes them rounded to bf16; llama-flavour models
 become their family's class (LlamaForCausalLM, Qwen3ForCausalLM, ...), gpt2-flavour ones GPT2LMHeadModel
 (dstrain.model.hf), so
-`AutoModelForCausalLM.from_pretrained(folder)` computes what our GPT computed.
+`AutoModelForCausalLM.from_pretrained(folder)` computes what our GPT computed. An instruction-tuned run (data.sft)
+keeps its own tokenizer, whose chat template rendered its data, and its generation_config.json stops at that
+template's end of turn.
 """
 
 from __future__ import annotations
@@ -76,7 +78,11 @@ def main(args: argparse.Namespace) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)  # safetensors
     tokenizer.save_pretrained(tmp)
-    carried = carry_published_files(recipe.init_from, tokenizer, tmp) if recipe.init_from else []
+    # An SFT run's tokenizer carries the chat template its data was rendered with: the published files would not.
+    sft = recipe.data.sft
+    carried = carry_published_files(recipe.init_from, tokenizer, tmp, not sft) if recipe.init_from else []
+    if sft:
+        carried.append(f"the chat template's end of turn as eos_token_id {stop_at_end_of_turn(tmp, tokenizer)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)  # replaces an empty folder, never a full one
     print(
@@ -100,9 +106,23 @@ PUBLISHED_FILES = (
 )
 
 
-def carry_published_files(init_from: str, tokenizer, out: Path) -> list[str]:
-    """Copies init_from's generation_config.json, and its tokenizer files when the run's tokenizer has the same
-    vocabulary (the data was prepared with it); returns the names copied from init_from."""
+def stop_at_end_of_turn(folder: Path, tokenizer) -> list[int]:
+    """An exported chat model's generation_config.json stops at its template's end-of-turn token(s) and the EOS, so
+    transformers' generate and inference servers end the assistant's turn where it was trained to; returns them."""
+    from transformers import GenerationConfig
+
+    from dstrain.data.chat import end_of_turn_ids
+
+    path = folder / "generation_config.json"
+    config = GenerationConfig.from_pretrained(folder) if path.is_file() else GenerationConfig()
+    config.eos_token_id = end_of_turn_ids(tokenizer)
+    config.save_pretrained(folder)
+    return config.eos_token_id
+
+
+def carry_published_files(init_from: str, tokenizer, out: Path, tokenizer_files: bool = True) -> list[str]:
+    """Copies init_from's generation_config.json, and (``tokenizer_files``) its tokenizer files when the run's
+    tokenizer has the same vocabulary (the data was prepared with it); returns the names copied from init_from."""
     source = Path(init_from)
     if not source.is_dir():
         return []
@@ -110,6 +130,8 @@ def carry_published_files(init_from: str, tokenizer, out: Path) -> list[str]:
     if (source / "generation_config.json").is_file():
         shutil.copyfile(source / "generation_config.json", out / "generation_config.json")
         copied.append("generation_config.json")
+    if not tokenizer_files:
+        return copied
     from dstrain.data.tokenizer import load_tokenizer
 
     try:

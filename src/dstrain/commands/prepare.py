@@ -36,6 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="train a byte-level BPE of this vocabulary size on the data",
     )
+    chat = parser.add_argument_group("instruction tuning (docs/instruction-tuning.md)")
+    chat.add_argument(
+        "--chat",
+        action="store_true",
+        help="conversations ('messages', or 'prompt'/'completion' columns) rendered by the tokenizer's chat template, "
+        "with a loss mask on the assistant's tokens",
+    )
+    chat.add_argument(
+        "--chat-template", metavar="FILE", default=None, help="--chat: a Jinja template file to use instead"
+    )
     parser.add_argument("--out", help="output folder (shards, tokenizer/, manifest.json)")
     parser.add_argument(
         "--shard-tokens",
@@ -92,7 +102,18 @@ def main(args: argparse.Namespace) -> int:
         f"in {len(manifest['shards'])} shard(s), {manifest['dtype']}, vocab {manifest['vocab_size']:,} "
         f"({seconds:.1f} s)"
     )
+    if manifest.get("chat"):
+        print(_chat_summary(manifest["chat"], manifest["tokens"]))
     if task and (merged := Path(args.out) / MANIFEST_NAME).is_file():
         total = json.loads(merged.read_text(encoding="utf-8"))
         print(f"{args.out}: every task done, merged: {total['documents']:,} documents, {total['tokens']:,} tokens")
     return 0
+
+
+def _chat_summary(chat: dict, tokens: int) -> str:
+    longer = ", ".join(f"{n} > {length}" for length, n in chat["longer_than"].items() if n) or "none"
+    return (
+        f"chat ({chat['format']}, mask from {chat['mask_from']}): {chat['learned_tokens']:,} learned tokens "
+        f"({chat['learned_tokens'] / max(tokens, 1):.0%}); longest example {chat['longest']:,} tokens; examples longer "
+        f"than a seq_len (data.overlong truncates or drops them): {longer}"
+    )

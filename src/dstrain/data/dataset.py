@@ -3,7 +3,8 @@
 ``build_dataset`` turns prepared folders (``dstrain prepare``) into a map-style dataset:
 ``ds[i]`` is ``seq_len + 1`` consecutive tokens of the shuffled document stream
 (Megatron-style packing: documents are concatenated, EOS-separated, and consecutive
-samples share one token), plus position ids that restart at every document start.
+samples share one token), plus position ids that restart at every document start. Data prepared with
+``--chat`` packs whole conversations instead and carries each token's loss mask (dstrain.data.chat_packing).
 Everything is deterministic in the seed; sample ``i`` never depends on ``num_samples``.
 """
 
@@ -17,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from dstrain.data import index as index_lib
+from dstrain.data.chat_packing import build_chat_epochs, chat_sample, pack_epoch
 from dstrain.data.manifest import manifest_hash, read_manifest
-from dstrain.data.shards import ShardReader
+from dstrain.data.shards import ShardReader, mask_prefix
 from dstrain.data.tokenizer import check_same_tokenizer
 from dstrain.errors import DstrainError
 
@@ -54,6 +56,8 @@ class PreparedTokens:
         self.first_doc = [0, *np.cumsum(counts).tolist()]  # python ints: bisect beats numpy here
         self.num_docs = self.first_doc[-1]
         self.hash = manifest_hash(self.manifest)
+        self.chat = self.manifest.get("chat") is not None  # prepared with --chat: each shard has its loss mask
+        self.masks = [ShardReader.open(mask_prefix(shard.prefix)) for shard in self.shards] if self.chat else []
 
     def sizes(self) -> np.ndarray:
         """Tokens (EOS included) of every document, in memory (4 bytes each)."""
@@ -62,6 +66,11 @@ class PreparedTokens:
     def document(self, doc: int) -> np.ndarray:
         shard = bisect_right(self.first_doc, doc) - 1
         return self.shards[shard][doc - self.first_doc[shard]]
+
+    def document_mask(self, doc: int) -> np.ndarray:
+        """The loss mask of a --chat document: 1 where its token is learned."""
+        shard = bisect_right(self.first_doc, doc) - 1
+        return self.masks[shard][doc - self.first_doc[shard]]
 
 
 class PackedDataset:
@@ -76,8 +85,11 @@ class PackedDataset:
         num_samples: int | None,
         valid_fraction: float,
         cache_dir: str | os.PathLike,
+        overlong: str = "truncate",
     ):
-        self._arguments = (str(folder), split, seq_len, seed, num_samples, valid_fraction, str(cache_dir))
+        """``overlong``: what packing does with a --chat conversation longer than ``seq_len + 1`` tokens (see
+        dstrain.data.chat_packing)."""
+        self._arguments = (str(folder), split, seq_len, seed, num_samples, valid_fraction, str(cache_dir), overlong)
         self.tokens = tokens = PreparedTokens(folder)
         cache_dir = Path(cache_dir)
         self.seq_len = seq_len
@@ -95,6 +107,10 @@ class PackedDataset:
         )["docs"]
         sizes = tokens.sizes()
         self.samples_per_epoch = index_lib.samples_per_epoch(int(sizes[docs].sum(dtype=np.int64)), seq_len)
+        if tokens.chat:
+            kept = docs if overlong == "truncate" else docs[sizes[docs] <= seq_len + 1]
+            first = np.random.default_rng([seed, 0]).permutation(kept)
+            self.samples_per_epoch = pack_epoch(np.minimum(sizes, seq_len + 1), first, seq_len + 1).size - 1
         if self.samples_per_epoch < 1:
             raise DstrainError(
                 f"{tokens.folder}: the {split} split holds {int(sizes[docs].sum())} tokens, not enough for one sample "
@@ -103,9 +119,15 @@ class PackedDataset:
         self.num_samples = self.samples_per_epoch if num_samples is None else num_samples
         num_epochs = max(1, math.ceil(self.num_samples / self.samples_per_epoch))
         epochs_key = {**split_key, "kind": "epochs", "seq_len": seq_len, "num_epochs": num_epochs}
+        if tokens.chat:
+            epochs_key.update(kind="chat epochs", overlong=overlong)
+        build = build_chat_epochs if tokens.chat else index_lib.build_epochs
+        options = (overlong,) if tokens.chat else ()
         arrays = index_lib.cached_arrays(
-            cache_dir, epochs_key, lambda: index_lib.build_epochs(sizes, np.asarray(docs), seq_len, seed, num_epochs)
+            cache_dir, epochs_key, lambda: build(sizes, np.asarray(docs), seq_len, seed, num_epochs, *options)
         )
+        self.pad_id = int(tokens.manifest["eos_id"])
+        self.epoch_first_doc = np.concatenate([[0], np.cumsum(arrays["epoch_docs"])]) if tokens.chat else None
         self.docs_per_epoch = docs.size
         self.doc_order = arrays["doc_order"]
         self.sample_starts = arrays["sample_starts"]
@@ -125,6 +147,12 @@ class PackedDataset:
         epoch, j = divmod(int(i), self.samples_per_epoch)
         row = epoch * (self.samples_per_epoch + 1) + int(self.sample_order[epoch * self.samples_per_epoch + j])
         (position, offset), (last_position, last_offset) = self.sample_starts[row : row + 2].tolist()
+        if self.epoch_first_doc is not None:  # whole conversations, positions [position, last_position)
+            base = int(self.epoch_first_doc[epoch])
+            conversations = self.doc_order[base + position : base + last_position].tolist()
+            pieces = [self.tokens.document(doc) for doc in conversations]
+            masks = [self.tokens.document_mask(doc) for doc in conversations]
+            return chat_sample(pieces, masks, self.seq_len, self.pad_id)
         base = epoch * self.docs_per_epoch
         docs = self.doc_order[base + position : base + last_position + 1].tolist()
         need = self.seq_len + 1
@@ -202,14 +230,13 @@ def build_dataset(
     cache_dir: str | os.PathLike | None = None,
     stages: list[tuple[int, list[float]]] | None = None,
     max_epochs: list[float | None] | None = None,
+    overlong: str = "truncate",
 ) -> PackedDataset | BlendedDataset:
-    """The ``split`` of prepared folders blended by weight; see the module docstring.
-
-    ``num_samples=None``: exactly one epoch of every source. Index arrays are cached in
-    ``FOLDER/index_cache/`` (or ``cache_dir``) and memory-mapped. ``stages``: (first sample, weights) of
-    each mixture after the first (``sources``' weights from sample 0); ``max_epochs``: per source, the most
-    passes over its split (None: no cap). Both need ``num_samples``.
-    """
+    """The ``split`` of prepared folders blended by weight; see the module docstring. ``num_samples=None``: exactly
+    one epoch of every source. Index arrays are cached in ``FOLDER/index_cache/`` (or ``cache_dir``) and
+    memory-mapped. ``stages``: (first sample, weights) of each mixture after the first (``sources``' weights from
+    sample 0); ``max_epochs``: per source, the most passes over its split (None: no cap). Both need
+    ``num_samples``. ``overlong``: --chat conversations longer than a sample, truncated or dropped (chat_packing)."""
     _check_arguments(sources, split, seq_len, num_samples, valid_fraction)
     prepared = [PreparedTokens(folder) for folder, _ in sources]
     folders = [folder for folder, _ in sources]
@@ -219,7 +246,7 @@ def build_dataset(
         return Path(cache_dir) if cache_dir is not None else p.folder / CACHE_DIR_NAME
 
     def packed(p: PreparedTokens, count: int | None) -> PackedDataset:
-        return PackedDataset(p.folder, split, seq_len, seed, count, valid_fraction, cache_of(p))
+        return PackedDataset(p.folder, split, seq_len, seed, count, valid_fraction, cache_of(p), overlong)
 
     staged = bool(stages) or any(m is not None for m in max_epochs or []) or min(w for _, w in sources) == 0
     if len(prepared) == 1 and not staged:
@@ -250,7 +277,7 @@ def build_dataset(
     if staged or num_samples is not None:
         counts = np.bincount(blend["source"], minlength=len(prepared)).tolist()
         datasets = [packed(p, count) for p, count in zip(prepared, counts)]
-    arguments = (sources, split, seq_len, seed, num_samples, valid_fraction, cache_dir, stages, max_epochs)
+    arguments = (sources, split, seq_len, seed, num_samples, valid_fraction, cache_dir, stages, max_epochs, overlong)
     return BlendedDataset(datasets, blend, arguments)
 
 
@@ -271,23 +298,34 @@ def source_names(folders: list[str]) -> list[str]:
 
 
 def build_valid_sets(
-    sources: list[tuple[str, float]], seq_len: int, seed: int, valid_fraction: float, split: str = "valid"
+    sources: list[tuple[str, float]],
+    seq_len: int,
+    seed: int,
+    valid_fraction: float,
+    split: str = "valid",
+    **options,
 ) -> list[tuple[str, float, PackedDataset | BlendedDataset]]:
-    """(name, weight, dataset) of each source's whole ``split``: evaluated one by one, whatever the blend."""
+    """(name, weight, dataset) of each source's whole ``split``: evaluated one by one, whatever the blend;
+    ``options``: build_dataset's ``overlong``."""
     names = source_names([folder for folder, _ in sources])
     return [
-        (name, float(weight), build_dataset([(folder, 1.0)], split, seq_len, seed, None, valid_fraction))
+        (name, float(weight), build_dataset([(folder, 1.0)], split, seq_len, seed, None, valid_fraction, **options))
         for name, (folder, weight) in zip(names, sources)
     ]
 
 
 def collate(samples: list[dict[str, np.ndarray]]) -> dict:
-    """Stack samples into int64 ``input_ids``, ``labels`` (inputs shifted by one) and ``position_ids``."""
+    """Stack samples into int64 ``input_ids``, ``labels`` (inputs shifted by one; -100, ignored, where a --chat
+    sample's loss mask is 0) and ``position_ids``. A text sample in the same batch learns every token."""
     import torch
 
     tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples]))
+    labels = tokens[:, 1:].clone()
+    if any("loss_mask" in s for s in samples):
+        learned = np.stack([s.get("loss_mask", np.ones(s["tokens"].size, np.uint8))[1:] for s in samples])
+        labels[torch.from_numpy(learned == 0)] = -100
     return {
         "input_ids": tokens[:, :-1].contiguous(),
-        "labels": tokens[:, 1:].contiguous(),
+        "labels": labels,
         "position_ids": torch.from_numpy(np.stack([s["position_ids"] for s in samples])),
     }

@@ -49,11 +49,15 @@ def encode_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class ParallelEncoder:
-    """``encode(batches)`` yields ``encode_texts(batch)`` for each batch, in input order.
+    """``encode(batches)`` yields ``encode_texts(batch)`` for each batch, in input order; ``read(source, start)``
+    the same of a source's documents from ``start`` on, with no loss mask (dstrain.data.shard_writing).
 
     With ``num_proc > 1`` batches go to a pool of ``num_proc`` processes with at most
     ``2 * num_proc`` in flight, so memory stays bounded whatever the corpus size.
     """
+
+    masked = False  # every token is learned: no loss mask is written
+    batch_docs = 1000  # documents per tokenisation task: large enough to amortise IPC, small in memory
 
     def __init__(self, tokenizer_json: str, eos_id: int, dtype: np.dtype, num_proc: int, bos_id: int | None = None):
         self.num_proc = num_proc
@@ -89,6 +93,12 @@ class ParallelEncoder:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+    def read(self, source, start: int) -> Iterator[tuple[np.ndarray, np.ndarray, None]]:
+        from dstrain.data.sources import text_batches
+
+        for ids, sizes in self.encode(text_batches(source, start, self.batch_docs)):
+            yield ids, sizes, None
 
     def encode(self, text_batches: Iterable[list[str]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         if self._pool is None:

@@ -12,6 +12,9 @@ Its presence means every shard it lists is complete. Keys::
     shard_tokens               the --shard-tokens bound the shards were cut with
     source                     {"dataset", "config", "split", "text_field", "fingerprint"}
     command                    the equivalent `dstrain prepare ...` command line
+    chat                       --chat only, else null: {"format", "template_hash", "template_file", "mask_from",
+                               "learned_tokens", "longest", "longer_than": {seq_len: examples}}; each shard then
+                               has a loss mask, PREFIX.mask.bin/.idx (dstrain.data.shards), recorded as mask_*
     task                       only in a task's folder before the merge: {"index", "count", and
                                "files": [a, b] + "file_digests", or "rows": [a, b]} (data/prepare_parts.py)
 """
@@ -94,13 +97,18 @@ def sampled_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _shard_file_kinds(prefix: Path, masked: bool) -> list[tuple[str, Path]]:
+    """(record key's prefix, path) of each file of a shard: its .bin and .idx, and its mask's where ``masked``."""
+    kinds = [(ext, Path(f"{prefix}.{ext}")) for ext in ("bin", "idx")]
+    return kinds + [(f"mask_{ext}", Path(f"{prefix}.mask.{ext}")) for ext in ("bin", "idx")] * masked
+
+
 def shard_files(prefix: Path) -> dict[str, Any]:
-    """What the manifest records of a shard's two files, for ``check_shards``."""
+    """What the manifest records of a shard's files (its loss mask's too, where it has one), for ``check_shards``."""
     record: dict[str, Any] = {}
-    for ext in ("bin", "idx"):
-        path = Path(f"{prefix}.{ext}")
-        record[f"{ext}_bytes"] = path.stat().st_size
-        record[f"{ext}_sampled_xxh3"] = sampled_hash(path)
+    for key, path in _shard_file_kinds(prefix, Path(f"{prefix}.mask.idx").is_file()):
+        record[f"{key}_bytes"] = path.stat().st_size
+        record[f"{key}_sampled_xxh3"] = sampled_hash(path)
     return record
 
 
@@ -116,9 +124,11 @@ def check_shards(folder: str | os.PathLike, manifest: dict[str, Any]) -> None:
     fix = "the data changed since it was prepared; restore it, or run `dstrain prepare` again into a new --out"
     for shard in manifest["shards"]:
         n = shard["documents"]
-        implied = {"bin": shard["tokens"] * itemsize, "idx": _HEADER.size + 4 * n + 8 * n + 8 * (n + 1)}
-        for ext in ("bin", "idx"):
-            path = Path(folder) / f"{shard['prefix']}.{ext}"
+        index_bytes = _HEADER.size + 4 * n + 8 * n + 8 * (n + 1)
+        implied = {"bin": shard["tokens"] * itemsize, "idx": index_bytes, "mask_bin": shard["tokens"]}
+        implied["mask_idx"] = index_bytes
+        masked = manifest.get("chat") is not None
+        for ext, path in _shard_file_kinds(Path(folder) / shard["prefix"], masked):
             if not path.is_file():
                 raise DstrainError(f"{path}: missing, though {Path(folder) / MANIFEST_NAME} lists it; {fix}")
             size, expected = path.stat().st_size, shard.get(f"{ext}_bytes", implied[ext])

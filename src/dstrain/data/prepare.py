@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +27,12 @@ from typing import Any
 import numpy as np
 
 from dstrain.data import prepare_parts
+from dstrain.data.chat import ChatEncoder, has_generation_markers, load_chat_template, template_hash
 from dstrain.data.encode import ParallelEncoder
 from dstrain.data.manifest import FORMAT, FORMAT_VERSION, INPUTS_NAME, MANIFEST_NAME, shard_files, write_json_atomic
-from dstrain.data.shards import SHARD_NAME, ShardReader, ShardWriter, shard_paths, token_dtype
-from dstrain.data.sources import Source, SourceSpec, describe, open_source, text_batches
+from dstrain.data.shard_writing import Progress, chat_counts, complete_shard, write_shards
+from dstrain.data.shards import token_dtype
+from dstrain.data.sources import Source, SourceSpec, describe, open_chat_source, open_source, text_batches
 from dstrain.data.tokenizer import (
     TOKENIZER_DIR,
     document_framing,
@@ -67,6 +67,8 @@ class PrepareOptions:
     progress: bool = True  # show a progress bar on stderr
     num_tasks: int | None = None  # prepare as one of this many tasks (default: SLURM_ARRAY_TASK_COUNT, else 1)
     task_index: int | None = None  # this task's index in [0, num_tasks) (default: SLURM_ARRAY_TASK_ID)
+    chat: bool = False  # conversations (messages, or prompt/completion) rendered by a chat template, with a loss mask
+    chat_template: str | None = None  # --chat: a Jinja template file used instead of the tokenizer's own
 
     def command(self) -> str:
         """The equivalent one-process command line, recorded in the manifest (tasks make the same data)."""
@@ -78,6 +80,8 @@ class PrepareOptions:
         if self.dataset_config is not None:
             parts += ["--dataset-config", self.dataset_config]
         parts += ["--split", self.split, "--text-field", self.text_field, "--shard-tokens", str(self.shard_tokens)]
+        if self.chat:
+            parts += ["--chat"] + (["--chat-template", self.chat_template] if self.chat_template else [])
         return shlex.join(parts + (["--streaming"] if self.streaming else []))
 
 
@@ -119,6 +123,15 @@ def _conflict(existing: dict, inputs: dict, legacy_fingerprint: str | None = Non
         return f"a different tokenizer ({old_tok.get('name')!r}, hash {old_tok.get('hash')})"
     if existing.get("shard_tokens") != inputs["shard_tokens"]:
         return f"--shard-tokens {existing.get('shard_tokens')}"
+    old_chat, new_chat = existing.get("chat"), inputs.get("chat")
+    if (old_chat is None) != (new_chat is None):
+        return "text (without --chat)" if old_chat is None else "conversations (--chat)"
+    if (
+        old_chat is not None
+        and new_chat is not None
+        and new_chat.get("template_hash", old_chat["template_hash"]) != (old_chat["template_hash"])
+    ):
+        return f"another chat template (hash {old_chat['template_hash']})"
     return None
 
 
@@ -126,119 +139,6 @@ def _refuse(out: Path, what: str) -> DstrainError:
     return DstrainError(
         f"--out {out} already holds data prepared from {what}; choose another --out (nothing was changed)"
     )
-
-
-def _complete_shard(out: Path, index: int) -> ShardReader | None:
-    """Shard ``index`` if it was fully written and is intact, else None (it will be rewritten)."""
-    prefix = out / SHARD_NAME.format(index)
-    if not shard_paths(prefix)[1].is_file():
-        return None
-    try:
-        return ShardReader.open(prefix)
-    except DstrainError:
-        return None
-
-
-def _shard_record(index: int, documents: int, tokens: int) -> dict:
-    return {"prefix": SHARD_NAME.format(index), "documents": int(documents), "tokens": int(tokens)}
-
-
-class _Progress:
-    """tqdm bar over documents, with tokens/s (throttled on non-terminals, e.g. Slurm logs)."""
-
-    def __init__(self, total: int | None, enabled: bool):
-        from tqdm import tqdm
-
-        interactive = sys.stderr.isatty()
-        self.bar = tqdm(
-            total=total,
-            unit="doc",
-            disable=not enabled,
-            mininterval=0.5 if interactive else 30,
-            desc="prepare",
-            dynamic_ncols=True,
-        )
-        self.tokens = 0
-        self.start = time.perf_counter()
-
-    def update(self, documents: int, tokens: int) -> None:
-        self.tokens += tokens
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
-        self.bar.update(documents)
-
-
-def _write_segment(
-    out: Path,
-    index: int,
-    doc: int,
-    source: Source,
-    encoder: ParallelEncoder,
-    dtype: np.dtype,
-    shard_tokens: int,
-    progress: _Progress,
-) -> tuple[list[dict], int, bool]:
-    """Write shards ``index, index+1, ...`` from document ``doc`` until the data ends or the
-    next shard already exists. Returns (shard records, next document, data exhausted)."""
-    written: list[dict] = []
-    writer: ShardWriter | None = None
-    try:
-        for ids, sizes in encoder.encode(text_batches(source, doc, BATCH_DOCS)):
-            ends = np.cumsum(sizes)
-            i = 0
-            while i < sizes.size:
-                if writer is None:
-                    writer = ShardWriter(out / SHARD_NAME.format(index), dtype)
-                base = int(ends[i - 1]) if i else 0
-                fit = int(np.searchsorted(ends[i:] - base, shard_tokens - writer.tokens, side="right"))
-                if fit == 0 and writer.documents == 0:
-                    fit = 1  # a document longer than a whole shard gets a shard of its own
-                if fit:
-                    writer.add(ids[base : ends[i + fit - 1]], sizes[i : i + fit])
-                    progress.update(fit, int(ends[i + fit - 1]) - base)
-                    i, doc = i + fit, doc + fit
-                if i < sizes.size:  # the next document does not fit: this shard is complete
-                    written.append(_shard_record(index, *writer.finish()))
-                    writer, index = None, index + 1
-                    following = _complete_shard(out, index)
-                    if following is not None:
-                        overlap = min(len(following), sizes.size - i)
-                        if not np.array_equal(following.sizes[:overlap], sizes[i : i + overlap]):
-                            raise DstrainError(
-                                f"{following.prefix}.idx does not continue the shard before it; "
-                                f"choose another --out (its shards do not match these inputs)"
-                            )
-                        return written, doc, False
-        if writer is not None:
-            written.append(_shard_record(index, *writer.finish()))
-            writer = None
-        return written, doc, True
-    finally:
-        if writer is not None:
-            writer.abort()
-
-
-def _write_shards(
-    out: Path, source: Source, encoder: ParallelEncoder, dtype: np.dtype, shard_tokens: int, progress: _Progress
-) -> list[dict]:
-    shards: list[dict] = []
-    index = doc = 0
-    with encoder:
-        while True:
-            existing = _complete_shard(out, index)
-            if existing is not None:  # written by an earlier, interrupted run
-                tokens = int(existing.sizes.sum(dtype=np.int64))
-                shards.append(_shard_record(index, len(existing), tokens))
-                progress.update(len(existing), 0)
-                index, doc = index + 1, doc + len(existing)
-                continue
-            if source.num_docs is not None and doc >= source.num_docs:
-                return shards
-            written, doc, exhausted = _write_segment(out, index, doc, source, encoder, dtype, shard_tokens, progress)
-            shards += written
-            index += len(written)
-            if exhausted:
-                return shards
 
 
 def _complete_manifest(out: Path) -> dict | None:
@@ -250,7 +150,8 @@ def _complete_manifest(out: Path) -> dict | None:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None  # rewritten at the end of this run
-    if all(_complete_shard(out, i) is not None for i in range(len(manifest.get("shards", [])))):
+    masked = manifest.get("chat") is not None
+    if all(complete_shard(out, i, masked) is not None for i in range(len(manifest.get("shards", [])))):
         return manifest
     return None
 
@@ -269,6 +170,13 @@ def _check_options(opts: PrepareOptions) -> None:
         )
     if opts.shard_tokens < 1:
         raise DstrainError(f"--shard-tokens {opts.shard_tokens}: must be a positive number of tokens, e.g. 100000000")
+    if opts.chat and opts.tokenizer is None:
+        raise DstrainError(
+            "dstrain prepare --chat: pass --tokenizer (the model's tokenizer folder, whose chat template renders the "
+            "conversations); --train-tokenizer makes a tokenizer without one"
+        )
+    if opts.chat_template is not None and not opts.chat:
+        raise DstrainError("dstrain prepare: --chat-template renders conversations; add --chat")
     if opts.num_proc is not None and opts.num_proc < 1:
         raise DstrainError(f"--num-proc {opts.num_proc}: must be at least 1 (or left out: every core)")
     _check_out(Path(opts.out))
@@ -305,7 +213,7 @@ def run(opts: PrepareOptions) -> dict:
         datasets.disable_progress_bars()
     spec = SourceSpec(opts.dataset, opts.dataset_config, opts.split, opts.text_field, opts.streaming)
     if slot is None:
-        return _prepare_folder(Path(opts.out), opts, open_source(spec), {})
+        return _prepare_folder(Path(opts.out), opts, open_chat_source(spec)[0] if opts.chat else open_source(spec), {})
     out = Path(opts.out)
     if (merged := _complete_manifest(out)) is not None:
         if (conflict := _conflict_ignoring_fingerprint(merged, spec, opts)) is not None:
@@ -314,7 +222,7 @@ def run(opts: PrepareOptions) -> dict:
             prepare_parts.merge(out) if (out / prepare_parts.TASKS_DIR).exists() else merged
         )  # a merge cut short: finish it
     prepare_parts.check_layout(out, slot)
-    source, record = prepare_parts.open_part(spec, slot)
+    source, record = prepare_parts.open_part(spec, slot, opts.chat)
     part = _prepare_folder(prepare_parts.task_folder(out, slot), opts, source, {"task": record})
     prepare_parts.merge_if_last(out, slot.count)
     return part
@@ -331,6 +239,8 @@ def _conflict_ignoring_fingerprint(manifest: dict, spec: SourceSpec, opts: Prepa
         },
         "shard_tokens": opts.shard_tokens,
     }
+    if opts.chat:  # whether the folder holds conversations (its template is not rendered again)
+        inputs["chat"] = manifest.get("chat") or {}
     return _conflict(manifest, inputs)
 
 
@@ -349,6 +259,8 @@ def _prepare_folder(out: Path, opts: PrepareOptions, source: Source, extra_input
         "shard_tokens": opts.shard_tokens,
         **extra_inputs,
     }
+    if opts.chat:  # only then: the manifests of text (and their hashes, which key caches and checkpoints) unchanged
+        inputs["chat"] = _chat_inputs(opts, tokenizer, source)
     existing = _existing_inputs(out)
     if existing is not None and (conflict := _conflict(existing, inputs, source.legacy_fingerprint)):
         raise _refuse(out, conflict)
@@ -361,11 +273,16 @@ def _prepare_folder(out: Path, opts: PrepareOptions, source: Source, extra_input
         tokenizer = _trained_tokenizer(opts, source, saved, existing["tokenizer"]["hash"] if existing else None)
         inputs["tokenizer"]["hash"] = tokenizer_hash(tokenizer)
     out.mkdir(parents=True, exist_ok=True)
-    if saved is None or tokenizer_hash(saved) != inputs["tokenizer"]["hash"]:
+    if opts.chat:  # the template the data was rendered with travels with the tokenizer
+        tokenizer.chat_template = load_chat_template(tokenizer, opts.chat_template, str(opts.tokenizer))
+    stale = saved is None or tokenizer_hash(saved) != inputs["tokenizer"]["hash"]
+    if stale or getattr(saved, "chat_template", None) != getattr(tokenizer, "chat_template", None):
         save_tokenizer(tokenizer, tokenizer_dir)
     write_json_atomic(out / INPUTS_NAME, inputs)
     shards, dtype = _tokenize(out, source, tokenizer, opts)
     shards = [{**shard, **shard_files(out / shard["prefix"])} for shard in shards]
+    if opts.chat:
+        inputs["chat"] = {**inputs["chat"], **chat_counts(out, shards)}
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -387,12 +304,28 @@ def _tokenize(out: Path, source, tokenizer, opts: PrepareOptions) -> tuple[list[
     """Every document into shards (the complete ones of an interrupted run kept); (shard records, token dtype)."""
     dtype = token_dtype(len(tokenizer))
     num_proc = opts.num_proc or len(os.sched_getaffinity(0))
-    encoder = ParallelEncoder.for_tokenizer(tokenizer, dtype, num_proc)
-    progress = _Progress(source.num_docs or source.announced_docs, opts.progress)
+    encoder: ParallelEncoder | ChatEncoder = ParallelEncoder.for_tokenizer(tokenizer, dtype, num_proc)
+    if source.chat_format is not None:
+        encoder = ChatEncoder(tokenizer, tokenizer.chat_template, source.chat_format, dtype)
+        if source.num_docs is not None:  # bad examples refused before the first shard is written
+            encoder.check(source)
+    progress = Progress(source.num_docs or source.announced_docs, opts.progress)
     try:
-        shards = _write_shards(out, source, encoder, dtype, opts.shard_tokens, progress)
+        shards = write_shards(out, source, encoder, dtype, opts.shard_tokens, progress)
     finally:
         progress.bar.close()
-    for stale in out.glob("shard_*.tmp"):
+    for stale in out.glob("shard_*.tmp"):  # masks' too: shard_*.mask.bin.tmp
         stale.unlink()
     return shards, dtype
+
+
+def _chat_inputs(opts: PrepareOptions, tokenizer, source: Source) -> dict:
+    """What a --chat folder is rendered with: the example format, the template's hash, where its mask comes from."""
+    template = load_chat_template(tokenizer, opts.chat_template, str(opts.tokenizer))
+    markers = has_generation_markers(template)
+    return {
+        "format": source.chat_format,
+        "template_hash": template_hash(template),
+        "template_file": opts.chat_template,
+        "mask_from": "generation markers" if markers else "prefix renders, checked against each assistant content",
+    }

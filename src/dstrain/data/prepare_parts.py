@@ -33,8 +33,17 @@ from typing import Any
 import numpy as np
 
 from dstrain.data.manifest import INPUTS_NAME, MANIFEST_NAME, write_json_atomic
-from dstrain.data.shards import SHARD_NAME, ShardReader, shard_paths
-from dstrain.data.sources import Source, SourceSpec, combine_digests, local_files, open_files, open_source
+from dstrain.data.shard_writing import chat_counts
+from dstrain.data.shards import SHARD_NAME, ShardReader, mask_prefix, shard_paths
+from dstrain.data.sources import (
+    Source,
+    SourceSpec,
+    combine_digests,
+    local_files,
+    open_chat_source,
+    open_files,
+    open_source,
+)
 from dstrain.data.tokenizer import TOKENIZER_DIR
 from dstrain.errors import DstrainError
 
@@ -45,6 +54,7 @@ MERGE_LOCK = "merge.lock"
 # Keys of a task's manifest that describe its part only; every other key must agree between tasks.
 # ("command" is spelled by each task; what it says is in the other keys.)
 _PART_KEYS = ("shards", "documents", "tokens", "task", "source", "command")
+CHAT_RENDERING = ("format", "template_hash", "template_file", "mask_from")  # of a --chat manifest: alike in all tasks
 
 
 @dataclass(frozen=True)
@@ -106,14 +116,15 @@ def row_range(num_docs: int, slot: TaskSlot) -> tuple[int, int]:
     return slot.index * num_docs // slot.count, (slot.index + 1) * num_docs // slot.count
 
 
-def open_part(spec: SourceSpec, slot: TaskSlot) -> tuple[Source, dict[str, Any]]:
-    """This task's part of the input, and the record of it kept in the task's manifest."""
+def open_part(spec: SourceSpec, slot: TaskSlot, chat: bool = False) -> tuple[Source, dict[str, Any]]:
+    """This task's part of the input (``chat``: its conversations), and the record of it kept in the task's
+    manifest."""
     files = local_files(spec)
     if files is not None and len(files) >= slot.count:
         a, b = split_files([os.path.getsize(f) for f in files], slot.count)[slot.index]
-        source, digests = open_files(spec, files[a:b])
+        source, digests = open_chat_source(spec, files[a:b]) if chat else open_files(spec, files[a:b])
         return source, {"index": slot.index, "count": slot.count, "files": [a, b], "file_digests": digests}
-    source = open_source(spec)
+    source = open_chat_source(spec)[0] if chat else open_source(spec)
     if source.num_docs is None:
         raise DstrainError(
             f"--dataset {spec.dataset!r} --streaming: {slot.count} tasks need at least {slot.count} input files "
@@ -214,6 +225,7 @@ def _check_agreement(parts: list[tuple[Path, dict]]) -> None:
         return {
             **{k: v for k, v in manifest.items() if k not in _PART_KEYS},
             "source": {**manifest["source"], "fingerprint": None},
+            **({"chat": {k: manifest["chat"][k] for k in CHAT_RENDERING}} if manifest.get("chat") else {}),
         }
 
     first_folder, first = parts[0]
@@ -258,7 +270,12 @@ def merge(out: str | os.PathLike) -> dict:
     for folder, manifest in parts:
         for shard in manifest["shards"]:
             name = SHARD_NAME.format(len(shards))
-            for src, dst in zip(shard_paths(folder / shard["prefix"]), shard_paths(out / name)):
+            pairs = list(zip(shard_paths(folder / shard["prefix"]), shard_paths(out / name)))
+            if manifest.get("chat"):  # the mask first: a shard whose .idx is in place has its mask
+                pairs[:0] = zip(
+                    shard_paths(mask_prefix(folder / shard["prefix"])), shard_paths(mask_prefix(out / name))
+                )
+            for src, dst in pairs:
                 _move(src, dst)  # .bin first, .idx last: a shard whose .idx is in place is whole
             shards.append({**shard, "prefix": name})
     for shard in shards:
@@ -276,6 +293,8 @@ def merge(out: str | os.PathLike) -> dict:
         documents=sum(m["documents"] for _, m in parts),
         tokens=sum(m["tokens"] for _, m in parts),
     )
+    if manifest.get("chat") is not None:
+        manifest["chat"] = {**manifest["chat"], **chat_counts(out, shards)}
     write_json_atomic(out / MANIFEST_NAME, manifest)
     shutil.rmtree(out / TASKS_DIR, ignore_errors=True)
     return manifest

@@ -16,6 +16,10 @@ Layout (little-endian), as Megatron-LM's ``indexed_dataset.py`` reads it::
 One sequence is one document here, so doc_idx is 0..n. Files are written under a
 temporary name and renamed when complete (``.bin`` first, ``.idx`` last), so a
 shard whose ``.idx`` exists is whole.
+
+Data prepared with ``--chat`` has a companion indexed dataset per shard, ``PREFIX.mask.bin/.idx``: the same
+documents, one uint8 per token, 1 where the token is learned (dstrain.data.chat). It is published before the
+shard's own ``.idx``, so a shard whose ``.idx`` exists has its whole mask too.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 from dstrain.errors import DstrainError
 
 SHARD_NAME = "shard_{:05d}"  # a prepared folder's k-th shard, OUT/shard_00000.bin/.idx, ...
+MASK_SUFFIX = ".mask"  # a shard's loss mask (--chat): OUT/shard_00000.mask.bin/.idx
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES: dict[int, type[np.generic]] = {
@@ -59,6 +64,11 @@ def shard_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
     return Path(prefix + ".bin"), Path(prefix + ".idx")
 
 
+def mask_prefix(prefix: str | os.PathLike) -> str:
+    """The prefix of a shard's loss-mask companion."""
+    return str(prefix) + MASK_SUFFIX
+
+
 def write_index(path: str | os.PathLike, sizes: np.ndarray, dtype: np.dtype) -> None:
     """Write the ``.idx`` of documents with these ``sizes`` stored back to back as ``dtype``."""
     dtype = np.dtype(dtype)
@@ -77,10 +87,10 @@ def write_index(path: str | os.PathLike, sizes: np.ndarray, dtype: np.dtype) -> 
 class ShardWriter:
     """Streams documents into ``PREFIX.bin``; ``finish()`` writes the index and publishes both.
 
-    Memory holds only the per-document sizes, never the token ids.
+    Memory holds only the per-document sizes, never the token ids. ``masked``: a loss mask is written beside.
     """
 
-    def __init__(self, prefix: str | os.PathLike, dtype: np.dtype):
+    def __init__(self, prefix: str | os.PathLike, dtype: np.dtype, masked: bool = False):
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
             raise ValueError(f"dtype {self.dtype} has no MMIDIDX code")
@@ -91,9 +101,15 @@ class ShardWriter:
         self._sizes: list[np.ndarray] = []
         self.documents = 0
         self.tokens = 0
+        self.mask = ShardWriter(mask_prefix(prefix), np.dtype(np.uint8)) if masked else None
 
-    def add(self, token_ids: np.ndarray, sizes: np.ndarray) -> None:
-        """Append documents: ``token_ids`` is their ids back to back, ``sizes`` their lengths."""
+    def add(self, token_ids: np.ndarray, sizes: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Append documents: ``token_ids`` is their ids back to back, ``sizes`` their lengths, ``mask`` their
+        loss mask (a masked writer only)."""
+        if (mask is None) != (self.mask is None):
+            raise ValueError("a masked shard takes a mask with every document, an unmasked one none")
+        if self.mask is not None and mask is not None:
+            self.mask.add(mask, sizes)
         token_ids = np.ascontiguousarray(token_ids, dtype=self.dtype)
         sizes = np.asarray(sizes, dtype=np.int64)
         if int(sizes.sum()) != token_ids.size:
@@ -105,6 +121,8 @@ class ShardWriter:
 
     def finish(self) -> tuple[int, int]:
         """Write the index, rename both files into place; returns (documents, tokens)."""
+        if self.mask is not None:
+            self.mask.finish()
         self._bin.close()
         sizes = np.concatenate(self._sizes) if self._sizes else np.zeros(0, np.int32)
         write_index(self._idx_tmp, sizes, self.dtype)
@@ -114,6 +132,8 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Drop the partial files (an interrupted write leaves only ``*.tmp`` behind)."""
+        if self.mask is not None:
+            self.mask.abort()
         self._bin.close()
         for tmp in (self._bin_tmp, self._idx_tmp):
             tmp.unlink(missing_ok=True)

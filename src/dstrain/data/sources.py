@@ -59,6 +59,7 @@ class Source:
     fingerprint: str  # identifies the content; equal fingerprints mean the same documents
     announced_docs: int | None = None  # when streaming: the row count the dataset's info gives, if any
     legacy_fingerprint: str | None = None  # what versions before tasks.py wrote as the fingerprint of these files
+    chat_format: str | None = None  # --chat: "messages" or "prompt-completion" (dstrain.data.chat), else None
 
 
 def _builder_of(path: str) -> str | None:
@@ -278,6 +279,45 @@ def _validated(spec: SourceSpec, rows, fingerprint: str, legacy: str | None = No
     splits = getattr(rows.info, "splits", None) or {}
     announced = splits[spec.split].num_examples if spec.split in splits else None
     return Source(spec, rows.select_columns([spec.text_field]), None, fingerprint, announced or None, legacy)
+
+
+def open_chat_source(spec: SourceSpec, files: list[str] | None = None) -> tuple[Source, list[str] | None]:
+    """``--chat``: the source with only its conversation columns, its ``chat_format`` set; ``files``: a task's part
+    only, then also each file's content hash (as ``open_files``)."""
+    import datasets
+
+    from dstrain.data.chat import example_format
+
+    digests = None
+    if files is not None:
+        builder = _files_builder(spec, files)
+        digests = [_hash_file(name, builder in TEXT_BUILDERS) for name in files]
+        rows, fingerprint, legacy = _load(builder, spec, data_files={spec.split: files}), combine_digests(digests), None
+    else:
+        rows, fingerprint, legacy = _open_rows(spec)
+    if isinstance(rows, datasets.Dataset):
+        if len(rows) == 0:
+            raise _empty(spec)
+        columns, num_docs = rows.column_names, len(rows)
+    else:
+        first = next(_guarded(spec, iter(rows.take(1)), 0), None)
+        if first is None:
+            raise _empty(spec)
+        columns, num_docs = list(first), None
+    fmt = example_format(columns)
+    kept = ["messages"] if fmt == "messages" else ["prompt", "completion"]
+    return Source(spec, rows.select_columns(kept), num_docs, fingerprint, None, legacy, fmt), digests
+
+
+def example_batches(source: Source, start: int, batch_docs: int) -> Iterator[list[dict]]:
+    """Rows ``start, start+1, ...`` as lists of ``batch_docs`` dicts of the source's columns."""
+    if source.num_docs is not None:
+        batches = (source.rows[a : a + batch_docs] for a in range(start, source.num_docs, batch_docs))
+    else:
+        batches = source.rows.skip(start).iter(batch_size=batch_docs)
+    for columns in _guarded(source.spec, batches, start):
+        names = list(columns)
+        yield [dict(zip(names, values)) for values in zip(*(columns[n] for n in names))]
 
 
 def _guarded(spec: SourceSpec, items: Iterator, start: int) -> Iterator:

@@ -28,7 +28,7 @@ from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayer
 from torch import nn
 
 from dstrain.model.config import GPTConfig
-from dstrain.model.gpt import Block, Embedding, Head, lm_loss, make_norm, soft_cap
+from dstrain.model.gpt import Block, Embedding, Head, make_norm, soft_cap, token_loss_sum
 
 TIED_KEY = "embed"
 
@@ -137,6 +137,22 @@ def layer_prefixes(config: GPTConfig) -> list[tuple[str, str] | None]:
     return [("embed.", ""), *((f"blocks.{i}.", "") for i in range(config.n_layer)), ("norm.", "norm."), head]
 
 
+class PipeLoss:
+    """The pipeline's loss function: the micro-batch's mean loss, or during a train step its loss sum over
+    ``divisor``, the step's learned tokens per micro-batch, which the trainer sets (dstrain.train.steps).
+    ``head_loss``: the loss sum when the head layer hands over (its input, its weight) (the chunked loss)."""
+
+    def __init__(self, head_loss: Callable | None = None) -> None:
+        self.divisor: float | None = None
+        self.head_loss = head_loss
+
+    def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+        losses = token_loss_sum(outputs, labels) if self.head_loss is None else self.head_loss(outputs, labels)
+        if self.divisor is None:
+            return losses / (labels != -100).sum().clamp(min=1).to(losses.dtype)
+        return losses / self.divisor
+
+
 def build_pipeline(
     config: GPTConfig,
     seed: int,
@@ -146,8 +162,8 @@ def build_pipeline(
     schedule: str = "1f1b",
     head_loss: Callable | None = None,
 ) -> PipelineModule:
-    """GPT(config) as a PipelineModule of `stages` stages, with lm_loss as its loss; ``head_loss((hidden, weight),
-    labels)``: a loss that applies the head itself (the chunked loss) instead.
+    """GPT(config) as a PipelineModule of `stages` stages, with PipeLoss as its loss; ``head_loss((hidden, weight),
+    labels)``: a loss sum that applies the head itself (the chunked loss), in place of the logits' token_loss_sum.
 
     schedule "dualpipev" builds DeepSpeed's DualPipeVModule instead: the layers cut into 2 x `stages` stages, rank r
     holding stage r and its mirror 2 x stages - 1 - r, so rank 0 holds the embedding, the head and the loss
@@ -157,7 +173,7 @@ def build_pipeline(
     return module(
         layers=layer_specs(config, seed, head_input=head_loss is not None),
         num_stages=stages,
-        loss_fn=head_loss or lm_loss,
+        loss_fn=PipeLoss(head_loss),
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
         # Only blocks: DeepSpeed's reentrant checkpoint would cut the embedding off from its gradient.

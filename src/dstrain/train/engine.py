@@ -37,7 +37,7 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
             from dstrain.train import tiling
 
             shared = recipe.model.tied and strategy.pipe_schedule == "dualpipev"  # rank 0 holds both ends
-            head_loss = tiling.pipeline_loss(strategy.loss_tiles, shared)
+            head_loss = tiling.pipeline_loss(strategy.loss_tiles, shared, recipe.model.logit_softcap)
         # The ds_config's activation_checkpointing section alone means every block, as for the plain model.
         interval = pipeline.get("activation_checkpoint_interval", 0) or int(strategy.activation_checkpointing)
         return build_pipeline(
@@ -308,14 +308,16 @@ def data_parallel_rank(engine, strategy: Strategy) -> int:
 def load_init_from(
     model: torch.nn.Module, recipe, recipe_file: str | os.PathLike, zero3: bool, ep_size: int = 1, ep_rank: int = 0
 ) -> None:
-    """Copy the weights of the Hugging Face folder ``recipe.init_from`` into the freshly built ``model``.
+    """Copy the weights of ``recipe.init_from`` (a Hugging Face folder, or a dstrain run's newest checkpoint) into the
+    freshly built ``model``.
 
     Under ZeRO-3 the model was built inside deepspeed.zero.Init, so each parameter is gathered, filled on
     rank 0 and re-partitioned from there (one parameter at a time: no rank ever holds the whole model)."""
+    from dstrain.checkpoint.consolidate import load_model_source
     from dstrain.errors import DstrainError
-    from dstrain.model.hf import architecture_diff, from_hf
+    from dstrain.model.hf import architecture_diff
 
-    config, state = from_hf(recipe.init_from)
+    config, state, _ = load_model_source(recipe.init_from)  # a HF folder, or a run's newest checkpoint consolidated
     differ = [f"model.{k}={ours!r} vs {theirs!r}" for k, ours, theirs in architecture_diff(recipe.model, config)]
     if differ:
         raise DstrainError(

@@ -152,7 +152,7 @@ class Trainer:
             batch = self.steps.to_device(chunks[min(i, len(chunks) - 1)] if chunks else [0], data)
             loss = self.steps.eval_loss(batch)
             if loss is not None and i < len(chunks):
-                sums += self.steps.eval_sums(loss, batch["labels"].numel())
+                sums += self.steps.eval_sums(loss, int((batch["labels"] != -100).sum()))
         # Model-parallel replicas add equal shares to both sums (TP), or only the last stage adds (pipeline).
         torch.distributed.all_reduce(sums)
         return (sums[0] / sums[1]).item(), n
@@ -268,7 +268,7 @@ class Trainer:
         stop = StopSignal()
         batches = self._batches()
         start_step = self.progress.step
-        interval_loss, interval_steps = 0.0, 0
+        interval_loss, interval_steps, interval_learned = 0.0, 0, 0
         if self.is_rank0:
             print(describe_params(self.recipe.model), self.peak_line, sep="\n", flush=True)
             mixture.print_stages(self.recipe, self.train_data)
@@ -284,7 +284,7 @@ class Trainer:
             watched = math.isfinite(metric) or self.strategy.precision != "fp16"
             limit = self.guard.observe(metric) if self.guard is not None and watched else None
             if limit is not None and self.roll_back(metric, limit):
-                batches, interval_loss, interval_steps = self._batches(), 0.0, 0
+                batches, interval_loss, interval_steps, interval_learned = self._batches(), 0.0, 0, 0
                 if stop_requested:
                     status = "interrupted"
                     break
@@ -292,13 +292,15 @@ class Trainer:
             health.check(self.progress.step, step_loss)
             interval_loss += step_loss
             interval_steps += 1
+            interval_learned += self.steps.learned_tokens
             if self.progress.step % t.log_interval == 0 or self.progress.step == total:
                 record = self._train_record_of_all_ranks(
                     interval_loss / interval_steps, lr, interval_steps, self.clock.lap()
                 )
+                record["learned_tokens"] = interval_learned / interval_steps
                 self.log.write(record)
                 self.log.print_step(record, start_step)
-                interval_loss, interval_steps = 0.0, 0
+                interval_loss, interval_steps, interval_learned = 0.0, 0, 0
             if t.eval_interval and self.progress.step % t.eval_interval == 0 and self.progress.step < total:
                 self._eval_and_log()
             if stop_requested:

@@ -51,17 +51,18 @@ def check_run_dir_path(run_dir: Path) -> None:
 
 
 def check_init_from(recipe: Recipe, recipe_file: str) -> None:
-    """init_from is a Hugging Face model folder of the recipe's architecture (read from config.json only)."""
+    """init_from is a Hugging Face model folder (read from config.json only) or a dstrain run with an intact
+    checkpoint, of the recipe's architecture."""
     from dstrain.model.hf import architecture_diff, config_from_hf
 
     assert recipe.init_from is not None
-    if RunDir(Path(recipe.init_from)).recipe.is_file():
-        raise DstrainError(
-            f"{recipe_file}: init_from {recipe.init_from} is a dstrain run, not a Hugging Face folder; "
-            f"export it first (dstrain export {recipe.init_from} --out <folder>), or train in it to resume"
-        )
     try:
-        config = config_from_hf(recipe.init_from)
+        if RunDir(Path(recipe.init_from)).recipe.is_file():  # a run: its newest intact checkpoint, its model
+            from dstrain.checkpoint.consolidate import load_run
+
+            config = load_run(recipe.init_from, None)[0].model
+        else:
+            config = config_from_hf(recipe.init_from)
     except DstrainError as e:
         raise DstrainError(f"{recipe_file}: init_from: {e}") from None
     differ = [f"model.{k}={ours!r} vs {theirs!r}" for k, ours, theirs in architecture_diff(recipe.model, config)]
@@ -79,6 +80,8 @@ def check_data_tokenizer(recipe: Recipe, recipe_file: str) -> None:
 
     assert recipe.init_from is not None
     folder = Path(recipe.init_from)
+    if RunDir(folder).recipe.is_file():
+        folder = RunDir(folder).tokenizer  # a run's tokenizer, copied at its start
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return  # weights only: the data's own tokenizer stays the run's
     for source in recipe.data.sources:

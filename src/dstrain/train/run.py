@@ -157,6 +157,7 @@ def fingerprint_of_checked_data(recipe: Recipe, recipe_file: str) -> str:
         "prepare every source with the same --tokenizer",
         where=f"{recipe_file}: data.sources ",
     )
+    check_chat_sources(recipe, manifests, recipe_file)
     if recipe.data.tokenizer:
         verify_tokenizer(sources[0].path, recipe.data.tokenizer)
     vocab = manifests[0]["vocab_size"]
@@ -334,6 +335,21 @@ def checked_inputs(args: argparse.Namespace):
     return recipe, strategy, fingerprint, tag, load_tasks(recipe.train.tasks, args.recipe)
 
 
+def check_chat_sources(recipe: Recipe, manifests: list[dict], recipe_file: str) -> None:
+    """An SFT recipe (data.sft) has a --chat source; a pretraining one none (it would learn every prompt token)."""
+    chat = [s.path for s, m in zip(recipe.data.sources, manifests) if m.get("chat")]
+    if recipe.data.sft and not chat:
+        raise DstrainError(
+            f"{recipe_file}: data.sft is true but no data.sources folder was prepared with --chat (there is no loss "
+            f"mask to learn the assistant's tokens by); prepare the conversations with `dstrain prepare --chat`"
+        )
+    if chat and not recipe.data.sft:
+        raise DstrainError(
+            f"{recipe_file}: data.sources {chat[0]} was prepared with --chat (conversations with a loss mask) but "
+            f"data.sft is false; set data.sft: true, or prepare the text without --chat"
+        )
+
+
 def training_data(recipe: Recipe):
     """(train set, valid sets) of the recipe's data, its stages and repetition caps. Index arrays are built under a
     file lock by whichever rank comes first; broken shards fail here."""
@@ -344,9 +360,18 @@ def training_data(recipe: Recipe):
     stages = [(first * gb, weights) for first, weights in recipe.stage_starts()[1:]]
     max_epochs = [s.max_epochs for s in d.sources]
     train_data = build_dataset(
-        sources, "train", d.seq_len, recipe.seed, recipe.total_steps * gb, d.valid_fraction, None, stages, max_epochs
+        sources,
+        "train",
+        d.seq_len,
+        recipe.seed,
+        recipe.total_steps * gb,
+        d.valid_fraction,
+        None,
+        stages,
+        max_epochs,
+        d.overlong,
     )
-    return train_data, build_valid_sets(sources, d.seq_len, recipe.seed, d.valid_fraction)
+    return train_data, build_valid_sets(sources, d.seq_len, recipe.seed, d.valid_fraction, overlong=d.overlong)
 
 
 def task_requests(recipe: Recipe, task_items) -> list:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dstrain.model.gpt import token_loss_sum
+from dstrain.model.gpt import soft_cap, token_loss_sum
 
 
 def tiled_loss_sum(
@@ -85,16 +85,20 @@ def mean_loss(
 
 
 def pipeline_loss(
-    tiles: int, shared: bool
+    tiles: int, shared: bool, logit_softcap: float | None
 ) -> Callable[[tuple[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor]:
-    """The pipeline's last-stage loss when its head layer hands over (hidden, weight) (dstrain.model.pipe): lm_loss,
-    tile by tile. ``shared``: the stage's head weight is also its embedding's (a tied head where one rank holds both
-    ends, DualPipeV's rank 0); under 1F1B the last stage holds its own copy, whose gradient DeepSpeed adds to the
-    embedding's after the backward."""
+    """The pipeline's last-stage loss sum when its head layer hands over (hidden, weight) (dstrain.model.pipe), tile
+    by tile, the logits soft-capped as model.logit_softcap says. ``shared``: the stage's head weight is also its
+    embedding's (a tied head where one rank holds both ends, DualPipeV's rank 0); under 1F1B the last stage holds its
+    own copy, whose gradient DeepSpeed adds to the embedding's after the backward."""
 
     def loss(outputs: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         hidden, weight = outputs
-        return mean_loss(lambda tile: F.linear(tile, weight), weight, hidden, labels, tiles, shared)
+
+        def project(tile: torch.Tensor) -> torch.Tensor:
+            return soft_cap(F.linear(tile, weight), logit_softcap)
+
+        return tiled_loss_sum(project, weight, hidden, labels, tiles, shared)
 
     return loss
 
