@@ -4,7 +4,6 @@ family frames documents, and the shipped continue-recipes fitting one node."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
@@ -158,22 +157,6 @@ def test_shipped_continue_recipe_fits_one_node_under_its_ds_config(recipe_file):
     assert CLASSES[family][0] in recipe_file.read_text()
     est = estimate_file(recipe, recipe_file, ds_config, nodes=1, gpus_per_node=8)
     assert est.fits and est.peak() < 79 * GIB, (ds_config.name, est.peak() / GIB)
-
-
-def test_checkpoints_recorded_before_the_family_fields_still_resume():
-    """A checkpoint's identity from before these fields has none of them: at their defaults they are left out."""
-    from dstrain.model.config import GPTConfig, MoEConfig
-    from dstrain.train.run import LATER_MODEL_DEFAULTS, LATER_MOE_DEFAULTS, _identity
-
-    def recipe(model: dict) -> dict:
-        return {"model": model, "data": {"seq_len": 32}, "seed": 1}
-
-    now = dataclasses.asdict(GPTConfig(flavour="llama", moe=MoEConfig()))
-    before = {k: v for k, v in now.items() if k not in LATER_MODEL_DEFAULTS}
-    before["moe"] = {k: v for k, v in now["moe"].items() if k not in LATER_MOE_DEFAULTS}
-    assert _identity(recipe(now), "d") == _identity(recipe(before), "d")
-    qwen3 = dataclasses.asdict(GPTConfig(flavour="llama", family="qwen3", qk_norm="head", d_head=32))
-    assert _identity(recipe(qwen3), "d") != _identity(recipe(before), "d")
 
 
 def test_estimate_answers_from_config_json_alone(tmp_path, capsys):

@@ -39,9 +39,18 @@ def step_of(tag: str) -> int:
     return int(match.group(1))
 
 
+def run_folder(recipe: Recipe) -> Path:
+    """Where a recipe's run lives: its run_dir, by default runs/<name>."""
+    return Path(recipe.run_dir or f"runs/{recipe.name}")
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: Path
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> RunDir:
+        return cls(run_folder(recipe))
 
     # What a run writes (DeepSpeed's monitors: tensorboard/, csv/), and so what `--resume none` moves into previous/.
     # The logs of the launch itself (compare's launcher.log, the Slurm job's link) stay.

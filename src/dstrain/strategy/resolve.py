@@ -22,6 +22,7 @@ from typing import Any
 from dstrain.config import Recipe
 from dstrain.data.sampler import valid_micro_batches
 from dstrain.errors import DstrainError
+from dstrain.run_dir import run_folder
 from dstrain.strategy import parallel
 from dstrain.strategy.ds_schema import validate_ds_config
 from dstrain.strategy.optimizer import check_muon, fill_optimizer
@@ -318,7 +319,7 @@ def _fill_monitor_paths(config: dict, recipe: Recipe) -> None:
         if not isinstance(section, dict) or not section.get("enabled"):
             continue
         if folder and section.get("output_path", AUTO) == AUTO:
-            section["output_path"] = str(recipe.output_dir / folder)
+            section["output_path"] = str(run_folder(recipe) / folder)
         if section.get("job_name", AUTO) == AUTO:
             section["job_name"] = recipe.name
         if block == "wandb" and section.get("project", AUTO) == AUTO:

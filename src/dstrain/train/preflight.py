@@ -15,8 +15,8 @@ from dstrain.run_dir import RunDir
 LOG_SUFFIXES = (".log", ".out", ".err")
 
 
-def check(recipe: Recipe, recipe_file: str) -> None:
-    check_run_dir_path(recipe.output_dir)
+def check(recipe: Recipe, recipe_file: str, files: RunDir) -> None:
+    check_run_dir_path(files.root)
     if recipe.init_from:
         check_init_from(recipe, recipe_file)
 

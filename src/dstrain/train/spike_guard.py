@@ -65,8 +65,10 @@ class SpikeGuard:
         }
 
     def load_state_dict(self, state: dict | None) -> None:
-        state = state or {}
-        self.history = list(state.get("history", []))
-        self.spikes = list(state.get("spikes", []))
-        self.skipped = [list(w) for w in state.get("skipped", [])]
-        self.lr_until = int(state.get("lr", 0))
+        """``state_dict()`` as saved; None (a checkpoint of a run without the guard): the guard starts afresh."""
+        if state is None:
+            state = SpikeGuard(self.config).state_dict()
+        self.history = list(state["history"])
+        self.spikes = list(state["spikes"])
+        self.skipped = [list(w) for w in state["skipped"]]
+        self.lr_until = int(state["lr"])

@@ -11,7 +11,9 @@ import torch
 
 from dstrain.data.dataset import collate
 from dstrain.model.gpt import lm_loss, token_loss_sum
+from dstrain.tasks import scoring
 from dstrain.train import sequence, tiling
+from dstrain.train.components import Component, Progress
 from dstrain.train.engine import is_pipeline, monitor_paused
 
 
@@ -33,18 +35,28 @@ class StepHooks:
 
 
 class StepRunner:
-    def __init__(self, recipe, strategy, engine, progress, hooks: StepHooks, moe, watch) -> None:
-        """``progress``: the trainer's (dstrain.train.loop.Progress); ``moe``, ``watch``: its MoE meter and
-        watchdog."""
+    def __init__(self, recipe, strategy, engine, progress: Progress, hooks: StepHooks, components: Component) -> None:
+        """``progress``: the trainer's; ``components``: its components (dstrain.train.components.Components), told
+        where a step is and asked for the objective."""
         self.recipe, self.strategy, self.engine, self.progress = recipe, strategy, engine, progress
-        self.hooks, self.moe, self.watch = hooks, moe, watch
+        self.hooks, self.components = hooks, components
         self.device = engine.device
+        self.doc_masking, self.loss_tiles = recipe.model.doc_masking, strategy.loss_tiles
         self.pipeline = is_pipeline(engine)
         self.sp_size = strategy.sp_size
         self.sp_group = engine.mpu.get_sequence_parallel_group() if self.sp_size > 1 else None
         self.sp_rank = engine.mpu.get_sequence_parallel_rank() if self.sp_size > 1 else 0
         self.backward_factor = sequence.backward_factor(strategy.zero_stage, self.sp_size)
         self.pipe_batch_size = strategy.micro_batch  # the micro-batch size the pipeline's p2p buffers are sized for
+
+    @classmethod
+    def for_module(cls, module: torch.nn.Module, device, doc_masking: bool) -> StepRunner:
+        """Evaluation of a plain model (``dstrain eval``): no engine, nothing split, the same forward and sums."""
+        runner = cls.__new__(cls)
+        runner.engine, runner.device, runner.doc_masking, runner.loss_tiles = module, device, doc_masking, 1
+        runner.progress, runner.hooks, runner.components = Progress(), StepHooks(), Component()
+        runner.pipeline, runner.sp_size, runner.sp_group, runner.sp_rank = False, 1, None, 0
+        return runner
 
     def to_device(self, samples: list[int], data) -> dict:
         batch = collate([data[i] for i in samples])
@@ -57,12 +69,12 @@ class StepRunner:
             return self.engine.train_batch(self._pipe_micro_batches(batches, self.strategy.grad_accum))
         total = torch.zeros((), device=self.device)
         for micro in range(self.strategy.grad_accum):
-            self.watch.mark(f"forward {micro}")
+            self.components.on_mark(f"forward {micro}")
             loss = self.forward_loss(next(batches))  # the LM loss, what is logged and compared
-            self.watch.mark(f"backward {micro}")
-            objective = loss + self.moe.losses() if self.moe.enabled else loss
+            self.components.on_mark(f"backward {micro}")
+            objective = self.components.objective(loss)
             self.engine.backward(objective * self.backward_factor if self.backward_factor != 1.0 else objective)
-            self.watch.mark(f"optimizer step {micro}")
+            self.components.on_mark(f"optimizer step {micro}")
             self.engine.step()
             total += loss.detach().float()
         return total / self.strategy.grad_accum
@@ -91,13 +103,13 @@ class StepRunner:
     def _forward_loss(self, batch: dict) -> torch.Tensor:
         """The micro-batch's mean loss; under sequence parallelism this rank's share of it (the SP group's shares
         add up to the mean)."""
-        if self.sp_group is None and self.strategy.loss_tiles == 1:
-            position_ids = batch["position_ids"] if self.recipe.model.doc_masking else None
+        if self.sp_group is None and self.loss_tiles == 1:
+            position_ids = batch["position_ids"] if self.doc_masking else None
             return lm_loss(self.engine(batch["input_ids"], position_ids), batch["labels"])
         if self.sp_group is not None:
-            batch = sequence.shard(batch, self.sp_rank, self.sp_size, self.recipe.model.doc_masking)
-        position_ids = batch["position_ids"] if self.sp_group is not None or self.recipe.model.doc_masking else None
-        labels, tiles = batch["labels"], self.strategy.loss_tiles
+            batch = sequence.shard(batch, self.sp_rank, self.sp_size, self.doc_masking)
+        position_ids = batch["position_ids"] if self.sp_group is not None or self.doc_masking else None
+        labels, tiles = batch["labels"], self.loss_tiles
         if tiles > 1:
             hidden = self.engine(batch["input_ids"], position_ids, head=False)
             losses = tiling.tiled_loss_sum(self.engine.module.lm_head, hidden, labels, tiles)
@@ -110,7 +122,7 @@ class StepRunner:
 
     def _pipe_item(self, batch: dict) -> tuple:
         """(inputs, labels) as the first and last pipeline stages take them."""
-        inputs = (batch["input_ids"], batch["position_ids"]) if self.recipe.model.doc_masking else batch["input_ids"]
+        inputs = (batch["input_ids"], batch["position_ids"]) if self.doc_masking else batch["input_ids"]
         return inputs, batch["labels"]
 
     def _pipe_micro_batches(self, batches: Iterator[dict], count: int):
@@ -134,3 +146,37 @@ class StepRunner:
         with monitor_paused(self.engine):
             losses = self.engine.eval_batch(items, num_micro_batches=repeats, reduce_output=None, bcast_loss=False)
         return None if losses is None else losses[0].item()
+
+    # --- scoring downstream tasks (dstrain.tasks.scoring) ---------------------------------------------------------
+    def new_score_length(self):
+        """What scoring.evaluate calls when the rows' length changes: the pipeline re-sizes its p2p buffers."""
+        return self.engine.reset_activation_shape if self.pipeline else None
+
+    def score(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """The scorer's statistics of a batch of rows (scoring.continuation_stats) over the whole model's logits.
+        ZeRO (any stage), AutoTP, expert parallelism: the engine's forward gives them. Sequence parallelism: each
+        rank scores its slice and the SP group adds the slices up. Pipeline: the last stage; None on the others."""
+        if self.pipeline:
+            return self._pipe_score(inputs, targets)
+        if self.sp_group is not None:
+            part = sequence.shard({"input_ids": inputs, "labels": targets}, self.sp_rank, self.sp_size, False)
+            stats = scoring.continuation_stats(self.engine(part["input_ids"], part["position_ids"]), part["labels"])
+            torch.distributed.all_reduce(stats, group=self.sp_group)  # the slices' sums make the sample's
+            return stats
+        return scoring.continuation_stats(self.engine(inputs), targets)
+
+    def _pipe_score(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """The pipeline's eval path with the scorer's statistics as its loss: the last stage returns them.
+        DeepSpeed 0.19.8's PipelineEngine.eval_batch adds every output into ``total_loss``, which only train_batch
+        resets: the valid loss's scalar and these (B, 2) rows would not add up, so it is emptied around each call."""
+        engine = self.engine
+        loss_fn, engine.module.loss_fn = engine.module.loss_fn, scoring.continuation_stats
+        engine.total_loss = None
+        try:
+            with monitor_paused(engine):
+                outputs = engine.eval_batch(
+                    iter([(inputs, targets)]), num_micro_batches=1, reduce_output=None, bcast_loss=False
+                )
+        finally:
+            engine.module.loss_fn, engine.total_loss = loss_fn, None
+        return None if outputs is None else outputs[0]
