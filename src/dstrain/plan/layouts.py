@@ -22,6 +22,7 @@ from dstrain.plan.time_model import Cluster, Prediction, layout_counts, predict
 from dstrain.strategy.ds_schema import validate_ds_config
 from dstrain.strategy.memory import estimate
 from dstrain.strategy.memory_parts import Estimate
+from dstrain.strategy.precision import Precision
 from dstrain.strategy.resolve import AUTO, Strategy, resolve
 
 # AutoTP's split of dstrain's projections (the layer_specs of ds_configs/tp2_zero1.json).
@@ -44,7 +45,7 @@ class Layout:
     checkpointing: bool = False
     schedule: str = "1f1b"  # the pipeline's ("pipeline.schedule"): "1f1b" or "dualpipev"
 
-    def ds_config(self, precision: str, torch_adam: bool) -> dict:
+    def ds_config(self, precision: Precision, torch_adam: bool) -> dict:
         """This layout as a ds_config: the recipe's fields "auto", the strategy's set."""
         zero: dict = {"stage": self.zero, "reduce_bucket_size": 50_000_000}
         if self.zero >= 2:
@@ -144,7 +145,7 @@ def candidate_layouts(recipe: Recipe, cluster: Cluster) -> list[list[Layout]]:
 
 
 def plan(
-    recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: str, top: int, torch_adam: bool = False
+    recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: Precision, top: int, torch_adam: bool = False
 ) -> tuple[list[Planned], int]:
     """The ``top`` fastest layouts that dstrain accepts and that fit, fastest first, and how many fit in all.
     DeepSpeed's own parser (resolve's last check, 40 ms a config) runs on those kept only."""
@@ -179,7 +180,13 @@ def plan(
 
 
 def _timed(
-    recipe: Recipe, layout: Layout, config: dict, strategy: Strategy, est: Estimate, cluster: Cluster, precision: str
+    recipe: Recipe,
+    layout: Layout,
+    config: dict,
+    strategy: Strategy,
+    est: Estimate,
+    cluster: Cluster,
+    precision: Precision,
 ) -> Planned:
     from dstrain.model.config import flops_per_token
 

@@ -281,7 +281,8 @@ def _precision(config: dict, ds_file: str, check_device: bool) -> Precision:
             # DeepSpeed 0.19.8 defect: engine.backward() scales the loss only for ZeRO optimizers, while
             # FP16_Optimizer.step() still unscales the gradients, so ZeRO-0 fp16 updates come out ~scale x too
             # small and overflow is never detected (upstream PR "Fix FP16 ZeRO Stage 0 loss scaling in
-            # engine.backward()"). tests/test_fp16.py::test_deepspeed_zero0_fp16_defect fails when it is fixed.
+            # engine.backward()"). tests/test_fp16.py::test_deepspeed_zero0_fp16_defect_is_still_there fails when it
+            # is fixed.
             raise DstrainError(
                 f"{ds_file}: fp16 with ZeRO stage 0 trains silently wrong in DeepSpeed 0.19 (unscaled loss); "
                 f"use ds_configs/zero1_fp16.json"

@@ -16,15 +16,16 @@ LOG_SUFFIXES = (".log", ".out", ".err")
 
 
 def check(recipe: Recipe, recipe_file: str, files: RunDir) -> None:
-    check_run_dir_path(files.root)
+    check_run_dir_path(files)
     if recipe.init_from:
         check_init_from(recipe, recipe_file)
 
 
-def check_run_dir_path(run_dir: Path) -> None:
+def check_run_dir_path(files: RunDir) -> None:
     """run_dir is a folder of its own: not a file, not under one, not prepared data, not someone's other files."""
     from dstrain.data.manifest import MANIFEST_NAME
 
+    run_dir = files.root
     fix = "set run_dir=<a new or empty folder>"
     for parent in [run_dir, *run_dir.parents]:
         if parent.exists() and not parent.is_dir():
@@ -36,7 +37,7 @@ def check_run_dir_path(run_dir: Path) -> None:
         raise DstrainError(
             f"run_dir {run_dir} is a folder prepared by dstrain prepare (it holds {MANIFEST_NAME}); {fix}"
         )
-    if RunDir(run_dir).recipe.exists():
+    if files.recipe.exists():
         return  # an earlier run's folder: run.check_run_dir compares the recipes
     try:
         names = [p.name for p in run_dir.iterdir()]

@@ -1,6 +1,6 @@
 """Loss-spike rollback: the run notices a spike, reloads the newest complete checkpoint, skips the data that
 produced the spike and goes on, as the OPT and BLOOM logbooks did by hand. Here the guard's statistic and state;
-the rollback itself is dstrain.train.loop.Trainer.roll_back.
+the rollback itself is dstrain.train.spike_rollback.SpikeRollback.roll_back.
 
 The statistic is the median of the last ``window`` steps' values (loss or pre-clip gradient norm), and a spike is
 a value above ``factor`` x that median (or not finite). A median rather than a mean or a z-score: an earlier spike,
