@@ -48,10 +48,12 @@ def _other_data(tmp_path) -> Path:
 
 
 def _existing_run(tmp_path, corpus, **model) -> str:
-    """A run directory whose recipe.yaml records another model shape, as an earlier run leaves it."""
+    """A run directory whose recipe.yaml records another model shape, as an earlier run leaves it (every field)."""
+    from dstrain.config import load_recipe, to_dict
+
     run = tmp_path / "run"
     run.mkdir()
-    recipe = yaml.safe_load(small_recipe(tmp_path, corpus, name="earlier").read_text())
+    recipe = to_dict(load_recipe(small_recipe(tmp_path, corpus, name="earlier")))
     recipe["model"].update(model)
     (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     return str(run)
@@ -611,12 +613,15 @@ def same_size_corpus(tmp_path_factory):
 
 
 def _run_folder(tmp_path, corpus) -> Path:
-    """A run folder's recipe.yaml (its checkpoint is never read: the refusal comes first)."""
+    """A run folder's recipe.yaml and tokenizer/ (its checkpoint is never read: the refusal comes first)."""
+    import shutil
+
     from dstrain.config import load_recipe, to_dict
 
     run = tmp_path / "run"
     run.mkdir()
     (run / "recipe.yaml").write_text(yaml.safe_dump(to_dict(load_recipe(small_recipe(tmp_path, corpus)))))
+    shutil.copytree(Path(corpus) / "tokenizer", run / "tokenizer")  # as the run's start copies it
     return run
 
 

@@ -4,7 +4,6 @@ family frames documents, and the shipped continue-recipes fitting one node."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
@@ -167,22 +166,6 @@ def test_shipped_continue_recipe_fits_one_node_under_its_ds_config(recipe_file):
     assert est.fits and est.peak() < 79 * GIB, (ds_config.name, est.peak() / GIB)
     # dstrain plan's choice for 1 x 8 H100, which says whether the loss is chunked (docs/memory.md)
     assert ds_config.parent.name == "planned" and "loss" in load_ds_config(ds_config)["tiling"]
-
-
-def test_checkpoints_recorded_before_the_family_fields_still_resume():
-    """A checkpoint's identity from before these fields has none of them: at their defaults they are left out."""
-    from dstrain.model.config import GPTConfig, MoEConfig
-    from dstrain.train.run import LATER_MODEL_DEFAULTS, LATER_MOE_DEFAULTS, _identity
-
-    def recipe(model: dict) -> dict:
-        return {"model": model, "data": {"seq_len": 32}, "seed": 1}
-
-    now = dataclasses.asdict(GPTConfig(flavour="llama", moe=MoEConfig()))
-    before = {k: v for k, v in now.items() if k not in LATER_MODEL_DEFAULTS}
-    before["moe"] = {k: v for k, v in now["moe"].items() if k not in LATER_MOE_DEFAULTS}
-    assert _identity(recipe(now), "d") == _identity(recipe(before), "d")
-    qwen3 = dataclasses.asdict(GPTConfig(flavour="llama", family="qwen3", qk_norm="head", d_head=32))
-    assert _identity(recipe(qwen3), "d") != _identity(recipe(before), "d")
 
 
 def test_estimate_answers_from_config_json_alone(tmp_path, capsys):

@@ -243,23 +243,6 @@ def test_tasks_of_another_count_or_options_are_refused(tmp_path, inputs):
     assert not (out / "manifest.json").exists()
 
 
-def test_folder_prepared_before_per_file_hashes_still_continues(tmp_path, inputs):
-    """Earlier versions hashed the files back to back: their folders are recognised, not refused as other data."""
-    import hashlib
-
-    out = tmp_path / "out"
-    _prepare(inputs["rows"], out, inputs["tokenizer"])
-    legacy = hashlib.blake2b(Path(inputs["rows"]).read_bytes() + b"\0", digest_size=16).hexdigest()
-    for name in ("manifest.json", "prepare_inputs.json"):
-        record = json.loads((out / name).read_text())
-        assert record["source"]["fingerprint"] != legacy
-        record["source"]["fingerprint"] = legacy
-        (out / name).write_text(json.dumps(record))
-    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    assert _prepare(inputs["rows"], out, inputs["tokenizer"])["source"]["fingerprint"] == legacy
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
-
-
 def test_requeued_task_finishes_a_merge_cut_short_after_its_manifest(tmp_path, inputs, monkeypatch):
     out = tmp_path / "out"
 

@@ -167,7 +167,7 @@ def test_generate_runs_offline_and_decodes_greedily(runs, capsys):
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     run, hf_dir = runs["gpt2", "zero3"]
     recipe, tag = load_run(run, None)
-    tokenizer = load_run_tokenizer(run, recipe.data)
+    tokenizer = load_run_tokenizer(run)
     ours = GPT(recipe.model).eval()
     ours.load_state_dict(consolidated_state_dict(tag, recipe.model))
     tokens = tokenizer("The module", return_tensors="pt").input_ids

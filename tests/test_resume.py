@@ -82,14 +82,16 @@ def test_resume_none_moves_the_previous_run_aside_and_a_relaunch_continues_the_n
 
 def test_keep_last_and_resume_follow_the_save_order(tmp_path):
     """A tag of a longer branch (step 8, saved first) never outranks the checkpoint saved after it (step 6)."""
+    from dstrain.checkpoint.record import RECORD, CheckpointRecord
     from dstrain.checkpoint.store import newest_complete, published_tags
+    from dstrain.strategy.topology import Topology
 
     checkpoints = tmp_path / "checkpoints"
+    one_rank = Topology(world_size=1, zero_stage=0, dp_size=1, tp_size=1, pp_stages=1, precision="fp32")
     for seq, step in [(1, 8), (2, 6)]:
         (checkpoints / f"global_step{step}").mkdir(parents=True)
-        (checkpoints / f"global_step{step}" / "dstrain_checkpoint.json").write_text(
-            json.dumps({"step": step, "save_seq": seq, "files": {}})
-        )
+        record = CheckpointRecord(step, seq, files={}, checksums={}, hash="", topology=one_rank, identity=None)
+        (checkpoints / f"global_step{step}" / RECORD).write_text(record.to_json())
     assert published_tags(checkpoints) == ["global_step8", "global_step6"]
     assert newest_complete(checkpoints) == "global_step6"
     (checkpoints / "latest").write_text("global_step8")  # a complete `latest` is what a resume takes

@@ -178,6 +178,7 @@ def zero3_universal_reload(folder: str) -> dict:
     import deepspeed
 
     from dstrain.checkpoint import reshard, store
+    from dstrain.checkpoint.record import ClientState
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT, lm_loss
     from dstrain.train import distributed
@@ -203,7 +204,7 @@ def zero3_universal_reload(folder: str) -> dict:
     tokens = torch.randint(0, 64, (2, 9))
     first.backward(lm_loss(first(tokens[:, :-1]), tokens[:, 1:]))
     first.step()
-    store.save(first, Path(folder), 1, {}, keep_last=1)
+    store.save(first, Path(folder), 1, ClientState(0, {}, {}, "", 1, "zero1"), keep_last=1)
     tag = Path(folder) / "global_step1"
     old = reshard.saved(tag)
     reshard.convert(tag, old, replace(old, dp_size=2), config, 0.1)

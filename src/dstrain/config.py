@@ -225,10 +225,6 @@ class Recipe:
             starts.append((first, list(stage.weights)))
         return starts
 
-    @property
-    def output_dir(self) -> Path:
-        return Path(self.run_dir or f"runs/{self.name}")
-
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read a recipe file, apply ``key=value`` overrides, and validate everything."""

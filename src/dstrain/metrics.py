@@ -1,6 +1,6 @@
 """What a run reports: throughput, FLOPs, MFU, memory, and the files that hold them.
 
-FLOPs per token come from ``dstrain.model.gpt.flops_per_token`` (6N + 12·layers·d·seq:
+FLOPs per token come from ``dstrain.model.config.flops_per_token`` (6N + 12·layers·d·seq:
 forward + backward of the dense weights, plus attention scores); TFLOP/s per device is
 that times tokens/s over the number of devices; tokens/s counts training time only (the
 ``IntervalClock`` pauses around evaluation and checkpoints). MFU divides by the device's
@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from dstrain.errors import DISK_FULL_EXIT
 from dstrain.run_dir import RunDir
+from dstrain.strategy.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class DevicePeak:
 
     variant: str
     name: str  # regular expression searched in the device name
-    tflops: dict  # precision -> dense TFLOP/s (vendor datasheet, without sparsity); fp32 = non-tensor FP32
+    tflops: dict[str, float]  # precision -> dense TFLOP/s (vendor datasheet, without sparsity); fp32 = non-tensor FP32
     min_memory_gib: float = 0.0  # the variant has at least this much device memory (when the name is ambiguous)
     max_memory_gib: float = float("inf")
 
@@ -69,7 +70,7 @@ DEVICE_PEAKS = (
 )
 
 
-def lookup_peak(name: str, memory_bytes: int, precision: str) -> tuple[str | None, float | None]:
+def lookup_peak(name: str, memory_bytes: int, precision: Precision) -> tuple[str | None, float | None]:
     """(variant, dense TFLOP/s for ``precision``) of a device; (None, None) for a device not in DEVICE_PEAKS,
     or a name that does not tell its variant (an "H100" of 80 GB: SXM or PCIe)."""
     memory_gib = memory_bytes / 2**30
@@ -79,7 +80,7 @@ def lookup_peak(name: str, memory_bytes: int, precision: str) -> tuple[str | Non
     return None, None
 
 
-def device_peak(precision: str) -> tuple[float | None, str]:
+def device_peak(precision: Precision) -> tuple[float | None, str]:
     """This rank's device: its dense peak for ``precision`` (DSTRAIN_PEAK_TFLOPS wins), and a line naming it."""
     if os.environ.get("DSTRAIN_PEAK_TFLOPS"):
         tflops = float(os.environ["DSTRAIN_PEAK_TFLOPS"])

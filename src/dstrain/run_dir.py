@@ -41,9 +41,18 @@ def step_of(tag: str) -> int:
     return int(match.group(1))
 
 
+def run_folder(recipe: Recipe) -> Path:
+    """Where a recipe's run lives: its run_dir, by default runs/<name>."""
+    return Path(recipe.run_dir or f"runs/{recipe.name}")
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: Path
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> RunDir:
+        return cls(run_folder(recipe))
 
     # What a run writes (the monitors: tensorboard/, csv/, wandb_run.json and W&B's wandb/), and so what
     # `--resume none` moves into previous/ (a fresh start is a new W&B run).

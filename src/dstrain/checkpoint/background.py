@@ -28,8 +28,9 @@ from deepspeed.accelerator import get_accelerator
 
 from dstrain.checkpoint import store
 from dstrain.checkpoint.integrity import ChecksummedEngine
-from dstrain.checkpoint.record import PARTIAL
+from dstrain.checkpoint.record import PARTIAL, ClientState, Identity
 from dstrain.run_dir import tag_for
+from dstrain.strategy.topology import Topology
 
 HOST = torch.device("cpu")  # host memory, whatever the accelerator: where a snapshot waits for the disk
 
@@ -90,11 +91,12 @@ def _map_tensors(item, fn):
 class BackgroundSaves:
     """The one checkpoint of a run that may be in flight, and its publication."""
 
-    def __init__(self, engine, checkpoint_dir: Path, keep_last: int, identity: dict | None):
+    def __init__(self, engine, checkpoint_dir: Path, keep_last: int, identity: Identity | None):
         self.engine, self.checkpoint_dir, self.keep_last, self.identity = engine, checkpoint_dir, keep_last, identity
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.step, self.topology = 0, dict[str, object]()
+        self.step = 0
+        self.topology: Topology | None = None  # of the write in flight
         self.snapshot: SnapshotEngine | None = None
         self.write_s = 0.0  # how long the last background write took
         self.buffers: dict[str, list[torch.Tensor]] = {}  # SnapshotEngine's host buffers, reused by every save
@@ -103,14 +105,14 @@ class BackgroundSaves:
     def in_flight(self) -> bool:
         return self.thread is not None
 
-    def start(self, step: int, client_state: dict, rank_files: dict | None = None) -> None:
+    def start(self, step: int, client_state: ClientState, rank_files: dict | None = None) -> None:
         """Every rank: snapshot the state of ``step`` (and ``rank_files``, as store.save) and start writing it; waits
         for an earlier write first."""
         self.wait()
-        client_state = store.prepare(self.engine, self.checkpoint_dir, tag_for(step), client_state)
+        saved, topology = store.prepare(self.engine, self.checkpoint_dir, tag_for(step), client_state)
         snapshot = SnapshotEngine(self.engine._config, self.buffers)
-        store.write_partial(self.engine, self.checkpoint_dir, tag_for(step), client_state, snapshot, rank_files)
-        self.step, self.topology, self.error, self.snapshot = step, client_state["topology"], None, snapshot
+        store.write_partial(self.engine, self.checkpoint_dir, tag_for(step), saved, snapshot, rank_files)
+        self.step, self.topology, self.error, self.snapshot = step, topology, None, snapshot
         self.thread = threading.Thread(target=self._write, args=(snapshot,), name="dstrain-checkpoint", daemon=True)
         self.thread.start()
 
@@ -135,6 +137,7 @@ class BackgroundSaves:
         disk_full = self.snapshot.disk_full if self.snapshot else None
         self.thread, self.snapshot = None, None
         store.agree_written(self.engine, self.checkpoint_dir, tag_for(self.step), disk_full)
+        assert self.topology is not None
         store.publish(self.checkpoint_dir, self.step, self.topology, self.keep_last, self.identity)
 
     def wait(self) -> None:

@@ -54,9 +54,9 @@ ZERO0 = "zero0"
 
 
 def saved(tag_dir: Path) -> Topology | None:
-    """The topology recorded with a published tag; None for a checkpoint from before it was recorded."""
+    """The topology recorded with a published tag; None where its record is unreadable."""
     record = read_record(tag_dir)
-    return Topology.from_record(record.topology) if record and record.topology else None
+    return record.topology if record else None
 
 
 def needs_conversion(old: Topology, new: Topology) -> bool:

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from dstrain.checkpoint import integrity, nvme, reshard, safe_load
-from dstrain.checkpoint.record import PARTIAL, RECORD, CheckpointRecord, read_record
+from dstrain.checkpoint.record import PARTIAL, RECORD, CheckpointRecord, ClientState, Identity, read_record
 from dstrain.data.manifest import write_text_atomic
-from dstrain.errors import DiskFull
+from dstrain.errors import DiskFull, DstrainError
 from dstrain.run_dir import LATEST, TAG, tag_for
 from dstrain.strategy.topology import Topology
 
@@ -53,7 +53,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def published_tags(checkpoint_dir: Path) -> list[str]:
-    """Published tags, oldest save first (tags without a save number, from before it was recorded, by step)."""
+    """Published tags, oldest save first (tags whose record is unreadable first, by step)."""
     if not checkpoint_dir.is_dir():
         return []
     steps = {p.name: int(m.group(1)) for p in checkpoint_dir.iterdir() if p.is_dir() and (m := TAG.match(p.name))}
@@ -115,9 +115,9 @@ def save(
     engine,
     checkpoint_dir: Path,
     step: int,
-    client_state: dict,
+    client_state: ClientState,
     keep_last: int,
-    identity: dict | None = None,
+    identity: Identity | None = None,
     rank_files: dict | None = None,
 ) -> str:
     """Save on every rank, publish on rank 0, then drop the oldest saves beyond ``keep_last``, never this one.
@@ -126,12 +126,12 @@ def save(
     resume compares it with its recipe before writing anything. A full disk on any rank: DiskFull on every rank.
     ``rank_files``: {file name: state} this rank adds to the tag beside DeepSpeed's (the weight average)."""
     tag = tag_for(step)
-    client_state = prepare(engine, checkpoint_dir, tag, client_state)
+    saved, topology = prepare(engine, checkpoint_dir, tag, client_state)
     writer = integrity.ChecksummedEngine(engine._config)
-    write_partial(engine, checkpoint_dir, tag, client_state, writer, rank_files)
+    write_partial(engine, checkpoint_dir, tag, saved, writer, rank_files)
     writer.write_sums(checkpoint_dir / (tag + PARTIAL), torch.distributed.get_rank())
     agree_written(engine, checkpoint_dir, tag, writer.disk_full)  # every rank's shards are on disk
-    publish(checkpoint_dir, step, client_state["topology"], keep_last, identity)
+    publish(checkpoint_dir, step, topology, keep_last, identity)
     torch.distributed.barrier()
     return tag
 
@@ -190,9 +190,9 @@ def checkpoint_bytes(engine, checkpoint_dir: Path) -> int:
     return 16 * sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
 
 
-def prepare(engine, checkpoint_dir: Path, tag: str, client_state: dict) -> dict:
-    """Every rank, before a save of ``tag``: the client state with the topology and DeepSpeed's universal-checkpoint
-    info added; a ``.partial`` folder of ``tag`` left by a killed save is gone."""
+def prepare(engine, checkpoint_dir: Path, tag: str, client_state: ClientState) -> tuple[dict, Topology]:
+    """Every rank, before a save of ``tag``: (the client state as DeepSpeed saves it, with the topology and DeepSpeed's
+    universal-checkpoint info added; the topology); a ``.partial`` folder of ``tag`` left by a killed save is gone."""
     from deepspeed.checkpoint.constants import (
         PIPELINE_REPLICATED_PARAMETER_PATTERNS,
         UNIVERSAL_CHECKPOINT_INFO,
@@ -200,24 +200,25 @@ def prepare(engine, checkpoint_dir: Path, tag: str, client_state: dict) -> dict:
         UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     )
 
-    client_state = {**client_state, "topology": Topology.from_engine(engine).to_record()}
+    topology = Topology.from_engine(engine)
+    saved = {**client_state.to_saved(), "topology": topology.to_record()}
     # AutoTP engines record their own; DeepSpeed 0.19.8's MoE save raises KeyError on the key in client_state (and
     # dstrain converts no MoE checkpoint: reshard.check_convertible); test_moe_router.py has the canary.
     if getattr(engine.module, UNIVERSAL_CHECKPOINT_INFO, None) is None and not engine.has_moe_layers:
         # What Megatron-DeepSpeed records for ds_to_universal. Our parameters need no TP/vocab patterns; a
         # pipeline's tied embedding module is kept on the first and the last stage, and only the first stage's
         # copy is whole (the last stage never updates gpt2's position table), so the converter must take that one.
-        client_state[UNIVERSAL_CHECKPOINT_INFO] = {
+        saved[UNIVERSAL_CHECKPOINT_INFO] = {
             UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\."],
         }
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(checkpoint_dir / (tag + PARTIAL), ignore_errors=True)  # left by a save that was killed
     torch.distributed.barrier()
-    return client_state
+    return saved, topology
 
 
-def publish(checkpoint_dir: Path, step: int, shape: dict, keep_last: int, identity: dict | None) -> None:
+def publish(checkpoint_dir: Path, step: int, topology: Topology, keep_last: int, identity: Identity | None) -> None:
     """Rank 0, once every rank's files of ``step`` are in its ``.partial`` folder: record their sizes, rename the
     folder to its tag, point ``latest`` at it, and drop the oldest published tags beyond ``keep_last``."""
     if torch.distributed.get_rank() != 0:
@@ -229,7 +230,7 @@ def publish(checkpoint_dir: Path, step: int, shape: dict, keep_last: int, identi
     checksums = integrity.collect_sums(folder, names)
     files = {name: (folder / name).stat().st_size for name in names}
     seq = 1 + max((save_seq(checkpoint_dir / t) for t in published_tags(checkpoint_dir)), default=0)
-    record = CheckpointRecord(step, seq, files, checksums, integrity.HASH, shape, identity)
+    record = CheckpointRecord(step, seq, files, checksums, integrity.HASH, topology, identity)
     write_text_atomic(folder / RECORD, record.to_json())
     shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)  # a re-save of the same step after a resume
     os.replace(folder, checkpoint_dir / tag)
@@ -239,7 +240,7 @@ def publish(checkpoint_dir: Path, step: int, shape: dict, keep_last: int, identi
         shutil.rmtree(checkpoint_dir / old, ignore_errors=True)
 
 
-def load(engine, checkpoint_dir: Path, tag: str) -> dict:
+def load(engine, checkpoint_dir: Path, tag: str) -> ClientState:
     """Restore model, optimizer, scheduler and loss scale; return our client state.
 
     A tag saved under another topology loads from the conversion reshard.prepare_resume made in it."""
@@ -253,4 +254,7 @@ def load(engine, checkpoint_dir: Path, tag: str) -> dict:
     if engine.zero_nvme_offload_optimizer():
         nvme.restore_what_deepspeed_skips(engine, load_dir, load_tag)
     reshard.repair_after_load(engine, checkpoint_dir / tag)
-    return client_state
+    try:
+        return ClientState.from_saved(client_state)
+    except ValueError as e:
+        raise DstrainError(f"{checkpoint_dir / tag}: {e}; resume it with the dstrain that saved it") from None

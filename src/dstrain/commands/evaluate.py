@@ -6,9 +6,10 @@
     dstrain eval hf/tiny --data data/pydocs --seq-len 256 --micro-batch 8
     torchrun --nproc_per_node 8 -m dstrain eval runs/gpt2-125m      # or: deepspeed --module dstrain eval ...
 
-Samples, their split among ranks and the averaging are those of Trainer.evaluate (each rank takes every
-world-th sample; token-weighted mean of the micro-batch losses, summed in float64 across ranks), so on a
-run it prints the numbers the trainer logged. With several data sources each is evaluated on its own
+Samples, their split among ranks and the averaging are the trainer's: the one evaluator
+(dstrain.train.evaluator.Evaluator) over the same forward (each rank takes every world-th sample;
+token-weighted mean of the micro-batch losses, summed in float64 across ranks), so on a run it prints
+the numbers the trainer logged. With several data sources each is evaluated on its own
 (``--samples`` per source) under ``sources``, and ``loss`` is their data.sources-weighted mean, as the
 trainer's ``valid`` record. Rank 0 prints one JSON object.
 """
@@ -23,7 +24,7 @@ import torch
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
-from dstrain.metrics import SourceLoss, evaluation_summary, perplexity
+from dstrain.metrics import evaluation_summary, perplexity
 from dstrain.model.config import GPTConfig
 from dstrain.run_dir import RunDir
 
@@ -120,48 +121,32 @@ def evaluate(args: argparse.Namespace) -> dict:
     model = GPT(config)
     model.load_state_dict(state, strict=True)
     model.to(device).eval()
-    losses, tokens = _per_source(model, sets, args.samples, micro, device)
-    result = {"model": str(args.model), "split": args.split, **evaluation_summary(losses), "tokens": sum(tokens)}
+    evals = _evaluator(model, device, micro).sources(sets, args.samples)
+    if any(e.tokens == 0 for e in evals):
+        raise DstrainError(f"the {args.split} split holds no samples to evaluate")
+    losses = [e.loss for e in evals]
+    tokens = sum(e.tokens for e in evals)
+    result = {"model": str(args.model), "split": args.split, **evaluation_summary(losses), "tokens": tokens}
     if len(losses) == 1:
         return result
     result["sources"] = {
-        s.name: {"weight": s.weight, "samples": s.samples, "tokens": n, "loss": s.loss, "ppl": perplexity(s.loss)}
-        for s, n in zip(losses, tokens)
-    }
+        e.loss.name: {
+            "weight": e.loss.weight, "samples": e.loss.samples, "tokens": e.tokens, "loss": e.loss.loss,
+            "ppl": perplexity(e.loss.loss),
+        }
+        for e in evals
+    }  # fmt: skip
     return result
 
 
-def _per_source(model, sets, samples: int | None, micro: int, device) -> tuple[list[SourceLoss], list[int]]:
-    """Each source's loss over its split (its first ``samples`` samples, or all), and the tokens it counted."""
-    sources, tokens = [], []
-    for name, weight, data in sets:
-        n = len(data) if samples is None else min(len(data), samples)
-        loss, counted = _mean_loss(model, data, n, micro, device)
-        sources.append(SourceLoss(name, weight, loss, n))
-        tokens.append(counted)
-    return sources, tokens
+def _evaluator(model, device, micro: int):
+    """The trainer's evaluator on a plain model, each rank one data-parallel replica."""
+    from dstrain.train.evaluator import Evaluator
+    from dstrain.train.steps import StepRunner
 
-
-@torch.no_grad()
-def _mean_loss(model, data, n: int, micro: int, device) -> tuple[float, int]:
-    """Trainer.evaluate's averaging, with a plain model: no collectives inside the forward."""
-    from dstrain.data.dataset import collate
-    from dstrain.model.gpt import lm_loss
-
+    runner = StepRunner.for_module(model, device, model.config.doc_masking)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    mine = list(range(rank, n, world))
-    sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss x tokens, tokens
-    for start in range(0, len(mine), micro):
-        batch = {k: v.to(device) for k, v in collate([data[i] for i in mine[start : start + micro]]).items()}
-        position_ids = batch["position_ids"] if model.config.doc_masking else None
-        tokens = int((batch["labels"] != -100).sum())  # the learned tokens (of --chat data: the assistant's)
-        if tokens:  # a micro-batch of prompts only has no mean
-            loss = lm_loss(model(batch["input_ids"], position_ids), batch["labels"]).item()
-            sums += torch.tensor([loss * tokens, tokens], device=device, dtype=torch.float64)
-    torch.distributed.all_reduce(sums)
-    if sums[1] == 0:
-        raise DstrainError(f"the split holds no samples to evaluate (n={n})")
-    return (sums[0] / sums[1]).item(), int(sums[1].item())
+    return Evaluator(runner, rank, world, micro, model.config.max_seq_len)
 
 
 def evaluate_tasks(args: argparse.Namespace) -> dict:
@@ -180,9 +165,7 @@ def evaluate_tasks(args: argparse.Namespace) -> dict:
     from dstrain.train import distributed
 
     config, state, recipe = load_model_source(args.model, args.tag)
-    tokenizer = (
-        load_run_tokenizer(args.model, recipe.data) if recipe else load_tokenizer(args.model, flag="the model folder")
-    )
+    tokenizer = load_run_tokenizer(args.model) if recipe else load_tokenizer(args.model, flag="the model folder")
     micro = _first(args.micro_batch, recipe and _run_micro_batch(Path(args.model)), DEFAULT_MICRO_BATCH)
     if micro <= 0:
         raise DstrainError(f"--micro-batch {micro}: must be positive")
@@ -193,13 +176,7 @@ def evaluate_tasks(args: argparse.Namespace) -> dict:
     model = GPT(config)
     model.load_state_dict(state, strict=True)
     model.to(device).eval()
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    layout = scoring.Layout(replica=rank, replicas=world, micro=micro, max_len=config.max_seq_len, device=device)
-
-    def forward(inputs, targets):
-        return scoring.continuation_stats(model(inputs), targets)
-
-    metrics = scoring.evaluate(scoring.prepare(items, tokenizer, config.max_seq_len), forward, layout)
+    metrics = _evaluator(model, device, micro).tasks(scoring.prepare(items, tokenizer, config.max_seq_len))
     return {"model": str(args.model), **metrics}
 
 
@@ -261,7 +238,7 @@ def _check_run_tokenizer(folder: str, run: RunDir, recipe) -> None:
     from dstrain.data.tokenizer import load_run_tokenizer, tokenizer_hash
 
     theirs = read_manifest(folder)["tokenizer"]["hash"]
-    ours = tokenizer_hash(load_run_tokenizer(run.root, recipe.data))
+    ours = tokenizer_hash(load_run_tokenizer(run.root))
     if ours != theirs:
         raise DstrainError(
             f"--data {folder} was prepared with another tokenizer than the run {run.root} was trained with (hash "

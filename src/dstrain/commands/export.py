@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
     from dstrain.model.hf import to_hf_model
 
     recipe, tag_dir = load_run(args.run_dir, args.tag)
-    tokenizer = load_run_tokenizer(args.run_dir, recipe.data)
+    tokenizer = load_run_tokenizer(args.run_dir)
     state, what = consolidated_state_dict(tag_dir, recipe.model), weights_kind(tag_dir)
     if args.averaged is not None:
         from dstrain.checkpoint.averaged import averaged_state_dict

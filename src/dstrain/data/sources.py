@@ -58,7 +58,6 @@ class Source:
     num_docs: int | None  # None when streaming (unknown until read)
     fingerprint: str  # identifies the content; equal fingerprints mean the same documents
     announced_docs: int | None = None  # when streaming: the row count the dataset's info gives, if any
-    legacy_fingerprint: str | None = None  # what versions before tasks.py wrote as the fingerprint of these files
     chat_format: str | None = None  # --chat: "messages" or "prompt-completion" (dstrain.data.chat), else None
 
 
@@ -69,9 +68,8 @@ def _builder_of(path: str) -> str | None:
     return BUILDER_OF_EXTENSION.get(suffixes[-1]) if suffixes else None
 
 
-def _hash_file(name: str, check_utf8: bool, legacy=None) -> str:
-    """Content hash of one file (decompressed), checking UTF-8 on the way: one read. ``legacy``: a
-    running hash of every file back to back, updated too (the fingerprint of earlier versions)."""
+def _hash_file(name: str, check_utf8: bool) -> str:
+    """Content hash of one file (decompressed), checking UTF-8 on the way: one read."""
     digest = hashlib.blake2b(digest_size=16)
     compression = Path(name).suffix.lower()
     # No zstd module in the stdlib: hash the compressed bytes, leave UTF-8 to datasets.
@@ -82,8 +80,6 @@ def _hash_file(name: str, check_utf8: bool, legacy=None) -> str:
     with opener(name, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
-            if legacy is not None:
-                legacy.update(chunk)
             if decoder is not None:
                 try:
                     decoder.decode(chunk)
@@ -102,8 +98,6 @@ def _hash_file(name: str, check_utf8: bool, legacy=None) -> str:
             raise DstrainError(
                 f"{name}: ends inside a UTF-8 sequence ({e.reason}); re-encode the file as UTF-8"
             ) from None
-    if legacy is not None:
-        legacy.update(b"\0")
     return digest.hexdigest()
 
 
@@ -116,11 +110,9 @@ def combine_digests(digests: list[str]) -> str:
     return digest.hexdigest()
 
 
-def _hash_files(files: list[str], check_utf8: bool) -> tuple[str, str]:
-    """(fingerprint, the fingerprint earlier versions wrote for the same files: a folder they prepared
-    continues rather than being refused as another dataset)."""
-    legacy = hashlib.blake2b(digest_size=16)
-    return combine_digests([_hash_file(name, check_utf8, legacy) for name in files]), legacy.hexdigest()
+def _hash_files(files: list[str], check_utf8: bool) -> str:
+    """The fingerprint of ``files``, in order."""
+    return combine_digests([_hash_file(name, check_utf8) for name in files])
 
 
 def _data_files(spec: str) -> list[str]:
@@ -205,7 +197,7 @@ def _files_builder(spec: SourceSpec, files: list[str]) -> str:
 
 
 def _open_rows(spec: SourceSpec):
-    """(rows, fingerprint, legacy fingerprint or None) for any supported --dataset."""
+    """(rows, fingerprint) for any supported --dataset."""
     import datasets
 
     path = Path(spec.dataset)
@@ -216,22 +208,22 @@ def _open_rows(spec: SourceSpec):
                 raise DstrainError(f"{path}: no split {spec.split!r} (--split); available: {', '.join(loaded)}")
             loaded = loaded[spec.split]
         rows = loaded.to_iterable_dataset() if spec.streaming else loaded
-        return rows, f"disk:{loaded._fingerprint}", None
+        return rows, f"disk:{loaded._fingerprint}"
     if path.is_dir():
         if not any(p.is_file() and _builder_of(str(p)) for p in path.rglob("*")):
             raise DstrainError(f"--dataset {path}: folder holds no data files ({', '.join(BUILDER_OF_EXTENSION)})")
         rows = _load(str(path), spec)
         split_files = _folder_files(path, spec)
-        return rows, *_hash_files(split_files, check_utf8=any(_builder_of(f) in TEXT_BUILDERS for f in split_files))
+        return rows, _hash_files(split_files, check_utf8=any(_builder_of(f) in TEXT_BUILDERS for f in split_files))
     files = local_files(spec)
     if files is not None:
         builder = _files_builder(spec, files)
         rows = _load(builder, spec, data_files={spec.split: files})
-        return rows, *_hash_files(files, check_utf8=builder in TEXT_BUILDERS)
+        return rows, _hash_files(files, check_utf8=builder in TEXT_BUILDERS)
     rows = _load(spec.dataset, spec)
     hub_fingerprint = getattr(rows, "_fingerprint", None)
     fingerprint = f"hub:{hub_fingerprint}" if hub_fingerprint else f"hub:{spec.dataset}:{spec.config}:{spec.split}"
-    return rows, fingerprint, None
+    return rows, fingerprint
 
 
 def _check_text_field(spec: SourceSpec, columns: list[str]) -> None:
@@ -258,7 +250,7 @@ def open_files(spec: SourceSpec, files: list[str]) -> tuple[Source, list[str]]:
     return _validated(spec, rows, combine_digests(digests)), digests
 
 
-def _validated(spec: SourceSpec, rows, fingerprint: str, legacy: str | None = None) -> Source:
+def _validated(spec: SourceSpec, rows, fingerprint: str) -> Source:
     import datasets
 
     if isinstance(rows, datasets.Dataset):
@@ -271,14 +263,14 @@ def _validated(spec: SourceSpec, rows, fingerprint: str, legacy: str | None = No
             )
         if len(rows) == 0:
             raise _empty(spec)
-        return Source(spec, rows.select_columns([spec.text_field]), len(rows), fingerprint, legacy_fingerprint=legacy)
+        return Source(spec, rows.select_columns([spec.text_field]), len(rows), fingerprint)
     first = next(_guarded(spec, iter(rows.take(1)), 0), None)
     if first is None:
         raise _empty(spec)
     _check_text_field(spec, list(first))
     splits = getattr(rows.info, "splits", None) or {}
     announced = splits[spec.split].num_examples if spec.split in splits else None
-    return Source(spec, rows.select_columns([spec.text_field]), None, fingerprint, announced or None, legacy)
+    return Source(spec, rows.select_columns([spec.text_field]), None, fingerprint, announced or None)
 
 
 def open_chat_source(spec: SourceSpec, files: list[str] | None = None) -> tuple[Source, list[str] | None]:
@@ -292,9 +284,9 @@ def open_chat_source(spec: SourceSpec, files: list[str] | None = None) -> tuple[
     if files is not None:
         builder = _files_builder(spec, files)
         digests = [_hash_file(name, builder in TEXT_BUILDERS) for name in files]
-        rows, fingerprint, legacy = _load(builder, spec, data_files={spec.split: files}), combine_digests(digests), None
+        rows, fingerprint = _load(builder, spec, data_files={spec.split: files}), combine_digests(digests)
     else:
-        rows, fingerprint, legacy = _open_rows(spec)
+        rows, fingerprint = _open_rows(spec)
     if isinstance(rows, datasets.Dataset):
         if len(rows) == 0:
             raise _empty(spec)
@@ -306,7 +298,7 @@ def open_chat_source(spec: SourceSpec, files: list[str] | None = None) -> tuple[
         columns, num_docs = list(first), None
     fmt = example_format(columns)
     kept = ["messages"] if fmt == "messages" else ["prompt", "completion"]
-    return Source(spec, rows.select_columns(kept), num_docs, fingerprint, None, legacy, fmt), digests
+    return Source(spec, rows.select_columns(kept), num_docs, fingerprint, None, fmt), digests
 
 
 def example_batches(source: Source, start: int, batch_docs: int) -> Iterator[list[dict]]:

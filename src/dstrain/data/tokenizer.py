@@ -134,8 +134,8 @@ def document_framing(tokenizer) -> dict[str, int | None]:
 
 
 def manifest_framing(manifest: dict) -> dict[str, int | None]:
-    """The framing a manifest records; folders prepared before it was recorded framed with EOS only."""
-    return manifest.get("framing") or {"bos_id": None, "eos_id": manifest["eos_id"]}
+    """The framing a manifest records."""
+    return manifest["framing"]
 
 
 def verify_tokenizer(
@@ -212,26 +212,11 @@ def check_run_tokenizer(run_tokenizer: Path, manifest_dir: str) -> None:
         )
 
 
-def load_run_tokenizer(run_dir: str | os.PathLike, data):
-    """The run folder's own tokenizer/; for runs from before it was copied there, the data's, where the run's
-    launch found it (recorded in its recipe.yaml) or, failing that, as the recipe wrote it."""
-    from dstrain.run_dir import RunDir, read_launch
+def load_run_tokenizer(run_dir: str | os.PathLike):
+    """The run folder's own tokenizer/, copied there at the run's start."""
+    from dstrain.run_dir import RunDir
 
     files = RunDir(Path(run_dir))
-    if files.tokenizer.is_dir():
-        return load_tokenizer(str(files.tokenizer), flag="the run's tokenizer")
-    launch = read_launch(files.recipe)
-    written = str(run_tokenizer_dir(data))
-    at_launch = launch.get("data.tokenizer") if data.tokenizer else launch.get("data.sources[0].path")
-    recorded = str(Path(at_launch) / TOKENIZER_DIR) if at_launch and not data.tokenizer else at_launch
-    for candidate in (recorded, written):
-        if candidate and Path(candidate).is_dir():
-            return load_tokenizer(candidate, flag="the run's tokenizer")
-    if data.tokenizer and is_hub_name(data.tokenizer):
-        return load_tokenizer(data.tokenizer, flag="the run's data.tokenizer")
-    where = f" (at launch {recorded})" if recorded and recorded != written else ""
-    raise DstrainError(
-        f"{files.tokenizer}: no such folder (the run predates run folders that carry their tokenizer) and the "
-        f"tokenizer of its data, {written}{where}, is gone too; copy the tokenizer/ folder of the run's data to "
-        f"{files.tokenizer}"
-    )
+    if not files.tokenizer.is_dir():
+        raise DstrainError(f"{files.tokenizer}: no such folder; {run_dir} is not a dstrain run, or a damaged one")
+    return load_tokenizer(str(files.tokenizer), flag="the run's tokenizer")

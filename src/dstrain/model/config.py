@@ -3,7 +3,6 @@ commands' argument checks read it without importing the model (dstrain.model.gpt
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -147,10 +146,8 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, fields: dict) -> GPTConfig:
-        """The config of dataclasses.asdict(config) (a record, a recipe.yaml), nested sections rebuilt; keys of
-        older versions that are no fields any more are dropped."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in fields.items() if k in known}
+        """The config of dataclasses.asdict(config) (a record, a recipe.yaml), nested sections rebuilt."""
+        values = dict(fields)
         if isinstance(values.get("moe"), dict):
             values["moe"] = MoEConfig(**values["moe"])
         if isinstance(values.get("rope_scaling"), dict):

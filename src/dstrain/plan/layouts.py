@@ -23,6 +23,7 @@ from dstrain.plan.time_model import Cluster, Prediction, layout_counts, predict
 from dstrain.strategy.ds_schema import validate_ds_config
 from dstrain.strategy.memory import estimate
 from dstrain.strategy.memory_parts import Estimate
+from dstrain.strategy.precision import Precision
 from dstrain.strategy.resolve import AUTO, Strategy, resolve
 
 # AutoTP's split of dstrain's projections (the layer_specs of ds_configs/tp2_zero1.json).
@@ -47,7 +48,7 @@ class Layout:
     chunked_loss: bool = False  # "tiling.loss": "auto" (chunked where the logits are large), else 1 (whole)
     mlp_tiles: int = 1  # "tiling.mlp"
 
-    def ds_config(self, precision: str, torch_adam: bool) -> dict:
+    def ds_config(self, precision: Precision, torch_adam: bool) -> dict:
         """This layout as a ds_config: the recipe's fields "auto", the strategy's set."""
         zero: dict = {"stage": self.zero, "reduce_bucket_size": 50_000_000}
         if self.zero >= 2:
@@ -167,7 +168,7 @@ def _micro_batches(shape: tuple, micros: list[int], chunked: bool, mlp_tiles: in
 
 
 def plan(
-    recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: str, top: int, torch_adam: bool = False
+    recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: Precision, top: int, torch_adam: bool = False
 ) -> tuple[list[Planned], int]:
     """The ``top`` fastest layouts that dstrain accepts and that fit, fastest first, and how many fit in all.
     DeepSpeed's own parser (resolve's last check, 40 ms a config) runs on those kept only."""
@@ -203,7 +204,7 @@ def plan(
     return kept, len(found)
 
 
-def fits_somewhere(recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: str) -> bool:
+def fits_somewhere(recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: Precision) -> bool:
     """Whether any layout dstrain accepts fits ``cluster`` (the memory model only, its smallest micro-batch)."""
     world = cluster.nodes * cluster.gpus_per_node
     for shape in candidate_layouts(recipe, cluster):
@@ -221,7 +222,7 @@ def fits_somewhere(recipe: Recipe, recipe_file: str | Path, cluster: Cluster, pr
 
 
 def smallest_fitting_nodes(
-    recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: str, most: int = 1024
+    recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: Precision, most: int = 1024
 ) -> int | None:
     """The fewest nodes (of ``cluster``'s kind, more than it has) on which some layout fits, or None up to ``most``:
     doubling, then bisecting between the last count that does not fit and the first that does."""
@@ -241,7 +242,13 @@ def smallest_fitting_nodes(
 
 
 def _timed(
-    recipe: Recipe, layout: Layout, config: dict, strategy: Strategy, est: Estimate, cluster: Cluster, precision: str
+    recipe: Recipe,
+    layout: Layout,
+    config: dict,
+    strategy: Strategy,
+    est: Estimate,
+    cluster: Cluster,
+    precision: Precision,
 ) -> Planned:
     from dstrain.model.config import flops_per_token
 

@@ -35,6 +35,7 @@ from dstrain.model.config import flops_per_token
 from dstrain.plan.bubble import bubble_fraction
 from dstrain.plan.traffic import Traffic, dtype_bytes, step_traffic
 from dstrain.strategy.param_counts import ParamCounts, count_params
+from dstrain.strategy.precision import Precision
 from dstrain.strategy.resolve import Strategy
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
@@ -77,7 +78,7 @@ class Device:
             if sizes[kind] > 1
         )
 
-    def rate(self, precision: str, tokens: int) -> float:
+    def rate(self, precision: Precision, tokens: int) -> float:
         """FLOP/s reached by a matmul of ``tokens`` rows."""
         peak = self.peak_tflops.get(precision) or self.peak_tflops["fp32"]
         return peak * 1e12 * self.efficiency * tokens / (tokens + self.half_tokens)

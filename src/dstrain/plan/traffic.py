@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from dstrain.config import Recipe
 from dstrain.strategy.param_counts import ParamCounts
+from dstrain.strategy.precision import Precision
 from dstrain.strategy.resolve import Strategy
 
 # What each collective puts on the wire per rank, per logged byte, in a ring of n ranks (nccl-tests' bus bandwidth):
@@ -68,7 +69,7 @@ class Traffic:
         return self.logged_bytes * WIRE[self.op](self.group_size) if self.group_size > 1 else 0.0
 
 
-def dtype_bytes(precision: str) -> int:
+def dtype_bytes(precision: Precision) -> int:
     return 4 if precision == "fp32" else 2
 
 

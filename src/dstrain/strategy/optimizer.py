@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
+from dstrain.strategy.precision import Precision
 
 MUON = "Muon"
 ADAM_TYPES = ("adam", "adamw")  # what a ds_config may name as the implementation of Muon's AdamW half
@@ -57,7 +58,7 @@ def fill_optimizer(config: dict, recipe: Recipe, recipe_file: str, ds_file: str,
 
 
 def check_muon(
-    recipe: Recipe, config: dict, ds_file: str, stage: int, precision: str, sizes: tuple[int, int, int, int]
+    recipe: Recipe, config: dict, ds_file: str, stage: int, precision: Precision, sizes: tuple[int, int, int, int]
 ) -> None:
     """Refuse, before launch and in one line, the strategies under which Muon would not be the math of ZeRO-0 fp32:
     the raw gradient clipped by its global norm, then momentum and Newton-Schulz on the whole matrix."""
@@ -77,7 +78,7 @@ def check_muon(
         )
 
 
-def optimizer_refusal(stage: int, precision: str, offload: bool) -> str | None:
+def optimizer_refusal(stage: int, precision: Precision, offload: bool) -> str | None:
     """Why the ZeRO optimizer DeepSpeed builds for (stage, precision, offload) would not clip Muon's raw gradient."""
     if stage == 1 and precision == "bf16" and not offload:
         # DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1, fp32 accumulation): it takes the norm of the raw fp32 gradient,
@@ -102,7 +103,7 @@ def optimizer_refusal(stage: int, precision: str, offload: bool) -> str | None:
     return None
 
 
-def layout_refusal(recipe: Recipe, precision: str, sizes: tuple[int, int, int, int]) -> str | None:
+def layout_refusal(recipe: Recipe, precision: Precision, sizes: tuple[int, int, int, int]) -> str | None:
     """Why a model-parallel layout would not give ZeRO-0's Muon. Sequence parallelism (fp32) does: each rank's
     gradient is the data-parallel one (tests/test_muon.py)."""
     tp_size, pp_stages, sp_size, ep_size = sizes

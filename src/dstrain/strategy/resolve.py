@@ -22,6 +22,7 @@ from typing import Any
 from dstrain.config import Recipe
 from dstrain.data.sampler import valid_micro_batches
 from dstrain.errors import DstrainError
+from dstrain.run_dir import run_folder
 from dstrain.strategy import parallel
 from dstrain.strategy.ds_schema import validate_ds_config
 from dstrain.strategy.optimizer import check_muon, fill_optimizer
@@ -283,7 +284,8 @@ def _precision(config: dict, ds_file: str, check_device: bool) -> Precision:
             # DeepSpeed 0.19.8 defect: engine.backward() scales the loss only for ZeRO optimizers, while
             # FP16_Optimizer.step() still unscales the gradients, so ZeRO-0 fp16 updates come out ~scale x too
             # small and overflow is never detected (upstream PR "Fix FP16 ZeRO Stage 0 loss scaling in
-            # engine.backward()"). tests/test_fp16.py::test_deepspeed_zero0_fp16_defect fails when it is fixed.
+            # engine.backward()"). tests/test_fp16.py::test_deepspeed_zero0_fp16_defect_is_still_there fails when it
+            # is fixed.
             raise DstrainError(
                 f"{ds_file}: fp16 with ZeRO stage 0 trains silently wrong in DeepSpeed 0.19 (unscaled loss); "
                 f"use ds_configs/zero1_fp16.json"
@@ -323,7 +325,7 @@ def _fill_monitor_paths(config: dict, recipe: Recipe) -> None:
         if not isinstance(section, dict) or not section.get("enabled"):
             continue
         if section.get("output_path", AUTO) == AUTO:
-            section["output_path"] = str(recipe.output_dir / folder)
+            section["output_path"] = str(run_folder(recipe) / folder)
         if section.get("job_name", AUTO) == AUTO:
             section["job_name"] = recipe.name
 

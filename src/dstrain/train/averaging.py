@@ -35,6 +35,7 @@ from dstrain.checkpoint.averaged import FILE, KINDS, window_mean
 from dstrain.config import AveragingConfig
 from dstrain.errors import DstrainError
 from dstrain.strategy.topology import Topology
+from dstrain.train.components import Component, StepOutcome
 
 
 def held_parameters(engine) -> tuple[list[str], list[torch.Tensor], list[tuple[int, ...]]]:
@@ -104,23 +105,7 @@ def ema_decay(config: AveragingConfig, tokens_per_step: int) -> float | None:
     return None if half_life is None else math.pow(0.5, tokens_per_step / half_life)
 
 
-class NoAverager:
-    """train.averaging off: every hook does nothing."""
-
-    def update(self, step: int) -> None:
-        pass
-
-    def rank_files(self) -> dict:
-        return {}
-
-    def load(self, tag_dir: Path) -> None:
-        pass
-
-    def evaluate(self, evaluate) -> list[dict]:
-        return []
-
-
-class WeightAverager:
+class WeightAverager(Component):
     def __init__(self, config: AveragingConfig, engine, tokens_per_step: int):
         self.config, self.engine, self.rank = config, engine, torch.distributed.get_rank()
         self.kinds = configured_kinds(config)
@@ -137,16 +122,28 @@ class WeightAverager:
         return held_parameters(self.engine)[1]
 
     @classmethod
-    def build(cls, config: AveragingConfig, engine, tokens_per_step: int, strategy) -> WeightAverager | NoAverager:
-        """``strategy``: the resolved ds_config (dstrain.strategy.resolve.Strategy), for its refusal."""
+    def build(cls, config: AveragingConfig, engine, tokens_per_step: int, strategy) -> Component:
+        """``strategy``: the resolved ds_config (dstrain.strategy.resolve.Strategy), for its refusal; train.averaging
+        off: a component that does nothing."""
         if not config.enabled:
-            return NoAverager()
+            return Component()
         if strategy.offload_param == "nvme":
             raise DstrainError(
                 f"{strategy.source}: zero_optimization.offload_param swaps parameter partitions out to NVMe, and "
                 f"train.averaging reads them after every step; offload parameters to cpu, or turn train.averaging off"
             )
         return cls(config, engine, tokens_per_step)
+
+    # --- as the trainer's component ---------------------------------------------------------------------------------
+    def on_step_end(self, outcome: StepOutcome) -> bool:
+        self.update(outcome.step)
+        return False
+
+    def eval_records(self, evaluate) -> list[dict]:
+        return self.evaluate(evaluate)
+
+    def load_files(self, tag_dir: Path) -> None:
+        self.load(tag_dir)
 
     @torch.no_grad()
     def update(self, step: int) -> None:

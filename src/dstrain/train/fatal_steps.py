@@ -7,9 +7,10 @@ from pathlib import Path
 
 from dstrain.errors import DstrainError
 from dstrain.strategy.precision import Precision
+from dstrain.train.components import Component, StepOutcome
 
 
-class FatalStepCheck:
+class FatalStepCheck(Component):
     """What no rollback mends: too many fp16 overflows in a row, or a loss that is not finite (fp32/bf16, with no
     spike guard to catch it). Either stops the run with one line; the last checkpoint is kept."""
 
@@ -21,6 +22,13 @@ class FatalStepCheck:
             checkpoints,
         )
         self.last_skipped, self.consecutive_skips = engine.skipped_steps, 0
+
+    def on_train_start(self) -> None:
+        self.last_skipped, self.consecutive_skips = self.engine.skipped_steps, 0  # as the resumed checkpoint left it
+
+    def on_step_end(self, outcome: StepOutcome) -> bool:
+        self.check(outcome.step, outcome.loss)
+        return False
 
     def check(self, step: int, step_loss: float) -> None:
         skipped = self.engine.skipped_steps - self.last_skipped

@@ -4,6 +4,7 @@ logging interval's realised share of every source (``mix_<source>``), and one li
 from __future__ import annotations
 
 from dstrain.data.dataset import BlendedDataset, source_names
+from dstrain.train.components import Component, Progress
 
 
 def _weights(names: list[str], weights: list[float]) -> str:
@@ -50,3 +51,17 @@ def realised(recipe, train_data, consumed: int, steps: int, announce: bool) -> d
         for line in _exhausted(train_data, start, consumed, global_batch, "ran out"):
             print(line, flush=True)
     return train_data.mix(start, consumed)
+
+
+class MixtureShares(Component):
+    """The mixture's stages printed at the start (rank 0) and each logging interval's realised shares."""
+
+    def __init__(self, recipe, train_data, is_rank0: bool) -> None:
+        self.recipe, self.train_data, self.is_rank0 = recipe, train_data, is_rank0
+
+    def on_train_start(self) -> None:
+        if self.is_rank0:
+            print_stages(self.recipe, self.train_data)
+
+    def train_record_fields(self, progress: Progress, steps: int) -> dict:
+        return realised(self.recipe, self.train_data, progress.consumed_samples, steps, self.is_rank0)

@@ -14,9 +14,10 @@ import torch
 
 from dstrain.model.config import GPTConfig
 from dstrain.model.moe import moe_routers, router_losses
+from dstrain.train.components import Component, Progress
 
 
-class MoEMeter:
+class MoEMeter(Component):
     def __init__(self, module: torch.nn.Module, config: GPTConfig, device) -> None:
         self.module, self.config, self.device = module, config, device
         self.routers = moe_routers(module)
@@ -28,6 +29,13 @@ class MoEMeter:
     @property
     def enabled(self) -> bool:
         return bool(self.routers)
+
+    def objective(self, loss: torch.Tensor) -> torch.Tensor:
+        """The LM loss plus the router losses (aux and z, their coefficients applied)."""
+        return loss + self.losses() if self.enabled else loss
+
+    def train_record_fields(self, progress: Progress, steps: int) -> dict:
+        return self.record() if self.enabled else {}
 
     def losses(self) -> torch.Tensor:
         """What the last forward's routers add to the LM loss (coefficients applied); counted for the metrics."""

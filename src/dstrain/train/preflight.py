@@ -15,16 +15,17 @@ from dstrain.run_dir import RunDir
 LOG_SUFFIXES = (".log", ".out", ".err")
 
 
-def check(recipe: Recipe, recipe_file: str) -> None:
-    check_run_dir_path(recipe.output_dir)
+def check(recipe: Recipe, recipe_file: str, files: RunDir) -> None:
+    check_run_dir_path(files)
     if recipe.init_from:
         check_init_from(recipe, recipe_file)
 
 
-def check_run_dir_path(run_dir: Path) -> None:
+def check_run_dir_path(files: RunDir) -> None:
     """run_dir is a folder of its own: not a file, not under one, not prepared data, not someone's other files."""
     from dstrain.data.manifest import MANIFEST_NAME
 
+    run_dir = files.root
     fix = "set run_dir=<a new or empty folder>"
     for parent in [run_dir, *run_dir.parents]:
         if parent.exists() and not parent.is_dir():
@@ -36,7 +37,7 @@ def check_run_dir_path(run_dir: Path) -> None:
         raise DstrainError(
             f"run_dir {run_dir} is a folder prepared by dstrain prepare (it holds {MANIFEST_NAME}); {fix}"
         )
-    if RunDir(run_dir).recipe.exists():
+    if files.recipe.exists():
         return  # an earlier run's folder: run.check_run_dir compares the recipes
     try:
         names = [p.name for p in run_dir.iterdir()]
@@ -89,3 +90,18 @@ def check_data_tokenizer(recipe: Recipe, recipe_file: str) -> None:
             verify_tokenizer(source.path, folder, flag="init_from's tokenizer")
         except DstrainError as e:
             raise DstrainError(f"{recipe_file}: data.sources {source.path}: {e}") from None
+
+
+def check_chat_sources(recipe: Recipe, manifests: list[dict], recipe_file: str) -> None:
+    """An SFT recipe (data.sft) has a --chat source; a pretraining one none (it would learn every prompt token)."""
+    chat = [s.path for s, m in zip(recipe.data.sources, manifests) if m.get("chat")]
+    if recipe.data.sft and not chat:
+        raise DstrainError(
+            f"{recipe_file}: data.sft is true but no data.sources folder was prepared with --chat (there is no loss "
+            f"mask to learn the assistant's tokens by); prepare the conversations with `dstrain prepare --chat`"
+        )
+    if chat and not recipe.data.sft:
+        raise DstrainError(
+            f"{recipe_file}: data.sources {chat[0]} was prepared with --chat (conversations with a loss mask) but "
+            f"data.sft is false; set data.sft: true, or prepare the text without --chat"
+        )

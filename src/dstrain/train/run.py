@@ -15,11 +15,13 @@ import shutil
 import sys
 import traceback
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
 
+from dstrain.checkpoint.record import Identity
 from dstrain.config import Recipe, load_recipe, to_dict
 from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError, OneLineArgumentParser
 from dstrain.monitors.settings import check_monitors
@@ -30,11 +32,6 @@ from dstrain.train.launcher_env import env_rank, env_world_size
 
 if TYPE_CHECKING:
     from dstrain.train.steps import StepHooks
-
-# What makes a checkpoint meaningless for another run: the model, what it reads, the seed, and which optimizer's
-# state it holds (optim.kind). The rest of the recipe (the optimizer's hyper-parameters, schedule, length, cadence)
-# may change on resume, and the current recipe's values apply.
-IDENTITY_KEYS = ("model", "seq_len", "valid_fraction", "data", "seed", "optimizer")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,60 +54,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)  # options may follow the overrides
 
 
-def identity(recipe: Recipe, data_fingerprint: str) -> dict:
-    """What a checkpoint records of its experiment (in dstrain_checkpoint.json), for check_run_dir to compare."""
-    return _identity(to_dict(recipe), data_fingerprint)
+def identity(recipe: Recipe, data: str | list) -> Identity:
+    """What a checkpoint records of its experiment (in dstrain_checkpoint.json), for check_run_dir to compare: the
+    model, what it reads (``data``: the data's fingerprint), the seed, and which optimizer's state it holds. The rest
+    of the recipe (the optimizer's hyper-parameters, schedule, length, cadence) may change on resume, and the current
+    recipe's values apply."""
+    return _identity(to_dict(recipe), data)
 
 
-# Model fields added after checkpoints first recorded their identity: left out at their defaults, so that a checkpoint
-# written before them still resumes (its record has no such key).
-LATER_MODEL_DEFAULTS: dict[str, object] = {
-    "family": None,
-    "d_head": None,
-    "qkv_bias": False,
-    "qk_norm": None,
-    "norm_placement": "pre",
-    "sliding_window": None,
-    "layer_types": None,
-    "nope_layers": [],
-    "attention_sinks": False,
-    "norm_unit_offset": False,
-    "scale_embeddings": False,
-    "mlp_activation": "silu",
-    "query_pre_attn_scalar": None,
-    "partial_rotary_factor": 1.0,
-    "rope_local_theta": None,
-    "o_bias": False,
-    "attn_softcap": None,
-    "logit_softcap": None,
-    "rope_scaling": None,
-}
-LATER_MOE_DEFAULTS = {
-    "norm_topk_prob": True,
-    "dense_layers": [],
-    "router_bias": False,
-    "expert_bias": False,
-    "swiglu_limit": None,
-    "swiglu_alpha": 1.702,
-}
-
-
-def _without_later_defaults(fields: dict, defaults: dict) -> dict:
-    return {k: v for k, v in fields.items() if k not in defaults or defaults[k] != v}
-
-
-def _identity(recipe: dict, data) -> dict:
-    model = _without_later_defaults(recipe["model"], LATER_MODEL_DEFAULTS)
-    if isinstance(model.get("moe"), dict):
-        model["moe"] = _without_later_defaults(model["moe"], LATER_MOE_DEFAULTS)
-    return {
-        "model": model,
-        "seq_len": recipe["data"]["seq_len"],
-        "valid_fraction": recipe["data"].get("valid_fraction"),
-        "data": data,
-        "seed": recipe["seed"],
-        "optimizer": recipe.get("optim", {}).get("kind", "adamw"),  # Muon's state is not AdamW's
-    }
+def _identity(recipe: dict, data: str | list) -> Identity:
+    return Identity(
+        model=recipe["model"],
+        seq_len=recipe["data"]["seq_len"],
+        valid_fraction=recipe["data"]["valid_fraction"],
+        data=data,
+        seed=recipe["seed"],
+        optimizer=recipe["optim"]["kind"],
+    )
 
 
 def check_run_dir(
@@ -130,11 +90,8 @@ def check_run_dir(
             return
         where = files.recipe
         old = yaml.safe_load(where.read_text())
-        saved, new = (
-            _identity(old, old["data"]["sources"]),
-            _identity(to_dict(recipe), to_dict(recipe)["data"]["sources"]),
-        )
-    changed = [k for k in IDENTITY_KEYS if saved.get(k, "adamw" if k == "optimizer" else None) != new[k]]
+        saved, new = _identity(old, old["data"]["sources"]), identity(recipe, to_dict(recipe)["data"]["sources"])
+    changed = saved.differences(new)
     if changed:
         raise DstrainError(
             f"{where} holds a run of a different recipe ({', '.join(changed)} differ from {recipe_file}); "
@@ -157,7 +114,7 @@ def fingerprint_of_checked_data(recipe: Recipe, recipe_file: str) -> str:
         "prepare every source with the same --tokenizer",
         where=f"{recipe_file}: data.sources ",
     )
-    check_chat_sources(recipe, manifests, recipe_file)
+    preflight.check_chat_sources(recipe, manifests, recipe_file)
     if recipe.data.tokenizer:
         verify_tokenizer(sources[0].path, recipe.data.tokenizer)
     vocab = manifests[0]["vocab_size"]
@@ -258,7 +215,7 @@ def claim_run_dir(files: RunDir, recipe: Recipe, strategy: Strategy, tag: str | 
     if tag is None:
         move_previous_run(files)
     files.recipe.write_text(yaml.safe_dump({**to_dict(recipe), LAUNCH_KEY: launch_record(recipe)}, sort_keys=False))
-    if tag is None or not files.tokenizer.is_dir():  # a run from before run folders carried their tokenizer
+    if tag is None:
         from dstrain.data.tokenizer import copy_run_tokenizer
 
         copy_run_tokenizer(recipe.data, files.tokenizer)
@@ -308,17 +265,26 @@ def main(argv: list[str] | None = None, hooks: StepHooks | None = None) -> int:
         console.end(error)
 
 
-def checked_inputs(args: argparse.Namespace):
-    """(recipe, strategy, data fingerprint, checkpoint tag to resume or None, the train.tasks' items): every input
-    checked, nothing written."""
+@dataclass(frozen=True)
+class CheckedInputs:
+    recipe: Recipe
+    strategy: Strategy
+    files: RunDir  # the launch's run folder, the one RunDir of the launch
+    fingerprint: str  # the prepared data's
+    tag: str | None  # the checkpoint to resume
+    task_items: list  # the train.tasks' items (dstrain.tasks.loading.load_tasks)
+
+
+def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
+    """Every input checked, nothing written."""
     recipe = load_recipe(args.recipe, args.overrides)
     strategy = resolve(
         recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, env_world_size()
     )
-    preflight.check(recipe, args.recipe)
-    check_monitors(strategy.ds_config, args.deepspeed_config, recipe.output_dir)
+    files = RunDir.of(recipe)
+    preflight.check(recipe, args.recipe, files)
+    check_monitors(strategy.ds_config, args.deepspeed_config, files.root)
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe)
-    files = RunDir(recipe.output_dir)
     tag = resume_tag(files.checkpoints, args.resume)
     check_run_dir(recipe, args.recipe, files, tag, args.resume, fingerprint)
     if tag:
@@ -328,26 +294,10 @@ def checked_inputs(args: argparse.Namespace):
 
         nvme.check_resume(files.checkpoints / tag, strategy)
         averaging.check_resume(files.checkpoints / tag, recipe.train.averaging, strategy)
-        if files.tokenizer.is_dir():
-            check_run_tokenizer(files.tokenizer, recipe.data.sources[0].path)
+        check_run_tokenizer(files.tokenizer, recipe.data.sources[0].path)
     from dstrain.tasks.loading import load_tasks
 
-    return recipe, strategy, fingerprint, tag, load_tasks(recipe.train.tasks, args.recipe)
-
-
-def check_chat_sources(recipe: Recipe, manifests: list[dict], recipe_file: str) -> None:
-    """An SFT recipe (data.sft) has a --chat source; a pretraining one none (it would learn every prompt token)."""
-    chat = [s.path for s, m in zip(recipe.data.sources, manifests) if m.get("chat")]
-    if recipe.data.sft and not chat:
-        raise DstrainError(
-            f"{recipe_file}: data.sft is true but no data.sources folder was prepared with --chat (there is no loss "
-            f"mask to learn the assistant's tokens by); prepare the conversations with `dstrain prepare --chat`"
-        )
-    if chat and not recipe.data.sft:
-        raise DstrainError(
-            f"{recipe_file}: data.sources {chat[0]} was prepared with --chat (conversations with a loss mask) but "
-            f"data.sft is false; set data.sft: true, or prepare the text without --chat"
-        )
+    return CheckedInputs(recipe, strategy, files, fingerprint, tag, load_tasks(recipe.train.tasks, args.recipe))
 
 
 def training_data(recipe: Recipe):
@@ -386,16 +336,15 @@ def task_requests(recipe: Recipe, task_items) -> list:
 
 
 def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
-    recipe, strategy, fingerprint, tag, task_items = checked_inputs(args)
-    run_dir = recipe.output_dir
-    files = RunDir(run_dir)
+    inputs = checked_inputs(args)
+    recipe, strategy, files, tag = inputs.recipe, inputs.strategy, inputs.files, inputs.tag
     import torch
 
     from dstrain.train import distributed
     from dstrain.train.engine import build_engine, build_model, load_init_from
     from dstrain.train.loop import Trainer
 
-    tasks = task_requests(recipe, task_items)
+    tasks = task_requests(recipe, inputs.task_items)
     train_data, valid_sets = training_data(recipe)
 
     from deepspeed.accelerator import get_accelerator
@@ -406,7 +355,7 @@ def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
         enable_flight_recorder(files, get_accelerator().communication_backend_name())
     distributed.init()
     rank = distributed.rank()
-    lock = distributed.on_rank0(lambda: claim_run_dir(files, recipe, strategy, tag), f"use {run_dir}")
+    lock = distributed.on_rank0(lambda: claim_run_dir(files, recipe, strategy, tag), f"use {files.root}")
     console.open_log(files, rank)
 
     if tag:  # saved under another world size or ZeRO stage? rank 0 converts it, the others wait
@@ -420,7 +369,7 @@ def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
         ep_rank = strategy.ep_rank(torch.distributed.get_rank())
         load_init_from(model, recipe, args.recipe, strategy.zero_stage == 3, strategy.ep_size, ep_rank)
     engine = build_engine(recipe, strategy, model)
-    run_identity = identity(recipe, fingerprint)
+    fingerprint, run_identity = inputs.fingerprint, identity(recipe, inputs.fingerprint)
     trainer = Trainer(recipe, strategy, engine, train_data, valid_sets, files, fingerprint, run_identity, tasks, hooks)
     if tag:
         trainer.resume(tag)

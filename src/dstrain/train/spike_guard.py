@@ -1,6 +1,6 @@
 """Loss-spike rollback: the run notices a spike, reloads the newest complete checkpoint, skips the data that
 produced the spike and goes on, as the OPT and BLOOM logbooks did by hand. Here the guard's statistic and state;
-the rollback itself is dstrain.train.loop.Trainer.roll_back.
+the rollback itself is dstrain.train.spike_rollback.SpikeRollback.roll_back.
 
 The statistic is the median of the last ``window`` steps' values (loss or pre-clip gradient norm), and a spike is
 a value above ``factor`` x that median (or not finite). A median rather than a mean or a z-score: an earlier spike,
@@ -65,8 +65,10 @@ class SpikeGuard:
         }
 
     def load_state_dict(self, state: dict | None) -> None:
-        state = state or {}
-        self.history = list(state.get("history", []))
-        self.spikes = list(state.get("spikes", []))
-        self.skipped = [list(w) for w in state.get("skipped", [])]
-        self.lr_until = int(state.get("lr", 0))
+        """``state_dict()`` as saved; None (a checkpoint of a run without the guard): the guard starts afresh."""
+        if state is None:
+            state = SpikeGuard(self.config).state_dict()
+        self.history = list(state["history"])
+        self.spikes = list(state["spikes"])
+        self.skipped = [list(w) for w in state["skipped"]]
+        self.lr_until = int(state["lr"])

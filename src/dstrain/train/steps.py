@@ -17,8 +17,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from dstrain.data.dataset import collate
-from dstrain.model.gpt import token_loss_sum
+from dstrain.model.gpt import soft_cap, token_loss_sum
+from dstrain.tasks import scoring
 from dstrain.train import sequence, tiling
+from dstrain.train.components import Component, Progress
 from dstrain.train.engine import is_pipeline, monitor_paused
 
 
@@ -40,12 +42,15 @@ class StepHooks:
 
 
 class StepRunner:
-    def __init__(self, recipe, strategy, engine, progress, hooks: StepHooks, moe, watch) -> None:
-        """``progress``: the trainer's (dstrain.train.loop.Progress); ``moe``, ``watch``: its MoE meter and
-        watchdog."""
+    def __init__(self, recipe, strategy, engine, progress: Progress, hooks: StepHooks, components: Component) -> None:
+        """``progress``: the trainer's; ``components``: its components (dstrain.train.components.Components), told
+        where a step is and asked for the objective."""
         self.recipe, self.strategy, self.engine, self.progress = recipe, strategy, engine, progress
-        self.hooks, self.moe, self.watch = hooks, moe, watch
+        self.hooks, self.components = hooks, components
         self.device = engine.device
+        self.doc_masking, self.loss_tiles = recipe.model.doc_masking, strategy.loss_tiles
+        self.tied_head = recipe.model.tied  # the chunked loss holds a tied head's reduction (dstrain.train.tiling)
+        self.logit_softcap = recipe.model.logit_softcap  # the chunked pipeline head's (model.gpt.Head applies it)
         self.pipeline = is_pipeline(engine)
         self.sp_size = strategy.sp_size
         self.sp_group = engine.mpu.get_sequence_parallel_group() if self.sp_size > 1 else None
@@ -55,6 +60,16 @@ class StepRunner:
         self.divisor: float | None = None  # during a train step: its learned tokens per micro-batch (module doc)
         self.learned_tokens = 0  # the last train step's learned tokens, over the global batch
         self.world = torch.distributed.get_world_size()
+
+    @classmethod
+    def for_module(cls, module: torch.nn.Module, device, doc_masking: bool) -> StepRunner:
+        """Evaluation of a plain model (``dstrain eval``): no engine, nothing split, the same forward and sums."""
+        runner = cls.__new__(cls)
+        runner.engine, runner.device, runner.doc_masking, runner.loss_tiles = module, device, doc_masking, 1
+        runner.progress, runner.hooks, runner.components = Progress(), StepHooks(), Component()
+        runner.pipeline, runner.sp_size, runner.sp_group, runner.sp_rank = False, 1, None, 0
+        runner.divisor, runner.tied_head = None, False  # evaluation's mean; the loss is whole (loss_tiles 1)
+        return runner
 
     def to_device(self, samples: list[int], data) -> dict:
         batch = collate([data[i] for i in samples])
@@ -73,7 +88,7 @@ class StepRunner:
         """The step's learned tokens over all ranks, and the divisor of each micro-batch's loss sum (module doc).
         Every rank of a replica (its tensor, pipeline and sequence-parallel ranks) holds the same micro-batches, so
         the sum over the world counts each replica world / dp times."""
-        self.watch.mark("counting the step's learned tokens")
+        self.components.on_mark("counting the step's learned tokens")
         local = sum((batch["labels"] != -100).sum() for batch in micro_batches)
         count = torch.as_tensor(local, device=self.device, dtype=torch.float64)
         torch.distributed.all_reduce(count)
@@ -91,12 +106,12 @@ class StepRunner:
             return self.engine.train_batch(iter([self._pipe_item(batch) for batch in micro_batches]))
         total = torch.zeros((), device=self.device)
         for micro, batch in enumerate(micro_batches):
-            self.watch.mark(f"forward {micro}")
+            self.components.on_mark(f"forward {micro}")
             loss = self.forward_loss(batch)  # the LM loss, what is logged and compared
-            self.watch.mark(f"backward {micro}")
-            objective = loss + self.moe.losses() if self.moe.enabled else loss
+            self.components.on_mark(f"backward {micro}")
+            objective = self.components.objective(loss)
             self.engine.backward(objective * self.backward_factor if self.backward_factor != 1.0 else objective)
-            self.watch.mark(f"optimizer step {micro}")
+            self.components.on_mark(f"optimizer step {micro}")
             self.engine.step()
             total += loss.detach().float()
         return total / self.strategy.grad_accum
@@ -128,13 +143,13 @@ class StepRunner:
         in a train step (module doc), else (evaluation) by its own: its mean. Under sequence parallelism this rank's
         share of it (the SP group's shares add up to the whole)."""
         if self.sp_group is not None:
-            batch = sequence.shard(batch, self.sp_rank, self.sp_size, self.recipe.model.doc_masking)
-        position_ids = batch["position_ids"] if self.sp_group is not None or self.recipe.model.doc_masking else None
-        labels, tiles = batch["labels"], self.strategy.loss_tiles
+            batch = sequence.shard(batch, self.sp_rank, self.sp_size, self.doc_masking)
+        position_ids = batch["position_ids"] if self.sp_group is not None or self.doc_masking else None
+        labels, tiles = batch["labels"], self.loss_tiles
         if tiles > 1:
             hidden = self.engine(batch["input_ids"], position_ids, head=False)
             head = self.engine.module.lm_head
-            losses = tiling.tiled_loss_sum(head, head.weight, hidden, labels, tiles, self.recipe.model.tied)
+            losses = tiling.tiled_loss_sum(head, head.weight, hidden, labels, tiles, self.tied_head)
         else:
             losses = token_loss_sum(self.engine(batch["input_ids"], position_ids), labels)
         if self.divisor is not None:
@@ -146,7 +161,7 @@ class StepRunner:
 
     def _pipe_item(self, batch: dict) -> tuple:
         """(inputs, labels) as the first and last pipeline stages take them."""
-        inputs = (batch["input_ids"], batch["position_ids"]) if self.recipe.model.doc_masking else batch["input_ids"]
+        inputs = (batch["input_ids"], batch["position_ids"]) if self.doc_masking else batch["input_ids"]
         return inputs, batch["labels"]
 
     def _resize_pipe(self, size: int) -> None:
@@ -165,3 +180,55 @@ class StepRunner:
         with monitor_paused(self.engine):
             losses = self.engine.eval_batch(items, num_micro_batches=repeats, reduce_output=None, bcast_loss=False)
         return None if losses is None else losses[0].item()
+
+    # --- scoring downstream tasks (dstrain.tasks.scoring) ---------------------------------------------------------
+    def new_score_length(self):
+        """What scoring.evaluate calls when the rows' length changes: the pipeline re-sizes its p2p buffers."""
+        return self.engine.reset_activation_shape if self.pipeline else None
+
+    def score(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """The scorer's statistics of a batch of rows (scoring.continuation_stats) over the whole model's logits.
+        ZeRO (any stage), AutoTP, expert parallelism: the engine's forward gives them. Sequence parallelism: each
+        rank scores its slice and the SP group adds the slices up. Pipeline: the last stage; None on the others."""
+        if self.pipeline:
+            return self._pipe_score(inputs, targets)
+        if self.sp_group is not None:
+            part = sequence.shard({"input_ids": inputs, "labels": targets}, self.sp_rank, self.sp_size, False)
+            stats = self._score_stats(part["input_ids"], part["position_ids"], part["labels"])
+            torch.distributed.all_reduce(stats, group=self.sp_group)  # the slices' sums make the sample's
+            return stats
+        return self._score_stats(inputs, None, targets)
+
+    def _score_stats(self, inputs: torch.Tensor, position_ids, targets: torch.Tensor) -> torch.Tensor:
+        """The scorer's statistics, chunk by chunk where the run's loss is chunked (ds_config "tiling.loss")."""
+        if self.loss_tiles == 1:
+            return scoring.continuation_stats(self.engine(inputs, position_ids), targets)
+        hidden = self.engine(inputs, position_ids, head=False)
+        return scoring.tiled_continuation_stats(self.engine.module.lm_head, hidden, targets, self.loss_tiles)
+
+    def _pipe_stats(self, outputs, targets: torch.Tensor) -> torch.Tensor:
+        """The pipeline's last stage: logits, or (hidden states, head weight) where the loss is chunked."""
+        if isinstance(outputs, torch.Tensor):
+            return scoring.continuation_stats(outputs, targets)
+        hidden, weight = outputs
+
+        def project(tile: torch.Tensor) -> torch.Tensor:
+            return soft_cap(torch.nn.functional.linear(tile, weight), self.logit_softcap)
+
+        return scoring.tiled_continuation_stats(project, hidden, targets, self.loss_tiles)
+
+    def _pipe_score(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """The pipeline's eval path with the scorer's statistics as its loss: the last stage returns them.
+        DeepSpeed 0.19.8's PipelineEngine.eval_batch adds every output into ``total_loss``, which only train_batch
+        resets: the valid loss's scalar and these (B, 2) rows would not add up, so it is emptied around each call."""
+        engine = self.engine
+        loss_fn, engine.module.loss_fn = engine.module.loss_fn, self._pipe_stats
+        engine.total_loss = None
+        try:
+            with monitor_paused(engine):
+                outputs = engine.eval_batch(
+                    iter([(inputs, targets)]), num_micro_batches=1, reduce_output=None, bcast_loss=False
+                )
+        finally:
+            engine.module.loss_fn, engine.total_loss = loss_fn, None
+        return None if outputs is None else outputs[0]

@@ -30,6 +30,7 @@ from collections import deque
 
 from dstrain.config import WatchdogConfig
 from dstrain.run_dir import RunDir
+from dstrain.train.components import Component
 
 HANG_EXIT = 124  # as coreutils' timeout: the job ran out of time, not out of luck with its inputs
 REPORT_WAIT_S = 10.0  # how long a rank that fired waits for the others' reports before naming the silent ones
@@ -46,7 +47,7 @@ def enable_flight_recorder(files: RunDir, backend: str) -> None:
     os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(files.hang / "nccl_trace_rank_"))
 
 
-class Watchdog(threading.Thread):
+class Watchdog(threading.Thread, Component):
     def __init__(self, config: WatchdogConfig, files: RunDir, rank: int, world: int, backend: str = "gloo"):
         super().__init__(name="dstrain-watchdog", daemon=True)
         self.config, self.dir, self.rank, self.world, self.backend = config, files.hang, rank, world, backend
@@ -75,6 +76,19 @@ class Watchdog(threading.Thread):
 
     def stop(self) -> None:
         self.stopped.set()
+
+    # --- as the trainer's component ---------------------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        self.start()
+
+    def on_phase(self, phase: str, step: int) -> None:
+        self.begin(phase, step)
+
+    def on_mark(self, where: str) -> None:
+        self.mark(where)
+
+    def close(self) -> None:
+        self.stop()
 
     # --- the thread ------------------------------------------------------------------------------------------------
     def bound(self) -> float:
@@ -152,19 +166,3 @@ class Watchdog(threading.Thread):
         if trace is None:
             return
         (self.dir / f"nccl_trace_rank{self.rank}.pkl").write_bytes(trace)
-
-
-class NoWatchdog:
-    """train.watchdog.enabled=false: the same calls, nothing watches."""
-
-    def begin(self, phase: str, step: int) -> None:
-        pass
-
-    def mark(self, where: str) -> None:
-        pass
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass

@@ -1,0 +1,66 @@
+"""The trainer's components (dstrain.train.components): the loop's one protocol, called in the assembled order."""
+
+from pathlib import Path
+
+import torch
+
+from dstrain.train.components import Component, Components, Progress, StepOutcome
+
+OUTCOME = StepOutcome(step=3, loss=2.5, grad_norm=1.0, stop_requested=False)
+
+
+class Recorder(Component):
+    def __init__(self, name: str, calls: list, undo: bool = False, state: dict | None = None) -> None:
+        self.name, self.calls, self.undo, self.state = name, calls, undo, state
+        self.state_key = name if state is not None else None
+
+    def on_step_end(self, outcome: StepOutcome) -> bool:
+        self.calls.append(self.name)
+        return self.undo
+
+    def lr_scale(self, step: int) -> float:
+        return 0.5
+
+    def objective(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss + 1
+
+    def train_record_fields(self, progress: Progress, steps: int) -> dict:
+        return {f"{self.name}_steps": steps}
+
+    def state_dict(self) -> dict | None:
+        return self.state
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.calls.append((self.name, state))
+
+    def rank_files(self) -> dict:
+        return {f"{self.name}.pt": {}}
+
+
+def test_a_plain_component_is_off():
+    off = Component()
+    assert off.lr_scale(1) == 1.0 and off.on_step_end(OUTCOME) is False
+    loss = torch.tensor(2.0)
+    assert off.objective(loss) is loss
+    assert off.train_record_fields(Progress(), 1) == {} and off.valid_record_fields() == {}
+    assert off.eval_records(lambda: []) == [] and off.state_dict() is None and off.rank_files() == {}
+    off.load_files(Path("nowhere"))  # reads nothing
+
+
+def test_components_are_called_in_order_and_an_undone_step_stops_the_rest():
+    calls: list = []
+    group = Components([Recorder("a", calls), Recorder("b", calls, undo=True), Recorder("c", calls)])
+    assert group.on_step_end(OUTCOME) is True
+    assert calls == ["a", "b"]  # c never sees a step that b rolled back
+    assert group.lr_scale(1) == 0.125
+    assert group.objective(torch.tensor(1.0)).item() == 4.0
+    assert list(group.train_record_fields(Progress(), 5)) == ["a_steps", "b_steps", "c_steps"]
+    assert set(group.rank_files()) == {"a.pt", "b.pt", "c.pt"}
+
+
+def test_only_components_with_state_travel_in_the_client_state():
+    calls: list = []
+    group = Components([Recorder("guard", calls, state={"lr": 4}), Recorder("meter", calls), Component()])
+    assert group.state_dict() == {"guard": {"lr": 4}}
+    group.load_state_dict({})  # a checkpoint of a run where the guard was off
+    assert calls == [("guard", None)]
