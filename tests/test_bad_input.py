@@ -37,6 +37,11 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
+def _write_bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
 def _other_tokenizer(tmp_path) -> Path:
     from data_fixtures import prepared_corpus
 
@@ -116,6 +121,18 @@ CASES = {
     "malformed JSON": (
         lambda t, c: (small_recipe(t, c), _write(t / "d.json", '{"zero_optimization": {"stage": 1}'), []),
         ["d.json: malformed JSON at line 1"],
+    ),
+    "override that is not YAML": (
+        _override("data.stages=[{weights: [0.5]"),
+        ["override 'data.stages=[{weights: [0.5]'", "is not a YAML value", "brackets"],
+    ),
+    "recipe not text": (
+        lambda t, c: (_write_bytes(t / "r.yaml", b"\x80\xff\x00"), ROOT / "ds_configs/zero1.json", []),
+        ["r.yaml: not a text file"],
+    ),
+    "ds_config not text": (
+        lambda t, c: (small_recipe(t, c), _write_bytes(t / "d.json", b"\x80\xff\x00"), []),
+        ["d.json: not a text file"],
     ),
     "unknown recipe key": (
         lambda t, c: (edit_recipe(small_recipe(t, c), "optim", weight_decy=0.1), ROOT / "ds_configs/zero1.json", []),
@@ -636,6 +653,10 @@ CLI_CASES = {
             str(_write(t / "f", "x")),
         ],
         ["--out", "/f is a file"],
+    ),
+    "plan with an override that is not YAML": (
+        lambda t, c, o: ["plan", "--recipe", str(small_recipe(t, c)), "train.steps=[1"],
+        ["override 'train.steps=[1'", "is not a YAML value"],
     ),
     "prepare --out under a file": (
         lambda t, c, o: [

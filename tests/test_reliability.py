@@ -3,6 +3,7 @@
 import fcntl
 import json
 import random
+import re
 import signal
 import time
 
@@ -108,7 +109,7 @@ def test_death_inside_save_keeps_the_previous_checkpoint(recipe, reference, tmp_
     assert not (checkpoints / "global_step4.partial").exists()  # cleaned up by the next save of step 4
 
 
-def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(recipe, reference, tmp_path):
+def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(recipe, reference, tmp_path, capsys):
     from dstrain.checkpoint.store import newest_complete
 
     run = tmp_path / "run"
@@ -118,8 +119,13 @@ def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(recipe, reference, 
     assert newest_complete(checkpoints) == "global_step6"
     state = next((checkpoints / "global_step6").glob("*optim_states.pt"))
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # truncated, as by a full disk
-    with pytest.warns(UserWarning, match="global_step6 is damaged, skipping it: .*holds [0-9]+ bytes, its record says"):
-        assert newest_complete(checkpoints) == "global_step4"
+    capsys.readouterr()
+    assert newest_complete(checkpoints) == "global_step4"
+    assert re.fullmatch(
+        r"dstrain: warning: checkpoint \S+global_step6 is damaged, skipping it: "
+        r".*holds [0-9]+ bytes, its record says.*\n",
+        capsys.readouterr().err,
+    )
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])  # Ctrl-C: tests/test_launchers.py

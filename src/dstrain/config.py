@@ -237,6 +237,8 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
         raise DstrainError(
             f"{path}: cannot read the recipe ({e.strerror}); pass a YAML file, e.g. recipes/tiny.yaml"
         ) from None
+    except UnicodeDecodeError:
+        raise DstrainError(f"{path}: not a text file; pass a recipe YAML file, e.g. recipes/tiny.yaml") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -28,7 +28,14 @@ def apply_override(raw: dict, item: str, path: Path) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise DstrainError(f"override {item!r}: {part} in {path} is not a section")
-    node[leaf] = yaml.safe_load(value)
+    try:
+        node[leaf] = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise DstrainError(
+            f"override {item!r}: {value!r} is not a YAML value ({getattr(e, 'problem', None) or type(e).__name__}); "
+            f"check its brackets and quotes, "
+            f"e.g. 'data.stages=[{{start_fraction: 0.5, weights: [0.5, 0.5]}}]'"
+        ) from None
 
 
 def parse(cls: type, data: Any, file: Path, where: str) -> Any:
