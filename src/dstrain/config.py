@@ -136,7 +136,7 @@ class WatchdogConfig:
 
 @dataclass
 class TaskConfig:
-    """A downstream task scored at each evaluation (dstrain.tasks; README "Downstream tasks"): its first ``limit``
+    """A downstream task scored at each evaluation (dstrain.tasks; docs/evaluation.md): its first ``limit``
     items, each choice scored by the log-likelihood of its continuation, as lm-evaluation-harness scores them
     zero-shot, with the run's tokenizer."""
 
@@ -150,7 +150,7 @@ class TaskConfig:
 
 @dataclass
 class AveragingConfig:
-    """Weight averaging (dstrain.train.averaging; README "Weight averaging"): an fp32 average of the weights beside the
+    """Weight averaging (dstrain.train.averaging; docs/recipes.md): an fp32 average of the weights beside the
     live ones, updated after every optimizer step from step ``start_step`` + 1 on, kept where the strategy keeps
     each parameter, saved in every checkpoint, evaluated as split valid/averaged, exported by export --averaged."""
 

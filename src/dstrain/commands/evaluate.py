@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const="",
         metavar="YAML",
         help="score downstream tasks instead of the loss: with no value the run's train.tasks, else a YAML file "
-        "holding a list of tasks in train.tasks' form (README: Downstream tasks)",
+        "holding a list of tasks in train.tasks' form (docs/evaluation.md)",
     )
     parser.add_argument(
         "--harness",
