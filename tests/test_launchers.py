@@ -1,4 +1,4 @@
-"""Every way to stop a run, under every launcher, on 2 CPU ranks (docs/slurm.md, "Stopping a run, under every launcher").
+"""Every way to stop a run, under every launcher, on 2 CPU ranks (docs/slurm.md: Stopping a run).
 
 Each stop must end with: a checkpoint of the step it stopped at, summary.json "interrupted", every
 process of the run gone within STOP_BOUND_S, and a resume whose losses equal the uninterrupted run's
