@@ -549,6 +549,19 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, corpus, capsys, monkey
     assert snapshot(tmp_path) == before  # nothing written, nothing touched
 
 
+def test_a_full_disk_is_reported_before_training(monkeypatch, tmp_path):
+    import shutil
+
+    from dstrain.config import load_recipe
+    from dstrain.errors import DstrainError
+    from dstrain.train.run import check_disk
+
+    recipe = load_recipe(ROOT / "recipes" / "gpt2-125m.yaml")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 10**8, 10**8))
+    with pytest.raises(DstrainError, match=r"0\.1 GiB free, one checkpoint needs ~1\.\d GiB"):
+        check_disk(tmp_path, recipe)
+
+
 def test_a_refusal_under_srun_is_printed_by_one_task(tmp_path, corpus, capsys, monkeypatch):
     """srun exports SLURM_PROCID / SLURM_NTASKS, not RANK: each task reads its rank from them before it prints."""
     from dstrain.train.run import main

@@ -116,45 +116,6 @@ def test_byte_identical_where_shard_boundaries_coincide(tmp_path, inputs):
     assert len(json.loads((single / "manifest.json").read_text())["shards"]) == 300
 
 
-def test_killed_task_redoes_only_its_unfinished_part(tmp_path, inputs, monkeypatch):
-    out = tmp_path / "out"
-    dataset, tokenizer = inputs["rows"], inputs["tokenizer"]
-    shard_tokens = 4000  # task 1's half of the corpus spans several shards
-    _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=0)
-    written: list[str] = []
-    real_writer = prepare_module.ShardWriter
-
-    class DyingWriter(real_writer):
-        def __init__(self, prefix, dtype):
-            written.append(Path(prefix).name)
-            if len(written) == 3:
-                raise Killed  # killed while its third shard is being written
-            super().__init__(prefix, dtype)
-
-    monkeypatch.setattr(prepare_module, "ShardWriter", DyingWriter)
-    with pytest.raises(Killed):
-        _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=1)
-    assert not (out / "manifest.json").exists()
-    task0 = prepare_parts.task_folder(out, prepare_parts.TaskSlot(0, 2))
-    before = {p.name: p.stat().st_mtime_ns for p in task0.iterdir()}
-    counting = []
-
-    class CountingWriter(real_writer):
-        def __init__(self, prefix, dtype):
-            counting.append(Path(prefix).name)
-            super().__init__(prefix, dtype)
-
-    monkeypatch.setattr(prepare_module, "ShardWriter", CountingWriter)
-    _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=0)  # a requeued task 0
-    assert counting == [] and not (out / "manifest.json").exists()
-    assert {p.name: p.stat().st_mtime_ns for p in task0.iterdir()} == before
-    _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=1)
-    assert counting[0] == "shard_00002"  # its two complete shards were kept
-    single = tmp_path / "single"
-    _prepare(dataset, single, tokenizer, shard_tokens=shard_tokens)
-    _assert_trains_the_same(out, single)
-
-
 # A `dstrain prepare` task that stalls once its third shard is half written (flushed to the file), so that the test
 # can SIGKILL it there: the kernel ends it, nothing of Python's (finally, atexit, buffers) runs.
 STALLING_PREPARE = """
@@ -198,6 +159,8 @@ def test_task_killed_by_sigkill_mid_write_resumes_and_merges_to_the_same_stream(
     task.stderr.close()
     half_written = Path(line.split(maxsplit=1)[1].strip())
     assert half_written.stat().st_size > 0 and not (out / "manifest.json").exists()
+    task0 = prepare_parts.task_folder(out, prepare_parts.TaskSlot(0, 2))
+    before = {p.name: p.stat().st_mtime_ns for p in task0.iterdir()}
     started: list[str] = []
     real_writer = prepare_module.ShardWriter
 
@@ -207,7 +170,10 @@ def test_task_killed_by_sigkill_mid_write_resumes_and_merges_to_the_same_stream(
             super().__init__(prefix, dtype)
 
     monkeypatch.setattr(prepare_module, "ShardWriter", CountingWriter)
-    _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=1)  # the requeued task
+    _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=0)  # a requeued task 0
+    assert started == [] and not (out / "manifest.json").exists()  # done: nothing rewritten, no merge without 1
+    assert {p.name: p.stat().st_mtime_ns for p in task0.iterdir()} == before
+    _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=1)  # the requeued task 1
     assert started[0] == "shard_00002"  # its two complete shards were kept, the half-written one redone
     assert (out / "manifest.json").is_file()  # the last task to finish merged
     monkeypatch.setattr(prepare_module, "ShardWriter", real_writer)

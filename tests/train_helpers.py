@@ -148,6 +148,11 @@ def train_fp16_with_overflows(argv: list[str], overflow_steps: set[int] | None) 
     return main(argv, Overflows())
 
 
+def train_fp16_each(runs: list[tuple[list[str], set[int] | None]]) -> list[int]:
+    """Rank target: ``train_fp16_with_overflows`` once per (argv, overflow steps), in this process group."""
+    return [train_fp16_with_overflows(argv, steps) for argv, steps in runs]
+
+
 def zero0_fp16_gradient_scale() -> float:
     """Rank target (world 1): ratio of the gradient after engine.backward to the true fp16 gradient."""
     import deepspeed
