@@ -42,6 +42,11 @@ def _write_bytes(path: Path, data: bytes) -> Path:
     return path
 
 
+def _tasks_of_a_binary_file(folder: Path) -> Path:
+    items = _write_bytes(folder / "p.jsonl", b"\xff\xfe")
+    return _write(folder / "tasks.yaml", f"- {{name: piqa, format: piqa, path: {items}}}\n")
+
+
 def _other_tokenizer(tmp_path) -> Path:
     from data_fixtures import prepared_corpus
 
@@ -694,6 +699,14 @@ CLI_CASES = {
     "eval of a run on data of another tokenizer of the same size": (
         lambda t, c, o: ["eval", str(_run_folder(t, c)), "--data", str(o)],
         ["was prepared with another tokenizer than the run", "--tokenizer"],
+    ),
+    "eval --tasks of malformed YAML": (
+        lambda t, c, o: ["eval", str(_run_folder(t, c)), "--tasks", str(_write(t / "tasks.yaml", "- {name: piqa,\n"))],
+        ["tasks.yaml: malformed YAML at line"],
+    ),
+    "eval --tasks naming a file that is not text": (
+        lambda t, c, o: ["eval", str(_run_folder(t, c)), "--tasks", str(_tasks_of_a_binary_file(t))],
+        ["p.jsonl line 1 is not UTF-8 text"],
     ),
     "compare --nproc 0": (
         lambda t, c, o: _compare(t, c, "--nproc", "0", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json")),
