@@ -61,19 +61,40 @@ def assert_close(got, want, what):
         assert err <= ATOL, f"{what}: {name} differs by {err:.3g}"
 
 
-@pytest.mark.parametrize("strategy", ["zero0", "zero1", "zero3", "pp2_zero1"])
-def test_averages_equal_their_formulas_on_the_checkpointed_states(tmp_path, corpus, strategy):
+STRATEGIES = ["zero0", "zero1", "zero3", "pp2_zero1"]
+KINDS = ("ema", "last_n")
+
+
+@pytest.fixture(scope="module")
+def averaged_runs(tmp_path_factory, corpus):
+    """Under each strategy, one run saving every step with averaging on and one with it off, all in one 2-rank
+    process group; then `dstrain eval` of each average's export (--averaged), all in one rank."""
+    tmp = tmp_path_factory.mktemp("averaging")
+    recipe = small_recipe(tmp, corpus)
+    base = [f"train.steps={STEPS}", "train.eval_interval=3", "train.checkpoint_interval=1", "train.keep_last=20"]
+    runs = {strategy: (tmp / strategy / "averaged", tmp / strategy / "live") for strategy in STRATEGIES}
+    argvs = []
+    for strategy, (averaged, live) in runs.items():
+        argvs += [train_argv(recipe, strategy, averaged, *base, *AVERAGING), train_argv(recipe, strategy, live, *base)]
+    assert run_ranks(2, train_each, argvs) == [[0] * len(argvs)] * 2
+    exports = {(strategy, kind): tmp / strategy / kind for strategy in STRATEGIES for kind in KINDS}
+    for (strategy, kind), out in exports.items():
+        args = argparse.Namespace(run_dir=str(runs[strategy][0]), tag=None, out=str(out), dtype="fp32", averaged=kind)
+        assert export.main(args) == 0
+    (evals,) = run_ranks(1, eval_each, [[out, *EVAL_FLAGS, corpus] for out in exports.values()])
+    return recipe, runs, dict(zip(exports, evals))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_averages_equal_their_formulas_on_the_checkpointed_states(averaged_runs, strategy):
     """One run saving every step: last-N at step 7 is the mean of the states saved at steps 2, 4, 6; the EMA is
     ema_2 = w_2, ema_k = d ema_(k-1) + (1 - d) w_k. A second run in the same ranks, averaging off, has the same
     train losses to the bit (swapping the average in for each eval and back leaves the live weights as they were),
     and valid/averaged is logged beside valid at each eval."""
     from dstrain.config import load_recipe
 
-    recipe = small_recipe(tmp_path, corpus)
-    base = [f"train.steps={STEPS}", "train.eval_interval=3", "train.checkpoint_interval=1", "train.keep_last=20"]
-    averaged, live = tmp_path / "averaged", tmp_path / "live"
-    runs = [train_argv(recipe, strategy, averaged, *base, *AVERAGING), train_argv(recipe, strategy, live, *base)]
-    assert run_ranks(2, train_each, runs) == [[0, 0]] * 2
+    recipe, runs, evals = averaged_runs
+    averaged, live = runs[strategy]
     config = load_recipe(recipe).model
     states = checkpoint_states(averaged, range(2, STEPS + 1), config)
     got = read_averages(averaged / "checkpoints" / f"global_step{STEPS}", config)
@@ -87,23 +108,15 @@ def test_averages_equal_their_formulas_on_the_checkpointed_states(tmp_path, corp
         ema = {n: decay * ema[n] + (1 - decay) * states[s][n].double() for n in names}
     assert_close(got["ema"], ema, "EMA")
     assert train_losses(averaged) == train_losses(live)
-    evals = [(r["step"], r["split"]) for r in read_metrics(averaged) if "split" in r]
-    assert evals == [
+    logged = [(r["step"], r["split"]) for r in read_metrics(averaged) if "split" in r]
+    assert logged == [
         (s, split) for s in (3, 6, 7) for split in ("valid", "valid/averaged/ema", "valid/averaged/last_n")
     ]
     # The trainer's eval of each average (swapped into the engine) against `dstrain eval` of its export --averaged.
-    for kind in ("ema", "last_n"):
-        args = argparse.Namespace(
-            run_dir=str(averaged), tag=None, out=str(tmp_path / kind), dtype="fp32", averaged=kind
-        )
-        assert export.main(args) == 0
-    (ema_eval, last_n_eval) = run_ranks(1, eval_each, [[tmp_path / k, *EVAL_FLAGS, corpus] for k in ("ema", "last_n")])[
-        0
-    ]
-    logged = {r["split"]: r["loss"] for r in read_metrics(averaged) if r["step"] == STEPS and "split" in r}
-    assert logged["valid/averaged/ema"] == pytest.approx(ema_eval["loss"], rel=EVAL_RTOL)
-    assert logged["valid/averaged/last_n"] == pytest.approx(last_n_eval["loss"], rel=EVAL_RTOL)
-    assert abs(logged["valid/averaged/ema"] - logged["valid"]) > 1e-3  # the average is not the live weights
+    final = {r["split"]: r["loss"] for r in read_metrics(averaged) if r["step"] == STEPS and "split" in r}
+    for kind in KINDS:
+        assert final[f"valid/averaged/{kind}"] == pytest.approx(evals[strategy, kind]["loss"], rel=EVAL_RTOL)
+    assert abs(final["valid/averaged/ema"] - final["valid"]) > 1e-3  # the average is not the live weights
 
 
 def test_a_resume_mid_window_continues_the_averages_bit_for_bit(tmp_path, corpus):

@@ -37,6 +37,16 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
+def _write_bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _tasks_of_a_binary_file(folder: Path) -> Path:
+    items = _write_bytes(folder / "p.jsonl", b"\xff\xfe")
+    return _write(folder / "tasks.yaml", f"- {{name: piqa, format: piqa, path: {items}}}\n")
+
+
 def _other_tokenizer(tmp_path) -> Path:
     from data_fixtures import prepared_corpus
 
@@ -118,6 +128,18 @@ CASES = {
     "malformed JSON": (
         lambda t, c: (small_recipe(t, c), _write(t / "d.json", '{"zero_optimization": {"stage": 1}'), []),
         ["d.json: malformed JSON at line 1"],
+    ),
+    "override that is not YAML": (
+        _override("data.stages=[{weights: [0.5]"),
+        ["override 'data.stages=[{weights: [0.5]'", "is not a YAML value", "brackets"],
+    ),
+    "recipe not text": (
+        lambda t, c: (_write_bytes(t / "r.yaml", b"\x80\xff\x00"), ROOT / "ds_configs/zero1.json", []),
+        ["r.yaml: not a text file"],
+    ),
+    "ds_config not text": (
+        lambda t, c: (small_recipe(t, c), _write_bytes(t / "d.json", b"\x80\xff\x00"), []),
+        ["d.json: not a text file"],
     ),
     "unknown recipe key": (
         lambda t, c: (edit_recipe(small_recipe(t, c), "optim", weight_decy=0.1), ROOT / "ds_configs/zero1.json", []),
@@ -546,6 +568,19 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, corpus, capsys, monkey
     assert snapshot(tmp_path) == before  # nothing written, nothing touched
 
 
+def test_a_full_disk_is_reported_before_training(monkeypatch, tmp_path):
+    import shutil
+
+    from dstrain.config import load_recipe
+    from dstrain.errors import DstrainError
+    from dstrain.train.run import check_disk
+
+    recipe = load_recipe(ROOT / "recipes" / "gpt2-125m.yaml")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 10**8, 10**8))
+    with pytest.raises(DstrainError, match=r"0\.1 GiB free, one checkpoint needs ~1\.\d GiB"):
+        check_disk(tmp_path, recipe)
+
+
 def test_a_refusal_under_srun_is_printed_by_one_task(tmp_path, corpus, capsys, monkeypatch):
     """srun exports SLURM_PROCID / SLURM_NTASKS, not RANK: each task reads its rank from them before it prints."""
     from dstrain.train.run import main
@@ -654,6 +689,10 @@ CLI_CASES = {
         ],
         ["--out", "/f is a file"],
     ),
+    "plan with an override that is not YAML": (
+        lambda t, c, o: ["plan", "--recipe", str(small_recipe(t, c)), "train.steps=[1"],
+        ["override 'train.steps=[1'", "is not a YAML value"],
+    ),
     "prepare --out under a file": (
         lambda t, c, o: [
             "prepare",
@@ -677,6 +716,14 @@ CLI_CASES = {
     "eval of a run on data of another tokenizer of the same size": (
         lambda t, c, o: ["eval", str(_run_folder(t, c)), "--data", str(o)],
         ["was prepared with another tokenizer than the run", "--tokenizer"],
+    ),
+    "eval --tasks of malformed YAML": (
+        lambda t, c, o: ["eval", str(_run_folder(t, c)), "--tasks", str(_write(t / "tasks.yaml", "- {name: piqa,\n"))],
+        ["tasks.yaml: malformed YAML at line"],
+    ),
+    "eval --tasks naming a file that is not text": (
+        lambda t, c, o: ["eval", str(_run_folder(t, c)), "--tasks", str(_tasks_of_a_binary_file(t))],
+        ["p.jsonl line 1 is not UTF-8 text"],
     ),
     "compare --nproc 0": (
         lambda t, c, o: _compare(t, c, "--nproc", "0", "--deepspeed_configs", str(ROOT / "ds_configs/zero1.json")),

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -112,43 +116,70 @@ def test_byte_identical_where_shard_boundaries_coincide(tmp_path, inputs):
     assert len(json.loads((single / "manifest.json").read_text())["shards"]) == 300
 
 
-def test_killed_task_redoes_only_its_unfinished_part(tmp_path, inputs, monkeypatch):
-    out = tmp_path / "out"
-    dataset, tokenizer = inputs["rows"], inputs["tokenizer"]
-    shard_tokens = 4000  # task 1's half of the corpus spans several shards
+# A `dstrain prepare` task that stalls once its third shard is half written (flushed to the file), so that the test
+# can SIGKILL it there: the kernel ends it, nothing of Python's (finally, atexit, buffers) runs.
+STALLING_PREPARE = """
+import sys, time
+import dstrain.data.shard_writing as prepare_module
+from dstrain.commands.cli import main
+
+class StallingWriter(prepare_module.ShardWriter):
+    def add(self, token_ids, sizes, mask=None):
+        super().add(token_ids, sizes, mask)
+        if self.bin_path.name.startswith("shard_00002"):
+            self._bin.flush()
+            print("writing", self._bin_tmp, flush=True)
+            time.sleep(600)
+
+prepare_module.ShardWriter = StallingWriter
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.launcher
+def test_task_killed_by_sigkill_mid_write_resumes_and_merges_to_the_same_stream(tmp_path, inputs, monkeypatch):
+    out, single = tmp_path / "out", tmp_path / "single"
+    dataset, tokenizer, shard_tokens = inputs["rows"], inputs["tokenizer"], 4000
     _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=0)
-    written: list[str] = []
-    real_writer = prepare_module.ShardWriter
-
-    class DyingWriter(real_writer):
-        def __init__(self, prefix, dtype, *masked):
-            written.append(Path(prefix).name)
-            if len(written) == 3:
-                raise Killed  # killed while its third shard is being written
-            super().__init__(prefix, dtype, *masked)
-
-    monkeypatch.setattr(prepare_module, "ShardWriter", DyingWriter)
-    with pytest.raises(Killed):
-        _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=1)
-    assert not (out / "manifest.json").exists()
+    argv = ["prepare", "--dataset", dataset, "--tokenizer", str(tokenizer), "--out", str(out)]
+    argv += ["--shard-tokens", str(shard_tokens), "--num-proc", "1", "--no-progress", "--num-tasks", "2"]
+    task = subprocess.Popen(
+        [sys.executable, "-c", STALLING_PREPARE, *argv, "--task-index", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = task.stdout.readline()  # "" if the task ended instead of stalling
+    if not line.startswith("writing "):
+        task.kill()
+        pytest.fail(f"the task never reached its third shard: {line}{task.communicate()[1][-2000:]}")
+    os.kill(task.pid, signal.SIGKILL)
+    assert task.wait(timeout=60) == -signal.SIGKILL
+    task.stdout.close()
+    task.stderr.close()
+    half_written = Path(line.split(maxsplit=1)[1].strip())
+    assert half_written.stat().st_size > 0 and not (out / "manifest.json").exists()
     task0 = prepare_parts.task_folder(out, prepare_parts.TaskSlot(0, 2))
     before = {p.name: p.stat().st_mtime_ns for p in task0.iterdir()}
-    counting = []
+    started: list[str] = []
+    real_writer = prepare_module.ShardWriter
 
     class CountingWriter(real_writer):
         def __init__(self, prefix, dtype, *masked):
-            counting.append(Path(prefix).name)
+            started.append(Path(prefix).name)
             super().__init__(prefix, dtype, *masked)
 
     monkeypatch.setattr(prepare_module, "ShardWriter", CountingWriter)
     _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=0)  # a requeued task 0
-    assert counting == [] and not (out / "manifest.json").exists()
+    assert started == [] and not (out / "manifest.json").exists()  # done: nothing rewritten, no merge without 1
     assert {p.name: p.stat().st_mtime_ns for p in task0.iterdir()} == before
-    _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=1)
-    assert counting[0] == "shard_00002"  # its two complete shards were kept
-    single = tmp_path / "single"
+    _prepare(dataset, out, tokenizer, shard_tokens=shard_tokens, num_tasks=2, task_index=1)  # the requeued task 1
+    assert started[0] == "shard_00002"  # its two complete shards were kept, the half-written one redone
+    assert (out / "manifest.json").is_file()  # the last task to finish merged
+    monkeypatch.setattr(prepare_module, "ShardWriter", real_writer)
     _prepare(dataset, single, tokenizer, shard_tokens=shard_tokens)
     _assert_trains_the_same(out, single)
+    assert not list(out.rglob("*.tmp"))
 
 
 def test_merge_command_waits_for_every_task_and_is_idempotent(tmp_path, inputs):

@@ -9,7 +9,7 @@ from train_helpers import (
     read_metrics,
     small_recipe,
     train_argv,
-    train_fp16_with_overflows,
+    train_fp16_each,
     zero0_fp16_gradient_scale,
 )
 
@@ -29,13 +29,16 @@ OVERFLOW_AT = {4, 9}  # optimizer steps whose loss is made inf
 
 @pytest.fixture(scope="module")
 def fp16_runs(tmp_path_factory, corpus):
+    """In one 2-rank process group: ZeRO-1 and ZeRO-2 with overflows at OVERFLOW_AT, then a ZeRO-1 run whose every
+    step overflows, stopped by train.max_skipped_steps=3 (runs["abort"])."""
     tmp = tmp_path_factory.mktemp("fp16")
     recipe = small_recipe(tmp, corpus, train={"steps": 12})
-    runs = {}
-    for stage in (1, 2):
-        runs[stage] = tmp / f"zero{stage}"
-        config = ds_config(tmp, f"zero{stage}_fp16", fp16=SCALER)
-        assert run_ranks(2, train_fp16_with_overflows, train_argv(recipe, config, runs[stage]), OVERFLOW_AT) == [0, 0]
+    configs = {stage: ds_config(tmp, f"zero{stage}_fp16", fp16=SCALER) for stage in (1, 2)}
+    runs = {stage: tmp / f"zero{stage}" for stage in (1, 2)}
+    runs["abort"] = tmp / "abort"
+    calls = [(train_argv(recipe, configs[stage], runs[stage]), OVERFLOW_AT) for stage in (1, 2)]
+    calls.append((train_argv(recipe, configs[1], runs["abort"], "train.max_skipped_steps=3"), None))
+    assert run_ranks(2, train_fp16_each, calls) == [[0, 0, 2]] * 2
     return runs
 
 
@@ -70,16 +73,11 @@ def test_zero1_and_zero2_agree_in_fp16(fp16_runs):
     assert finite[-1] < finite[0] - 0.3  # training still progresses between the overflows
 
 
-def test_consecutive_overflows_abort_with_a_clear_message(tmp_path, corpus, capfd):
-    recipe = small_recipe(tmp_path, corpus)
-    config = ds_config(tmp_path, "zero1_fp16", fp16=SCALER)
-    codes = run_ranks(
-        2, train_fp16_with_overflows, train_argv(recipe, config, tmp_path / "run", "train.max_skipped_steps=3"), None
-    )
-    assert codes == [2, 2]
-    err = capfd.readouterr().err
-    assert "4 consecutive fp16 overflow steps (train.max_skipped_steps=3)" in err
-    records = [r for r in read_metrics(tmp_path / "run") if "split" not in r]
+def test_consecutive_overflows_abort_with_a_clear_message(fp16_runs):
+    run = fp16_runs["abort"]  # its exit status, 2 on both ranks: the fixture
+    (line,) = [line for line in (run / "logs" / "rank0.log").read_text().splitlines() if "dstrain: error:" in line]
+    assert "4 consecutive fp16 overflow steps (train.max_skipped_steps=3)" in line
+    records = [r for r in read_metrics(run) if "split" not in r]
     assert [r["skipped_steps"] for r in records] == [1, 2, 3]
 
 

@@ -1,4 +1,4 @@
-"""Every way to stop a run, under every launcher, on 2 CPU ranks (README "When things go wrong").
+"""Every way to stop a run, under every launcher, on 2 CPU ranks (docs/slurm.md: Stopping a run).
 
 Each stop must end with: a checkpoint of the step it stopped at, summary.json "interrupted", every
 process of the run gone within STOP_BOUND_S, and a resume whose losses equal the uninterrupted run's
@@ -9,6 +9,7 @@ reaches what a terminal's Ctrl-C, systemd or Kubernetes would reach, and nothing
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -45,13 +46,6 @@ def recipe(tmp_path_factory, corpus):
         corpus,
         train={"steps": STEPS, "checkpoint_interval": 1000, "eval_samples": 16},
     )
-
-
-@pytest.fixture(scope="module")
-def reference(recipe, tmp_path_factory):
-    run = tmp_path_factory.mktemp("reference") / "run"
-    assert run_ranks(2, train_each, [argv(recipe, run)]) == [[0], [0]]
-    return train_losses(run)
 
 
 def command(launcher: str) -> list[str]:
@@ -162,9 +156,22 @@ MATRIX = [
 ]
 
 
-@pytest.mark.parametrize("launcher, target, signum, leader_exit", MATRIX)
-def test_every_stop_checkpoints_and_resumes_exactly(recipe, reference, tmp_path, launcher, target, signum, leader_exit):
-    run, log = tmp_path / "run", tmp_path / "launcher.log"
+@dataclasses.dataclass
+class Stop:
+    """What one stop of MATRIX left: the exit statuses, how long until every process was gone, the run's summary and
+    `latest` before it resumed, and the launcher's log."""
+
+    run: Path
+    codes: list
+    took: float
+    left_running: bool
+    summary: dict
+    latest: str
+    log: str
+
+
+def stop_once(recipe, run: Path, launcher: str, target: str, signum: int) -> Stop:
+    log = run.parent / "launcher.log"
     procs = start(launcher, argv(recipe, run), log)
     try:
         wait_for_step(run, SIGNAL_AFTER_STEP, procs, log)
@@ -176,19 +183,54 @@ def test_every_stop_checkpoints_and_resumes_exactly(recipe, reference, tmp_path,
         codes = [p.wait(timeout=STOP_BOUND_S) for p in procs]
         while run_processes(run) and time.monotonic() - sent < STOP_BOUND_S:
             time.sleep(0.1)
-        took = time.monotonic() - sent
-        assert not run_processes(run), f"still running {STOP_BOUND_S} s after the signal:\n{log.read_text()[-3000:]}"
+        took, left_running = time.monotonic() - sent, bool(run_processes(run))
     finally:
         for p in run_processes(run):
             p.kill()
-    print(f"{launcher}: all processes gone {took:.1f} s after the signal; exit status {codes}")
-    assert codes[0] == leader_exit and all(c == 0 for c in codes[1:]), log.read_text()[-3000:]
-    summary = json.loads((run / "summary.json").read_text())
-    step = summary["step"]
-    assert summary["status"] == "interrupted" and SIGNAL_AFTER_STEP <= step < STEPS, log.read_text()[-3000:]
-    assert (run / "checkpoints" / "latest").read_text() == f"global_step{step}"
-    assert run_ranks(2, train_each, [argv(recipe, run)]) == [[0], [0]]
-    assert train_losses(run) == reference  # bit for bit, every step once
+    summary = run / "summary.json"
+    latest = run / "checkpoints" / "latest"
+    return Stop(
+        run,
+        codes,
+        took,
+        left_running,
+        json.loads(summary.read_text()) if summary.exists() else {},
+        latest.read_text() if latest.exists() else "",
+        log.read_text()[-3000:],
+    )
+
+
+@pytest.fixture(scope="module")
+def stops(recipe, tmp_path_factory):
+    """Every stop of MATRIX, one after another; then, in one 2-rank process group, the uninterrupted reference run
+    and the resume of every stopped run (a process group each would start torch and DeepSpeed 7 times more)."""
+    stopped: dict[str, Stop | BaseException] = {}
+    for case in MATRIX:
+        launcher, target, signum, _ = case.values
+        try:
+            stopped[case.id] = stop_once(recipe, tmp_path_factory.mktemp(case.id) / "run", launcher, target, signum)
+        except Exception as e:  # noqa: BLE001  (its own test reports it; the others go on)
+            stopped[case.id] = e
+    reference = tmp_path_factory.mktemp("reference") / "run"
+    resumed = [stop.run for stop in stopped.values() if isinstance(stop, Stop)]
+    codes = run_ranks(2, train_each, [argv(recipe, run) for run in [reference, *resumed]])
+    assert codes == [[0] * (1 + len(resumed))] * 2
+    return stopped, train_losses(reference)
+
+
+@pytest.mark.parametrize("launcher, target, signum, leader_exit", MATRIX)
+def test_every_stop_checkpoints_and_resumes_exactly(stops, request, launcher, target, signum, leader_exit):
+    stopped, reference = stops
+    stop = stopped[request.node.callspec.id]
+    if isinstance(stop, BaseException):
+        raise stop
+    assert not stop.left_running, f"still running {STOP_BOUND_S} s after the signal:\n{stop.log}"
+    print(f"{launcher}: all processes gone {stop.took:.1f} s after the signal; exit status {stop.codes}")
+    assert stop.codes[0] == leader_exit and all(c == 0 for c in stop.codes[1:]), stop.log
+    step = stop.summary.get("step")
+    assert stop.summary.get("status") == "interrupted" and SIGNAL_AFTER_STEP <= step < STEPS, stop.log
+    assert stop.latest == f"global_step{step}"
+    assert train_losses(stop.run) == reference  # resumed (in the fixture): bit for bit, every step once
 
 
 @pytest.mark.deepspeed_defect(

@@ -41,21 +41,31 @@ def probe_zero_clipping(stage: int, clip: float, workaround: bool = False) -> di
     return {"reported": float(engine.get_global_grad_norm()), "raw": raw, "matrix": matrix}
 
 
-def run_clipping_probes(workaround: bool) -> dict:
+def run_clipping_probes() -> dict:
+    """Both tests' probes in one rank: ZeRO-0's, and ZeRO-1/3's without (False) and with (True) the workaround."""
     with torch.compiler.set_stance("force_eager"):  # as dstrain runs Muon on a CPU (engine.run_muon_eagerly_on_cpu)
-        probes = {(0, clip): probe_zero_clipping(0, clip) for clip in (0.0, 1e-2)}
-        for stage in (1, 3):
-            for clip in (0.0, 1e-2):
-                probes[(stage, clip)] = probe_zero_clipping(stage, clip, workaround)
+        zero0 = {(0, clip): probe_zero_clipping(0, clip) for clip in (0.0, 1e-2)}
+        probes = {}
+        for workaround in (False, True):
+            probes[workaround] = dict(zero0)
+            for stage in (1, 3):
+                for clip in (0.0, 1e-2):
+                    probes[workaround][(stage, clip)] = probe_zero_clipping(stage, clip, workaround)
         return probes
+
+
+@pytest.fixture(scope="module")
+def clipping_probes():
+    (probes,) = run_ranks(1, run_clipping_probes)
+    return probes
 
 
 @pytest.mark.distributed
 @pytest.mark.deepspeed_defect("ZeRO-1/2/3 clip Muon's orthogonalised update (train/muon_zero.py works around it)")
-def test_deepspeed_zero_clips_the_orthogonalised_update():
+def test_deepspeed_zero_clips_the_orthogonalised_update(clipping_probes):
     """Without clipping ZeRO-1 and 3 take ZeRO-0's Muon step; with it, another one, and they report another norm: the
     norm of the orthogonalised update (about sqrt(rank) per matrix), not the raw gradient's."""
-    (probes,) = run_ranks(1, run_clipping_probes, False)
+    probes = clipping_probes[False]
     matrix = {key: torch.tensor(probe["matrix"]) for key, probe in probes.items()}
     zero0 = probes[(0, 1e-2)]
     assert zero0["reported"] == pytest.approx(zero0["raw"], rel=1e-6)
@@ -66,10 +76,10 @@ def test_deepspeed_zero_clips_the_orthogonalised_update():
 
 
 @pytest.mark.distributed
-def test_muon_zero_clips_the_raw_gradient_before_deepspeeds_muon():
+def test_muon_zero_clips_the_raw_gradient_before_deepspeeds_muon(clipping_probes):
     """The same probes with train/muon_zero.py installed: ZeRO-1 and 3 report the raw gradient's norm and take
     ZeRO-0's clipped step (the update is about 1e-4 per element: 1e-6 is 1% of it)."""
-    (probes,) = run_ranks(1, run_clipping_probes, True)
+    probes = clipping_probes[True]
     matrix = {key: torch.tensor(probe["matrix"]) for key, probe in probes.items()}
     for stage in (1, 3):
         for clip in (0.0, 1e-2):

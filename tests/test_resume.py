@@ -54,15 +54,18 @@ def branch(run, dest, step):
 # --- item 1: --resume none never deletes or mixes ------------------------------------------------------------
 
 
-def test_resume_none_moves_the_previous_run_aside_and_a_relaunch_continues_the_new_one(tmp_path, corpus, capfd):
+def resume_none_runs(recipe, run) -> list[list[str]]:
     """Run A (seed 1234, checkpoints 2 and 4); run B with --resume none (seed 99, 2 steps, keep_last=1); B relaunched
-    (as a Slurm requeue does) resumes B's own checkpoint, not A's higher-numbered one."""
-    recipe = small_recipe(tmp_path, corpus)
-    run = tmp_path / "run"
+    (as a Slurm requeue does), 4 steps. In `resumed`'s first process group."""
     a = train_argv(recipe, "zero1", run, "seed=1234", "train.steps=4", "train.checkpoint_interval=2")
     b = train_argv(recipe, "zero1", run, "seed=99", "train.steps=2", "train.keep_last=1")
-    assert run_ranks(2, train_each, [a, ["--resume", "none", *b], [*b, "train.steps=4"]]) == [[0, 0, 0]] * 2
-    out = capfd.readouterr().out
+    return [a, ["--resume", "none", *b], [*b, "train.steps=4"]]
+
+
+def test_resume_none_moves_the_previous_run_aside_and_a_relaunch_continues_the_new_one(resumed):
+    """B's relaunch resumes B's own checkpoint, not A's higher-numbered one; A is moved aside whole."""
+    run = resumed[1]["resume-none"]
+    out = (run / "logs" / "rank0.log").read_text()  # B's console, both launches (a resumed run appends)
     (previous,) = (run / "previous").iterdir()
     assert f"{run} held a previous run; moved it to {previous}/" in out
     assert tags(previous / "checkpoints") == ["global_step2", "global_step4"]  # A, whole
@@ -166,7 +169,10 @@ def resumed(tmp_path_factory, corpus):
     tmp = tmp_path_factory.mktemp("resume")
     recipe = small_recipe(tmp, corpus, train={"steps": 4, "checkpoint_interval": 2})
     base = {s: tmp / f"base-{s}" for s in STRATEGIES}
-    assert run_ranks(2, train_each, [train_argv(recipe, s, base[s]) for s in STRATEGIES]) == [[0] * len(STRATEGIES)] * 2
+    base["resume-none"] = tmp / "resume-none"
+    first = [train_argv(recipe, s, base[s]) for s in STRATEGIES]
+    first += resume_none_runs(small_recipe(tmp, corpus, name="small-a"), base["resume-none"])
+    assert run_ranks(2, train_each, first) == [[0] * len(first)] * 2
     checkpointing = ds_config(tmp, "zero1", activation_checkpointing={"partition_activations": False})
     dirs = {s: branch(base[s], tmp / f"changed-{s}", 2) for s in STRATEGIES}
     dirs["extended"] = branch(base["zero1"], tmp / "extended", 4)

@@ -7,7 +7,7 @@ import pytest
 
 from dstrain.run_dir import RunDir
 
-from ranks import spawn_ranks, start_target_ranks
+from ranks import run_ranks, spawn_ranks, start_target_ranks
 from train_helpers import (
     ROOT,
     read_events,
@@ -15,6 +15,7 @@ from train_helpers import (
     small_recipe,
     train_and_hang_at,
     train_argv,
+    train_each_with_poison,
     train_losses,
     train_with_poison,
     train_with_slow_writes,
@@ -37,19 +38,25 @@ def recipe(tmp_path_factory, corpus):
 
 
 @pytest.fixture(scope="module")
-def clean(recipe, tmp_path_factory):
-    """The un-poisoned run, guard on (nothing fires), background checkpoints (the poisoned run's are synchronous)."""
-    run = tmp_path_factory.mktemp("clean") / "run"
-    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD, *ASYNC), 0, 0) == [0, 0]
-    assert read_events(run) == []
-    return run
+def guarded(recipe, tmp_path_factory):
+    """In one 2-rank process group: the un-poisoned run, guard on (nothing fires), background checkpoints; and the
+    poisoned run (synchronous checkpoints)."""
+    clean, poisoned = (tmp_path_factory.mktemp(name) / "run" for name in ("clean", "poisoned"))
+    runs = [(train_argv(recipe, CONFIG, clean, *GUARD, *ASYNC), 0, 0)]
+    runs.append((train_argv(recipe, CONFIG, poisoned, *GUARD), *POISON))
+    assert run_ranks(2, train_each_with_poison, runs) == [[0, 0]] * 2
+    assert read_events(clean) == []
+    return clean, poisoned
 
 
 @pytest.fixture(scope="module")
-def poisoned(recipe, tmp_path_factory):
-    run = tmp_path_factory.mktemp("poisoned") / "run"
-    assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD), *POISON) == [0, 0]
-    return run
+def clean(guarded):
+    return guarded[0]
+
+
+@pytest.fixture(scope="module")
+def poisoned(guarded):
+    return guarded[1]
 
 
 def wait_for_record(run_dir, found, procs, timeout=240):

@@ -148,6 +148,11 @@ def train_fp16_with_overflows(argv: list[str], overflow_steps: set[int] | None) 
     return main(argv, Overflows())
 
 
+def train_fp16_each(runs: list[tuple[list[str], set[int] | None]]) -> list[int]:
+    """Rank target: ``train_fp16_with_overflows`` once per (argv, overflow steps), in this process group."""
+    return [train_fp16_with_overflows(argv, steps) for argv, steps in runs]
+
+
 def zero0_fp16_gradient_scale() -> float:
     """Rank target (world 1): ratio of the gradient after engine.backward to the true fp16 gradient."""
     import deepspeed
@@ -214,10 +219,9 @@ def train_with_fault(argv: list[str], step: int, fault: str, rank: int | None = 
     return main(argv, Fault())
 
 
-def train_with_poison(argv: list[str], first: int, end: int, factor: float = 10.0) -> int:
-    """Rank target: train with samples [first, end) of the train stream poisoned: the loss of a micro-batch that
-    holds one is multiplied by ``factor`` (and so are its gradients), wherever in the run that sample is read."""
-    from dstrain.train.run import main
+def poison(first: int, end: int, factor: float = 10.0):
+    """StepHooks with samples [first, end) of the train stream poisoned: the loss of a micro-batch that holds one is
+    multiplied by ``factor`` (and so are its gradients), wherever in the run that sample is read."""
     from dstrain.train.steps import StepHooks
 
     class Poison(StepHooks):
@@ -228,7 +232,21 @@ def train_with_poison(argv: list[str], first: int, end: int, factor: float = 10.
             loss = forward(batch)
             return loss * factor if batch.get("poisoned") else loss
 
-    return main(argv, Poison())
+    return Poison()
+
+
+def train_with_poison(argv: list[str], first: int, end: int, factor: float = 10.0) -> int:
+    """Rank target: train with samples [first, end) of the train stream poisoned (``poison``)."""
+    from dstrain.train.run import main
+
+    return main(argv, poison(first, end, factor))
+
+
+def train_each_with_poison(runs: list[tuple[list[str], int, int]]) -> list[int]:
+    """Rank target: ``train_with_poison`` once per (argv, first, end), one after another, in this process group."""
+    from dstrain.train.run import main
+
+    return [main(argv, poison(first, end)) for argv, first, end in runs]
 
 
 def sleep_in_step(marker: str) -> None:

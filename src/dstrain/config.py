@@ -17,14 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
-
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 from dstrain.ranges import Range
 from dstrain.recipe_checks import validate
 from dstrain.run_dir import LAUNCH_KEY
-from dstrain.typed_yaml import apply_override, parse
+from dstrain.typed_yaml import apply_override, parse, read_yaml_file
 
 Positive = Annotated[int, Range(ge=1)]
 NonNegative = Annotated[int, Range(ge=0)]
@@ -140,7 +138,7 @@ class WatchdogConfig:
 
 @dataclass
 class TaskConfig:
-    """A downstream task scored at each evaluation (dstrain.tasks; README "Downstream tasks"): its first ``limit``
+    """A downstream task scored at each evaluation (dstrain.tasks; docs/evaluation.md): its first ``limit``
     items, each choice scored by the log-likelihood of its continuation, as lm-evaluation-harness scores them
     zero-shot, with the run's tokenizer."""
 
@@ -154,7 +152,7 @@ class TaskConfig:
 
 @dataclass
 class AveragingConfig:
-    """Weight averaging (dstrain.train.averaging; README "Weight averaging"): an fp32 average of the weights beside the
+    """Weight averaging (dstrain.train.averaging; docs/recipes.md): an fp32 average of the weights beside the
     live ones, updated after every optimizer step from step ``start_step`` + 1 on, kept where the strategy keeps
     each parameter, saved in every checkpoint, evaluated as split valid/averaged, exported by export --averaged."""
 
@@ -230,17 +228,13 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read a recipe file, apply ``key=value`` overrides, and validate everything."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = read_yaml_file(path, "pass a recipe YAML file, e.g. recipes/tiny.yaml")
     except FileNotFoundError:
         raise DstrainError(f"{path}: no such recipe file; see recipes/ for examples") from None
     except OSError as e:
         raise DstrainError(
             f"{path}: cannot read the recipe ({e.strerror}); pass a YAML file, e.g. recipes/tiny.yaml"
         ) from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise DstrainError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
     if not isinstance(raw, dict):
         raise DstrainError(f"{path}: a recipe is a YAML mapping of sections (model, data, train, ...)")
     raw.pop(LAUNCH_KEY, None)  # what a run folder's recipe.yaml recorded of its launch: not a setting

@@ -1,8 +1,10 @@
-"""The one exception type users see as a one-line message (see cli.main), and an argument parser whose
-errors are one line too."""
+"""The one exception type users see as a one-line message (see cli.main), an argument parser whose errors are one
+line too, and ``warn``: every warning dstrain prints, as one line."""
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 
 
 class DstrainError(Exception):
@@ -27,3 +29,27 @@ class DiskFull(DstrainError):
 
 
 DISK_FULL_EXIT = 28  # ENOSPC's errno number
+
+
+_quiet = 0  # > 0 inside ``quiet_warnings``
+
+
+def warn(message: str) -> None:
+    """Tell the user something went wrong that does not stop the command: ``dstrain: warning: <message>``, one line
+    on stderr (a training rank's console copies it into its log). Not ``warnings.warn``: Python prints that with
+    the path and the source line of its caller, and filters repeats by call site."""
+    if _quiet:
+        return
+    line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    print(f"dstrain: warning: {line}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def quiet_warnings(quiet: bool = True) -> Iterator[None]:
+    """``warn`` prints nothing inside (when ``quiet``): what every rank finds is said once, by rank 0."""
+    global _quiet
+    _quiet += int(quiet)
+    try:
+        yield
+    finally:
+        _quiet -= int(quiet)

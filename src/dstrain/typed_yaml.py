@@ -17,6 +17,19 @@ from dstrain.errors import DstrainError
 from dstrain.ranges import check
 
 
+def read_yaml_file(path: Path, fix: str) -> Any:
+    """A YAML file the user gave, or one line naming the file and what is wrong with it (``fix``: what to pass
+    instead, e.g. "pass a recipe YAML file, e.g. recipes/tiny.yaml"). OSError is the caller's to word."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise DstrainError(f"{path}: not a text file; {fix}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise DstrainError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+
+
 def apply_override(raw: dict, item: str, path: Path) -> None:
     """Apply one dotted ``key=value`` override; the value is parsed as YAML (so 3e-4, true, [1, 2] work)."""
     key, sep, value = item.partition("=")
@@ -28,7 +41,14 @@ def apply_override(raw: dict, item: str, path: Path) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise DstrainError(f"override {item!r}: {part} in {path} is not a section")
-    node[leaf] = yaml.safe_load(value)
+    try:
+        node[leaf] = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise DstrainError(
+            f"override {item!r}: {value!r} is not a YAML value ({getattr(e, 'problem', None) or type(e).__name__}); "
+            f"check its brackets and quotes, "
+            f"e.g. 'data.stages=[{{start_fraction: 0.5, weights: [0.5, 0.5]}}]'"
+        ) from None
 
 
 def parse(cls: type, data: Any, file: Path, where: str) -> Any:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ import torch
 from dstrain.checkpoint import integrity, nvme, reshard, safe_load
 from dstrain.checkpoint.record import PARTIAL, RECORD, CheckpointRecord, ClientState, Identity, read_record
 from dstrain.data.manifest import write_text_atomic
-from dstrain.errors import DiskFull, DstrainError
+from dstrain.errors import DiskFull, DstrainError, warn
 from dstrain.run_dir import LATEST, TAG, tag_for
 from dstrain.strategy.topology import Topology
 
@@ -99,7 +98,7 @@ def newest_complete(checkpoint_dir: Path) -> str | None:
         problem = damage(checkpoint_dir / tag)
         if problem is None:
             return tag
-        warnings.warn(f"checkpoint {checkpoint_dir / tag} is damaged, skipping it: {problem}", stacklevel=2)
+        warn(f"checkpoint {checkpoint_dir / tag} is damaged, skipping it: {problem}")
     return None
 
 

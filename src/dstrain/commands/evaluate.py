@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const="",
         metavar="YAML",
         help="score downstream tasks instead of the loss: with no value the run's train.tasks, else a YAML file "
-        "holding a list of tasks in train.tasks' form (README: Downstream tasks)",
+        "holding a list of tasks in train.tasks' form (docs/evaluation.md)",
     )
     parser.add_argument(
         "--harness",
@@ -182,16 +182,15 @@ def evaluate_tasks(args: argparse.Namespace) -> dict:
 
 def _task_configs(args: argparse.Namespace) -> tuple[list, str]:
     """(the tasks, the file that names them): --tasks YAML, else the run's recipe's train.tasks."""
-    import yaml
-
     from dstrain.config import TaskConfig, load_recipe
-    from dstrain.typed_yaml import coerce
+    from dstrain.typed_yaml import coerce, read_yaml_file
 
     if args.tasks:
         path = Path(args.tasks)
         if not path.is_file():
             raise DstrainError(f"--tasks {path}: no such file; pass a YAML list of tasks, or --tasks alone for a run's")
-        return coerce(list[TaskConfig], yaml.safe_load(path.read_text()), path, "tasks"), str(path)
+        tasks = read_yaml_file(path, "pass a YAML list of tasks in train.tasks' form")
+        return coerce(list[TaskConfig], tasks, path, "tasks"), str(path)
     run = RunDir(Path(args.model))
     if not run.recipe.is_file():
         raise DstrainError(f"--tasks alone: {args.model} is not a run with train.tasks; pass --tasks FILE.yaml")

@@ -25,7 +25,7 @@ import os
 import shutil
 from pathlib import Path
 
-from dstrain.errors import DstrainError
+from dstrain.errors import DstrainError, warn
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,7 +139,7 @@ def carry_published_files(init_from: str, tokenizer, out: Path, tokenizer_files:
     except DstrainError:
         return copied  # a model folder without a tokenizer: the run's stays
     if published.get_vocab() != tokenizer.get_vocab():
-        print(f"{source}: its tokenizer differs from the run's; the export holds the run's tokenizer")
+        warn(f"{source}: its tokenizer differs from the run's; the export holds the run's tokenizer")
         return copied
     for name in PUBLISHED_FILES:
         if (source / name).is_file():

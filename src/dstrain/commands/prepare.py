@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: all cores)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    tasks = parser.add_argument_group("across nodes (README: Preparing across nodes)")
+    tasks = parser.add_argument_group("across nodes (docs/data.md)")
     tasks.add_argument(
         "--num-tasks",
         type=int,

@@ -127,6 +127,8 @@ def load_ds_config(path: str | Path) -> dict:
         raise DstrainError(
             f"{path}: cannot read the ds_config ({e.strerror}); pass a JSON file, e.g. ds_configs/zero1.json"
         ) from None
+    except UnicodeDecodeError:
+        raise DstrainError(f"{path}: not a text file; pass a ds_config JSON file, e.g. ds_configs/zero1.json") from None
     except json.JSONDecodeError as e:
         raise DstrainError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     if not isinstance(config, dict):

@@ -55,18 +55,24 @@ def _file_docs(path: Path, limit: int | None, label: str) -> list[tuple[int, dic
     if not path.is_file():
         raise DstrainError(f"{label}: no file {path}; set path to a .jsonl file or a Hugging Face dataset id")
     docs: list[tuple[int, dict]] = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if limit is not None and len(docs) == limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-            except ValueError as e:
-                problem = f"{path} line {number} is not JSON ({e})"
-                raise DstrainError(f"{label}: {problem}; write one object per line") from None
-            docs.append((number, doc))
+    number = 0
+    try:
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, start=1):
+                if limit is not None and len(docs) == limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    doc = json.loads(line)
+                except ValueError as e:
+                    problem = f"{path} line {number} is not JSON ({e})"
+                    raise DstrainError(f"{label}: {problem}; write one object per line") from None
+                docs.append((number, doc))
+    except UnicodeDecodeError:
+        raise DstrainError(
+            f"{label}: {path} line {number + 1} is not UTF-8 text; write one JSON object per line"
+        ) from None
     return docs
 
 

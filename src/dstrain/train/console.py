@@ -1,10 +1,12 @@
 """What a training rank shows on the console, and where the rest goes.
 
-By default the console shows dstrain's own lines (rank 0's progress and evaluation, dstrain's warnings, errors);
-DeepSpeed's logger, other libraries' Python warnings and loggers go to the rank's log, ``run_dir/logs/rank<r>.log``,
-which also gets a copy of everything the console shows. ``--verbose`` or DSTRAIN_VERBOSE=1 (for launchers that pass
-no flags) shows it all on the console as well. Errors are never hidden: ERROR records of any logger, tracebacks and
-whatever a C/C++ library writes straight to the process's file descriptors still reach the console.
+By default the console shows dstrain's own lines (rank 0's progress and evaluation, dstrain's warnings, each one
+``dstrain: warning: ...`` line from dstrain.errors.warn, errors); DeepSpeed's logger, Python warnings (only other
+libraries raise them; one raised at a line of dstrain's, by stacklevel, is theirs too) and loggers go to the rank's
+log, ``run_dir/logs/rank<r>.log``, which also gets a copy of everything the console shows. ``--verbose`` or
+DSTRAIN_VERBOSE=1 (for launchers that pass no flags) shows it all on the console as well. Errors are never hidden:
+ERROR records of any logger, tracebacks and whatever a C/C++ library writes straight to the process's file
+descriptors still reach the console.
 
 Until the run folder is claimed the log is kept in memory; a rank that fails before that prints it with its error.
 ``start`` must run before ``import deepspeed`` to catch the accelerator line DeepSpeed logs while importing
@@ -24,7 +26,6 @@ from pathlib import Path
 from dstrain.run_dir import RunDir
 
 VERBOSE_ENV = "DSTRAIN_VERBOSE"
-_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # a warning raised in here is dstrain's own
 # Loggers that print through handlers of their own instead of propagating to the root logger (torch._logging's).
 _OWN_HANDLERS = ("torch",)
 _FORMAT = logging.Formatter("[%(asctime)s] [%(levelname)s] [%(name)s %(filename)s:%(lineno)d] %(message)s")
@@ -137,7 +138,7 @@ class Session:
 
     def show_warning(self, message, category, filename, lineno, file=None, line=None) -> None:
         text = warnings.formatwarning(message, category, filename, lineno, line)
-        if self.verbose or os.path.abspath(filename).startswith(_PACKAGE):
+        if self.verbose:
             sys.stderr.write(text)
         else:
             self.log.write(text, hidden=True)

@@ -7,13 +7,13 @@ import contextlib
 import os
 import re
 import time
-import warnings
 from pathlib import Path
 
 import deepspeed
 import torch
 
 from dstrain.config import Recipe
+from dstrain.errors import warn
 from dstrain.model.gpt import GPT, param_groups
 from dstrain.monitors.settings import MONITOR_BLOCKS
 from dstrain.strategy.resolve import Strategy
@@ -88,10 +88,9 @@ def warn_stale_build_locks() -> list[Path]:
             continue
         if age > STALE_BUILD_LOCK_S:
             stale.append(lock)
-            warnings.warn(
+            warn(
                 f"{lock} is {age / 60:.0f} minutes old: a killed build of a DeepSpeed op left it, and a run "
-                f"that needs that op will wait on it forever; if nothing is compiling, remove it",
-                stacklevel=2,
+                f"that needs that op will wait on it forever; if nothing is compiling, remove it"
             )
     return stale
 

@@ -3,9 +3,9 @@ beside it, for a run with train.tasks, run_dir/tasks.png: each task's accuracy a
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
+from dstrain.errors import warn
 from dstrain.metrics import read_records
 from dstrain.run_dir import RunDir
 
@@ -99,5 +99,5 @@ def try_plot_run(files: RunDir, title: str = "") -> Path | None:
         plot_tasks(files, title)
         return path
     except Exception as e:  # noqa: BLE001
-        warnings.warn(f"could not draw {files.loss_plot}: {type(e).__name__}: {e}", stacklevel=2)
+        warn(f"could not draw {files.loss_plot}: {type(e).__name__}: {e}")
         return None

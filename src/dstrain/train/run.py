@@ -14,7 +14,6 @@ import os
 import shutil
 import sys
 import traceback
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,7 +22,7 @@ import yaml
 
 from dstrain.checkpoint.record import Identity
 from dstrain.config import Recipe, load_recipe, to_dict
-from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError, OneLineArgumentParser
+from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError, OneLineArgumentParser, quiet_warnings, warn
 from dstrain.monitors.settings import check_monitors
 from dstrain.run_dir import LAUNCH_KEY, RunDir, launch_record, step_of
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
@@ -142,9 +141,7 @@ def resume_tag(checkpoint_dir: Path, resume: str) -> str | None:
 
     if resume == "none":
         return None
-    with warnings.catch_warnings():
-        if env_rank() != 0:  # a damaged tag is reported once, by rank 0
-            warnings.simplefilter("ignore")
+    with quiet_warnings(env_rank() != 0):  # a damaged tag is reported once, by rank 0
         tag = store.newest_complete(checkpoint_dir) if resume == "auto" else resume
     if resume != "auto" and (problem := store.damage(checkpoint_dir / resume)):
         raise DstrainError(f"--resume {resume}: {problem}; use --resume auto (the newest intact checkpoint)")
@@ -194,10 +191,7 @@ def check_disk(run_dir: Path, recipe: Recipe) -> None:
             f"free space or set run_dir=<a larger filesystem>"
         )
     if free < (recipe.train.keep_last + 1) * checkpoint_bytes:
-        warnings.warn(
-            f"run_dir {run_dir}: {free / 2**30:.1f} GiB free holds fewer than train.keep_last+1 checkpoints",
-            stacklevel=2,
-        )
+        warn(f"run_dir {run_dir}: {free / 2**30:.1f} GiB free holds fewer than train.keep_last+1 checkpoints")
 
 
 def claim_run_dir(files: RunDir, recipe: Recipe, strategy: Strategy, tag: str | None):
