@@ -130,6 +130,11 @@ def test_a_hung_rank_is_named_every_rank_exits_and_a_relaunch_resumes(recipe, cl
     assert any(block.splitlines()[0].endswith("in sleep_in_step") for block in stacks[1:]), stacks
     assert spawn_ranks(2, train_with_poison, train_argv(recipe, CONFIG, run, *GUARD, *WATCH), 0, 0) == [0, 0]
     assert train_losses(run) == train_losses(clean)  # resumed from step 4, as if nothing had happened
+    hang = [e for e in read_events(run) if e["event"] == "hang"]  # the relaunch logs it: the dashboards show it
+    assert [(e["step"], e["hang_step"], e["at"]) for e in hang] in (
+        [(4, 5, "backward 0 of step 5")],
+        [(4, 5, "optimizer step 0 of step 5")],
+    ), hang
 
 
 @pytest.mark.distributed

@@ -180,12 +180,15 @@ class MetricsRecord(TypedDict, total=False):
 
 
 class EventRecord(TypedDict, total=False):
-    """One event line of metrics.jsonl: a resume (``tag``, ``changed``), a loss spike rolled back, or a run stopped
-    by an error (``message``)."""
+    """One event line of metrics.jsonl: a resume (``tag``, ``changed``), a loss spike rolled back, a run stopped
+    by an error (``message``), or the previous launch's hang (logged by the launch after it)."""
 
     step: Required[int]
-    event: Required[str]  # "resume" | "spike" | "disk_full" | "stopped"
+    event: Required[str]  # "resume" | "spike" | "disk_full" | "stopped" | "hang"
     message: str  # disk_full, stopped: the error's line
+    hang_step: int  # hang: the step the watchdog found stalled
+    at: str  # hang: where in it (e.g. "backward 0 of step 5")
+    detail: str  # hang: the watchdog's line, naming the stalled ranks
     tag: str  # resume: the checkpoint tag resumed from
     changed: dict  # resume: recipe key -> [old, new]
     spike_step: int  # spike

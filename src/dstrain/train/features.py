@@ -16,7 +16,7 @@ from dstrain.train.moe_metrics import MoEMeter
 from dstrain.train.spike_guard import SpikeGuard
 from dstrain.train.spike_rollback import SpikeRollback
 from dstrain.train.task_eval import TaskScores
-from dstrain.train.watchdog import Watchdog
+from dstrain.train.watchdog import HangEvent, Watchdog
 
 
 def assemble(trainer, tasks: list) -> list[Component]:
@@ -33,4 +33,5 @@ def assemble(trainer, tasks: list) -> list[Component]:
         FatalStepCheck(engine, t, strategy.precision, trainer.files.checkpoints),
         TaskScores(engine, trainer.evaluator, tasks) if tasks else Component(),
         MixtureShares(recipe, trainer.train_data, trainer.is_rank0),
+        HangEvent(trainer),
     ]

@@ -36,6 +36,7 @@ HANG_EXIT = 124  # as coreutils' timeout: the job ran out of time, not out of lu
 REPORT_WAIT_S = 10.0  # how long a rank that fired waits for the others' reports before naming the silent ones
 LAGGARD_DELAY_S = 1.0  # a rank behind the others exits this much later, so that they name it before it is gone
 MEDIAN_OF = 50  # step durations in the median
+HANG_EVENT = "event.json"  # in run_dir/hang/: the hang the reporting rank saw, for the next launch to log
 
 
 def enable_flight_recorder(files: RunDir, backend: str) -> None:
@@ -133,6 +134,9 @@ class Watchdog(threading.Thread, Component):
             with open(stacks, "a") as f:
                 f.write("\n" + line + "\n")
             print(line, file=sys.stderr, flush=True)
+            event = self.dir / f".event{self.rank}.json.tmp"  # logged by the next launch (HangEvent)
+            event.write_text(json.dumps({"hang_step": self.step, "at": state, "detail": line}))
+            os.replace(event, self.dir / HANG_EVENT)
         else:
             time.sleep(LAGGARD_DELAY_S)
         os._exit(HANG_EXIT)
@@ -166,3 +170,18 @@ class Watchdog(threading.Thread, Component):
         if trace is None:
             return
         (self.dir / f"nccl_trace_rank{self.rank}.pkl").write_bytes(trace)
+
+
+class HangEvent(Component):
+    """The hang the previous launch's watchdog reported, as an event of this launch's metrics.jsonl (and so of its
+    dashboards), logged once at its first step: the watchdog's thread ends the process and cannot write it itself."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer, self.report = trainer, trainer.files.hang / HANG_EVENT
+
+    def on_train_start(self) -> None:
+        if not self.trainer.is_rank0 or not self.report.is_file():
+            return
+        event = json.loads(self.report.read_text())
+        self.trainer.log.write({"step": self.trainer.progress.step, "event": "hang", **event})
+        os.replace(self.report, self.report.with_name("event.logged.json"))
