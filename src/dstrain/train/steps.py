@@ -49,6 +49,7 @@ class StepRunner:
         self.hooks, self.components = hooks, components
         self.device = engine.device
         self.doc_masking, self.loss_tiles = recipe.model.doc_masking, strategy.loss_tiles
+        self.sft = recipe.data.sft  # only --chat data has labels it does not learn (dstrain.data.dataset.collate)
         self.tied_head = recipe.model.tied  # the chunked loss holds a tied head's reduction (dstrain.train.tiling)
         self.logit_softcap = recipe.model.logit_softcap  # the chunked pipeline head's (model.gpt.Head applies it)
         self.pipeline = is_pipeline(engine)
@@ -88,6 +89,11 @@ class StepRunner:
         """The step's learned tokens over all ranks, and the divisor of each micro-batch's loss sum (module doc).
         Every rank of a replica (its tensor, pipeline and sequence-parallel ranks) holds the same micro-batches, so
         the sum over the world counts each replica world / dp times."""
+        if not self.sft:  # text learns every label, and every rank's micro-batches are one size: no collective
+            tokens = sum(batch["labels"].numel() for batch in micro_batches)
+            self.learned_tokens = tokens * self.strategy.dp_size
+            self._set_divisor(tokens / self.strategy.grad_accum)
+            return
         self.components.on_mark("counting the step's learned tokens")
         local = sum((batch["labels"] != -100).sum() for batch in micro_batches)
         count = torch.as_tensor(local, device=self.device, dtype=torch.float64)
