@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -169,3 +170,24 @@ def test_a_tokenizer_path_that_exists_nowhere_is_named_as_a_path(tmp_path, monke
     assert "hf download" not in message and "Hub" not in message
     with pytest.raises(DstrainError, match=r"'org/name' \(--tokenizer\) is no folder under .* could not be found"):
         load_tokenizer("org/name")
+
+
+def test_launch_record_round_trips_and_a_recipe_without_one_is_named(corpus, tmp_path, monkeypatch):
+    import yaml
+
+    from dstrain.config import load_recipe, to_dict
+    from dstrain.errors import DstrainError
+    from dstrain.run_dir import LAUNCH_KEY, LaunchRecord
+
+    monkeypatch.chdir(tmp_path)
+    copy_prepared(corpus, tmp_path / "data" / "corp")
+    recipe = load_recipe(small_recipe(tmp_path, Path("data/corp")))
+    written = tmp_path / "recipe.yaml"
+    record = LaunchRecord.of(recipe)
+    written.write_text(yaml.safe_dump({**to_dict(recipe), LAUNCH_KEY: dataclasses.asdict(record)}))
+    assert LaunchRecord.read(written) == record
+    assert record == LaunchRecord(str(tmp_path), {"data.sources[0].path": str(tmp_path / "data" / "corp")})
+
+    written.write_text(yaml.safe_dump(to_dict(recipe)))  # a recipe, not a run's record of one
+    with pytest.raises(DstrainError, match=rf"^{written}: no readable `launch` record .* name the run folder"):
+        LaunchRecord.read(written)

@@ -156,20 +156,32 @@ def recipe_paths(recipe: Recipe) -> dict[str, str]:
     return paths
 
 
-def launch_record(recipe: Recipe) -> dict:
-    """The launch record of LAUNCH_KEY: the working directory and each recipe path that exists there, absolute
-    (a tokenizer or init_from that names a Hub model has none)."""
-    cwd = Path.cwd()
-    resolved = {key: (cwd / path).resolve() for key, path in recipe_paths(recipe).items()}
-    return {"cwd": str(cwd), "paths": {key: str(path) for key, path in resolved.items() if path.exists()}}
+@dataclass(frozen=True)
+class LaunchRecord:
+    """The LAUNCH_KEY section of a run's recipe.yaml."""
 
+    cwd: str  # the working directory of the launch, absolute
+    paths: dict[str, str]  # {dotted recipe key: absolute path} of each recipe path that existed there
 
-def read_launch(recipe_file: str | Path) -> dict[str, str]:
-    """{dotted key: absolute path at launch} recorded in a run's recipe.yaml; empty for runs from before."""
-    try:
-        raw = yaml.safe_load(Path(recipe_file).read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    launch = raw.get(LAUNCH_KEY) if isinstance(raw, dict) else None
-    paths = launch.get("paths") if isinstance(launch, dict) else None
-    return {str(k): str(v) for k, v in paths.items()} if isinstance(paths, dict) else {}
+    @classmethod
+    def of(cls, recipe: Recipe) -> LaunchRecord:
+        """This launch's record (a tokenizer or init_from that names a Hub model has no path)."""
+        cwd = Path.cwd()
+        resolved = {key: (cwd / path).resolve() for key, path in recipe_paths(recipe).items()}
+        return cls(str(cwd), {key: str(path) for key, path in resolved.items() if path.exists()})
+
+    @classmethod
+    def read(cls, recipe_file: str | Path) -> LaunchRecord:
+        """The record a run's recipe.yaml carries; a one-line DstrainError where it has none (a launch writes it
+        with the recipe, so a file without it is not a run's)."""
+        from dstrain.errors import DstrainError
+
+        try:
+            raw = yaml.safe_load(Path(recipe_file).read_text())
+            launch = raw[LAUNCH_KEY]
+            return cls(str(launch["cwd"]), {str(k): str(v) for k, v in launch["paths"].items()})
+        except (OSError, yaml.YAMLError, TypeError, KeyError, AttributeError) as e:
+            raise DstrainError(
+                f"{recipe_file}: no readable `{LAUNCH_KEY}` record ({type(e).__name__}: {e}), so it is not the "
+                "recipe.yaml of a dstrain run; name the run folder `dstrain train` wrote"
+            ) from None

@@ -246,12 +246,12 @@ def _check_run_tokenizer(folder: str, run: RunDir, recipe) -> None:
 
 
 def _run_sources(run: RunDir, recipe) -> list[tuple[str, float]]:
-    """The run's data sources where its launch found them (a relative path meant: relative to where it was launched);
-    for runs from before that was recorded, as the recipe wrote them."""
+    """The run's data sources where its launch found them (a relative path meant: relative to where it was
+    launched)."""
     from dstrain.data.manifest import MANIFEST_NAME
-    from dstrain.run_dir import read_launch
+    from dstrain.run_dir import LaunchRecord
 
-    launch = read_launch(run.recipe)
+    launch = LaunchRecord.read(run.recipe).paths
     sources = []
     for i, source in enumerate(recipe.data.sources):
         at_launch = launch.get(f"data.sources[{i}].path")

@@ -90,6 +90,9 @@ def prepare(dataset: str, out: str, **options) -> dict:
     return run(PrepareOptions(dataset=str(dataset), out=str(out), **options))
 
 
+INPUT_KEYS = ("source", "tokenizer", "shard_tokens")  # what prepare_inputs.json and manifest.json both hold
+
+
 def _existing_inputs(out: Path) -> dict | None:
     """What an earlier run made ``out`` from; None for a new or empty folder."""
     if not out.exists() or not any(out.iterdir()):
@@ -99,9 +102,12 @@ def _existing_inputs(out: Path) -> dict | None:
     for name in (INPUTS_NAME, MANIFEST_NAME):
         if (out / name).is_file():
             try:
-                return json.loads((out / name).read_text(encoding="utf-8"))
+                record = json.loads((out / name).read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError):
-                raise DstrainError(f"{out / name}: unreadable; choose another --out (nothing was changed)") from None
+                record = None
+            if not isinstance(record, dict) or any(key not in record for key in INPUT_KEYS):
+                raise DstrainError(f"{out / name}: unreadable; choose another --out (nothing was changed)")
+            return record
     raise DstrainError(
         f"--out {out} is not empty and holds no `dstrain prepare` output; choose another --out (nothing was changed)"
     )
@@ -109,28 +115,24 @@ def _existing_inputs(out: Path) -> dict | None:
 
 def _conflict(existing: dict, inputs: dict) -> str | None:
     """How ``existing`` inputs differ from this run's, or None if this run may continue them."""
-    old_src, new_src = existing.get("source", {}), inputs["source"]
-    if old_src.get("fingerprint") != new_src["fingerprint"]:
-        return f"a different dataset ({old_src.get('dataset')}, content fingerprint {old_src.get('fingerprint')})"
+    old_src, new_src = existing["source"], inputs["source"]
+    if old_src["fingerprint"] != new_src["fingerprint"]:
+        return f"a different dataset ({old_src['dataset']}, content fingerprint {old_src['fingerprint']})"
     for key, flag in (("split", "--split"), ("config", "--dataset-config"), ("text_field", "--text-field")):
-        if old_src.get(key) != new_src[key]:
-            return f"{flag} {old_src.get(key)!r}"
-    old_tok, new_tok = existing.get("tokenizer", {}), inputs["tokenizer"]
-    if old_tok.get("trained_vocab_size") != new_tok["trained_vocab_size"]:
-        old = old_tok.get("trained_vocab_size")
-        return f"--train-tokenizer {old}" if old else f"--tokenizer {old_tok.get('name')!r}"
-    if new_tok["hash"] is not None and old_tok.get("hash") != new_tok["hash"]:
-        return f"a different tokenizer ({old_tok.get('name')!r}, hash {old_tok.get('hash')})"
-    if existing.get("shard_tokens") != inputs["shard_tokens"]:
-        return f"--shard-tokens {existing.get('shard_tokens')}"
-    old_chat, new_chat = existing.get("chat"), inputs.get("chat")
+        if old_src[key] != new_src[key]:
+            return f"{flag} {old_src[key]!r}"
+    old_tok, new_tok = existing["tokenizer"], inputs["tokenizer"]
+    if old_tok["trained_vocab_size"] != new_tok["trained_vocab_size"]:
+        old = old_tok["trained_vocab_size"]
+        return f"--train-tokenizer {old}" if old else f"--tokenizer {old_tok['name']!r}"
+    if new_tok["hash"] is not None and old_tok["hash"] != new_tok["hash"]:
+        return f"a different tokenizer ({old_tok['name']!r}, hash {old_tok['hash']})"
+    if existing["shard_tokens"] != inputs["shard_tokens"]:
+        return f"--shard-tokens {existing['shard_tokens']}"
+    old_chat, new_chat = existing.get("chat"), inputs.get("chat")  # present for --chat only
     if (old_chat is None) != (new_chat is None):
         return "text (without --chat)" if old_chat is None else "conversations (--chat)"
-    if (
-        old_chat is not None
-        and new_chat is not None
-        and new_chat.get("template_hash", old_chat["template_hash"]) != (old_chat["template_hash"])
-    ):
+    if old_chat is not None and new_chat["template_hash"] != old_chat["template_hash"]:
         return f"another chat template (hash {old_chat['template_hash']})"
     return None
 
@@ -231,7 +233,7 @@ def run(opts: PrepareOptions) -> dict:
 def _conflict_ignoring_fingerprint(manifest: dict, spec: SourceSpec, opts: PrepareOptions) -> str | None:
     """How a merged folder's inputs differ from a task's options (its content fingerprint is not recomputed)."""
     inputs = {
-        "source": {**describe(spec), "fingerprint": manifest["source"].get("fingerprint")},
+        "source": {**describe(spec), "fingerprint": manifest["source"]["fingerprint"]},
         "tokenizer": {
             **manifest["tokenizer"],
             "hash": tokenizer_hash(load_tokenizer(opts.tokenizer)) if opts.tokenizer else None,
@@ -240,7 +242,7 @@ def _conflict_ignoring_fingerprint(manifest: dict, spec: SourceSpec, opts: Prepa
         "shard_tokens": opts.shard_tokens,
     }
     if opts.chat:  # whether the folder holds conversations (its template is not rendered again)
-        inputs["chat"] = manifest.get("chat") or {}
+        inputs["chat"] = manifest.get("chat") or {}  # {} where the folder holds text: the conflict then says so
     return _conflict(manifest, inputs)
 
 

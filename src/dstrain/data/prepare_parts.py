@@ -282,7 +282,9 @@ def merge(out: str | os.PathLike) -> dict:
         ShardReader.open(out / shard["prefix"])  # every moved shard is whole
     if not (out / TOKENIZER_DIR).is_dir():
         _move(parts[0][0] / TOKENIZER_DIR, out / TOKENIZER_DIR)
-    inputs = _read_json(parts[0][0] / INPUTS_NAME) or {}
+    inputs = _read_json(parts[0][0] / INPUTS_NAME)
+    if inputs is None:
+        raise DstrainError(f"{parts[0][0] / INPUTS_NAME}: unreadable; rerun task 0, then merge")
     inputs.pop("task", None)
     inputs["source"] = {**inputs["source"], "fingerprint": fingerprint}
     write_json_atomic(out / INPUTS_NAME, inputs)

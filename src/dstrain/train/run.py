@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +24,7 @@ from dstrain.checkpoint.record import Identity
 from dstrain.config import Recipe, load_recipe, to_dict
 from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError, OneLineArgumentParser, quiet_warnings, warn
 from dstrain.monitors.settings import check_monitors
-from dstrain.run_dir import LAUNCH_KEY, RunDir, launch_record, step_of
+from dstrain.run_dir import LAUNCH_KEY, LaunchRecord, RunDir, step_of
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 from dstrain.train import console, plot, preflight
 from dstrain.train.launcher_env import env_rank, env_world_size
@@ -208,7 +208,9 @@ def claim_run_dir(files: RunDir, recipe: Recipe, strategy: Strategy, tag: str | 
     lock = lock_run_dir(run_dir)
     if tag is None:
         move_previous_run(files)
-    files.recipe.write_text(yaml.safe_dump({**to_dict(recipe), LAUNCH_KEY: launch_record(recipe)}, sort_keys=False))
+    files.recipe.write_text(
+        yaml.safe_dump({**to_dict(recipe), LAUNCH_KEY: asdict(LaunchRecord.of(recipe))}, sort_keys=False)
+    )
     if tag is None:
         from dstrain.data.tokenizer import copy_run_tokenizer
 
