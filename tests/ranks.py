@@ -1,4 +1,10 @@
-"""Spawn N ranks of a gloo process group from pytest (no launcher: ~15 s cheaper per run)."""
+"""Start N ranks of a gloo process group from pytest (no launcher: ~15 s cheaper per run).
+
+The ranks are forked from a forkserver that imported torch, DeepSpeed and dstrain's trainer once per test session:
+a spawned rank spent ~7 s of its ~8 s in a small training importing them (torch._dynamo alone 1.8 s, which every
+torch optimizer's constructor imports). A forked rank then takes on what a spawned one had from the test that
+started it: the working directory, the environment, and stdout/stderr (so capfd sees what the ranks print).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,46 @@ import queue as queue_module
 import sys
 import time
 import traceback
+from multiprocessing import reduction
 
 from dstrain.train.distributed import free_port  # noqa: F401  (tests import it from here too)
 
+# What every rank imports. Forking after them is what torch's DataLoader workers do; none reads an environment
+# variable at import that a test sets for its ranks.
+PRELOAD = ["torch", "torch._dynamo", "deepspeed", "dstrain.train.run", "dstrain.train.engine"]
+_context = None
 
-def _child(rank: int, world: int, port: int, env: dict, target, args, queue) -> None:
+
+def rank_context():
+    """The multiprocessing context of the ranks (a forkserver that preloaded PRELOAD)."""
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+class _Parent:
+    """What a spawned rank would have inherited from the test process: captured at pickling, adopted by the rank."""
+
+    def __init__(self, cwd: str, environ: dict, fds: tuple) -> None:
+        self.cwd, self.environ, self.fds = cwd, environ, fds
+
+    def __reduce__(self):  # called while the Process is pickled for the forkserver: DupFd sends fds 1, 2 along
+        return _Parent, (os.getcwd(), dict(os.environ), (reduction.DupFd(1), reduction.DupFd(2)))
+
+    def adopt(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target_fd, fd in zip((1, 2), self.fds):
+            os.dup2(fd.detach(), target_fd)
+        os.chdir(self.cwd)
+        os.environ.clear()
+        os.environ.update(self.environ)
+
+
+def _child(rank: int, world: int, port: int, env: dict, target, args, queue, parent: _Parent) -> None:
+    parent.adopt()
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -38,10 +79,13 @@ def _child(rank: int, world: int, port: int, env: dict, target, args, queue) -> 
 
 def run_ranks(world: int, target, *args, env: dict | None = None, timeout: float = 1200) -> list:
     """Run ``target(*args)`` on ``world`` ranks; each rank's result, or raise with the failing rank's traceback."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, env or {}, target, args, queue)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_child, args=(r, world, port, env or {}, target, args, queue, _Parent("", {}, ())))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, tuple] = {}
@@ -75,10 +119,13 @@ def run_ranks(world: int, target, *args, env: dict | None = None, timeout: float
 
 def start_target_ranks(world: int, target, *args) -> list:
     """Start ``target(*args)`` on ``world`` ranks and return their processes (to kill, or to wait for)."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = free_port()
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, world, port, {}, target, args, queue)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_child, args=(r, world, port, {}, target, args, queue, _Parent("", {}, ())))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
         p.queue = queue  # the children unpickle it as they start: it must outlive this call
