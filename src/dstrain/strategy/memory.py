@@ -44,7 +44,7 @@ from dstrain.model.config import num_params
 from dstrain.strategy.activations import activation_bytes, mlp_tile_bytes, sp_exchange_bytes
 from dstrain.strategy.averaging_memory import averaging_parts
 from dstrain.strategy.memory_parts import GIB, Estimate, Part
-from dstrain.strategy.param_counts import MOE_FORMULA, ParamCounts, count_params, moe_activation_bytes
+from dstrain.strategy.param_counts import MOE_FORMULA, ParamCounts, count_params, meta_shapes, moe_activation_bytes
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 
 if TYPE_CHECKING:
@@ -162,15 +162,10 @@ def model_state_parts(
 
 def muon_params(model_config) -> int:
     """M: the parameters Muon takes, by DeepSpeed's rule (deepspeed.set_optimizer_flags): 2 or more dimensions and
-    neither "embed" nor "lm_head" in the name. Counted on a meta-device GPT: nothing is allocated."""
-    import torch
-
-    from dstrain.model.gpt import GPT
-
-    with torch.device("meta"):
-        model = GPT(model_config)
+    neither "embed" nor "lm_head" in the name."""
     hidden = ("embed", "lm_head")
-    return sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and not any(k in n for k in hidden))
+    shapes = meta_shapes(model_config)
+    return sum(math.prod(s) for n, s in shapes if len(s) >= 2 and not any(k in n for k in hidden))
 
 
 def bf16_optimizer(strategy: Strategy) -> bool:
