@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_estimate import saved_tensor_bytes, write_recipe
+from test_estimate_measured import saved_tensor_bytes, write_recipe
 
 from dstrain.commands.cli import main as cli
 from dstrain.config import load_recipe

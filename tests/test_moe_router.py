@@ -220,7 +220,7 @@ def test_moe_activations_against_saved_tensors(tmp_path, checkpointing):
     checkpointing only that block holds expert activations. On one process (EP1) DeepSpeed skips the all-to-all whose
     copies the formula counts, so the formula may exceed what is saved by those (measured +6.3% and +4.1%; counting
     every MoE block under recompute, as before, gave +13%)."""
-    from test_estimate import saved_tensor_bytes, write_recipe
+    from test_estimate_measured import saved_tensor_bytes, write_recipe
 
     from dstrain.config import load_recipe
     from dstrain.strategy.memory import estimate
