@@ -51,6 +51,7 @@ SPEED_STEPS, PRECISION_STEPS, MEMORY_STEPS, DRY_STEPS, PROFILE_STEPS = 30, 20, 5
 ASSUMED_MFU, BF16_PEAK = 0.3, 989e12  # H100 SXM dense bf16
 RUN_START_S = {True: 14.0, False: 35.0}  # {dry run: seconds}
 COMPILE_S, FLEX_COMPILE_S, FUSED_ADAM_BUILD_S, CPU_ADAM_BUILD_S = 90.0, 30.0, 90.0, 60.0
+CHAT_PREPARE_S = 20.0  # scripts/demo-sft's conversations, built and prepared (--chat) once
 HOST_ADAM_BYTES_PER_S = 4e9  # DeepSpeedCPUAdam over 16 bytes per parameter per step
 
 
@@ -171,6 +172,20 @@ def checks(dry: bool, tiny: float, steps: int, recipes: list[str]) -> list[Part]
             (2 if dry else 4) * tiny,
             VERDICT + ["tokens_per_s", "mem_peak_gib"],
             "A mixture of experts with activation checkpointing against without (tiny-moe, fp32; bf16 speed)",
+        ),
+        Part(
+            "windowed_attention",
+            lambda c: features.windowed_attention(c, steps),
+            tiny if dry else 3 * tiny + FLEX_COMPILE_S,
+            VERDICT + ["tokens_per_s", "mem_peak_gib"],
+            "Sliding windows and sinks: FlexAttention (GPU) against the dense mask (CPU), speed against full attention",
+        ),
+        Part(
+            "sft_loss",
+            lambda c: features.sft_loss(c, steps),
+            CHAT_PREPARE_S + (1 if dry else 2) * tiny,
+            VERDICT,
+            "Instruction tuning's masked loss: GPU against CPU (tiny on scripts/demo-sft's conversations, fp32)",
         ),
         Part("pytest_gpu", parts.cuda_tests, 30.0 if dry else 150.0, VERDICT, "CUDA tests (pytest -m gpu)"),
         Part(

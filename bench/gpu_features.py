@@ -5,14 +5,26 @@ own tolerance) and, on a GPU, the speed and peak memory it costs or saves.
 - loss_chunking: the loss whole (``tiling.loss`` 1) against chunked, on gpt2-125m at the speed part's micro-batch,
   where the default ("auto") already chunks: 12·T·V of the whole loss is 18.4 GiB at micro-batch 32;
 - moe_recompute: a mixture of experts with activation checkpointing against without (the router losses' gradient
-  reaches the router through the checkpoint), then its speed on a GPU.
+  reaches the router through the checkpoint), then its speed on a GPU;
+- windowed_attention: sliding windows (3 local blocks, 1 global, as Gemma 3's pattern) with sinks (GPT-OSS) through
+  FlexAttention's block mask on a GPU against the dense mask on the CPU, then its speed against full attention;
+- sft_loss: instruction tuning's masked loss (scripts/demo-sft's conversations) on a GPU against the CPU.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from gpu_parts import CONFIGS, Check, compare, speed, status
+from gpu_parts import CONFIGS, ROOT, Check, compare, speed, status
+
+ON_CPU = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}  # the reference run of a device comparison
+WINDOWED = [
+    "model.sliding_window=32",
+    "model.layer_types=[sliding_attention, sliding_attention, sliding_attention, full_attention]",
+    "model.attention_sinks=true",
+]
 
 
 def _config(check: Check, name: str, base: str, **sections) -> object:
@@ -48,16 +60,58 @@ def moe_recompute(check: Check, steps: int, on_gpu: bool) -> list[dict]:
             ("recompute-bf16", "zero1_bf16.json", {"activation_checkpointing": {}}),
         ):
             run = check.train(f"moe-{name}", "tiny-moe", _config(check, f"moe-{name}", base, **sections), [], steps)
-            timed = run["records"][len(run["records"]) // 3 :]
-            rows.append(
-                {
-                    "check": f"tiny-moe {name}",
-                    "ok": run["rc"] == 0,
-                    "detail": status(run),
-                    "tokens_per_s": max((r.get("tokens_per_s") or 0 for r in timed), default=None),
-                    "mem_peak_gib": round(
-                        max((r.get("mem_peak_bytes") or 0 for r in run["records"]), default=0) / 2**30, 2
-                    ),
-                }
-            )
+            rows.append(_speed_row(f"tiny-moe {name}", run))
     return rows
+
+
+def windowed_attention(check: Check, steps: int) -> list[dict]:
+    """tiny with WINDOWED on this device against the CPU's dense mask (fp32, 1e-4, as document masking), then its
+    speed and peak memory beside full attention's."""
+    import torch
+
+    config = _config(check, "window-zero1", "zero1.json")
+    windowed = check.train("window-device", "tiny", config, WINDOWED, steps)
+    if not torch.cuda.is_available():
+        return [check.verdict("windows and sinks, this device", windowed["rc"] == 0, f"{status(windowed)}; no CUDA")]
+    dense = check.train("window-cpu", "tiny", config, WINDOWED, steps, env=ON_CPU)
+    full = check.train("window-full", "tiny", config, [], steps)
+    return [
+        compare(check, "windows and sinks: FlexAttention (GPU) vs dense mask (CPU)", windowed, dense, 1e-4, steps),
+        _speed_row("tiny windowed", windowed),
+        _speed_row("tiny full attention", full),
+    ]
+
+
+def sft_loss(check: Check, steps: int) -> list[dict]:
+    """tiny from random weights tuned on scripts/demo-sft's conversations (prepared with the demo corpus's tokenizer,
+    --chat: the loss mask) on this device, against the same run on the CPU (fp32, 1e-4)."""
+    import torch
+
+    chat = check.work / "pydocs-chat"
+    if not (chat / "manifest.json").exists():
+        raw = check.work / "pydocs-chat.jsonl"
+        corpus = [sys.executable, "-m", "dstrain.data.chat_corpus", str(raw), "--max-examples", "400"]
+        subprocess.run(corpus, env=check.env, check=True, capture_output=True)
+        template = ROOT / "recipes" / "chat_templates" / "role-lines.jinja"
+        prepare = ["prepare", "--dataset", str(raw), "--tokenizer", str(check.data / "tokenizer"), "--chat"]
+        prepare += ["--chat-template", str(template), "--out", str(chat)]
+        subprocess.run([sys.executable, "-m", "dstrain", *prepare], env=check.env, check=True, capture_output=True)
+    config = _config(check, "sft-zero1", "zero1.json")
+    tuning = [f"data.sources=[{{path: {chat}}}]", "data.sft=true", "data.overlong=truncate"]
+    run = check.train("sft-device", "tiny", config, tuning, steps)
+    if not torch.cuda.is_available():
+        return [check.verdict("SFT masked loss, this device", run["rc"] == 0, f"{status(run)}; no CUDA")]
+    reference = check.train("sft-cpu", "tiny", config, tuning, steps, env=ON_CPU)
+    return [compare(check, "SFT masked loss: GPU vs CPU", run, reference, 1e-4, steps)]
+
+
+def _speed_row(name: str, run: dict) -> dict:
+    """Tokens per second (the best logged step after the first third) and peak device memory of one run."""
+    timed = run["records"][len(run["records"]) // 3 :]
+    return {
+        "check": name,
+        "ok": run["rc"] == 0,
+        "detail": status(run),
+        "tokens_per_s": max((r.get("tokens_per_s") or 0 for r in timed), default=None),
+        "mem_peak_gib": round(max((r.get("mem_peak_bytes") or 0 for r in run["records"]), default=0) / 2**30, 2),
+    }
