@@ -130,10 +130,10 @@ def _conflict(existing: dict, inputs: dict) -> str | None:
     if existing["shard_tokens"] != inputs["shard_tokens"]:
         return f"--shard-tokens {existing['shard_tokens']}"
     old_chat, new_chat = existing.get("chat"), inputs.get("chat")  # present for --chat only
+    if old_chat is None and new_chat is None:
+        return None
     if old_chat is None or new_chat is None:
-        return (
-            None if old_chat is new_chat else "text (without --chat)" if old_chat is None else "conversations (--chat)"
-        )
+        return "text (without --chat)" if old_chat is None else "conversations (--chat)"
     if new_chat["template_hash"] != old_chat["template_hash"]:
         return f"another chat template (hash {old_chat['template_hash']})"
     return None

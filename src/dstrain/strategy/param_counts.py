@@ -120,6 +120,9 @@ def meta_shapes(config: GPTConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return _meta_shapes(json.dumps(asdict(config)))
 
 
+_LAST_OF_THREE = f"{EXPERTS}2."  # in the names of the last expert's parameters, built with 3
+
+
 @functools.lru_cache(maxsize=8)
 def _meta_shapes(config_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     config = GPTConfig.from_dict(json.loads(config_json))
@@ -139,9 +142,6 @@ def _meta_shapes(config_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
         else:
             shapes += [(n, tuple(d + grown * (d - d2) for d, d2 in zip(s, earlier[n]))) for n, s in run]
     return tuple(shapes)
-
-
-_LAST_OF_THREE = f"{EXPERTS}2."
 
 
 def _built_shapes(config: GPTConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
