@@ -33,14 +33,17 @@ def rank_context():
     return _context
 
 
-class _Parent:
-    """What a spawned rank would have inherited from the test process: captured at pickling, adopted by the rank."""
+class _FromTheTest:
+    """What a spawned rank inherited from the test that started it, taken when the rank's Process is pickled for the
+    forkserver (at its start): the working directory, the environment, and fds 1 and 2 (DupFd sends them along)."""
 
+    def __reduce__(self):
+        return _Inherited, (os.getcwd(), dict(os.environ), (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+class _Inherited:
     def __init__(self, cwd: str, environ: dict, fds: tuple) -> None:
         self.cwd, self.environ, self.fds = cwd, environ, fds
-
-    def __reduce__(self):  # called while the Process is pickled for the forkserver: DupFd sends fds 1, 2 along
-        return _Parent, (os.getcwd(), dict(os.environ), (reduction.DupFd(1), reduction.DupFd(2)))
 
     def adopt(self) -> None:
         sys.stdout.flush()
@@ -52,8 +55,8 @@ class _Parent:
         os.environ.update(self.environ)
 
 
-def _child(rank: int, world: int, port: int, env: dict, target, args, queue, parent: _Parent) -> None:
-    parent.adopt()
+def _child(rank: int, world: int, port: int, env: dict, target, args, queue, inherited: _Inherited) -> None:
+    inherited.adopt()
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -83,7 +86,7 @@ def run_ranks(world: int, target, *args, env: dict | None = None, timeout: float
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(r, world, port, env or {}, target, args, queue, _Parent("", {}, ())))
+        ctx.Process(target=_child, args=(r, world, port, env or {}, target, args, queue, _FromTheTest()))
         for r in range(world)
     ]
     for p in procs:
@@ -123,8 +126,7 @@ def start_target_ranks(world: int, target, *args) -> list:
     port = free_port()
     queue = ctx.Queue()
     procs = [
-        ctx.Process(target=_child, args=(r, world, port, {}, target, args, queue, _Parent("", {}, ())))
-        for r in range(world)
+        ctx.Process(target=_child, args=(r, world, port, {}, target, args, queue, _FromTheTest())) for r in range(world)
     ]
     for p in procs:
         p.start()
