@@ -158,13 +158,11 @@ def plan_parts(dry: bool) -> list[Part]:
         )
     if dry:  # memory_* share one code path; in a dry run (toy sizes) the first stands for all
         result = [p for p in result if p.name not in ("speed_gpt_1_3b", "memory_gpt2_350m", "memory_gpt_1_3b")]
-    return result + checks(dry, tiny, precision_steps, recipes)
+    return result + feature_parts(dry, tiny, precision_steps) + checks(dry, tiny, precision_steps, recipes)
 
 
-def checks(dry: bool, tiny: float, steps: int, recipes: list[str]) -> list[Part]:
-    """The parts after the headline figures: CUDA tests, document masking, a published family, every strategy's
-    correctness, kernels and FLOP accounting."""
-    masking_speed = None if dry else SPEED_125M
+def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
+    """This round's features on a GPU path (bench/gpu_features.py), after the headline figures."""
     return [
         Part(
             "moe_recompute",
@@ -187,6 +185,14 @@ def checks(dry: bool, tiny: float, steps: int, recipes: list[str]) -> list[Part]
             VERDICT,
             "Instruction tuning's masked loss: GPU against CPU (tiny on scripts/demo-sft's conversations, fp32)",
         ),
+    ]
+
+
+def checks(dry: bool, tiny: float, steps: int, recipes: list[str]) -> list[Part]:
+    """The parts after the features: CUDA tests, document masking, a published family, every strategy's
+    correctness, kernels and FLOP accounting."""
+    masking_speed = None if dry else SPEED_125M
+    return [
         Part("pytest_gpu", parts.cuda_tests, 30.0 if dry else 150.0, VERDICT, "CUDA tests (pytest -m gpu)"),
         Part(
             "doc_masking",
