@@ -29,6 +29,7 @@ import time
 from collections import deque
 
 from dstrain.config import WatchdogConfig
+from dstrain.data.manifest import write_json_atomic
 from dstrain.run_dir import RunDir
 from dstrain.train.components import Component
 
@@ -115,9 +116,7 @@ class Watchdog(threading.Thread, Component):
             faulthandler.dump_traceback(file=f, all_threads=True)
         self._dump_flight_recorder()
         report = {"rank": self.rank, "tick": self.tick, "state": state}
-        tmp = self.dir / f".rank{self.rank}.json.tmp"
-        tmp.write_text(json.dumps(report))
-        os.replace(tmp, self.dir / f"rank{self.rank}.json")
+        write_json_atomic(self.dir / f"rank{self.rank}.json", report)
         reports = self._reports()
         furthest = max(r["tick"] for r in reports.values())
         behind = {r: reports.get(r) for r in range(self.world) if r not in reports or reports[r]["tick"] < furthest}
@@ -134,9 +133,8 @@ class Watchdog(threading.Thread, Component):
             with open(stacks, "a") as f:
                 f.write("\n" + line + "\n")
             print(line, file=sys.stderr, flush=True)
-            event = self.dir / f".event{self.rank}.json.tmp"  # logged by the next launch (HangEvent)
-            event.write_text(json.dumps({"hang_step": self.step, "at": state, "detail": line}))
-            os.replace(event, self.dir / HANG_EVENT)
+            hang = {"hang_step": self.step, "at": state, "detail": line}
+            write_json_atomic(self.dir / HANG_EVENT, hang)  # logged by the next launch (HangEvent)
         else:
             time.sleep(LAGGARD_DELAY_S)
         os._exit(HANG_EXIT)
