@@ -17,7 +17,7 @@ import json
 import subprocess
 import sys
 
-from gpu_parts import CONFIGS, ROOT, Check, compare, speed, status
+from gpu_parts import CONFIGS, ROOT, Check, compare, peak_gib, speed, status
 
 ON_CPU = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}  # the reference run of a device comparison
 WINDOWED = [
@@ -113,5 +113,5 @@ def _speed_row(name: str, run: dict) -> dict:
         "ok": run["rc"] == 0,
         "detail": status(run),
         "tokens_per_s": max((r.get("tokens_per_s") or 0 for r in timed), default=None),
-        "mem_peak_gib": round(max((r.get("mem_peak_bytes") or 0 for r in run["records"]), default=0) / 2**30, 2),
+        "mem_peak_gib": peak_gib(run),
     }

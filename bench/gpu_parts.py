@@ -90,6 +90,11 @@ def status(run: dict) -> str:
     return "ok" if run["rc"] == 0 else ("OOM" if run["oom"] else f"exit {run['rc']}")
 
 
+def peak_gib(run: dict) -> float:
+    """The run's peak device memory over its logged steps, GiB."""
+    return round(max((r.get("mem_peak_bytes") or 0 for r in run["records"]), default=0) / 2**30, 2)
+
+
 def losses(run: dict) -> list[float]:
     return [r["loss"] for r in run["records"]]
 
@@ -151,7 +156,7 @@ def speed(
         for key in ("tokens_per_s", "tflops_per_device", "mfu"):
             values = [r[key] for r in timed if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
-        row["mem_peak_gib"] = round(max((r.get("mem_peak_bytes") or 0 for r in run["records"]), default=0) / 2**30, 2)
+        row["mem_peak_gib"] = peak_gib(run)
         row["seconds"] = run["seconds"]
         if run["rc"] != 0:
             check.failures.append(f"{name}: {status(run)}: {' '.join(run['tail'])[-300:]}")
