@@ -152,8 +152,8 @@ def test_shipped_continue_recipe_fits_one_node_under_its_ds_config(recipe_file):
 
     from dstrain.config import load_recipe
     from dstrain.model.families import CLASSES, check_exportable
-    from dstrain.strategy.memory import estimate_file
-    from dstrain.strategy.memory_parts import GIB
+    from dstrain.plan.memory import estimate_file
+    from dstrain.plan.memory_parts import GIB
     from dstrain.strategy.resolve import load_ds_config
 
     root = recipe_file.parents[1]

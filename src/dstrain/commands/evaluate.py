@@ -24,7 +24,7 @@ import torch
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
-from dstrain.metrics import evaluation_summary, perplexity
+from dstrain.metrics_records import evaluation_summary, perplexity
 from dstrain.model.config import GPTConfig
 from dstrain.run_dir import RunDir
 

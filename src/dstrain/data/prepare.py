@@ -29,7 +29,7 @@ import numpy as np
 from dstrain.data import prepare_parts
 from dstrain.data.chat import ChatEncoder, has_generation_markers, load_chat_template, template_hash
 from dstrain.data.encode import ParallelEncoder
-from dstrain.data.manifest import FORMAT, FORMAT_VERSION, INPUTS_NAME, MANIFEST_NAME, shard_files, write_json_atomic
+from dstrain.data.manifest import FORMAT, FORMAT_VERSION, INPUTS_NAME, MANIFEST_NAME, shard_files
 from dstrain.data.shard_writing import Progress, chat_counts, complete_shard, write_shards
 from dstrain.data.shards import token_dtype
 from dstrain.data.sources import Source, SourceSpec, describe, open_chat_source, open_source, text_batches
@@ -43,6 +43,7 @@ from dstrain.data.tokenizer import (
     verify_tokenizer,
 )
 from dstrain.errors import DstrainError
+from dstrain.files import write_json_atomic
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 BATCH_DOCS = 1000  # documents per tokenisation task: large enough to amortise IPC, small in memory

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from dstrain.data.manifest import INPUTS_NAME, MANIFEST_NAME, write_json_atomic
+from dstrain.data.manifest import INPUTS_NAME, MANIFEST_NAME
 from dstrain.data.shard_writing import chat_counts
 from dstrain.data.shards import SHARD_NAME, ShardReader, mask_prefix, shard_paths
 from dstrain.data.sources import (
@@ -46,6 +46,7 @@ from dstrain.data.sources import (
 )
 from dstrain.data.tokenizer import TOKENIZER_DIR
 from dstrain.errors import DstrainError
+from dstrain.files import write_json_atomic
 
 TASKS_DIR = "tasks"
 _TASK_NAME = "{:05d}-of-{:05d}"

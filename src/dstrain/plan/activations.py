@@ -1,5 +1,5 @@
 """Activation memory per rank: what autograd saves for the backward of one micro-batch (tests/test_estimate.py checks
-it with saved-tensor hooks), and the transient buffers of sequence parallelism. Used by dstrain.strategy.memory."""
+it with saved-tensor hooks), and the transient buffers of sequence parallelism. Used by dstrain.plan.memory."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     ids = tokens * 8
     if strategy.pp_stages == 1:
         return int(stage + head + ids), logits_grad
-    from dstrain.strategy.pipe_schedules import held_stages
+    from dstrain.plan.pipe_schedules import held_stages
 
     in_flight = held_stages(strategy.pipe_schedule, strategy.pp_stages, strategy.grad_accum)
     if strategy.pipe_schedule == "dualpipev":  # rank 0 holds the first and the last stage
