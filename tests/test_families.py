@@ -113,6 +113,17 @@ FAMILIES = {
             rope_parameters=YARN_ROPE | {"truncate": False},
         ),
     ),
+    # --- issue 50's families ---
+    "olmo3": (  # 3 local : 1 global; YaRN on the global blocks only, the local ones unscaled with the same base
+        transformers.Olmo3Config,
+        dict(
+            num_hidden_layers=4,
+            sliding_window=16,
+            pad_token_id=None,
+            eos_token_id=1,
+            rope_parameters={"full_attention": YARN_ROPE, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        ),
+    ),
 }
 
 
@@ -188,7 +199,7 @@ def test_exported_family_is_the_same_class_with_the_same_logits(imported, tmp_pa
     assert from_hf(tmp_path)[0] == config  # config.json -> the same model.* fields
 
 
-@pytest.mark.parametrize("family", ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3"])
 @torch.no_grad()
 def test_greedy_generation_equals_transformers_generate(family):
     """Past the windows (6 + 14 tokens > 16): transformers decodes with its cache (a sliding one on local layers),
@@ -219,6 +230,8 @@ def test_greedy_generation_equals_transformers_generate(family):
         ("gemma2", "logit_softcap", None),
         ("gpt_oss", "layer_types", None),
         ("gpt_oss", "moe", "unclamped"),
+        ("olmo3", "layer_types", None),
+        ("olmo3", "rope_local_theta", None),
     ],
 )
 @torch.no_grad()

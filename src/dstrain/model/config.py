@@ -15,6 +15,7 @@ FLAVOURS = ("gpt2", "llama")
 FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe"),
     *("smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"),
+    *("olmo3",),  # issue 50's families
 )
 
 

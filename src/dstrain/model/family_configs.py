@@ -79,7 +79,7 @@ def _rope_fields(hf: transformers.PretrainedConfig, family: str, source: str) ->
     """rope_theta, rope_scaling, partial_rotary_factor and rope_local_theta of an HF config."""
     rope = hf.rope_parameters
     local = None
-    if family == "gemma3":  # one rope_parameters per layer type: the local blocks' unscaled, with their own base
+    if family in families.LOCAL_ROPE:  # one rope_parameters per layer type: the local blocks' unscaled, with their own base
         local_theta, local_scaling, _ = read_rope(rope["sliding_attention"], f"{source} (sliding_attention)")
         if local_scaling is not None:
             raise DstrainError(f"{source}: rope_parameters.sliding_attention is scaled; dstrain scales global blocks")
@@ -262,6 +262,9 @@ def _layer_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
         return out
     if family == "gpt_oss":
         return dict(layer_types=kinds, sliding_window=config.sliding_window, attention_bias=True)
+    local_rope = {"full_attention": rope_parameters(config), "sliding_attention": rope_parameters(config, True)}
+    if family == "olmo3":  # Gemma 3's RoPE per layer type, without Gemma's conventions
+        return dict(layer_types=kinds, sliding_window=config.sliding_window, rope_parameters=local_rope)
     scalar = config.query_pre_attn_scalar or config.head_dim
     gemma = dict(
         layer_types=kinds,
@@ -272,7 +275,6 @@ def _layer_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
     )
     if family == "gemma2":  # one rope_parameters; use_bidirectional_attention left at the class's None
         return gemma
-    local_rope = {"full_attention": rope_parameters(config), "sliding_attention": rope_parameters(config, True)}
     return gemma | dict(rope_parameters=local_rope, use_bidirectional_attention=False)
 
 
