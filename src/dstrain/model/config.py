@@ -24,7 +24,7 @@ class RopeScaling:
     """RoPE scaling as transformers defines it (its `rope_parameters` without rope_theta; see
     transformers.modeling_rope_utils). Unscaled RoPE ("default") is model.rope_scaling: null."""
 
-    type: Literal["linear", "llama3", "yarn"]  # transformers' rope_type
+    type: Literal["linear", "llama3", "yarn", "longrope"]  # transformers' rope_type
     factor: Annotated[float, Range(gt=0)]  # context extension factor (positions / factor for linear)
     original_max_position_embeddings: Annotated[int, Range(ge=1)] | None = None  # llama3, yarn: pretraining length
     low_freq_factor: Annotated[float, Range(gt=0)] = 1.0  # llama3: wavelengths above orig/low are divided by factor
@@ -35,9 +35,12 @@ class RopeScaling:
     mscale: float | None = None  # yarn (DeepSeek form): with mscale_all_dim, attention_factor = ratio of the two
     mscale_all_dim: float | None = None  # yarn: see mscale
     truncate: bool = True  # yarn: round the correction range to whole dimensions
+    # --- longrope (Phi-3.5, Phi-4-mini): per-frequency divisors, the long ones past original_max_position_embeddings
+    long_factor: list[float] | None = None  # longrope: rotary_dim/2 divisors when the batch's positions exceed it
+    short_factor: list[float] | None = None  # longrope: rotary_dim/2 divisors otherwise; None: init_from's config.json
 
     def __post_init__(self) -> None:
-        if self.type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+        if self.type in ("llama3", "yarn", "longrope") and self.original_max_position_embeddings is None:
             raise DstrainError(
                 f"model.rope_scaling.original_max_position_embeddings: {self.type} needs it; "
                 f"set the pretraining context length"

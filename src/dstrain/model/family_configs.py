@@ -47,26 +47,35 @@ def rope_parameters(config: GPTConfig, local: bool = False) -> dict[str, Any]:
         keys |= {"beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow, "truncate": scaling.truncate}
         extra = {"attention_factor": scaling.attention_factor, "mscale": scaling.mscale}
         keys |= {k: v for k, v in (extra | {"mscale_all_dim": scaling.mscale_all_dim}).items() if v is not None}
+    elif scaling.type == "longrope":  # factor written out (transformers would derive it from max_position_embeddings)
+        keys |= {"long_factor": scaling.long_factor, "short_factor": scaling.short_factor}
+        keys |= {} if scaling.attention_factor is None else {"attention_factor": scaling.attention_factor}
     elif scaling.original_max_position_embeddings is None:
         del keys["original_max_position_embeddings"]
     return {"rope_type": scaling.type, "rope_theta": theta, **keys, **partial}
 
 
-def read_rope(rope: dict[str, Any] | None, source: str) -> tuple[float, RopeScaling | None, float]:
-    """(rope_theta, rope_scaling, partial_rotary_factor) from transformers' rope_parameters."""
+def read_rope(
+    rope: dict[str, Any] | None, source: str, max_positions: int | None = None
+) -> tuple[float, RopeScaling | None, float]:
+    """(rope_theta, rope_scaling, partial_rotary_factor) from transformers' rope_parameters; max_positions: the
+    config's max_position_embeddings, from which transformers derives a longrope factor the config leaves out."""
     rope = dict(rope or {})
     kind = rope.pop("rope_type", "default")
+    rope.pop("type", None)  # the legacy name of rope_type, which Phi-3's config keeps beside it
     theta = float(rope.pop("rope_theta", None) or 10000.0)
     partial = float(rope.pop("partial_rotary_factor", None) or 1.0)
     if kind == "default":
         return theta, None, partial
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
     unknown = sorted(set(rope) - fields)
-    if kind not in ("linear", "llama3", "yarn"):
+    if kind not in ("linear", "llama3", "yarn", "longrope"):
         raise DstrainError(
             f"{source}: rope_parameters.rope_type={kind!r} is not supported; dstrain converts default, linear, "
-            f"llama3 and yarn"
+            f"llama3, yarn and longrope"
         )
+    if kind == "longrope" and rope.get("factor") is None and max_positions and rope.get("original_max_position_embeddings"):
+        rope["factor"] = max_positions / rope["original_max_position_embeddings"]
     if unknown:
         raise DstrainError(f"{source}: rope_parameters.{unknown[0]} is not supported for rope_type {kind!r}")
     try:
@@ -84,7 +93,7 @@ def _rope_fields(hf: transformers.PretrainedConfig, family: str, source: str) ->
         if local_scaling is not None:
             raise DstrainError(f"{source}: rope_parameters.sliding_attention is scaled; dstrain scales global blocks")
         local, rope = local_theta, rope["full_attention"]
-    theta, scaling, partial = read_rope(rope, source)
+    theta, scaling, partial = read_rope(rope, source, hf.max_position_embeddings)
     return dict(rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial, rope_local_theta=local)
 
 
@@ -183,8 +192,8 @@ def _value(hf: transformers.PretrainedConfig, key: str) -> Any:
         return hf.num_attention_heads
     if key == "rope_parameters" and value is not None:  # compared as what it computes: defaults filled in
         if "full_attention" in value:
-            return {kind: read_rope(rope, "") for kind, rope in value.items()}
-        return read_rope(value, "")
+            return {kind: read_rope(rope, "", hf.max_position_embeddings) for kind, rope in value.items()}
+        return read_rope(value, "", hf.max_position_embeddings)
     kinds = getattr(hf, "layer_types", None)  # None: one window for every block (Mistral, Phi-3)
     sliding = getattr(hf, "use_sliding_window", True) and (kinds is None or "sliding_attention" in kinds)
     if key == "sliding_window" and not sliding:
@@ -235,6 +244,9 @@ def hf_config(
     if family != "phi3":  # Phi-3's heads are hidden_size / num_attention_heads wide (not every class lists head_dim)
         kwargs["head_dim"] = config.head_dim
     kwargs |= _layer_kwargs(config, family) | _moe_kwargs(config, family)
+    scaling = config.rope_scaling
+    if "original_max_position_embeddings" in class_fields and scaling and scaling.original_max_position_embeddings:  # Phi-3's config: it wins
+        kwargs["original_max_position_embeddings"] = scaling.original_max_position_embeddings
     hf = getattr(transformers, config_class)(**kwargs)
     if check:
         again = config_from_hf(hf, family, "model")
