@@ -126,6 +126,20 @@ FAMILIES = {
         transformers.Phi3Config,
         dict(pad_token_id=None, original_max_position_embeddings=16, rope_parameters=LONGROPE),
     ),
+    "llama4": (  # Llama 4 text, dense: 16-token chunks on the RoPE blocks, block 3 without RoPE and temperature-tuned
+        transformers.Llama4TextConfig,
+        dict(
+            num_hidden_layers=4,
+            head_dim=8,
+            intermediate_size_mlp=40,
+            moe_layers=[],
+            attention_chunk_size=16,
+            floor_scale=8,  # small enough that the temperature grows within the 48 tokens
+            attn_scale=0.5,
+            pad_token_id=None,
+            rope_parameters=LLAMA3_ROPE,
+        ),
+    ),
     "olmo3": (  # 3 local : 1 global; YaRN on the global blocks only, the local ones unscaled with the same base
         transformers.Olmo3Config,
         dict(
@@ -212,7 +226,7 @@ def test_exported_family_is_the_same_class_with_the_same_logits(imported, tmp_pa
 
 
 @pytest.mark.parametrize(
-    "family", ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3", "phi3-longrope"]
+    "family", ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3", "phi3-longrope", "llama4"]
 )
 @torch.no_grad()
 def test_greedy_generation_equals_transformers_generate(family):
@@ -246,6 +260,10 @@ def test_greedy_generation_equals_transformers_generate(family):
         ("gpt_oss", "moe", "unclamped"),
         ("olmo3", "layer_types", None),
         ("olmo3", "rope_local_theta", None),
+        ("llama4", "layer_types", None),
+        ("llama4", "nope_layers", []),
+        ("llama4", "qk_norm", None),
+        ("llama4", "attn_temperature_floor", None),
     ],
 )
 @torch.no_grad()

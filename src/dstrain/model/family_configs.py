@@ -17,6 +17,7 @@ import transformers
 from dstrain.errors import DstrainError
 from dstrain.model import families
 from dstrain.model.config import GPTConfig, MoEConfig, RopeScaling
+from dstrain.model.family_llama4 import computes_nothing, llama4_fields, llama4_kwargs
 
 # Keys of every transformers config that do not change the function the model computes: bookkeeping, generation,
 # initialisation, and dropout and router noise (training-time only; dstrain trains without them, inference never
@@ -160,6 +161,7 @@ def config_from_hf(hf: transformers.PretrainedConfig, family: str, source: str) 
     caps["logit_softcap"] = getattr(hf, "final_logit_softcapping", None)
     features = fixed | _rope_fields(hf, family, source) | _layer_fields(hf, family)
     features |= {"d_ff": hf.intermediate_size} | _moe_fields(hf, family) | caps
+    features |= llama4_fields(hf, source) if family == "llama4" else {}
     try:
         config = GPTConfig(
             flavour="llama",
@@ -186,6 +188,8 @@ def config_from_hf(hf: transformers.PretrainedConfig, family: str, source: str) 
 def _value(hf: transformers.PretrainedConfig, key: str) -> Any:
     """hf.key with what transformers leaves None resolved, and keys that compute nothing in this config as None."""
     value = getattr(hf, key, None)
+    if isinstance(hf, transformers.Llama4TextConfig) and computes_nothing(hf, key):
+        return None
     if key == "head_dim" and value is None:
         return hf.hidden_size // hf.num_attention_heads
     if key == "num_key_value_heads" and value is None:
@@ -264,6 +268,8 @@ def _layer_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
     """The HF keys of windows, layer kinds, RoPE per kind and Gemma's attention scale."""
     if family in families.WINDOW_EVERY_BLOCK:
         return {"sliding_window": config.sliding_window}
+    if family == "llama4":
+        return llama4_kwargs(config)
     kinds = ["sliding_attention" if config.window(i) else "full_attention" for i in range(config.n_layer)]
     out: dict[str, Any] = {}
     if family == "smollm3":
@@ -325,13 +331,14 @@ def _moe_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
 def _architecture(config: GPTConfig) -> dict[str, Any]:
     """config's fields that decide the computed function, each in one form (windows per block; defaults resolved)."""
     fields = dataclasses.asdict(config)
-    for key in ("doc_masking", "init_std", "layer_types", "sliding_window", "family"):
+    for key in ("doc_masking", "init_std", "layer_types", "sliding_window", "family", "attention_chunk"):
         del fields[key]
     if fields["moe"] is not None:
         del fields["moe"]["z_loss_coef"]  # a training choice transformers does not record
         fields["moe"]["d_expert"] = config.expert_dim
     fields |= dict(
         windows=[config.window(i) for i in range(config.n_layer)],
+        chunks=[config.chunk(i) for i in range(config.n_layer)],
         query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
         rope_local_theta=config.rope_local_theta or config.rope_theta,
         d_head=config.head_dim,
