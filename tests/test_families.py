@@ -326,6 +326,25 @@ def test_longrope_takes_the_short_factors_within_the_original_length():
         assert max_diff(other(ids), hf(ids).logits) > 1e-3
 
 
+def test_llama4_moe_is_refused_on_every_path_that_reads_a_model(tmp_path, capsys):
+    """Llama 4's MoE (sigmoid-scaled expert inputs beside a shared expert) is not computed: a config with MoE layers
+    (Scout: every block) is refused by name whether imported, continued, evaluated or sampled from."""
+    from dstrain.checkpoint.consolidate import load_model_source
+    from dstrain.commands.cli import main as cli
+    from dstrain.model.hf import architecture_from_hf
+
+    config_class, features = FAMILIES["llama4"]
+    torch.manual_seed(0)
+    transformers.Llama4ForCausalLM(config_class(**(SMALL | features | dict(moe_layers=[1])))).save_pretrained(tmp_path)
+    for read in (from_hf, architecture_from_hf, load_model_source):
+        with pytest.raises(DstrainError, match=r"config.json: moe_layers=\[1\] is not supported: Llama 4's mixture"):
+            read(tmp_path)
+    capsys.readouterr()
+    assert cli(["generate", str(tmp_path), "--prompt", "a"]) == 2
+    assert cli(["eval", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("moe_layers=[1] is not supported") == 2
+
+
 def test_unsupported_family_features_are_named():
     dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
     with pytest.raises(DstrainError, match="rope_type='dynamic'"):
