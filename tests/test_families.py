@@ -147,7 +147,7 @@ FAMILIES = {
             sliding_window=16,
             pad_token_id=None,
             eos_token_id=1,
-            rope_parameters={"full_attention": YARN_ROPE, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            rope_parameters={"full_attention": YARN_ROPE, "sliding_attention": LOCAL_ROPE | {"rope_theta": 1e4}},
         ),
     ),
 }

@@ -4,6 +4,7 @@ count is the published size, and its ds_config is the layout `dstrain plan` pick
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -120,8 +121,8 @@ def test_longrope_factors_come_from_init_from_and_are_required(tmp_path):
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     loaded = load_recipe(tmp_path / "recipe.yaml")
     assert loaded.model.rope_scaling.long_factor == small["rope_parameters"]["long_factor"]
-    without = dict(vars(loaded.model.rope_scaling), long_factor=None)
-    model = GPT(type(loaded.model)(**(vars(loaded.model) | {"rope_scaling": type(loaded.model.rope_scaling)(**without)})))
+    without = dataclasses.replace(loaded.model.rope_scaling, long_factor=None)
+    model = GPT(dataclasses.replace(loaded.model, rope_scaling=without))
     with pytest.raises(DstrainError, match="model.rope_scaling.long_factor: longrope needs 6 factors"):
         model(torch.zeros(1, 4097, dtype=torch.long))  # past 4096 positions: the long factors
     sp2 = ROOT / "ds_configs" / "sp2_zero1.json"

@@ -123,3 +123,17 @@ def test_flex_chunks_equal_the_dense_mask_forward_on_cpu(documents):
         unchunked = dense_doc_attention(q, k, v, positions, None)
     torch.testing.assert_close(flex, dense, rtol=0, atol=1e-5)
     assert (dense - unchunked).abs().max() > 1e-2  # the chunks cut
+
+
+def test_flops_count_a_chunked_block_over_its_chunk():
+    """flops_per_token: a chunked block's queries see min(C, L) keys each, as a local block's see min(W, L)."""
+    from dstrain.model.config import flops_per_token, num_params
+
+    kinds = ["chunked_attention", "full_attention"]
+    config = GPTConfig(flavour="llama", n_layer=2, layer_types=kinds, attention_chunk=64, qk_norm="l2")
+    n = num_params(config, exclude_embeddings=True, active=True)
+    assert num_params(config) == num_params(GPTConfig(flavour="llama", n_layer=2))  # the l2 q/k norm has no weight
+    assert flops_per_token(config, 1024) == 6 * n + 12 * config.n_head * config.head_dim * (64 + 1024)
+    assert flops_per_token(config, 32) == 6 * n + 12 * config.n_head * config.head_dim * (32 + 32)
+    with pytest.raises(DstrainError, match="model.layer_types: chunked_attention blocks need a chunk size"):
+        GPTConfig(flavour="llama", n_layer=2, layer_types=kinds)

@@ -41,7 +41,10 @@ def rope_parameters(config: GPTConfig, local: bool = False) -> dict[str, Any]:
     partial = {"partial_rotary_factor": config.partial_rotary_factor} if config.family == "phi3" else {}
     if scaling is None:
         return {"rope_type": "default", "rope_theta": theta, **partial}
-    keys = {"factor": scaling.factor, "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    keys: dict[str, Any] = {
+        "factor": scaling.factor,
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
+    }
     if scaling.type == "llama3":
         keys |= {"low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor}
     elif scaling.type == "yarn":
@@ -75,8 +78,9 @@ def read_rope(
             f"{source}: rope_parameters.rope_type={kind!r} is not supported; dstrain converts default, linear, "
             f"llama3, yarn and longrope"
         )
-    if kind == "longrope" and rope.get("factor") is None and max_positions and rope.get("original_max_position_embeddings"):
-        rope["factor"] = max_positions / rope["original_max_position_embeddings"]
+    original = rope.get("original_max_position_embeddings")
+    if kind == "longrope" and rope.get("factor") is None and max_positions and original:
+        rope["factor"] = max_positions / original
     if unknown:
         raise DstrainError(f"{source}: rope_parameters.{unknown[0]} is not supported for rope_type {kind!r}")
     try:
@@ -89,7 +93,7 @@ def _rope_fields(hf: transformers.PretrainedConfig, family: str, source: str) ->
     """rope_theta, rope_scaling, partial_rotary_factor and rope_local_theta of an HF config."""
     rope = hf.rope_parameters
     local = None
-    if family in families.LOCAL_ROPE:  # one rope_parameters per layer type: the local blocks' unscaled, with their own base
+    if family in families.LOCAL_ROPE:  # one rope_parameters per layer type: the local blocks' unscaled, own base
         local_theta, local_scaling, _ = read_rope(rope["sliding_attention"], f"{source} (sliding_attention)")
         if local_scaling is not None:
             raise DstrainError(f"{source}: rope_parameters.sliding_attention is scaled; dstrain scales global blocks")
@@ -249,7 +253,8 @@ def hf_config(
         kwargs["head_dim"] = config.head_dim
     kwargs |= _layer_kwargs(config, family) | _moe_kwargs(config, family)
     scaling = config.rope_scaling
-    if "original_max_position_embeddings" in class_fields and scaling and scaling.original_max_position_embeddings:  # Phi-3's config: it wins
+    if "original_max_position_embeddings" in class_fields and scaling and scaling.original_max_position_embeddings:
+        # Phi-3's config keeps it beside rope_parameters, and its own value wins there
         kwargs["original_max_position_embeddings"] = scaling.original_max_position_embeddings
     hf = getattr(transformers, config_class)(**kwargs)
     if check:

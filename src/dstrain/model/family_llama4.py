@@ -19,8 +19,10 @@ from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 
 # Keys that compute nothing without MoE layers (the experts' width and routing) or without temperature tuning.
-EXPERT_KEYS = ("intermediate_size", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef")
-EXPERT_KEYS += ("interleave_moe_layer_step",)
+EXPERT_KEYS = (
+    *("intermediate_size", "num_local_experts", "num_experts_per_tok"),
+    *("router_aux_loss_coef", "interleave_moe_layer_step"),
+)
 TEMPERATURE_KEYS = ("floor_scale", "attn_scale")
 
 

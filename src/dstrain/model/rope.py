@@ -112,7 +112,9 @@ def _frequencies(position_ids: torch.Tensor, config: GPTConfig, local: bool) -> 
     scaling = _scaling(config, local)
     if scaling is not None and scaling.type == "longrope":
         long_inv_freq, _ = inverse_frequencies(config, position_ids.device, local, long=True)
-        inv_freq = torch.where(position_ids.max() + 1 > scaling.original_max_position_embeddings, long_inv_freq, inv_freq)
+        assert scaling.original_max_position_embeddings is not None
+        beyond = position_ids.max() + 1 > scaling.original_max_position_embeddings
+        inv_freq = torch.where(beyond, long_inv_freq, inv_freq)
     return inv_freq, scale
 
 
