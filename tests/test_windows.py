@@ -137,3 +137,7 @@ def test_flops_count_a_chunked_block_over_its_chunk():
     assert flops_per_token(config, 32) == 6 * n + 12 * config.n_head * config.head_dim * (32 + 32)
     with pytest.raises(DstrainError, match="model.layer_types: chunked_attention blocks need a chunk size"):
         GPTConfig(flavour="llama", n_layer=2, layer_types=kinds)
+    with pytest.raises(DstrainError, match="model.attention_chunk: no block is chunked_attention"):
+        GPTConfig(flavour="llama", n_layer=2, attention_chunk=64)
+    with pytest.raises(DstrainError, match="attn_temperature_floor need 'llama'"):
+        GPTConfig(flavour="gpt2", n_layer=2, attn_temperature_floor=8)

@@ -218,8 +218,10 @@ class GPTConfig:
             raise bad("flavour", "layer kinds, sinks and the Gemma features need 'llama'", "set flavour: llama")
         if self.flavour == "gpt2" and (self.query_pre_attn_scalar or self.partial_rotary_factor != 1.0):
             raise bad("flavour", "query_pre_attn_scalar and partial_rotary_factor need 'llama'", "set flavour: llama")
-        if self.flavour == "gpt2" and (self.attn_softcap or self.logit_softcap):
-            raise bad("flavour", "attn_softcap and logit_softcap need 'llama'", "set flavour: llama")
+        if self.flavour == "gpt2" and (self.attn_softcap or self.logit_softcap or self.attn_temperature_floor):
+            raise bad(
+                "flavour", "attn_softcap, logit_softcap, attn_temperature_floor need 'llama'", "set flavour: llama"
+            )
         if self.flavour == "llama" and self.rotary_dim % 2:
             raise bad("partial_rotary_factor", f"rotates {self.rotary_dim} dimensions, an odd number", "change it")
         if self.layer_types is not None and len(self.layer_types) != self.n_layer:
@@ -228,6 +230,8 @@ class GPTConfig:
             raise bad("layer_types", "sliding_attention blocks need a window", "set model.sliding_window")
         if self.layer_types and "chunked_attention" in self.layer_types and self.attention_chunk is None:
             raise bad("layer_types", "chunked_attention blocks need a chunk size", "set model.attention_chunk")
+        if self.attention_chunk is not None and "chunked_attention" not in (self.layer_types or []):
+            raise bad("attention_chunk", "no block is chunked_attention", "list them in model.layer_types or remove it")
         outside = [i for i in self.nope_layers if i >= self.n_layer]
         if outside:
             raise bad("nope_layers", f"block {outside[0]} does not exist (n_layer={self.n_layer})", "use 0..n_layer-1")
