@@ -28,7 +28,7 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
         norm = (a if fused_norms else 8) * h + 4  # the norm's input (fused) or fp32 input and output; rstd
         inner = 2 * q + 2 * kv + mlp_inner(m) * (strategy.mlp_tiles == 1)  # q, k, v, attention output; the MLP's
         if m.qk_norm is not None:  # the q and k norms keep theirs too, with an rstd per head (or per token)
-            rstd = 4 * (heads + m.kv_heads if m.qk_norm == "head" else 2)
+            rstd = 4 * (heads + m.kv_heads if m.qk_norm in ("head", "l2") else 2)  # l2: Llama 4's, per head
             inner += ((a if fused_norms else 8) * (q + kv) + rstd) // a
     else:
         norm = a * (h + 2)  # LayerNorm keeps its input, mean and rstd
