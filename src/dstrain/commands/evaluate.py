@@ -109,6 +109,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     micro = _first(args.micro_batch, recipe and _run_micro_batch(Path(args.model)), DEFAULT_MICRO_BATCH)
     assert sources is not None  # a run names its data, a Hugging Face folder needs --data (refused above)
     _check_data(sources[0][0], args.model, config, recipe)
+    config = _masked_where_packed_whole(config, sources)
     if config.position_limit and seq_len > config.position_limit:
         raise DstrainError(f"--seq-len {seq_len} exceeds the model's {config.position_limit} positions; lower it")
     overlong = recipe.data.overlong if recipe is not None else _default(DataConfig, "overlong")
@@ -137,6 +138,20 @@ def evaluate(args: argparse.Namespace) -> dict:
         for e in evals
     }  # fmt: skip
     return result
+
+
+def _masked_where_packed_whole(config: GPTConfig, sources: list[tuple[str, float]]) -> GPTConfig:
+    """The model reads data whose documents are packed whole (--chat) with document masking and restarting positions,
+    whatever its own config says (a Hugging Face folder's never does): each conversation's loss is its loss alone,
+    not one that depends on --seq-len, --micro-batch or its neighbours."""
+    import dataclasses
+
+    from dstrain.data.chat_packing import packs_whole
+    from dstrain.data.manifest import read_manifest
+
+    if config.doc_masking or not any(packs_whole(read_manifest(folder)) for folder, _ in sources):
+        return config
+    return dataclasses.replace(config, doc_masking=True)
 
 
 def _evaluator(model, device, micro: int):
