@@ -234,9 +234,12 @@ def _harness(args: argparse.Namespace, tasks: list) -> dict:
 
 def _check_data(folder: str, model: str, config: GPTConfig, recipe: Recipe | None) -> None:
     from dstrain.data.manifest import read_manifest
+    from dstrain.data.pairs import refuse_pair_sources
     from dstrain.data.tokenizer import verify_tokenizer
 
-    vocab = read_manifest(folder)["vocab_size"]
+    manifest = read_manifest(folder)
+    refuse_pair_sources([folder], [manifest], "--data ")
+    vocab = manifest["vocab_size"]
     if vocab > config.vocab_size:
         raise DstrainError(
             f"--data {folder} has {vocab} token ids, the model {model} only {config.vocab_size}; "

@@ -297,6 +297,10 @@ def merge(out: str | os.PathLike) -> dict:
     )
     if manifest.get("chat") is not None:
         manifest["chat"] = {**manifest["chat"], **chat_counts(out, shards)}
+    if manifest.get("pairs") is not None:
+        from dstrain.data.pairs import pair_counts
+
+        manifest["pairs"] = pair_counts(out, shards)
     write_json_atomic(out / MANIFEST_NAME, manifest)
     shutil.rmtree(out / TASKS_DIR, ignore_errors=True)
     return manifest

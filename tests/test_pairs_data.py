@@ -1,0 +1,152 @@
+"""Preference pairs (issue 46): `dstrain prepare --chat` of TRL's preference format against TRL's DPOTrainer
+preprocessing (the referee: its prompt, chosen and rejected token ids), the manifest's pairs record, and the one-line
+refusals of bad pairs."""
+
+from __future__ import annotations
+
+import re
+
+import datasets
+import pytest
+from chat_fixtures import CONVERSATIONS, PROMPT_COMPLETIONS, save_chat_tokenizer, template_tokenizer, write_jsonl
+
+from dstrain.data.dataset import PreparedTokens
+from dstrain.data.manifest import read_manifest
+from dstrain.data.prepare import prepare
+from dstrain.errors import DstrainError
+
+REJECTED_TEXT = [" London.", " five, as every child knows."]
+
+
+def conversational_rows(implicit: bool) -> list[dict]:
+    """Each conversation's last answer chosen, the next conversation's last answer rejected (a mismatched answer)."""
+    rows = []
+    for i, conversation in enumerate(CONVERSATIONS):
+        other = CONVERSATIONS[(i + 1) % len(CONVERSATIONS)][-1]
+        prompt, chosen, rejected = conversation[:-1], conversation[-1:], [other]
+        rows.append(
+            {"chosen": prompt + chosen, "rejected": prompt + rejected}
+            if implicit
+            else {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+        )
+    return rows
+
+
+def text_rows(implicit: bool) -> list[dict]:
+    rows = []
+    for example, rejected in zip(PROMPT_COMPLETIONS, REJECTED_TEXT):
+        prompt, chosen = example["prompt"], example["completion"]
+        rows.append(
+            {"chosen": prompt + chosen, "rejected": prompt + rejected}
+            if implicit
+            else {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+        )
+    return rows
+
+
+def prepared_pairs(tmp_path, rows: list[dict], template: str = "chatml") -> tuple:
+    tokenizer = save_chat_tokenizer(tmp_path / f"tok-{template}", template)
+    out = tmp_path / "pairs"
+    prepare(
+        str(write_jsonl(tmp_path / "pairs.jsonl", rows)), str(out), tokenizer=str(tokenizer), chat=True, num_proc=1,
+        progress=False,
+    )  # fmt: skip
+    tokens = PreparedTokens(out)
+    docs = [tokens.document(d).tolist() for d in range(tokens.num_docs)]
+    return out, docs, [tokens.document_mask(d).astype(bool).tolist() for d in range(tokens.num_docs)]
+
+
+def trl_pairs(rows: list[dict], tokenizer, output_dir) -> list[dict]:
+    """Each row as TRL's DPOTrainer prepares it: prompt_ids, chosen_ids, rejected_ids."""
+    pytest.importorskip("trl", reason="TRL, the referee, is the test-only extra .[referee] (requirements.txt has it)")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    args = DPOConfig(output_dir=str(output_dir), report_to=[], use_cpu=True, max_length=None)
+    trainer = DPOTrainer(
+        model=LlamaForCausalLM(config), ref_model=LlamaForCausalLM(config), args=args,
+        train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
+    )  # fmt: skip
+    return list(trainer.train_dataset)
+
+
+@pytest.mark.parametrize("kind", ["conversational", "plain"])
+@pytest.mark.parametrize("prompt", ["explicit", "implicit"])
+def test_pairs_match_trl_dpo_preprocessing(tmp_path, kind, prompt):
+    rows = (conversational_rows if kind == "conversational" else text_rows)(prompt == "implicit")
+    out, docs, masks = prepared_pairs(tmp_path, rows)
+    referee = trl_pairs(rows, template_tokenizer("chatml"), tmp_path / "trl")
+    assert len(docs) == 2 * len(rows)
+    for k, row in enumerate(referee):
+        for side, doc in (("chosen_ids", 2 * k), ("rejected_ids", 2 * k + 1)):  # neighbours, chosen first
+            assert docs[doc] == row["prompt_ids"] + row[side]
+            assert masks[doc] == [False] * len(row["prompt_ids"]) + [True] * len(row[side])
+    manifest = read_manifest(out)
+    assert manifest["chat"]["format"] == "preference"
+    pairs = [len(docs[2 * k]) + len(docs[2 * k + 1]) for k in range(len(rows))]
+    assert manifest["pairs"]["pairs"] == len(rows) and manifest["pairs"]["longest"] == max(pairs)
+    assert manifest["pairs"]["longer_than"]["128"] == sum(n > 129 for n in pairs)
+
+
+USER = {"role": "user", "content": "Which one?"}
+BAD_PAIRS = [
+    ([{"prompt": "Pick", "chosen": " a"}], "has a 'chosen' column but no 'rejected' column"),
+    ([{"prompt": "Pick", "chosen": " a", "rejected": " a"}], "row 0: chosen equals rejected"),
+    ([{"prompt": "Pick", "chosen": " a", "rejected": " "}], "row 0: rejected is empty"),
+    ([{"chosen": "Pick a", "rejected": "Pick a or b"}], "row 0: the chosen completion is empty"),
+    ([{"chosen": "Yes", "rejected": "No"}], "row 0: chosen and rejected share no common beginning"),
+    (
+        [{"chosen": [USER, {"role": "assistant", "content": "A."}], "rejected": [{"role": "user", "content": "B?"}]}],
+        "row 0: chosen and rejected share no first turn",
+    ),
+    (
+        [
+            {
+                "chosen": [USER, {"role": "assistant", "content": "A."}, {"role": "user", "content": "Sure?"}],
+                "rejected": [USER, {"role": "assistant", "content": "A."}, {"role": "user", "content": "Why?"}],
+            }
+        ],
+        "row 0: the implicit prompt (the turns chosen and rejected share) is not followed by an assistant answer",
+    ),
+]
+
+
+@pytest.mark.parametrize("rows, fragment", BAD_PAIRS, ids=[f"bad{i}" for i in range(len(BAD_PAIRS))])
+def test_bad_pairs_are_refused_in_one_line_before_any_shard(tmp_path, rows, fragment):
+    with pytest.raises(DstrainError, match=re.escape(fragment)) as error:
+        prepared_pairs(tmp_path, rows)
+    assert "\n" not in str(error.value)
+    assert not list((tmp_path / "pairs").glob("shard_*"))
+
+
+def test_a_pair_folder_is_refused_by_training_and_by_eval(tmp_path, capsys):
+    """Pairs train only under a preference objective: an SFT recipe would learn the rejected answers too."""
+    import yaml
+
+    from dstrain.commands.cli import main as cli
+    from dstrain.config import load_recipe
+    from dstrain.train.run import fingerprint_of_checked_data
+
+    out, _, _ = prepared_pairs(tmp_path, conversational_rows(implicit=False))
+    path = tmp_path / "sft.yaml"
+    model = {"flavour": "llama", "n_layer": 1, "n_head": 2, "d_model": 32}
+    data = {"sources": [{"path": str(out)}], "seq_len": 32, "sft": True}
+    path.write_text(
+        yaml.safe_dump({"name": "x", "model": model, "data": data, "train": {"steps": 1, "global_batch": 2}})
+    )
+    with pytest.raises(DstrainError, match=re.escape(f"{path}: data.sources {out} holds preference pairs")) as error:
+        fingerprint_of_checked_data(load_recipe(path), str(path))
+    assert "\n" not in str(error.value)
+    hf = tmp_path / "hf"
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(
+        LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    ).save_pretrained(hf)
+    capsys.readouterr()
+    assert cli(["eval", str(hf), "--data", str(out)]) == 2
+    assert f"--data {out} holds preference pairs" in capsys.readouterr().err
