@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import datasets
+import numpy as np
 import pytest
 from chat_fixtures import CONVERSATIONS, PROMPT_COMPLETIONS, save_chat_tokenizer, template_tokenizer, write_jsonl
 
@@ -150,3 +151,46 @@ def test_a_pair_folder_is_refused_by_training_and_by_eval(tmp_path, capsys):
     capsys.readouterr()
     assert cli(["eval", str(hf), "--data", str(out)]) == 2
     assert f"--data {out} holds preference pairs" in capsys.readouterr().err
+
+
+def test_packed_pairs_give_each_completions_log_prob_sum_alone(tmp_path):
+    """Pairs packed whole, several to a sample, chosen before rejected; a dstrain GPT with document masking over the
+    packed micro-batch gives each completion's log-prob sum (and token count) that transformers' forward of that side
+    alone gives, its sides found in the shards (fp32, 1e-5)."""
+    import torch
+
+    from dstrain.data.dataset import build_dataset, collate
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.gpt import GPT
+    from dstrain.model.hf import to_hf_model
+    from dstrain.train.preference import completion_logps
+
+    rows = conversational_rows(implicit=False) * 3 + text_rows(implicit=True) * 3
+    out, docs, masks = prepared_pairs(tmp_path, rows)
+    data = build_dataset([(str(out), 1.0)], "train", 320, 7, None, 0.2)
+    samples = [data[i] for i in range(len(data))]
+    assert max(int(s["documents"].max()) for s in samples) >= 3  # at least two pairs share a sample
+    vocab = -(-read_manifest(out)["vocab_size"] // 64) * 64
+    config = GPTConfig(flavour="llama", vocab_size=vocab, max_seq_len=320, n_layer=2, n_head=4, n_kv_head=2,
+                       d_model=64, doc_masking=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    hf = to_hf_model(config, model.state_dict())
+    batch = collate(samples)
+    with torch.no_grad():
+        ours = completion_logps(model(batch["input_ids"], batch["position_ids"]), batch["labels"], batch["documents"])
+    expected, counts = [], []
+    for sample in samples:
+        for piece in range(0, int(sample["documents"].max()) + 1, 2):
+            chosen = sample["tokens"][sample["documents"] == piece].tolist()
+            doc = docs.index(chosen)
+            assert doc % 2 == 0 and sample["tokens"][sample["documents"] == piece + 1].tolist() == docs[doc + 1]
+            for side in (doc, doc + 1):
+                ids, learned = torch.tensor(docs[side]), torch.tensor(masks[side][1:])
+                with torch.no_grad():
+                    logps = torch.log_softmax(hf(input_ids=ids[None, :-1]).logits[0].float(), -1)
+                expected.append(logps.gather(1, ids[1:, None])[:, 0][learned].sum().item())
+                counts.append(int(learned.sum()))
+    np.testing.assert_allclose(torch.stack([ours.chosen, ours.rejected], 1).flatten().numpy(), expected, rtol=1e-5)
+    assert torch.stack([ours.chosen_tokens, ours.rejected_tokens], 1).flatten().tolist() == counts
+    assert len(expected) == 2 * ours.chosen.numel() and ours.chosen.numel() >= 8

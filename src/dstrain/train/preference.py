@@ -105,3 +105,27 @@ def metric_sums(config: PreferenceConfig, logps: PairLogps) -> torch.Tensor:
 def metrics_of(sums: torch.Tensor, pairs: float) -> dict[str, float]:
     """METRICS' means from their all-reduced ``metric_sums`` over ``pairs`` pairs."""
     return {name: float(value) / max(pairs, 1.0) for name, value in zip(METRICS, sums.tolist())}
+
+
+def completion_logps(logits: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor) -> PairLogps:
+    """The policy's side of PairLogps of a micro-batch of packed pairs (dstrain.data.pair_packing): each pair's chosen
+    and rejected completion log-prob sums over its learned labels, and their counts; ``documents``: each label's piece
+    in its sample (-1: padding). The reference's fields are zeros, filled from the stored reference scores."""
+    batch, width = labels.shape[0], max(int(documents.max()) + 1, 2)
+    token_logps = -F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="none"
+    )  # 0 where ignored
+    pieces = (torch.arange(batch, device=labels.device)[:, None] * width + documents.clamp(min=0)).flatten()
+    inside = documents.flatten() >= 0
+    learned = inside & (labels.flatten() != -100)
+    sums = token_logps.new_zeros(batch * width).index_add(0, pieces[learned], token_logps[learned])
+    counts = token_logps.new_zeros(batch * width).index_add(
+        0, pieces[learned], token_logps.new_ones(int(learned.sum()))
+    )
+    present = token_logps.new_zeros(batch * width).index_add(0, pieces[inside], token_logps.new_ones(int(inside.sum())))
+    sums, counts, present = sums.view(batch, width), counts.view(batch, width), present.view(batch, width)
+    pairs = present[:, 0::2] > 0  # a pair is in a sample where its chosen piece is
+    zeros = sums[:, 0::2][pairs].detach() * 0
+    return PairLogps(
+        sums[:, 0::2][pairs], sums[:, 1::2][pairs], zeros, zeros, counts[:, 0::2][pairs], counts[:, 1::2][pairs]
+    )
