@@ -194,3 +194,53 @@ def test_packed_pairs_give_each_completions_log_prob_sum_alone(tmp_path):
     np.testing.assert_allclose(torch.stack([ours.chosen, ours.rejected], 1).flatten().numpy(), expected, rtol=1e-5)
     assert torch.stack([ours.chosen_tokens, ours.rejected_tokens], 1).flatten().tolist() == counts
     assert len(expected) == 2 * ours.chosen.numel() and ours.chosen.numel() >= 8
+
+
+def test_reference_scores_are_each_side_alone_kept_reused_and_checked(tmp_path):
+    """The reference pass over both splits scores every pair once, equal to transformers' forward of each side alone
+    (fp32, 1e-5); kept beside the shards under a key of the weights, the data and the packing; reused (not
+    computed again); other weights make another key; a changed file is refused in one line."""
+    import torch
+
+    from dstrain.data.dataset import build_dataset
+    from dstrain.data.manifest import manifest_hash
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.gpt import GPT
+    from dstrain.model.hf import to_hf_model
+    from dstrain.train.reference_scores import reference_scores, score_pairs, scores_key, weights_hash
+
+    rows = conversational_rows(implicit=True) * 2 + text_rows(implicit=False) * 2
+    out, docs, masks = prepared_pairs(tmp_path, rows)
+    sets = [build_dataset([(str(out), 1.0)], split, 320, 7, None, 0.2) for split in ("train", "valid")]
+    config = GPTConfig(flavour="llama", vocab_size=-(-read_manifest(out)["vocab_size"] // 64) * 64, max_seq_len=320,
+                       n_layer=2, n_head=4, n_kv_head=2, d_model=64, doc_masking=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    key, parts = scores_key(weights_hash(model.state_dict()), manifest_hash(read_manifest(out)), 320, "truncate")
+    calls = []
+
+    def compute():
+        calls.append(1)
+        forward = lambda batch: model(batch["input_ids"], batch["position_ids"])  # noqa: E731
+        return score_pairs(forward, sets, len(rows), 3, 0, 1, torch.device("cpu"))
+
+    scores = reference_scores(out, key, parts, compute)
+    assert scores.shape == (len(rows), 2) and not np.isnan(scores).any()  # every pair of both splits, once
+    hf = to_hf_model(config, model.state_dict())
+    for pair in range(len(rows)):
+        for side in (0, 1):
+            ids, learned = torch.tensor(docs[2 * pair + side]), torch.tensor(masks[2 * pair + side][1:])
+            with torch.no_grad():
+                logps = torch.log_softmax(hf(input_ids=ids[None, :-1]).logits[0].float(), -1)
+            expected = logps.gather(1, ids[1:, None])[:, 0][learned].sum().item()
+            np.testing.assert_allclose(scores[pair, side], expected, rtol=1e-5)
+    assert np.array_equal(reference_scores(out, key, parts, compute), scores) and len(calls) == 1  # reused
+    torch.manual_seed(1)
+    assert weights_hash(GPT(config).state_dict()) != parts["weights"]
+    npy = out / "reference_scores" / f"{key}.npy"
+    content = bytearray(npy.read_bytes())
+    content[-3] ^= 1
+    npy.write_bytes(bytes(content))
+    with pytest.raises(DstrainError, match=re.escape(f"{npy}: the reference scores differ")) as error:
+        reference_scores(out, key, parts, compute)
+    assert "\n" not in str(error.value) and len(calls) == 1

@@ -160,7 +160,9 @@ class PackedDataset:
             conversations = self.doc_order[base + position : base + last_position].tolist()
             if self.tokens.pairs:
                 sides = [self.tokens.side(2 * pair + side) for pair in conversations for side in (0, 1)]
-                return pair_sample(sides, self.seq_len, self.pad_id)
+                pair_ids = np.full(self.seq_len + 1, -1, dtype=np.int64)
+                pair_ids[: len(conversations)] = conversations  # the folder's pair of each of the sample's pairs
+                return {**pair_sample(sides, self.seq_len, self.pad_id), "pair_ids": pair_ids}
             pieces = [self.tokens.document(doc) for doc in conversations]
             masks = [self.tokens.document_mask(doc) for doc in conversations]
             return chat_sample(pieces, masks, self.seq_len, self.pad_id)
@@ -342,4 +344,6 @@ def collate(samples: list[dict[str, np.ndarray]]) -> dict:
     }
     if all("documents" in s for s in samples):  # pairs: each label's piece in its sample (data/pair_packing.py)
         batch["documents"] = torch.from_numpy(np.stack([s["documents"][1:] for s in samples]))
+    if all("pair_ids" in s for s in samples):  # the folder's pair of each of a sample's pairs, in order; -1 after
+        batch["pair_ids"] = torch.from_numpy(np.stack([s["pair_ids"] for s in samples]))
     return batch
