@@ -244,3 +244,18 @@ def test_reference_scores_are_each_side_alone_kept_reused_and_checked(tmp_path):
     with pytest.raises(DstrainError, match=re.escape(f"{npy}: the reference scores differ")) as error:
         reference_scores(out, key, parts, compute)
     assert "\n" not in str(error.value) and len(calls) == 1
+
+
+def test_two_tasks_and_their_merge_make_the_one_process_pair_folder(tmp_path):
+    rows = conversational_rows(implicit=False) * 3 + text_rows(implicit=True) * 2
+    one, docs, masks = prepared_pairs(tmp_path, rows)
+    merged = tmp_path / "merged"
+    for index in range(2):
+        prepare(
+            str(tmp_path / "pairs.jsonl"), str(merged), tokenizer=str(tmp_path / "tok-chatml"), chat=True, num_proc=1,
+            progress=False, num_tasks=2, task_index=index,
+        )  # fmt: skip
+    tokens = PreparedTokens(merged)
+    assert [tokens.document(d).tolist() for d in range(tokens.num_docs)] == docs
+    assert [tokens.document_mask(d).astype(bool).tolist() for d in range(tokens.num_docs)] == masks
+    assert read_manifest(merged)["pairs"] == read_manifest(one)["pairs"]

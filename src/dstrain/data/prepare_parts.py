@@ -226,6 +226,7 @@ def _check_agreement(parts: list[tuple[Path, dict]]) -> None:
             **{k: v for k, v in manifest.items() if k not in _PART_KEYS},
             "source": {**manifest["source"], "fingerprint": None},
             **({"chat": {k: manifest["chat"][k] for k in CHAT_RENDERING}} if manifest.get("chat") else {}),
+            "pairs": manifest.get("pairs") is not None,  # each part's own counts; the merge counts them again
         }
 
     first_folder, first = parts[0]
