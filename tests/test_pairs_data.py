@@ -4,6 +4,7 @@ refusals of bad pairs."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import datasets
@@ -124,7 +125,7 @@ def test_bad_pairs_are_refused_in_one_line_before_any_shard(tmp_path, rows, frag
     assert not list((tmp_path / "pairs").glob("shard_*"))
 
 
-def test_a_pair_folder_is_refused_by_training_and_by_eval(tmp_path, capsys):
+def test_a_pair_folder_is_refused_by_training_and_by_eval_without_a_reference(tmp_path, capsys):
     """Pairs train only under a preference objective: an SFT recipe would learn the rejected answers too."""
     import yaml
 
@@ -150,7 +151,7 @@ def test_a_pair_folder_is_refused_by_training_and_by_eval(tmp_path, capsys):
     ).save_pretrained(hf)
     capsys.readouterr()
     assert cli(["eval", str(hf), "--data", str(out)]) == 2
-    assert f"--data {out} holds preference pairs" in capsys.readouterr().err
+    assert f"--data {out} holds preference pairs: name the reference model with --reference" in capsys.readouterr().err
 
 
 def test_packed_pairs_give_each_completions_log_prob_sum_alone(tmp_path):
@@ -225,7 +226,7 @@ def test_reference_scores_are_each_side_alone_kept_reused_and_checked(tmp_path):
         return score_pairs(forward, sets, len(rows), 3, 0, 1, torch.device("cpu"))
 
     scores = reference_scores(out, key, parts, compute)
-    assert scores.shape == (len(rows), 2) and not np.isnan(scores).any()  # every pair of both splits, once
+    assert scores.shape == (len(rows), 4) and not np.isnan(scores).any()  # every pair of both splits, once
     hf = to_hf_model(config, model.state_dict())
     for pair in range(len(rows)):
         for side in (0, 1):
@@ -234,6 +235,7 @@ def test_reference_scores_are_each_side_alone_kept_reused_and_checked(tmp_path):
                 logps = torch.log_softmax(hf(input_ids=ids[None, :-1]).logits[0].float(), -1)
             expected = logps.gather(1, ids[1:, None])[:, 0][learned].sum().item()
             np.testing.assert_allclose(scores[pair, side], expected, rtol=1e-5)
+            assert scores[pair, 2 + side] == int(learned.sum())
     assert np.array_equal(reference_scores(out, key, parts, compute), scores) and len(calls) == 1  # reused
     torch.manual_seed(1)
     assert weights_hash(GPT(config).state_dict()) != parts["weights"]
@@ -259,3 +261,59 @@ def test_two_tasks_and_their_merge_make_the_one_process_pair_folder(tmp_path):
     assert [tokens.document(d).tolist() for d in range(tokens.num_docs)] == docs
     assert [tokens.document_mask(d).astype(bool).tolist() for d in range(tokens.num_docs)] == masks
     assert read_manifest(merged)["pairs"] == read_manifest(one)["pairs"]
+
+
+def test_eval_of_a_pair_folder_gives_the_loss_and_reward_accuracy_of_each_side_alone(tmp_path, capsys):
+    """`dstrain eval POLICY --data PAIRS --reference REF` (two Hugging Face folders): the sigmoid loss and reward
+    accuracy over the split's pairs equal those of transformers' forwards of each side alone (loss within 1e-5
+    absolute); the reference's scores kept once and reused; the policy as its own reference gives ln 2 and no pair
+    preferred."""
+    import json
+
+    import torch
+
+    from dstrain.commands.cli import main as cli
+    from dstrain.data.index import split_documents
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.gpt import GPT
+    from dstrain.model.hf import to_hf_model
+
+    rows = conversational_rows(implicit=False) * 3 + text_rows(implicit=True) * 3
+    out, docs, masks = prepared_pairs(tmp_path, rows)
+    config = GPTConfig(flavour="llama", vocab_size=-(-read_manifest(out)["vocab_size"] // 64) * 64, max_seq_len=320,
+                       n_layer=2, n_head=4, n_kv_head=2, d_model=64)  # fmt: skip
+    models = {}
+    for name, seed in (("policy", 0), ("reference", 1)):
+        torch.manual_seed(seed)
+        models[name] = to_hf_model(config, GPT(config).state_dict())
+        models[name].save_pretrained(tmp_path / name)
+
+    def side_logps(model, doc):
+        ids, learned = torch.tensor(docs[doc]), torch.tensor(masks[doc][1:])
+        with torch.no_grad():
+            logps = torch.log_softmax(model(input_ids=ids[None, :-1]).logits[0].float(), -1)
+        return logps.gather(1, ids[1:, None])[:, 0][learned].sum().item()
+
+    split = split_documents(len(rows), "train", 0.2, 7).tolist()
+    margins = []
+    for pair in split:
+        chosen, rejected = (side_logps(models["policy"], 2 * pair + s) - side_logps(models["reference"], 2 * pair + s)
+                            for s in (0, 1))  # fmt: skip
+        margins.append(0.5 * (chosen - rejected))
+    argv = ["eval", str(tmp_path / "policy"), "--data", str(out), "--split", "train", "--seq-len", "320", "--seed",
+            "7", "--valid-fraction", "0.2", "--beta", "0.5", "--micro-batch", "3"]  # fmt: skip
+    capsys.readouterr()
+    assert cli([*argv, "--reference", str(tmp_path / "reference")]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["pairs"] == len(split)
+    expected = float(np.mean([math.log1p(math.exp(-m)) for m in margins]))
+    assert result["loss"] == pytest.approx(expected, abs=1e-5)
+    assert result["rewards/accuracies"] == pytest.approx(np.mean([m > 0 for m in margins]))
+    assert result["rewards/margins"] == pytest.approx(np.mean(margins), abs=1e-5)
+    assert len(list((out / "reference_scores").glob("*.npy"))) == 1
+    assert cli([*argv, "--reference", str(tmp_path / "policy")]) == 0
+    itself = json.loads(capsys.readouterr().out)
+    assert itself["loss"] == pytest.approx(math.log(2), abs=1e-7) and itself["rewards/accuracies"] == 0
+    assert len(list((out / "reference_scores").glob("*.npy"))) == 2  # one per reference's weights
+    assert cli([*argv, "--reference", str(tmp_path / "reference")]) == 0  # the kept scores, reused
+    assert json.loads(capsys.readouterr().out)["loss"] == result["loss"]

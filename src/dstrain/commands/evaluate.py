@@ -26,6 +26,7 @@ from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.metrics import evaluation_summary, perplexity
 from dstrain.model.config import GPTConfig
+from dstrain.preference_config import LOSSES
 from dstrain.run_dir import RunDir
 
 DEFAULT_MICRO_BATCH = 4
@@ -50,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="the data split's seed (default: the run's seed, else 1234)")
     parser.add_argument("--valid-fraction", type=float, help="default: the run's data.valid_fraction, else 0.01")
     parser.add_argument("--tag", help="checkpoint tag of a run (default: the newest complete)")
+    pairs = parser.add_argument_group("preference pairs (--data a pair folder; docs/preference-tuning.md)")
+    pairs.add_argument(
+        "--reference", metavar="DIR", help="the reference model (the policy's init_from): a run or folder"
+    )
+    pairs.add_argument("--loss", choices=LOSSES, help="the preference loss (default: sigmoid)")
+    pairs.add_argument("--beta", type=float, help="the preference loss's beta (default: 0.1)")
     parser.add_argument(
         "--tasks",
         nargs="?",
@@ -88,6 +95,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch), ("--samples", args.samples)):
         if value is not None and value <= 0:  # before anything is read; the run's own values are validated
             raise DstrainError(f"{flag} {value}: must be positive")
+    if args.data and _holds_pairs(args.data):  # the preference loss and reward metrics (docs/preference-tuning.md)
+        from dstrain.commands.evaluate_pairs import evaluate_pairs
+
+        return evaluate_pairs(args)
     run = RunDir(Path(args.model))
     sources = [(args.data, 1.0)] if args.data else None
     if run.recipe.is_file():  # before the checkpoint is read
@@ -138,6 +149,13 @@ def evaluate(args: argparse.Namespace) -> dict:
         for e in evals
     }  # fmt: skip
     return result
+
+
+def _holds_pairs(folder: str) -> bool:
+    from dstrain.data.manifest import read_manifest
+    from dstrain.data.pairs import is_pair_folder
+
+    return is_pair_folder(read_manifest(folder))
 
 
 def _masked_where_packed_whole(config: GPTConfig, sources: list[tuple[str, float]]) -> GPTConfig:
@@ -234,12 +252,9 @@ def _harness(args: argparse.Namespace, tasks: list) -> dict:
 
 def _check_data(folder: str, model: str, config: GPTConfig, recipe: Recipe | None) -> None:
     from dstrain.data.manifest import read_manifest
-    from dstrain.data.pairs import refuse_pair_sources
     from dstrain.data.tokenizer import verify_tokenizer
 
-    manifest = read_manifest(folder)
-    refuse_pair_sources([folder], [manifest], "--data ")
-    vocab = manifest["vocab_size"]
+    vocab = read_manifest(folder)["vocab_size"]
     if vocab > config.vocab_size:
         raise DstrainError(
             f"--data {folder} has {vocab} token ids, the model {model} only {config.vocab_size}; "

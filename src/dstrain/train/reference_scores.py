@@ -1,5 +1,6 @@
 """The reference model's completion log-prob sums of every pair of a pair folder, computed once and kept beside the
-shards: ``FOLDER/reference_scores/<key>.npy`` (float64, one row per pair: chosen, rejected) and ``<key>.json`` (what
+shards: ``FOLDER/reference_scores/<key>.npy`` (float64, one row per pair: chosen, rejected, and their learned
+tokens) and ``<key>.json`` (what
 the key was made of, and the .npy's size and XXH3-64 checksum), written atomically.
 
 The key is a hash of the reference's weights (``weights_hash``), the data (the manifest's hash, which holds the
@@ -82,13 +83,14 @@ def score_pairs(
     forward: Callable[[dict], torch.Tensor], datasets: list, num_pairs: int, micro: int, replica: int, replicas: int,
     device: torch.device,
 ) -> np.ndarray:  # fmt: skip
-    """(num_pairs, 2) chosen and rejected completion log-prob sums of every pair in ``datasets`` (pair folders'
-    PackedDatasets of one epoch: each pair once), ``forward(batch)`` giving the logits; NaN for a pair never met (a
-    dropped overlong one). A collective where torch.distributed is initialised."""
+    """(num_pairs, 4): chosen and rejected completion log-prob sums and their learned tokens, of every pair in
+    ``datasets`` (pair folders' PackedDatasets of one epoch: each pair once), ``forward(batch)`` giving the logits;
+    NaN for a pair never met (in another split, or a dropped overlong one). A collective where torch.distributed is
+    initialised."""
     from dstrain.data.dataset import collate
     from dstrain.train.preference import completion_logps
 
-    sums = torch.zeros(num_pairs, 3, dtype=torch.float64, device=device)  # chosen, rejected, times scored
+    sums = torch.zeros(num_pairs, 5, dtype=torch.float64, device=device)  # chosen, rejected, their tokens, times
     for data in datasets:
         mine = list(range(replica, len(data), replicas))
         for start in range(0, len(mine), micro):
@@ -96,12 +98,21 @@ def score_pairs(
             batch = {k: v.to(device) for k, v in batch.items()}
             logps = completion_logps(forward(batch), batch["labels"], batch["documents"])
             pairs = batch["pair_ids"][batch["pair_ids"] >= 0]
-            rows = torch.stack([logps.chosen.double(), logps.rejected.double(), torch.ones_like(pairs).double()], 1)
+            rows = torch.stack(
+                [
+                    logps.chosen,
+                    logps.rejected,
+                    logps.chosen_tokens,
+                    logps.rejected_tokens,
+                    torch.ones_like(logps.chosen),
+                ],
+                1,
+            ).double()
             sums.index_add_(0, pairs, rows)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(sums)
-    scores = sums[:, :2].cpu().numpy()
-    scores[sums[:, 2].cpu().numpy() == 0] = np.nan
+    scores = sums[:, :4].cpu().numpy()
+    scores[sums[:, 4].cpu().numpy() == 0] = np.nan
     return scores
 
 
