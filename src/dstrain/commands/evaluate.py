@@ -5,6 +5,7 @@
     dstrain eval runs/tiny --samples 32                 # the first 32 samples only (a run's train.eval_samples)
     dstrain eval hf/tiny --data data/pydocs --seq-len 256 --micro-batch 8
     torchrun --nproc_per_node 8 -m dstrain eval runs/gpt2-125m      # or: deepspeed --module dstrain eval ...
+    dstrain eval hf/policy --data data/pairs --reference hf/sft     # pairs: the DPO loss and rewards (evaluate_pairs)
 
 Samples, their split among ranks and the averaging are the trainer's: the one evaluator
 (dstrain.train.evaluator.Evaluator) over the same forward (each rank takes every world-th sample;
