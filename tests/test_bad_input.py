@@ -264,7 +264,7 @@ def test_a_full_disk_is_reported_before_training(monkeypatch, tmp_path):
 
     from dstrain.config import load_recipe
     from dstrain.errors import DstrainError
-    from dstrain.train.run import check_disk
+    from dstrain.train.run_folder import check_disk
 
     recipe = load_recipe(ROOT / "recipes" / "gpt2-125m.yaml")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 10**8, 10**8))

@@ -21,7 +21,7 @@ from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError
 from dstrain.metrics import MetricsLog, drop_records_after, read_events, read_records
 from dstrain.monitors.settings import check_monitors, monitor_settings
 from dstrain.run_dir import RunDir
-from dstrain.train.run import move_previous_run
+from dstrain.train.run_folder import move_previous_run
 
 from ranks import run_ranks
 from train_helpers import ds_config, small_recipe, train_argv
@@ -178,7 +178,7 @@ def test_monitors_follow_a_rollback_and_a_resume_after_a_kill(offline):
     for step in range(5, 9):
         log.write(record(step, 2))
     log.close()  # not what a killed job does; what W&B received is the point
-    drop_records_after(files.metrics, 6)  # run.claim_run_dir, resuming from global_step6
+    drop_records_after(files.metrics, 6)  # run_folder.claim_run_dir, resuming from global_step6
     log = MetricsLog(files, True, 10)
     log.write({"step": 6, "event": "resume", "tag": "global_step6", "changed": {"optim.lr": [0.001, 0.0005]}})
     for step in range(7, 11):
@@ -211,7 +211,7 @@ def test_monitors_follow_a_rollback_and_a_resume_after_a_kill(offline):
     assert [e["event"] for e in read_events(files.metrics)] == ["spike", "resume"]
 
     move_previous_run(files)  # what `--resume none` (or a start without a checkpoint) does: a new W&B run
-    _write_run_files(files)  # run.claim_run_dir writes them again
+    _write_run_files(files)  # run_folder.claim_run_dir writes them again
     log = MetricsLog(files, True, 10)
     log.write(record(1, 3))
     log.stopped(1, DiskFull("checkpoint global_step1 did not fit"), DISK_FULL_EXIT)  # as run.train does
@@ -338,7 +338,7 @@ def test_a_job_killed_hard_leaves_nothing_missing_from_wandb(offline):
     killed = subprocess.run([sys.executable, "-c", KILLED_JOB, str(files.root)], capture_output=True, text=True)
     assert killed.returncode == 9, killed.stderr[-2000:]
     assert json.loads(files.wandb_run.read_text())["logged_through"] == -1  # nothing W&B surely holds
-    drop_records_after(files.metrics, 2)  # run.claim_run_dir, resuming from global_step2
+    drop_records_after(files.metrics, 2)  # run_folder.claim_run_dir, resuming from global_step2
     log = MetricsLog(files, True, 6)
     log.write({"step": 2, "event": "resume", "tag": "global_step2", "changed": {}})
     for step in range(3, 7):

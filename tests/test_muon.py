@@ -363,10 +363,10 @@ def test_compare_refuses_a_muon_entry_under_offload_before_launching(tmp_path, c
 
 def test_an_adamw_checkpoint_is_not_resumed_with_muon(tmp_path):
     """The checkpoint holds AdamW's moments: continuing it with Muon is another experiment (optim.kind is identity)."""
-    from dstrain.checkpoint.record import RECORD, CheckpointRecord
+    from dstrain.checkpoint.record import RECORD, CheckpointRecord, identity
     from dstrain.config import load_recipe
     from dstrain.errors import DstrainError
-    from dstrain.train.run import check_run_dir, identity
+    from dstrain.train.preflight import check_run_dir
 
     topology = resolve_muon(tmp_path, "zero0", 2).topology  # writes r.yaml, a Muon recipe
     muon = load_recipe(tmp_path / "r.yaml")

@@ -135,7 +135,8 @@ def test_eval_of_a_run_finds_its_data_where_it_was_launched_and_says_when_it_is_
 @pytest.mark.distributed
 def test_resume_refuses_moved_data_and_a_changed_tokenizer_in_one_line(moved, monkeypatch):
     from dstrain.errors import DstrainError
-    from dstrain.train.run import checked_inputs, parse_args
+    from dstrain.train.preflight import checked_inputs
+    from dstrain.train.run import parse_args
 
     tmp, _, argv = moved
     launch = tmp / "launch"

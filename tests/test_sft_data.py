@@ -247,7 +247,7 @@ def test_sft_recipes_and_chat_folders_go_together(tmp_path, corpus):
     import yaml
 
     from dstrain.config import load_recipe
-    from dstrain.train.run import fingerprint_of_checked_data
+    from dstrain.train.preflight import fingerprint_of_checked_data
 
     chat, _, _ = prepared(tmp_path, [{"messages": c} for c in CONVERSATIONS], "chatml")
     for folder, sft, fragment in (

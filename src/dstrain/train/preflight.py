@@ -1,15 +1,133 @@
-"""Checks of the run folder and of ``init_from`` that need no process group, made before one starts.
+"""Every check of a launch, made before the process group starts: the recipe, the ds_config, the monitors, the
+prepared data, the run folder and the checkpoint to resume, and ``init_from``.
 
 Everything here only reads: a refused run leaves the user's files as they were.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from dstrain.config import Recipe
-from dstrain.errors import DstrainError
+import yaml
+
+from dstrain.checkpoint.record import identity, identity_of_recipe_dict
+from dstrain.config import Recipe, load_recipe, to_dict
+from dstrain.errors import DstrainError, quiet_warnings
+from dstrain.monitors.settings import check_monitors
 from dstrain.run_dir import RunDir
+from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
+from dstrain.train.launcher_env import env_rank, env_world_size
+
+
+@dataclass(frozen=True)
+class CheckedInputs:
+    recipe: Recipe
+    strategy: Strategy
+    files: RunDir  # the launch's run folder, the one RunDir of the launch
+    fingerprint: str  # the prepared data's
+    tag: str | None  # the checkpoint to resume
+    task_items: list  # the train.tasks' items (dstrain.tasks.loading.load_tasks)
+
+
+def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
+    """Every input checked, nothing written."""
+    recipe = load_recipe(args.recipe, args.overrides)
+    strategy = resolve(
+        recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, env_world_size()
+    )
+    files = RunDir.of(recipe)
+    check(recipe, args.recipe, files)
+    check_monitors(strategy.ds_config, args.deepspeed_config, files.root)
+    fingerprint = fingerprint_of_checked_data(recipe, args.recipe)
+    tag = resume_tag(files.checkpoints, args.resume)
+    check_run_dir(recipe, args.recipe, files, tag, args.resume, fingerprint)
+    if tag:
+        from dstrain.checkpoint import nvme
+        from dstrain.data.tokenizer import check_run_tokenizer
+        from dstrain.train import averaging
+
+        nvme.check_resume(files.checkpoints / tag, strategy)
+        averaging.check_resume(files.checkpoints / tag, recipe.train.averaging, strategy)
+        check_run_tokenizer(files.tokenizer, recipe.data.sources[0].path)
+    from dstrain.tasks.loading import load_tasks
+
+    return CheckedInputs(recipe, strategy, files, fingerprint, tag, load_tasks(recipe.train.tasks, args.recipe))
+
+
+def check_run_dir(
+    recipe: Recipe, recipe_file: str, files: RunDir, tag: str | None, resume: str, data_fingerprint: str
+) -> None:
+    """Refuse to continue a checkpoint of another experiment: its own record, not run_dir's recipe.yaml, says
+    what it is. Without a checkpoint that records it (none yet, or one saved with identity=None), run_dir's
+    recipe.yaml does, unless --resume none starts over (and moves that run aside)."""
+    from dstrain.checkpoint import store
+
+    where = files.checkpoints / tag if tag else files.recipe
+    record = store.read_record(where) if tag else None
+    saved = record.identity if record else None
+    new = identity(recipe, data_fingerprint)
+    if saved is None:
+        if resume == "none" or not files.recipe.exists():
+            return
+        where = files.recipe
+        old = yaml.safe_load(where.read_text())
+        saved, new = (
+            identity_of_recipe_dict(old, old["data"]["sources"]),
+            identity(recipe, to_dict(recipe)["data"]["sources"]),
+        )
+    changed = saved.differences(new)
+    if changed:
+        raise DstrainError(
+            f"{where} holds a run of a different recipe ({', '.join(changed)} differ from {recipe_file}); "
+            f"set run_dir=<new folder>, or --resume none to start over there (the previous run is moved aside)"
+        )
+
+
+def fingerprint_of_checked_data(recipe: Recipe, recipe_file: str) -> str:
+    """Every source prepared with one tokenizer that the model can embed; returns the data's fingerprint."""
+    from dstrain.data.manifest import check_shards, manifest_hash, read_manifest
+    from dstrain.data.tokenizer import check_same_tokenizer, verify_tokenizer
+
+    sources = recipe.data.sources
+    manifests = [read_manifest(s.path) for s in sources]
+    for source, manifest in zip(sources, manifests):
+        check_shards(source.path, manifest)  # changed since it was prepared (between two launches, say)?
+    check_same_tokenizer(
+        sources[0].path,
+        [s.path for s in sources[1:]],
+        "prepare every source with the same --tokenizer",
+        where=f"{recipe_file}: data.sources ",
+    )
+    check_chat_sources(recipe, manifests, recipe_file)
+    if recipe.data.tokenizer:
+        verify_tokenizer(sources[0].path, recipe.data.tokenizer)
+    vocab = manifests[0]["vocab_size"]
+    if recipe.model.vocab_size < vocab:
+        raise DstrainError(
+            f"{recipe_file}: model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's {vocab} "
+            f"tokens of {sources[0].path}; raise model.vocab_size or remove it to use the data's"
+        )
+    identity = [(manifest_hash(m), s.weight) for m, s in zip(manifests, sources)]
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
+
+
+def resume_tag(checkpoint_dir: Path, resume: str) -> str | None:
+    from dstrain.checkpoint import store
+
+    if resume == "none":
+        return None
+    with quiet_warnings(env_rank() != 0):  # a damaged tag is reported once, by rank 0
+        tag = store.newest_complete(checkpoint_dir) if resume == "auto" else resume
+    if resume != "auto" and (problem := store.damage(checkpoint_dir / resume)):
+        raise DstrainError(f"--resume {resume}: {problem}; use --resume auto (the newest intact checkpoint)")
+    if tag:
+        store.check_loadable(checkpoint_dir / tag)
+    return tag
+
 
 # Besides RunDir.ALLOWED: the launch's own logs (a link to the Slurm job's log, compare's launcher.log).
 LOG_SUFFIXES = (".log", ".out", ".err")
@@ -38,11 +156,11 @@ def check_run_dir_path(files: RunDir) -> None:
             f"run_dir {run_dir} is a folder prepared by dstrain prepare (it holds {MANIFEST_NAME}); {fix}"
         )
     if files.recipe.exists():
-        return  # an earlier run's folder: run.check_run_dir compares the recipes
+        return  # an earlier run's folder: check_run_dir compares the recipes
     try:
         names = [p.name for p in run_dir.iterdir()]
     except OSError:
-        return  # unreadable: run.check_disk reports it
+        return  # unreadable: run_folder.check_disk reports it
     foreign = sorted(
         n for n in names if n not in RunDir.ALLOWED and not n.startswith(".") and not n.endswith(LOG_SUFFIXES)
     )
