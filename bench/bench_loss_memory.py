@@ -53,8 +53,8 @@ def child(recipe_file: str, ds_file: str) -> dict:
     """Two steps through the trainer's engine and StepRunner's loss; the peak RSS above the imported baseline."""
     import torch
 
-    from dstrain.config import load_recipe
     from dstrain.model.gpt import lm_loss
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.memory import estimate
     from dstrain.strategy.resolve import load_ds_config, resolve
     from dstrain.train import distributed, tiling

@@ -9,8 +9,9 @@ import pytest
 import torch
 import yaml
 
-from dstrain.config import AveragingConfig, load_recipe
+from dstrain.config import AveragingConfig
 from dstrain.errors import DstrainError
+from dstrain.recipe_file import load_recipe
 from dstrain.strategy.memory import estimate
 from dstrain.strategy.resolve import load_ds_config, resolve
 from dstrain.strategy.topology import Topology

@@ -262,8 +262,8 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, corpus, capsys, monkey
 def test_a_full_disk_is_reported_before_training(monkeypatch, tmp_path):
     import shutil
 
-    from dstrain.config import load_recipe
     from dstrain.errors import DstrainError
+    from dstrain.recipe_file import load_recipe
     from dstrain.train.run_folder import check_disk
 
     recipe = load_recipe(ROOT / "recipes" / "gpt2-125m.yaml")

@@ -77,7 +77,8 @@ def _run_folder(tmp_path, corpus) -> Path:
     """A run folder's recipe.yaml and tokenizer/ (its checkpoint is never read: the refusal comes first)."""
     import shutil
 
-    from dstrain.config import load_recipe, to_dict
+    from dstrain.config import to_dict
+    from dstrain.recipe_file import load_recipe
 
     run = tmp_path / "run"
     run.mkdir()

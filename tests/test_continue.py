@@ -41,7 +41,7 @@ def test_a_recipe_without_model_continues_a_published_qwen3_and_exports_it(tmp_p
 
     from dstrain.commands.cli import main as cli
     from dstrain.commands.generate import generate
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.train.preflight import check_init_from
 
     from ranks import run_ranks
@@ -150,8 +150,8 @@ def test_shipped_continue_recipe_fits_one_node_under_its_ds_config(recipe_file):
     the published class) and `dstrain estimate` fits it on one node of 8 x 80 GiB without the weights at hand."""
     import re
 
-    from dstrain.config import load_recipe
     from dstrain.model.families import CLASSES, check_exportable
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.memory import estimate_file
     from dstrain.strategy.memory_parts import GIB
     from dstrain.strategy.resolve import load_ds_config
@@ -172,7 +172,7 @@ def test_estimate_answers_from_config_json_alone(tmp_path, capsys):
     """init_from a folder holding only config.json (no weights) and a recipe without model: estimate reads the
     architecture from it; training would refuse the folder (no weights) before any work."""
     from dstrain.commands.cli import main as cli
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.train.preflight import check_init_from
 
     root = Path(__file__).resolve().parents[1]
@@ -262,7 +262,7 @@ def test_every_family_continues_training_from_init_from_and_exports_to_its_class
 def test_what_dstrain_does_not_implement_is_refused_in_one_line(tmp_path, corpus):
     """OLMo 2's q/k norm over the whole projection under tensor parallelism (a rank holds only its heads); a Mistral
     window shorter than the sequence is no longer refused: it is computed (tests/test_windows.py)."""
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     from train_helpers import ROOT, small_recipe

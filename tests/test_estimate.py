@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from dstrain.config import load_recipe
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig, num_params
+from dstrain.recipe_file import load_recipe
 from dstrain.strategy.memory import estimate, estimate_file
 from dstrain.strategy.memory_parts import GIB
 from dstrain.strategy.param_counts import count_params

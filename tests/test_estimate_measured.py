@@ -6,8 +6,8 @@ import collections
 import pytest
 import yaml
 
-from dstrain.config import load_recipe
 from dstrain.model.config import GPTConfig
+from dstrain.recipe_file import load_recipe
 from dstrain.strategy.memory import estimate, estimate_file
 from dstrain.strategy.resolve import load_ds_config, resolve
 

@@ -10,9 +10,9 @@ import pytest
 from test_estimate_measured import saved_tensor_bytes, write_recipe
 
 from dstrain.commands.cli import main as cli
-from dstrain.config import load_recipe
 from dstrain.plan.layouts import Layout, plan
 from dstrain.plan.time_model import DEVICES, Cluster, predict
+from dstrain.recipe_file import load_recipe
 from dstrain.strategy.memory import estimate
 from dstrain.strategy.memory_parts import GIB
 from dstrain.strategy.param_counts import count_params

@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-from dstrain.config import load_recipe  # noqa: E402
+from dstrain.recipe_file import load_recipe  # noqa: E402
 from dstrain.strategy.memory import estimate_file  # noqa: E402
 from dstrain.strategy.memory_parts import GIB  # noqa: E402
 

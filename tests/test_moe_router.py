@@ -194,7 +194,7 @@ def test_parameter_line_shows_total_and_active():
 
 
 def test_estimate_splits_the_experts_over_the_expert_parallel_ranks():
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.memory import estimate_file
     from dstrain.strategy.param_counts import EXPERTS, meta_shapes
 
@@ -222,7 +222,7 @@ def test_moe_activations_against_saved_tensors(tmp_path, checkpointing):
     every MoE block under recompute, as before, gave +13%)."""
     from test_estimate_measured import saved_tensor_bytes, write_recipe
 
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.memory import estimate
     from dstrain.strategy.resolve import load_ds_config, resolve
 

@@ -127,7 +127,7 @@ def test_unknown_monitor_keys_are_refused_before_any_work(block, fragments, tmp_
 def test_deepspeeds_own_wandb_block_resolves_as_written(tmp_path, corpus):
     """The block of DeepSpeed's documentation is accepted (dstrain once filled a job_name into it, which DeepSpeed's
     schema refuses) and keeps what the user wrote; TensorBoard's and CSV's folders go into the run folder."""
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     recipe_file, config_file = small_recipe(tmp_path, corpus), ds_config(tmp_path, "zero1", **MONITORS)

@@ -176,15 +176,17 @@ def test_a_tokenizer_path_that_exists_nowhere_is_named_as_a_path(tmp_path, monke
 def test_launch_record_round_trips_and_a_recipe_without_one_is_named(corpus, tmp_path, monkeypatch):
     import yaml
 
-    from dstrain.config import load_recipe, to_dict
+    from dstrain.config import to_dict
     from dstrain.errors import DstrainError
+    from dstrain.recipe_file import load_recipe
     from dstrain.run_dir import LAUNCH_KEY, LaunchRecord
+    from dstrain.train.run_folder import launch_record
 
     monkeypatch.chdir(tmp_path)
     copy_prepared(corpus, tmp_path / "data" / "corp")
     recipe = load_recipe(small_recipe(tmp_path, Path("data/corp")))
     written = tmp_path / "recipe.yaml"
-    record = LaunchRecord.of(recipe)
+    record = launch_record(recipe)
     written.write_text(yaml.safe_dump({**to_dict(recipe), LAUNCH_KEY: dataclasses.asdict(record)}))
     assert LaunchRecord.read(written) == record
     assert record == LaunchRecord(str(tmp_path), {"data.sources[0].path": str(tmp_path / "data" / "corp")})

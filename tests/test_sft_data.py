@@ -246,7 +246,7 @@ def test_sft_recipes_and_chat_folders_go_together(tmp_path, corpus):
     """A --chat folder under a recipe without data.sft, and an SFT recipe without a --chat folder: one line each."""
     import yaml
 
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.train.preflight import fingerprint_of_checked_data
 
     chat, _, _ = prepared(tmp_path, [{"messages": c} for c in CONVERSATIONS], "chatml")

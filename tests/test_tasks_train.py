@@ -132,7 +132,7 @@ def test_deepspeed_pipeline_eval_total_loss_defect(runs):
 def test_lm_eval_on_the_export_gives_the_loops_numbers(runs, tmp_path):
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is the optional extra .[harness]")
     from dstrain.commands.cli import main
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.run_dir import RunDir
     from dstrain.tasks.harness import run_harness
 

@@ -18,12 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
-
-if TYPE_CHECKING:
-    from dstrain.config import Recipe
 
 TAG = re.compile(r"^global_step(\d+)$")
 LATEST = "latest"  # in a checkpoints folder: the newest published tag's name (DeepSpeed's convention)
@@ -41,18 +37,9 @@ def step_of(tag: str) -> int:
     return int(match.group(1))
 
 
-def run_folder(recipe: Recipe) -> Path:
-    """Where a recipe's run lives: its run_dir, by default runs/<name>."""
-    return Path(recipe.run_dir or f"runs/{recipe.name}")
-
-
 @dataclass(frozen=True)
 class RunDir:
     root: Path
-
-    @classmethod
-    def of(cls, recipe: Recipe) -> RunDir:
-        return cls(run_folder(recipe))
 
     # What a run writes (the monitors: tensorboard/, csv/, wandb_run.json and W&B's wandb/), and so what
     # `--resume none` moves into previous/ (a fresh start is a new W&B run).
@@ -146,29 +133,12 @@ class RunDir:
 LAUNCH_KEY = "launch"
 
 
-def recipe_paths(recipe: Recipe) -> dict[str, str]:
-    """{dotted key: path as written} of every file or folder a recipe names."""
-    paths = {f"data.sources[{i}].path": s.path for i, s in enumerate(recipe.data.sources)}
-    if recipe.data.tokenizer:
-        paths["data.tokenizer"] = recipe.data.tokenizer
-    if recipe.init_from:
-        paths["init_from"] = recipe.init_from
-    return paths
-
-
 @dataclass(frozen=True)
 class LaunchRecord:
     """The LAUNCH_KEY section of a run's recipe.yaml."""
 
     cwd: str  # the working directory of the launch, absolute
     paths: dict[str, str]  # {dotted recipe key: absolute path} of each recipe path that existed there
-
-    @classmethod
-    def of(cls, recipe: Recipe) -> LaunchRecord:
-        """This launch's record (a tokenizer or init_from that names a Hub model has no path)."""
-        cwd = Path.cwd()
-        resolved = {key: (cwd / path).resolve() for key, path in recipe_paths(recipe).items()}
-        return cls(str(cwd), {key: str(path) for key, path in resolved.items() if path.exists()})
 
     @classmethod
     def read(cls, recipe_file: str | Path) -> LaunchRecord:

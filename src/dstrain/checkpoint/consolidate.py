@@ -155,7 +155,7 @@ def read_checkpoint(path: str | Path) -> tuple[GPTConfig, StateDict]:
 
 def load_run(run_dir: str | os.PathLike, tag: str | None):
     """(recipe, tag folder) of a run directory; tag None = the newest complete checkpoint."""
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
 
     files = RunDir(Path(run_dir))
     if not files.recipe.is_file():

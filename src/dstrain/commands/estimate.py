@@ -12,8 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from dstrain.config import Recipe, load_recipe_to_size
+from dstrain.config import Recipe
 from dstrain.errors import DstrainError
+from dstrain.recipe_file import load_recipe_to_size
 from dstrain.strategy.memory import estimate_file
 from dstrain.strategy.memory_parts import Estimate
 from dstrain.strategy.precision import Precision

@@ -91,7 +91,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     run = RunDir(Path(args.model))
     sources = [(args.data, 1.0)] if args.data else None
     if run.recipe.is_file():  # before the checkpoint is read
-        from dstrain.config import load_recipe
+        from dstrain.recipe_file import load_recipe
 
         run_recipe = load_recipe(run.recipe)
         if args.data:
@@ -182,7 +182,8 @@ def evaluate_tasks(args: argparse.Namespace) -> dict:
 
 def _task_configs(args: argparse.Namespace) -> tuple[list, str]:
     """(the tasks, the file that names them): --tasks YAML, else the run's recipe's train.tasks."""
-    from dstrain.config import TaskConfig, load_recipe
+    from dstrain.config import TaskConfig
+    from dstrain.recipe_file import load_recipe
     from dstrain.typed_yaml import coerce, read_yaml_file
 
     if args.tasks:

@@ -14,10 +14,11 @@ import json
 import sys
 from pathlib import Path
 
-from dstrain.config import Recipe, load_recipe_to_size
+from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.plan.layouts import Planned, plan, smallest_fitting_nodes
 from dstrain.plan.time_model import DEVICES, Cluster, Device
+from dstrain.recipe_file import load_recipe_to_size
 from dstrain.strategy.memory_parts import GIB
 from dstrain.strategy.precision import Precision
 

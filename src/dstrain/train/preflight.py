@@ -15,9 +15,10 @@ from pathlib import Path
 import yaml
 
 from dstrain.checkpoint.record import identity, identity_of_recipe_dict
-from dstrain.config import Recipe, load_recipe, to_dict
+from dstrain.config import Recipe, run_folder, to_dict
 from dstrain.errors import DstrainError, quiet_warnings
 from dstrain.monitors.settings import check_monitors
+from dstrain.recipe_file import load_recipe
 from dstrain.run_dir import RunDir
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 from dstrain.train.launcher_env import env_rank, env_world_size
@@ -39,7 +40,7 @@ def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
     strategy = resolve(
         recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, env_world_size()
     )
-    files = RunDir.of(recipe)
+    files = RunDir(run_folder(recipe))
     check(recipe, args.recipe, files)
     check_monitors(strategy.ds_config, args.deepspeed_config, files.root)
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe)

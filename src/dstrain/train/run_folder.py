@@ -12,11 +12,18 @@ from pathlib import Path
 
 import yaml
 
-from dstrain.config import Recipe, to_dict
+from dstrain.config import Recipe, recipe_paths, to_dict
 from dstrain.errors import DstrainError, warn
 from dstrain.run_dir import LAUNCH_KEY, LaunchRecord, RunDir, step_of
 from dstrain.strategy.resolve import Strategy
 from dstrain.train import plot
+
+
+def launch_record(recipe: Recipe) -> LaunchRecord:
+    """This launch's record (a tokenizer or init_from that names a Hub model has no path)."""
+    cwd = Path.cwd()
+    resolved = {key: (cwd / path).resolve() for key, path in recipe_paths(recipe).items()}
+    return LaunchRecord(str(cwd), {key: str(path) for key, path in resolved.items() if path.exists()})
 
 
 def lock_run_dir(run_dir: Path):
@@ -88,7 +95,7 @@ def claim_run_dir(files: RunDir, recipe: Recipe, strategy: Strategy, tag: str | 
     if tag is None:
         move_previous_run(files)
     files.recipe.write_text(
-        yaml.safe_dump({**to_dict(recipe), LAUNCH_KEY: asdict(LaunchRecord.of(recipe))}, sort_keys=False)
+        yaml.safe_dump({**to_dict(recipe), LAUNCH_KEY: asdict(launch_record(recipe))}, sort_keys=False)
     )
     if tag is None:
         from dstrain.data.tokenizer import copy_run_tokenizer
