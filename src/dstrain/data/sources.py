@@ -273,12 +273,22 @@ def _validated(spec: SourceSpec, rows, fingerprint: str) -> Source:
     return Source(spec, rows.select_columns([spec.text_field]), None, fingerprint, announced or None)
 
 
+def example_format(columns: list[str]) -> str:
+    """``messages`` or ``prompt-completion`` from a dataset's columns, or a one-line refusal."""
+    if "messages" in columns:
+        return "messages"
+    if "prompt" in columns and "completion" in columns:
+        return "prompt-completion"
+    raise DstrainError(
+        f"--chat: the dataset has neither a 'messages' column nor 'prompt' and 'completion' columns "
+        f"(it has: {', '.join(columns) or 'none'}); rename the conversation column to 'messages'"
+    )
+
+
 def open_chat_source(spec: SourceSpec, files: list[str] | None = None) -> tuple[Source, list[str] | None]:
     """``--chat``: the source with only its conversation columns, its ``chat_format`` set; ``files``: a task's part
     only, then also each file's content hash (as ``open_files``)."""
     import datasets
-
-    from dstrain.data.chat import example_format
 
     digests = None
     if files is not None:
