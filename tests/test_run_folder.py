@@ -194,3 +194,12 @@ def test_launch_record_round_trips_and_a_recipe_without_one_is_named(corpus, tmp
     written.write_text(yaml.safe_dump(to_dict(recipe)))  # a recipe, not a run's record of one
     with pytest.raises(DstrainError, match=rf"^{written}: no readable `launch` record .* name the run folder"):
         LaunchRecord.read(written)
+
+
+def test_run_dir_find_tells_a_run_from_any_other_folder(tmp_path):
+    from dstrain.run_dir import RunDir
+
+    assert RunDir.find(tmp_path) is None  # a Hugging Face folder, prepared data, an empty folder: no recipe.yaml
+    assert RunDir.find(tmp_path / "absent") is None
+    (tmp_path / "recipe.yaml").write_text("name: x\n")
+    assert RunDir.find(str(tmp_path)) == RunDir(tmp_path)

@@ -68,8 +68,8 @@ def fill_model_from_init_from(raw: dict, path: Path) -> None:
         return  # no init_from, or parse() reports the malformed section
     from dstrain.run_dir import RunDir
 
-    run = RunDir(Path(source))
-    if run.recipe.is_file():  # a dstrain run (an SFT after a continued run): the model its recipe resolved
+    run = RunDir.find(source)
+    if run:  # a dstrain run (an SFT after a continued run): the model its recipe resolved
         folder = dataclasses.asdict(load_recipe(run.recipe).model)
     elif model and not (Path(source) / "config.json").is_file():
         return  # written out (a shipped recipe on a machine without the weights): preflight checks the folder

@@ -15,6 +15,7 @@ previous/<UTC time>/          an earlier run's files, moved aside by `--resume n
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,12 @@ class RunDir:
     # What may be in a run folder besides: a metrics rewrite in progress, what launchers put there first
     # (slurm/train.sbatch its hostfile), earlier runs.
     ALLOWED = (*WRITTEN, "metrics.jsonl.tmp", "hostfile", "previous")
+
+    @classmethod
+    def find(cls, path: str | os.PathLike) -> RunDir | None:
+        """The run folder at ``path``, or None where ``path`` is no dstrain run (it has no recipe.yaml)."""
+        run = cls(Path(path))
+        return run if run.recipe.is_file() else None
 
     @property
     def recipe(self) -> Path:

@@ -88,9 +88,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch), ("--samples", args.samples)):
         if value is not None and value <= 0:  # before anything is read; the run's own values are validated
             raise DstrainError(f"{flag} {value}: must be positive")
-    run = RunDir(Path(args.model))
+    run = RunDir.find(args.model)
     sources = [(args.data, 1.0)] if args.data else None
-    if run.recipe.is_file():  # before the checkpoint is read
+    if run:  # before the checkpoint is read
         from dstrain.recipe_file import load_recipe
 
         run_recipe = load_recipe(run.recipe)
@@ -192,8 +192,8 @@ def _task_configs(args: argparse.Namespace) -> tuple[list, str]:
             raise DstrainError(f"--tasks {path}: no such file; pass a YAML list of tasks, or --tasks alone for a run's")
         tasks = read_yaml_file(path, "pass a YAML list of tasks in train.tasks' form")
         return coerce(list[TaskConfig], tasks, path, "tasks"), str(path)
-    run = RunDir(Path(args.model))
-    if not run.recipe.is_file():
+    run = RunDir.find(args.model)
+    if run is None:
         raise DstrainError(f"--tasks alone: {args.model} is not a run with train.tasks; pass --tasks FILE.yaml")
     recipe = load_recipe(run.recipe)
     if not recipe.train.tasks:

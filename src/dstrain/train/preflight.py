@@ -177,7 +177,7 @@ def check_init_from(recipe: Recipe, recipe_file: str) -> None:
 
     assert recipe.init_from is not None
     try:
-        if RunDir(Path(recipe.init_from)).recipe.is_file():  # a run: its newest intact checkpoint, its model
+        if RunDir.find(recipe.init_from):  # a run: its newest intact checkpoint, its model
             from dstrain.checkpoint.consolidate import load_run
 
             config = load_run(recipe.init_from, None)[0].model
@@ -199,9 +199,8 @@ def check_data_tokenizer(recipe: Recipe, recipe_file: str) -> None:
     from dstrain.data.tokenizer import verify_tokenizer
 
     assert recipe.init_from is not None
-    folder = Path(recipe.init_from)
-    if RunDir(folder).recipe.is_file():
-        folder = RunDir(folder).tokenizer  # a run's tokenizer, copied at its start
+    run = RunDir.find(recipe.init_from)
+    folder = run.tokenizer if run else Path(recipe.init_from)  # a run's tokenizer, copied at its start
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return  # weights only: the data's own tokenizer stays the run's
     for source in recipe.data.sources:
