@@ -142,7 +142,7 @@ CLI_CASES = {
     ),
     "eval of a run on data of another tokenizer of the same size": (
         lambda t, c, o: ["eval", str(_run_folder(t, c)), "--data", str(o)],
-        ["was prepared with another tokenizer than the run", "--tokenizer"],
+        ["the run ", "has another tokenizer than the one --data", "--tokenizer"],
     ),
     "eval --tasks of malformed YAML": (
         lambda t, c, o: ["eval", str(_run_folder(t, c)), "--tasks", str(write(t / "tasks.yaml", "- {name: piqa,\n"))],

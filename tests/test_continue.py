@@ -107,6 +107,7 @@ def family_tokenizers(corpus) -> dict:
 
 
 def test_prepare_frames_documents_as_the_tokenizers_family(tmp_path, corpus):
+    from dstrain.data.manifest import Framing, read_manifest
     from dstrain.data.prepare import prepare
     from dstrain.data.shards import ShardReader
     from dstrain.data.tokenizer import tokenizer_hash, verify_tokenizer
@@ -123,16 +124,17 @@ def test_prepare_frames_documents_as_the_tokenizers_family(tmp_path, corpus):
             str(source), str(tmp_path / name), tokenizer=str(tmp_path / f"{name}-tokenizer"), num_proc=2, progress=False
         )
         bos = tokenizer.bos_token_id if name == "llama3" else None
-        assert manifest["framing"] == {"bos_id": bos, "eos_id": tokenizer.eos_token_id}
-        readers = [ShardReader.open(tmp_path / name / s["prefix"]) for s in manifest["shards"]]
+        assert manifest.framing == Framing(bos_id=bos, eos_id=tokenizer.eos_token_id)
+        readers = [ShardReader.open(tmp_path / name / s.prefix) for s in manifest.shards]
         documents = [reader[i].tolist() for reader in readers for i in range(len(reader))]
         assert len(documents) == len(texts) == 20
         for text, ids in zip(texts, documents):
             assert ids == tokenizer(text).input_ids + [tokenizer.eos_token_id]
         assert (documents[0][0] == bos) == (name == "llama3")
-    verify_tokenizer(tmp_path / "llama3", tmp_path / "llama3-tokenizer")
+    verify_tokenizer(read_manifest(tmp_path / "llama3"), tmp_path / "llama3", tmp_path / "llama3-tokenizer")
     with pytest.raises(DstrainError, match=r"framed as \{'bos_id': None.*frames them as \{'bos_id': \d+"):
-        verify_tokenizer(tmp_path / "qwen", tmp_path / "llama3-tokenizer", flag="init_from's tokenizer")
+        qwen = tmp_path / "qwen"
+        verify_tokenizer(read_manifest(qwen), qwen, tmp_path / "llama3-tokenizer", flag="init_from's tokenizer")
 
 
 # The recipes at real size that start from a published (or exported) model: continued pretraining, and its SFT.

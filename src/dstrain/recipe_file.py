@@ -101,5 +101,5 @@ def fill_model_defaults(raw: dict, path: Path) -> None:
         if not isinstance(sources[0], dict) or not isinstance(sources[0].get("path"), str):
             return  # parse() reports the malformed source
         first = sources[0]["path"]
-        vocab = read_manifest(first)["vocab_size"]
+        vocab = read_manifest(first).vocab_size
         model["vocab_size"] = -(-vocab // 64) * 64

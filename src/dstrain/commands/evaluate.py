@@ -222,28 +222,25 @@ def _check_data(folder: str, model: str, config: GPTConfig, recipe: Recipe | Non
     from dstrain.data.manifest import read_manifest
     from dstrain.data.tokenizer import verify_tokenizer
 
-    vocab = read_manifest(folder)["vocab_size"]
+    manifest = read_manifest(folder)
+    vocab = manifest.vocab_size
     if vocab > config.vocab_size:
         raise DstrainError(
             f"--data {folder} has {vocab} token ids, the model {model} only {config.vocab_size}; "
             f"pass data prepared with the model's tokenizer"
         )
     if recipe is None and (Path(model) / "tokenizer_config.json").is_file():
-        verify_tokenizer(folder, model)
+        verify_tokenizer(manifest, folder, model)
 
 
 def _check_run_tokenizer(folder: str, run: RunDir, recipe) -> None:
     """--data was prepared with the run's tokenizer: equal vocabulary sizes are no proof, hashes are."""
-    from dstrain.data.manifest import read_manifest
+    from dstrain.data.manifest import read_manifest, same_tokenizer
     from dstrain.data.tokenizer import load_run_tokenizer, tokenizer_hash
 
-    theirs = read_manifest(folder)["tokenizer"]["hash"]
     ours = tokenizer_hash(load_run_tokenizer(run.root))
-    if ours != theirs:
-        raise DstrainError(
-            f"--data {folder} was prepared with another tokenizer than the run {run.root} was trained with (hash "
-            f"{theirs}, not {ours}); prepare it with --tokenizer {run.tokenizer}"
-        )
+    fix = f"prepare it with --tokenizer {run.tokenizer}"
+    same_tokenizer(read_manifest(folder), f"--data {folder}", ours, f"the run {run.root}", fix)
 
 
 def _run_sources(run: RunDir, recipe) -> list[tuple[str, float]]:

@@ -16,6 +16,7 @@ import yaml
 
 from dstrain.checkpoint.record import identity, identity_of_recipe_dict
 from dstrain.config import Recipe, run_folder, to_dict
+from dstrain.data.manifest import Manifest, read_manifest, same_tokenizer
 from dstrain.errors import DstrainError, quiet_warnings
 from dstrain.monitors.settings import check_monitors
 from dstrain.recipe_file import load_recipe
@@ -29,6 +30,7 @@ class CheckedInputs:
     recipe: Recipe
     strategy: Strategy
     files: RunDir  # the launch's run folder, the one RunDir of the launch
+    manifests: list[Manifest]  # of data.sources, in order, each read once
     fingerprint: str  # the prepared data's
     tag: str | None  # the checkpoint to resume
     task_items: list  # the train.tasks' items (dstrain.tasks.loading.load_tasks)
@@ -40,10 +42,11 @@ def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
     strategy = resolve(
         recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, env_world_size()
     )
+    manifests = [read_manifest(source.path) for source in recipe.data.sources]  # once each, handed on
     files = RunDir(run_folder(recipe))
-    check(recipe, args.recipe, files)
+    check(recipe, args.recipe, files, manifests)
     check_monitors(strategy.ds_config, args.deepspeed_config, files.root)
-    fingerprint = fingerprint_of_checked_data(recipe, args.recipe)
+    fingerprint = fingerprint_of_checked_data(recipe, args.recipe, manifests)
     tag = resume_tag(files.checkpoints, args.resume)
     check_run_dir(recipe, args.recipe, files, tag, args.resume, fingerprint)
     if tag:
@@ -53,10 +56,11 @@ def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
 
         nvme.check_resume(files.checkpoints / tag, strategy)
         averaging.check_resume(files.checkpoints / tag, recipe.train.averaging, strategy)
-        check_run_tokenizer(files.tokenizer, recipe.data.sources[0].path)
+        check_run_tokenizer(files.tokenizer, manifests[0], recipe.data.sources[0].path)
     from dstrain.tasks.loading import load_tasks
 
-    return CheckedInputs(recipe, strategy, files, fingerprint, tag, load_tasks(recipe.train.tasks, args.recipe))
+    tasks = load_tasks(recipe.train.tasks, args.recipe)
+    return CheckedInputs(recipe, strategy, files, manifests, fingerprint, tag, tasks)
 
 
 def check_run_dir(
@@ -88,31 +92,28 @@ def check_run_dir(
         )
 
 
-def fingerprint_of_checked_data(recipe: Recipe, recipe_file: str) -> str:
+def fingerprint_of_checked_data(recipe: Recipe, recipe_file: str, manifests: list[Manifest]) -> str:
     """Every source prepared with one tokenizer that the model can embed; returns the data's fingerprint."""
-    from dstrain.data.manifest import check_shards, manifest_hash, read_manifest
-    from dstrain.data.tokenizer import check_same_tokenizer, verify_tokenizer
+    from dstrain.data.manifest import check_shards
+    from dstrain.data.tokenizer import verify_tokenizer
 
     sources = recipe.data.sources
-    manifests = [read_manifest(s.path) for s in sources]
     for source, manifest in zip(sources, manifests):
         check_shards(source.path, manifest)  # changed since it was prepared (between two launches, say)?
-    check_same_tokenizer(
-        sources[0].path,
-        [s.path for s in sources[1:]],
-        "prepare every source with the same --tokenizer",
-        where=f"{recipe_file}: data.sources ",
-    )
+    for source, manifest in zip(sources[1:], manifests[1:]):
+        fix = "prepare every source with the same --tokenizer"
+        what = f"{recipe_file}: data.sources {source.path}"
+        same_tokenizer(manifests[0], sources[0].path, manifest.tokenizer.hash, what, fix)
     check_chat_sources(recipe, manifests, recipe_file)
     if recipe.data.tokenizer:
-        verify_tokenizer(sources[0].path, recipe.data.tokenizer)
-    vocab = manifests[0]["vocab_size"]
+        verify_tokenizer(manifests[0], sources[0].path, recipe.data.tokenizer)
+    vocab = manifests[0].vocab_size
     if recipe.model.vocab_size < vocab:
         raise DstrainError(
             f"{recipe_file}: model.vocab_size={recipe.model.vocab_size} is smaller than the tokenizer's {vocab} "
             f"tokens of {sources[0].path}; raise model.vocab_size or remove it to use the data's"
         )
-    identity = [(manifest_hash(m), s.weight) for m, s in zip(manifests, sources)]
+    identity = [(m.hash, s.weight) for m, s in zip(manifests, sources)]
     return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
 
 
@@ -134,10 +135,10 @@ def resume_tag(checkpoint_dir: Path, resume: str) -> str | None:
 LOG_SUFFIXES = (".log", ".out", ".err")
 
 
-def check(recipe: Recipe, recipe_file: str, files: RunDir) -> None:
+def check(recipe: Recipe, recipe_file: str, files: RunDir, manifests: list[Manifest]) -> None:
     check_run_dir_path(files)
     if recipe.init_from:
-        check_init_from(recipe, recipe_file)
+        check_init_from(recipe, recipe_file, manifests)
 
 
 def check_run_dir_path(files: RunDir) -> None:
@@ -170,7 +171,7 @@ def check_run_dir_path(files: RunDir) -> None:
         raise DstrainError(f"run_dir {run_dir} holds files that no run wrote ({shown}); {fix}")
 
 
-def check_init_from(recipe: Recipe, recipe_file: str) -> None:
+def check_init_from(recipe: Recipe, recipe_file: str, manifests: list[Manifest]) -> None:
     """init_from is a Hugging Face model folder (read from config.json only) or a dstrain run with an intact
     checkpoint, of the recipe's architecture."""
     from dstrain.model.hf import architecture_diff, config_from_hf
@@ -191,10 +192,10 @@ def check_init_from(recipe: Recipe, recipe_file: str) -> None:
             f"{recipe_file}: init_from {recipe.init_from} has another architecture ({'; '.join(differ)}); "
             f"set those model fields to the Hugging Face values"
         )
-    check_data_tokenizer(recipe, recipe_file)
+    check_data_tokenizer(recipe, recipe_file, manifests)
 
 
-def check_data_tokenizer(recipe: Recipe, recipe_file: str) -> None:
+def check_data_tokenizer(recipe: Recipe, recipe_file: str, manifests: list[Manifest]) -> None:
     """Data for a published model is tokenised and framed with that model's tokenizer (when its folder has one)."""
     from dstrain.data.tokenizer import verify_tokenizer
 
@@ -203,16 +204,16 @@ def check_data_tokenizer(recipe: Recipe, recipe_file: str) -> None:
     folder = run.tokenizer if run else Path(recipe.init_from)  # a run's tokenizer, copied at its start
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return  # weights only: the data's own tokenizer stays the run's
-    for source in recipe.data.sources:
+    for source, manifest in zip(recipe.data.sources, manifests):
         try:
-            verify_tokenizer(source.path, folder, flag="init_from's tokenizer")
+            verify_tokenizer(manifest, source.path, folder, flag="init_from's tokenizer")
         except DstrainError as e:
             raise DstrainError(f"{recipe_file}: data.sources {source.path}: {e}") from None
 
 
-def check_chat_sources(recipe: Recipe, manifests: list[dict], recipe_file: str) -> None:
+def check_chat_sources(recipe: Recipe, manifests: list[Manifest], recipe_file: str) -> None:
     """An SFT recipe (data.sft) has a --chat source; a pretraining one none (it would learn every prompt token)."""
-    chat = [s.path for s, m in zip(recipe.data.sources, manifests) if m.get("chat")]
+    chat = [s.path for s, m in zip(recipe.data.sources, manifests) if m.chat is not None]
     if recipe.data.sft and not chat:
         raise DstrainError(
             f"{recipe_file}: data.sft is true but no data.sources folder was prepared with --chat (there is no loss "
