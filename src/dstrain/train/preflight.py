@@ -33,7 +33,6 @@ class CheckedInputs:
     manifests: list[Manifest]  # of data.sources, in order, each read once
     fingerprint: str  # the prepared data's
     tag: str | None  # the checkpoint to resume
-    task_items: list  # the train.tasks' items (dstrain.tasks.loading.load_tasks)
 
 
 def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
@@ -59,8 +58,8 @@ def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
         check_run_tokenizer(files.tokenizer, manifests[0], recipe.data.sources[0].path)
     from dstrain.tasks.loading import load_tasks
 
-    tasks = load_tasks(recipe.train.tasks, args.recipe)
-    return CheckedInputs(recipe, strategy, files, manifests, fingerprint, tag, tasks)
+    load_tasks(recipe.train.tasks, args.recipe)  # every item readable; the tasks' component loads them again
+    return CheckedInputs(recipe, strategy, files, manifests, fingerprint, tag)
 
 
 def check_run_dir(

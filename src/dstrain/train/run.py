@@ -96,17 +96,6 @@ def training_data(recipe: Recipe):
     return train_data, build_valid_sets(sources, d.seq_len, recipe.seed, d.valid_fraction, overlong=d.overlong)
 
 
-def task_requests(recipe: Recipe, task_items) -> list:
-    """The train.tasks' items as scoring requests, in the data's own tokenizer."""
-    if not task_items:
-        return []
-    from dstrain.data.tokenizer import load_tokenizer, run_tokenizer_dir
-    from dstrain.tasks import scoring
-
-    tokenizer = load_tokenizer(str(run_tokenizer_dir(recipe.data)), flag="data.tokenizer")
-    return scoring.prepare(task_items, tokenizer, recipe.model.max_seq_len)
-
-
 def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
     inputs = checked_inputs(args)
     recipe, strategy, files, tag = inputs.recipe, inputs.strategy, inputs.files, inputs.tag
@@ -116,7 +105,6 @@ def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
     from dstrain.train.engine import build_engine, build_model, load_init_from
     from dstrain.train.loop import Trainer
 
-    tasks = task_requests(recipe, inputs.task_items)
     train_data, valid_sets = training_data(recipe)
 
     from deepspeed.accelerator import get_accelerator
@@ -142,7 +130,7 @@ def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
         load_init_from(model, recipe, args.recipe, strategy.zero_stage == 3, strategy.ep_size, ep_rank)
     engine = build_engine(recipe, strategy, model)
     fingerprint, run_identity = inputs.fingerprint, identity(recipe, inputs.fingerprint)
-    trainer = Trainer(recipe, strategy, engine, train_data, valid_sets, files, fingerprint, run_identity, tasks, hooks)
+    trainer = Trainer(recipe, strategy, engine, train_data, valid_sets, files, fingerprint, run_identity, hooks)
     if tag:
         trainer.resume(tag)
     try:
