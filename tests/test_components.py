@@ -1,6 +1,7 @@
 """The trainer's components (dstrain.train.components): the loop's one protocol, called in the assembled order."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -84,3 +85,13 @@ def test_a_stop_ends_the_step_and_every_component_sees_each_evaluation_and_check
     assert calls == [("a", 2), ("b", 2), ("c", 2), ("a", "global_step4"), ("b", "global_step4"), ("c", "global_step4")]
     assert Components([Recorder("a", calls)]).on_eval_end([]) is Verdict.GO_ON
 
+
+def test_a_feature_is_off_by_its_builder_returning_none():
+    from dstrain.train import features
+
+    recipe = SimpleNamespace(train=SimpleNamespace(early_stop=SimpleNamespace(patience=0), export_every=0))
+    run = SimpleNamespace(recipe=recipe)
+    from dstrain.train import early_stop, hf_export
+
+    assert early_stop.build(run) is None and hf_export.build(run) is None
+    assert early_stop.build in features.BUILDERS and hf_export.build in features.BUILDERS

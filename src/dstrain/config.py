@@ -132,6 +132,16 @@ class WatchdogConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    """Early stopping on the valid loss (dstrain.train.early_stop): the run stops cleanly, as a finished one (a
+    checkpoint, summary.json with status "stopped"), after ``patience`` evaluations in a row whose ``valid`` loss is
+    not below the best so far by more than ``min_delta``. Needs train.eval_interval."""
+
+    patience: NonNegative = 0  # evaluations without an improvement before the run stops; 0 = off
+    min_delta: Annotated[float, Range(ge=0)] = 0.0  # an improvement is a loss below the best by more than this
+
+
+@dataclass
 class TaskConfig:
     """A downstream task scored at each evaluation (dstrain.tasks; docs/evaluation.md): its first ``limit``
     items, each choice scored by the log-likelihood of its continuation, as lm-evaluation-harness scores them
@@ -179,6 +189,10 @@ class TrainConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)  # hang watchdog
     tasks: list[TaskConfig] = field(default_factory=list)  # downstream tasks scored at each evaluation
     averaging: AveragingConfig = field(default_factory=AveragingConfig)  # EMA / last-N average of the weights
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)  # stop when the valid loss stops improving
+    # every published checkpoint of a multiple of this many steps also as a Hugging Face folder, run_dir/hf/<tag>/
+    # (dstrain.train.hf_export; what `dstrain export --tag` writes); 0 = off
+    export_every: NonNegative = 0
 
 
 @dataclass

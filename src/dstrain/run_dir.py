@@ -7,6 +7,7 @@ metrics.jsonl, summary.json   one record per logged step / evaluation / event; t
 checkpoints/global_step<N>/   DeepSpeed's checkpoint of step N, and `latest` naming the newest
 logs/rank<r>.log, loss.png    each rank's full output; train and valid loss with the learning rate
 tasks.png                     the train.tasks' accuracies at each evaluation (runs with train.tasks)
+hf/<tag>/                      published checkpoints as Hugging Face folders (train.export_every)
 hang/rank<r>.txt              every thread's stack of each rank when the hang watchdog fired, the stuck ranks named
 tensorboard/, csv/            the monitors' files, when the ds_config enables them (dstrain.monitors)
 wandb_run.json, wandb/        the W&B run this run logs to (its id: a resumed run continues it), W&B's own files
@@ -60,6 +61,7 @@ class RunDir:
         "wandb_run.json",
         "wandb",
         "hang",
+        "hf",
     )
     # What may be in a run folder besides: a metrics rewrite in progress, what launchers put there first
     # (slurm/train.sbatch its hostfile), earlier runs.
@@ -124,6 +126,10 @@ class RunDir:
     @property
     def previous(self) -> Path:
         return self.root / "previous"
+
+    def hf_export(self, tag: str) -> Path:
+        """Checkpoint ``tag`` as a Hugging Face folder (train.export_every)."""
+        return self.root / "hf" / tag
 
     def log(self, rank: int) -> Path:
         return self.root / "logs" / f"rank{rank}.log"

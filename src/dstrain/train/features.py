@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 from dstrain.train import (
     averaging,
+    early_stop,
     fatal_steps,
+    hf_export,
     mixture,
     moe_metrics,
     spike_rollback,
@@ -31,6 +33,8 @@ BUILDERS: tuple[Callable[[RunHandle], Component | None], ...] = (
     task_eval.build,  # downstream tasks at each evaluation (train.tasks)
     mixture.build,  # the data mixture's stages and shares
     watchdog.build_hang_event,  # the previous launch's hang, as an event
+    early_stop.build,  # early stopping on the valid loss (train.early_stop)
+    hf_export.build,  # each published checkpoint as a Hugging Face folder (train.export_every)
 )
 
 
