@@ -50,7 +50,7 @@ def rss_bytes() -> int:
 
 
 def child(recipe_file: str, ds_file: str) -> dict:
-    """Two steps through the trainer's engine and StepRunner's loss; the peak RSS above the imported baseline."""
+    """Two steps through the trainer's engine and ModelForward's loss; the peak RSS above the imported baseline."""
     import torch
 
     from dstrain.model.gpt import lm_loss

@@ -142,9 +142,9 @@ def evaluate(args: argparse.Namespace) -> dict:
 def _evaluator(model, device, micro: int):
     """The trainer's evaluator on a plain model, each rank one data-parallel replica."""
     from dstrain.train.evaluator import Evaluator
-    from dstrain.train.steps import StepRunner
+    from dstrain.train.forward import ModelForward
 
-    runner = StepRunner.for_module(model, device, model.config.doc_masking)
+    runner = ModelForward.of_module(model, device, model.config.doc_masking)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     return Evaluator(runner, rank, world, micro, model.config.max_seq_len)
 

@@ -40,7 +40,9 @@ from dstrain.train import features
 from dstrain.train.components import Components, Progress, StepOutcome, StepSums, Verdict
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank
 from dstrain.train.evaluator import Evaluator
-from dstrain.train.steps import StepHooks, StepRunner
+from dstrain.train.forward import ModelForward
+from dstrain.train.step_hooks import StepHooks
+from dstrain.train.steps import TrainStep
 from dstrain.train.stop import StopSignal
 
 
@@ -58,7 +60,7 @@ class Trainer:
         hooks: StepHooks | None = None,
     ):
         """``valid_sets``: (name, weight, dataset) per data source (``dstrain.data.dataset.build_valid_sets``);
-        ``hooks``: a test's faults (dstrain.train.steps.StepHooks)."""
+        ``hooks``: a test's faults (dstrain.train.step_hooks.StepHooks)."""
         self.recipe, self.strategy, self.engine = recipe, strategy, engine
         self.train_data, self.valid_sets = train_data, valid_sets
         # Only DeepSpeed's groups know the pipeline/TP layout, so the data-parallel rank comes from them.
@@ -77,9 +79,10 @@ class Trainer:
         self.saves = BackgroundSaves(engine, self.files.checkpoints, recipe.train.keep_last, self.identity)
         self.hooks = hooks or StepHooks()
         self.components = Components([])  # the steps' view of them, filled below
-        self.steps = StepRunner(recipe, strategy, engine, self.progress, self.hooks, self.components)
+        self.forward = ModelForward.of_engine(recipe, strategy, engine, self.progress, self.hooks)
+        self.steps = TrainStep(recipe, strategy, engine, self.forward, self.components)
         self.evaluator = Evaluator(
-            self.steps, self.dp_rank, strategy.dp_size, strategy.micro_batch, recipe.model.max_seq_len
+            self.forward, self.dp_rank, strategy.dp_size, strategy.micro_batch, recipe.model.max_seq_len
         )
         self.components.members = features.assemble(self)
 
@@ -95,7 +98,7 @@ class Trainer:
         n = len(self.train_data)  # a skipped window moves the stream on: past its planned end, it wraps
         for samples in indices:
             samples = [i % n for i in samples]
-            yield self.hooks.train_batch(samples, self.steps.to_device(samples, self.train_data))
+            yield self.hooks.train_batch(samples, self.forward.to_device(samples, self.train_data))
 
     # --- one optimizer step ------------------------------------------------------------
     def train_step(self, batches) -> torch.Tensor:

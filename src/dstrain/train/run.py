@@ -21,7 +21,7 @@ from dstrain.train.preflight import checked_inputs
 from dstrain.train.run_folder import claim_run_dir, write_summary
 
 if TYPE_CHECKING:
-    from dstrain.train.steps import StepHooks
+    from dstrain.train.step_hooks import StepHooks
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None, hooks: StepHooks | None = None) -> int:
-    """``hooks``: a test's faults injected into the steps (dstrain.train.steps.StepHooks)."""
+    """``hooks``: a test's faults injected into the steps (dstrain.train.step_hooks.StepHooks)."""
     console.start(console.verbose_requested(sys.argv[1:] if argv is None else argv))
     rank = env_rank()
     error = None

@@ -1,5 +1,5 @@
 """Downstream tasks at each evaluation (recipe ``train.tasks``): their accuracies join the ``valid`` record. The
-scoring is dstrain.train.evaluator.Evaluator.tasks, the forward that of dstrain.train.steps.StepRunner.score, so
+scoring is dstrain.train.evaluator.Evaluator.tasks, the forward that of dstrain.train.forward.ModelForward.score, so
 the scorer sees the whole model's logits under every strategy, as ``dstrain eval --tasks`` does."""
 
 from __future__ import annotations
