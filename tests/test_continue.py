@@ -56,7 +56,7 @@ def test_a_recipe_without_model_continues_a_published_qwen3_and_exports_it(tmp_p
     assert load_recipe(path).model == from_hf(published)[0]  # the architecture is the folder's config.json
     assert load_recipe(path, ["model.doc_masking=true"]).model.doc_masking  # training choices stay the recipe's
     with pytest.raises(DstrainError, match=r"model.n_layer=3 vs 2"):
-        check_init_from(load_recipe(path, ["model.n_layer=3"]), str(path))
+        check_init_from(load_recipe(path, ["model.n_layer=3"]), str(path), [])  # refused before the data
 
     run = tmp_path / "run"
     argv = ["--recipe", str(path), "--deepspeed_config", str(ROOT / "ds_configs/zero1.json"), f"run_dir={run}"]
@@ -190,7 +190,7 @@ def test_estimate_answers_from_config_json_alone(tmp_path, capsys):
     )
     assert "fits" in capsys.readouterr().out
     with pytest.raises(DstrainError, match="no weights"):
-        check_init_from(loaded, str(recipe))
+        check_init_from(loaded, str(recipe), [])  # refused before the data is looked at
 
 
 def yaml_without_model(source: Path, folder: Path, **changes) -> Path:
