@@ -28,7 +28,7 @@ SHORTEN = {"tiny": ["model.vocab_size=4096", "data.seq_len=128"], "gpt2-125m": [
 
 
 def build(name: str):
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
     from dstrain.train.engine import build_engine, build_model
 

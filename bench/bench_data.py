@@ -82,11 +82,11 @@ def bench_prepare(tmp: Path, corpus: Path, texts: list[str], repeats: int) -> di
         raw_runs.append(raw())
         ours_runs.append(ours(run)[0])
     tokens = raw_runs[0][1]
-    assert manifest["tokens"] == tokens + manifest["documents"], "prepare and the bare tokenizer disagree"
+    assert manifest.tokens == tokens + manifest.documents, "prepare and the bare tokenizer disagree"
     raw_rate = tokens / statistics.median(t for t, _ in raw_runs)
     ours_rate = tokens / statistics.median(ours_runs)
     return {
-        "documents": manifest["documents"],
+        "documents": manifest.documents,
         "tokens": tokens,
         "raw_tok_s": raw_rate,
         "prepare_tok_s": ours_rate,
@@ -157,8 +157,10 @@ def bench_tasks(tmp: Path, texts: list[str], tasks: int, repeats: int, one_proce
             runs.append(seconds)
             cpus.append(cpu)
             peaks += task_peaks
-    manifest = json.loads((tmp / "tasks_1x_0" / "manifest.json").read_text())
-    assert manifest["tokens"] == tokens + manifest["documents"], "the merged tasks and the bare tokenizer disagree"
+    from dstrain.data.manifest import read_manifest
+
+    manifest = read_manifest(tmp / "tasks_1x_0")
+    assert manifest.tokens == tokens + manifest.documents, "the merged tasks and the bare tokenizer disagree"
     raw_core = tokens / statistics.median(raw_runs)
     whole = tokens / statistics.median(small) / cores
     marginal = [tokens / max(b - a, 1e-9) / cores for a, b in zip(small, large)]
@@ -207,9 +209,8 @@ def bench_loader(folder: str, samples: int) -> dict:
 
 def simulate_corpus(folder: Path, total_tokens: int, shards: int) -> int:
     """A prepared folder whose shards have realistic document sizes but no real tokens."""
-    from dstrain.data.manifest import FORMAT, FORMAT_VERSION
+    from dstrain.data.manifest import FORMAT, FORMAT_VERSION, shard_files, write_manifest
     from dstrain.data.shards import write_index
-    from dstrain.files import write_json_atomic
 
     rng = np.random.default_rng(0)
     mean = 1000  # tokens per document, lognormal like web text
@@ -222,9 +223,10 @@ def simulate_corpus(folder: Path, total_tokens: int, shards: int) -> int:
         write_index(f"{prefix}.idx", part, np.uint16)
         with open(f"{prefix}.bin", "wb") as f:
             f.truncate(int(part.sum(dtype=np.int64)) * 2)  # sparse: no disk blocks
-        records.append({"prefix": prefix.name, "documents": int(part.size), "tokens": int(part.sum(dtype=np.int64))})
-    write_json_atomic(
-        folder / "manifest.json",
+        counts = {"prefix": prefix.name, "documents": int(part.size), "tokens": int(part.sum(dtype=np.int64))}
+        records.append({**counts, **shard_files(prefix)})
+    write_manifest(
+        folder,
         {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -232,9 +234,19 @@ def simulate_corpus(folder: Path, total_tokens: int, shards: int) -> int:
             "dtype": "uint16",
             "documents": int(sizes.size),
             "tokens": int(sizes.sum(dtype=np.int64)),
-            "tokenizer": {"hash": "simulated"},
+            "tokenizer": {"name": "simulated", "path": "tokenizer", "hash": "simulated", "trained_vocab_size": None},
             "vocab_size": 50_000,
             "eos_id": 0,
+            "framing": {"bos_id": None, "eos_id": 0},
+            "shard_tokens": total_tokens,
+            "source": {
+                "dataset": "simulated",
+                "config": None,
+                "split": "train",
+                "text_field": "text",
+                "fingerprint": None,
+            },
+            "command": "bench/bench_data.py simulate_corpus",
         },
     )
     return int(sizes.size)

@@ -50,12 +50,12 @@ def rss_bytes() -> int:
 
 
 def child(recipe_file: str, ds_file: str) -> dict:
-    """Two steps through the trainer's engine and StepRunner's loss; the peak RSS above the imported baseline."""
+    """Two steps through the trainer's engine and ModelForward's loss; the peak RSS above the imported baseline."""
     import torch
 
-    from dstrain.config import load_recipe
     from dstrain.model.gpt import lm_loss
     from dstrain.plan.memory import estimate
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
     from dstrain.train import distributed, tiling
     from dstrain.train.engine import build_engine, build_model

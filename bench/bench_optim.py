@@ -65,8 +65,8 @@ def optimizer_step_ms(repeats: int) -> dict[str, float]:
     import torch
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
-    from dstrain.config import load_recipe
     from dstrain.model.gpt import GPT
+    from dstrain.recipe_file import load_recipe
 
     recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", ["model.vocab_size=4096", "data.sources=[{path: none}]"])
     model = GPT(recipe.model)

@@ -46,10 +46,10 @@ def main() -> None:
 
     from dstrain.commands.compare import check_configs, check_fresh, run_interleaved, run_overrides
     from dstrain.commands.compare_plan import prediction_lines, write_configs
-    from dstrain.config import load_recipe
     from dstrain.plan.calibrate import calibrated_device
     from dstrain.plan.layouts import plan
     from dstrain.plan.time_model import Cluster
+    from dstrain.recipe_file import load_recipe
 
     overrides = run_overrides(["schedule.warmup_steps=2", "train.eval_samples=16", *args.overrides], args.steps)
     recipe = load_recipe(args.recipe, overrides)

@@ -33,7 +33,7 @@ STEPS, LOG_INTERVAL, MEASURED = 41, 1, slice(10, 41)
 
 
 def load(recipe_name: str, data: str, run_dir: str):
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     overrides = [

@@ -228,8 +228,8 @@ def precision(check: Check, steps: int) -> list[dict]:
 
 def memory(check: Check, recipe_name: str, micro: int, seq: int, configs: list[str], steps: int) -> list[dict]:
     """Measured peak device memory over a few steps beside `dstrain estimate`'s device peak, world of one."""
-    from dstrain.config import load_recipe
     from dstrain.plan.memory import estimate_file
+    from dstrain.recipe_file import load_recipe
 
     rows = []
     recipe_file = ROOT / "recipes" / f"{recipe_name}.yaml"
@@ -325,8 +325,8 @@ def attention(check: Check, recipes: list[str]) -> list[dict]:
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from dstrain.config import load_recipe
     from dstrain.model.gpt import GPT
+    from dstrain.recipe_file import load_recipe
 
     device = get_accelerator().current_device_name()
     kinds = {"flash": "flash", "efficient": "memory-efficient", "cudnn": "cudnn", "math": "math"}
@@ -358,9 +358,9 @@ def flop_count(check: Check, recipes: list[str]) -> list[dict]:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.profiling.flops_profiler import get_model_profile
 
-    from dstrain.config import load_recipe
     from dstrain.model.config import flops_per_token
     from dstrain.model.gpt import GPT
+    from dstrain.recipe_file import load_recipe
 
     rows = []
     for name in recipes:

@@ -56,7 +56,8 @@ def other_data(tmp_path) -> Path:
 
 def existing_run(tmp_path, corpus, **model) -> str:
     """A run directory whose recipe.yaml records another model shape, as an earlier run leaves it (every field)."""
-    from dstrain.config import load_recipe, to_dict
+    from dstrain.config import to_dict
+    from dstrain.recipe_file import load_recipe
 
     run = tmp_path / "run"
     run.mkdir()
@@ -102,7 +103,8 @@ def hf_config(tmp_path, weights: bool) -> Path:
 
 def finished_run(tmp_path, corpus) -> Path:
     """A run folder as a finished 10-step run of the small recipe leaves it (without its checkpoint)."""
-    from dstrain.config import load_recipe, to_dict
+    from dstrain.config import to_dict
+    from dstrain.recipe_file import load_recipe
 
     run = tmp_path / "finished"
     (run / "checkpoints").mkdir(parents=True)

@@ -22,7 +22,7 @@ def pipeline_grid_left_behind() -> str:
 
 def engine_for(run_dir, config_file):
     """A fresh engine for a finished run's recipe under ``config_file``, its newest checkpoint's weights loaded."""
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
     from dstrain.train.engine import build_engine, build_model
 

@@ -91,7 +91,7 @@ def test_averages_equal_their_formulas_on_the_checkpointed_states(averaged_runs,
     ema_2 = w_2, ema_k = d ema_(k-1) + (1 - d) w_k. A second run in the same ranks, averaging off, has the same
     train losses to the bit (swapping the average in for each eval and back leaves the live weights as they were),
     and valid/averaged is logged beside valid at each eval."""
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
 
     recipe, runs, evals = averaged_runs
     averaged, live = runs[strategy]

@@ -89,7 +89,7 @@ CASES = {
             ROOT / "ds_configs/zero1.json",
             [],
         ),
-        ["is not the one", "was prepared with"],
+        ["has another tokenizer than the one", "was prepared with"],
     ),
     "sources of two tokenizers": (
         lambda t, c: (
@@ -97,7 +97,7 @@ CASES = {
             ROOT / "ds_configs/zero1.json",
             [],
         ),
-        ["small.yaml: data.sources ", "was prepared with another tokenizer than", "same --tokenizer"],
+        ["small.yaml: data.sources ", "has another tokenizer than the one", "same --tokenizer"],
     ),
     "seq_len above the model's positions": (
         lambda t, c: (edit_recipe(small_recipe(t, c), "model", max_seq_len=16), ROOT / "ds_configs/zero1.json", []),
@@ -262,9 +262,9 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, corpus, capsys, monkey
 def test_a_full_disk_is_reported_before_training(monkeypatch, tmp_path):
     import shutil
 
-    from dstrain.config import load_recipe
     from dstrain.errors import DstrainError
-    from dstrain.train.run import check_disk
+    from dstrain.recipe_file import load_recipe
+    from dstrain.train.run_folder import check_disk
 
     recipe = load_recipe(ROOT / "recipes" / "gpt2-125m.yaml")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 10**8, 10**8))

@@ -77,7 +77,8 @@ def _run_folder(tmp_path, corpus) -> Path:
     """A run folder's recipe.yaml and tokenizer/ (its checkpoint is never read: the refusal comes first)."""
     import shutil
 
-    from dstrain.config import load_recipe, to_dict
+    from dstrain.config import to_dict
+    from dstrain.recipe_file import load_recipe
 
     run = tmp_path / "run"
     run.mkdir()
@@ -141,7 +142,7 @@ CLI_CASES = {
     ),
     "eval of a run on data of another tokenizer of the same size": (
         lambda t, c, o: ["eval", str(_run_folder(t, c)), "--data", str(o)],
-        ["was prepared with another tokenizer than the run", "--tokenizer"],
+        ["the run ", "has another tokenizer than the one --data", "--tokenizer"],
     ),
     "eval --tasks of malformed YAML": (
         lambda t, c, o: ["eval", str(_run_folder(t, c)), "--tasks", str(write(t / "tasks.yaml", "- {name: piqa,\n"))],

@@ -1,22 +1,30 @@
 """The trainer's components (dstrain.train.components): the loop's one protocol, called in the assembled order."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from dstrain.train.components import Component, Components, Progress, StepOutcome
+from dstrain.train.components import Component, Components, Progress, StepOutcome, Verdict
 
 OUTCOME = StepOutcome(step=3, loss=2.5, grad_norm=1.0, stop_requested=False)
 
 
 class Recorder(Component):
-    def __init__(self, name: str, calls: list, undo: bool = False, state: dict | None = None) -> None:
-        self.name, self.calls, self.undo, self.state = name, calls, undo, state
+    def __init__(self, name: str, calls: list, verdict: Verdict = Verdict.GO_ON, state: dict | None = None) -> None:
+        self.name, self.calls, self.verdict, self.state = name, calls, verdict, state
         self.state_key = name if state is not None else None
 
-    def on_step_end(self, outcome: StepOutcome) -> bool:
+    def on_step_end(self, outcome: StepOutcome) -> Verdict:
         self.calls.append(self.name)
-        return self.undo
+        return self.verdict
+
+    def on_eval_end(self, records: list[dict]) -> Verdict:
+        self.calls.append((self.name, len(records)))
+        return self.verdict
+
+    def on_checkpoint_published(self, tag: str) -> None:
+        self.calls.append((self.name, tag))
 
     def lr_scale(self, step: int) -> float:
         return 0.5
@@ -39,7 +47,8 @@ class Recorder(Component):
 
 def test_a_plain_component_is_off():
     off = Component()
-    assert off.lr_scale(1) == 1.0 and off.on_step_end(OUTCOME) is False
+    assert off.lr_scale(1) == 1.0 and off.on_step_end(OUTCOME) is Verdict.GO_ON
+    assert off.on_eval_end([{}]) is Verdict.GO_ON and off.on_checkpoint_published("global_step2") is None
     loss = torch.tensor(2.0)
     assert off.objective(loss) is loss
     assert off.train_record_fields(Progress(), 1) == {} and off.valid_record_fields() == {}
@@ -49,8 +58,8 @@ def test_a_plain_component_is_off():
 
 def test_components_are_called_in_order_and_an_undone_step_stops_the_rest():
     calls: list = []
-    group = Components([Recorder("a", calls), Recorder("b", calls, undo=True), Recorder("c", calls)])
-    assert group.on_step_end(OUTCOME) is True
+    group = Components([Recorder("a", calls), Recorder("b", calls, Verdict.UNDONE), Recorder("c", calls)])
+    assert group.on_step_end(OUTCOME) is Verdict.UNDONE
     assert calls == ["a", "b"]  # c never sees a step that b rolled back
     assert group.lr_scale(1) == 0.125
     assert group.objective(torch.tensor(1.0)).item() == 4.0
@@ -64,3 +73,25 @@ def test_only_components_with_state_travel_in_the_client_state():
     assert group.state_dict() == {"guard": {"lr": 4}}
     group.load_state_dict({})  # a checkpoint of a run where the guard was off
     assert calls == [("guard", None)]
+
+
+def test_a_stop_ends_the_step_and_every_component_sees_each_evaluation_and_checkpoint():
+    calls: list = []
+    group = Components([Recorder("a", calls), Recorder("b", calls, Verdict.STOP), Recorder("c", calls)])
+    assert group.on_step_end(OUTCOME) is Verdict.STOP and calls == ["a", "b"]
+    calls.clear()
+    assert group.on_eval_end([{}, {}]) is Verdict.STOP  # one component's stop is the run's
+    group.on_checkpoint_published("global_step4")
+    assert calls == [("a", 2), ("b", 2), ("c", 2), ("a", "global_step4"), ("b", "global_step4"), ("c", "global_step4")]
+    assert Components([Recorder("a", calls)]).on_eval_end([]) is Verdict.GO_ON
+
+
+def test_a_feature_is_off_by_its_builder_returning_none():
+    from dstrain.train import features
+
+    recipe = SimpleNamespace(train=SimpleNamespace(early_stop=SimpleNamespace(patience=0), export_every=0))
+    run = SimpleNamespace(recipe=recipe)
+    from dstrain.train import early_stop, hf_export
+
+    assert early_stop.build(run) is None and hf_export.build(run) is None
+    assert early_stop.build in features.BUILDERS and hf_export.build in features.BUILDERS

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dstrain.config import load_recipe
 from dstrain.errors import DstrainError
+from dstrain.recipe_file import load_recipe
 from dstrain.strategy.resolve import load_ds_config, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -322,7 +322,7 @@ def test_the_recipe_and_the_light_commands_load_no_torch():
 
     probe = """if True:
         import sys
-        from dstrain.config import load_recipe
+        from dstrain.recipe_file import load_recipe
         from dstrain.commands.cli import main
         load_recipe(sys.argv[1], ["model.vocab_size=512"])  # no prepared data needed
         for argv in (["--help"], ["prepare", "--help"], ["estimate", "--help"], ["compare", "--help"]):

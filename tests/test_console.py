@@ -55,7 +55,7 @@ def test_every_warning_a_run_prints_is_one_dstrain_line(tmp_path, capsys, monkey
     """A damaged checkpoint passed over at resume (said by rank 0 only), a disk short of keep_last+1 checkpoints, a
     stale op-build lock, a loss picture that cannot be drawn: one ``dstrain: warning:`` line each, on the console
     and in the rank's log; no path into dstrain's code, no source line, no Python warning category."""
-    from dstrain.train import engine, run
+    from dstrain.train import engine, preflight, run_folder
 
     checkpoints = tmp_path / "run" / "checkpoints"
     (checkpoints / "global_step2").mkdir(parents=True)  # published, but its record is gone
@@ -66,17 +66,17 @@ def test_every_warning_a_run_prints_is_one_dstrain_line(tmp_path, capsys, monkey
     old = time.time() - engine.STALE_BUILD_LOCK_S - 60
     os.utime(tmp_path / "ops" / "cpu_adam" / "lock", (old, old))
     monkeypatch.setattr("dstrain.model.config.num_params", lambda model: 2**30)  # 16 GiB a checkpoint
-    monkeypatch.setattr(run.shutil, "disk_usage", lambda path: SimpleNamespace(free=20 * 2**30))
+    monkeypatch.setattr(run_folder.shutil, "disk_usage", lambda path: SimpleNamespace(free=20 * 2**30))
     recipe = SimpleNamespace(model=None, train=SimpleNamespace(keep_last=2))
     console.start(False)
     try:
         monkeypatch.setenv("RANK", "1")
-        assert run.resume_tag(checkpoints, "auto") is None
+        assert preflight.resume_tag(checkpoints, "auto") is None
         assert capsys.readouterr().err == ""  # rank 1 finds it too, and says nothing
         monkeypatch.setenv("RANK", "0")
         console.open_log(RunDir(tmp_path / "run"), rank=0)
-        assert run.resume_tag(checkpoints, "auto") is None
-        run.check_disk(tmp_path / "run", recipe)
+        assert preflight.resume_tag(checkpoints, "auto") is None
+        run_folder.check_disk(tmp_path / "run", recipe)
         assert engine.warn_stale_build_locks() == [tmp_path / "ops" / "cpu_adam" / "lock"]
         try_plot_run(RunDir(tmp_path / "no-run"))
     finally:

@@ -41,7 +41,7 @@ def test_a_recipe_without_model_continues_a_published_qwen3_and_exports_it(tmp_p
 
     from dstrain.commands.cli import main as cli
     from dstrain.commands.generate import generate
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.train.preflight import check_init_from
 
     from ranks import run_ranks
@@ -56,7 +56,7 @@ def test_a_recipe_without_model_continues_a_published_qwen3_and_exports_it(tmp_p
     assert load_recipe(path).model == from_hf(published)[0]  # the architecture is the folder's config.json
     assert load_recipe(path, ["model.doc_masking=true"]).model.doc_masking  # training choices stay the recipe's
     with pytest.raises(DstrainError, match=r"model.n_layer=3 vs 2"):
-        check_init_from(load_recipe(path, ["model.n_layer=3"]), str(path))
+        check_init_from(load_recipe(path, ["model.n_layer=3"]), str(path), [])  # refused before the data
 
     run = tmp_path / "run"
     argv = ["--recipe", str(path), "--deepspeed_config", str(ROOT / "ds_configs/zero1.json"), f"run_dir={run}"]
@@ -107,6 +107,7 @@ def family_tokenizers(corpus) -> dict:
 
 
 def test_prepare_frames_documents_as_the_tokenizers_family(tmp_path, corpus):
+    from dstrain.data.manifest import Framing, read_manifest
     from dstrain.data.prepare import prepare
     from dstrain.data.shards import ShardReader
     from dstrain.data.tokenizer import tokenizer_hash, verify_tokenizer
@@ -123,16 +124,17 @@ def test_prepare_frames_documents_as_the_tokenizers_family(tmp_path, corpus):
             str(source), str(tmp_path / name), tokenizer=str(tmp_path / f"{name}-tokenizer"), num_proc=2, progress=False
         )
         bos = tokenizer.bos_token_id if name == "llama3" else None
-        assert manifest["framing"] == {"bos_id": bos, "eos_id": tokenizer.eos_token_id}
-        readers = [ShardReader.open(tmp_path / name / s["prefix"]) for s in manifest["shards"]]
+        assert manifest.framing == Framing(bos_id=bos, eos_id=tokenizer.eos_token_id)
+        readers = [ShardReader.open(tmp_path / name / s.prefix) for s in manifest.shards]
         documents = [reader[i].tolist() for reader in readers for i in range(len(reader))]
         assert len(documents) == len(texts) == 20
         for text, ids in zip(texts, documents):
             assert ids == tokenizer(text).input_ids + [tokenizer.eos_token_id]
         assert (documents[0][0] == bos) == (name == "llama3")
-    verify_tokenizer(tmp_path / "llama3", tmp_path / "llama3-tokenizer")
+    verify_tokenizer(read_manifest(tmp_path / "llama3"), tmp_path / "llama3", tmp_path / "llama3-tokenizer")
     with pytest.raises(DstrainError, match=r"framed as \{'bos_id': None.*frames them as \{'bos_id': \d+"):
-        verify_tokenizer(tmp_path / "qwen", tmp_path / "llama3-tokenizer", flag="init_from's tokenizer")
+        qwen = tmp_path / "qwen"
+        verify_tokenizer(read_manifest(qwen), qwen, tmp_path / "llama3-tokenizer", flag="init_from's tokenizer")
 
 
 # The recipes at real size that start from a published (or exported) model: continued pretraining, and its SFT.
@@ -150,10 +152,10 @@ def test_shipped_continue_recipe_fits_one_node_under_its_ds_config(recipe_file):
     the published class) and `dstrain estimate` fits it on one node of 8 x 80 GiB without the weights at hand."""
     import re
 
-    from dstrain.config import load_recipe
     from dstrain.model.families import CLASSES, check_exportable
     from dstrain.plan.memory import estimate_file
     from dstrain.plan.memory_parts import GIB
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config
 
     root = recipe_file.parents[1]
@@ -172,7 +174,7 @@ def test_estimate_answers_from_config_json_alone(tmp_path, capsys):
     """init_from a folder holding only config.json (no weights) and a recipe without model: estimate reads the
     architecture from it; training would refuse the folder (no weights) before any work."""
     from dstrain.commands.cli import main as cli
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.train.preflight import check_init_from
 
     root = Path(__file__).resolve().parents[1]
@@ -188,7 +190,7 @@ def test_estimate_answers_from_config_json_alone(tmp_path, capsys):
     )
     assert "fits" in capsys.readouterr().out
     with pytest.raises(DstrainError, match="no weights"):
-        check_init_from(loaded, str(recipe))
+        check_init_from(loaded, str(recipe), [])  # refused before the data is looked at
 
 
 def yaml_without_model(source: Path, folder: Path, **changes) -> Path:
@@ -262,7 +264,7 @@ def test_every_family_continues_training_from_init_from_and_exports_to_its_class
 def test_what_dstrain_does_not_implement_is_refused_in_one_line(tmp_path, corpus):
     """OLMo 2's q/k norm over the whole projection under tensor parallelism (a rank holds only its heads); a Mistral
     window shorter than the sequence is no longer refused: it is computed (tests/test_windows.py)."""
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     from train_helpers import ROOT, small_recipe

@@ -36,8 +36,9 @@ def test_a_prepared_folder_records_what_its_shards_are(corpus):
     from dstrain.data.manifest import check_shards, read_manifest
 
     manifest = read_manifest(corpus)
-    assert len(manifest["shards"]) >= 3
-    assert all({"bin_bytes", "idx_bytes", "bin_sampled_xxh3", "idx_sampled_xxh3"} <= set(s) for s in manifest["shards"])
+    assert len(manifest.shards) >= 3
+    assert all(s.bin_bytes > 0 and s.idx_bytes > 0 for s in manifest.shards)
+    assert all(s.bin_sampled_xxh3 and s.idx_sampled_xxh3 for s in manifest.shards)
     check_shards(corpus, manifest)  # as prepared: accepted
 
 
@@ -67,17 +68,16 @@ def test_training_refuses_changed_data_at_start_in_one_line(corpus, tmp_path, ca
     assert not (tmp_path / "run").exists()  # refused before any work
 
 
-def test_a_manifest_without_recorded_sizes_is_checked_against_its_token_counts(corpus, tmp_path):
-    """Data prepared before sizes and hashes were recorded: sizes implied by the manifest's token and document
-    counts catch a truncated shard."""
-    from dstrain.data.manifest import MANIFEST_NAME, check_shards, read_manifest
+def test_a_manifest_without_recorded_sizes_is_refused_by_name(corpus, tmp_path):
+    """The writer always records each shard's sizes and sampled hashes; a manifest without them is not one of its
+    (no sizes implied from token counts): refused in one line naming the file and the first missing key."""
+    from dstrain.data.manifest import MANIFEST_NAME, read_manifest
     from dstrain.errors import DstrainError
 
     data = copy_prepared(corpus, tmp_path / "data")
-    manifest = read_manifest(data)
-    old = {**manifest, "shards": [{k: s[k] for k in ("prefix", "documents", "tokens")} for s in manifest["shards"]]}
-    (data / MANIFEST_NAME).write_text(json.dumps(old))
-    check_shards(data, old)
-    truncate(data / "shard_00000.bin")
-    with pytest.raises(DstrainError, match="shard_00000.bin: .* bytes, its manifest says"):
-        check_shards(data, old)
+    raw = json.loads((data / MANIFEST_NAME).read_text())
+    raw["shards"] = [{k: s[k] for k in ("prefix", "documents", "tokens")} for s in raw["shards"]]
+    (data / MANIFEST_NAME).write_text(json.dumps(raw))
+    missing = r"manifest.json: missing required key shards\[0\]\.bin_bytes; .*dstrain prepare"
+    with pytest.raises(DstrainError, match=missing):
+        read_manifest(data)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dstrain.data import index as index_lib
-from dstrain.data.dataset import PreparedTokens, build_dataset, collate, read_manifest
+from dstrain.data.dataset import PreparedTokens, build_dataset, collate
+from dstrain.data.manifest import read_manifest
 from dstrain.data.prepare import prepare
 from dstrain.errors import DstrainError
 
@@ -70,7 +71,7 @@ def test_samples_are_overlapping_windows_of_the_shuffled_document_stream(tiny_co
 
 
 def test_position_ids_restart_at_every_document_start(tiny_corpus, tmp_path):
-    eos = read_manifest(tiny_corpus)["eos_id"]
+    eos = read_manifest(tiny_corpus).eos_id
     ds = build_dataset(
         [(str(tiny_corpus), 1.0)],
         "train",
@@ -100,7 +101,7 @@ def test_split_is_deterministic_disjoint_and_sized(tiny_corpus, tmp_path):
         return set(ds.doc_order[: ds.docs_per_epoch].tolist())
 
     train, valid = docs("train", 5, tmp_path / "a"), docs("valid", 5, tmp_path / "a")
-    num_docs = read_manifest(tiny_corpus)["documents"]
+    num_docs = read_manifest(tiny_corpus).documents
     assert not train & valid and train | valid == set(range(num_docs))
     assert len(valid) == round(VALID_FRACTION * num_docs)
     assert docs("valid", 5, tmp_path / "b") == valid  # rebuilt from scratch: the same split
@@ -166,18 +167,17 @@ def test_valid_blend_holds_each_valid_sample_once(blend_sources, tmp_path):
 
 
 def test_sources_with_different_tokenizers_are_refused(tiny_corpus, tmp_path):
+    """The one tokenizer check (the launch's check phase runs it over data.sources, eval over --data): by hash."""
+    from dstrain.data.manifest import same_tokenizer
+
     other = tmp_path / "other"
     prepare(corpus_file(tmp_path, n_docs=100), other, train_tokenizer=300, num_proc=1, progress=False)
-    with pytest.raises(DstrainError, match="was prepared with another tokenizer than"):
-        build_dataset(
-            [(str(tiny_corpus), 1.0), (str(other), 1.0)],
-            "train",
-            SEQ_LEN,
-            0,
-            10,
-            VALID_FRACTION,
-            cache_dir=tmp_path / "cache",
-        )
+    reference = read_manifest(tiny_corpus)
+    same_tokenizer(reference, tiny_corpus, reference.tokenizer.hash, "itself", "no fix")  # the same: accepted
+    theirs = read_manifest(other).tokenizer.hash
+    expected = rf"^data.sources {other} has another tokenizer than the one {tiny_corpus} was prepared with .*; fix it$"
+    with pytest.raises(DstrainError, match=expected):
+        same_tokenizer(reference, tiny_corpus, theirs, f"data.sources {other}", "fix it")
 
 
 def test_index_cache_is_reused_and_keyed_by_every_input(blend_sources, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -14,6 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import dstrain.data.shard_writing as prepare_module  # where shards are written
+from dstrain.data.manifest import read_manifest
 from dstrain.data.prepare import prepare, verify_tokenizer
 from dstrain.data.shards import ShardReader
 from dstrain.data.tokenizer import save_tokenizer, tokenizer_hash, train_bpe_tokenizer
@@ -38,35 +40,35 @@ def shard_bytes(folder: Path) -> dict[str, bytes]:
 
 
 def source_of(folder: Path) -> str:
-    return json.loads((folder / "manifest.json").read_text())["source"]["dataset"]
+    return read_manifest(folder).source.dataset
 
 
 def test_manifest_describes_the_shards(tiny_corpus):
-    manifest = json.loads((tiny_corpus / "manifest.json").read_text())
+    manifest = read_manifest(tiny_corpus)
     tokenizer = AutoTokenizer.from_pretrained(tiny_corpus / "tokenizer")
-    assert manifest["vocab_size"] == len(tokenizer) == TINY_VOCAB
-    assert manifest["eos_id"] == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    assert manifest["dtype"] == "uint16"
-    assert manifest["tokenizer"]["hash"] == tokenizer_hash(tokenizer)
-    assert manifest["source"]["text_field"] == "text" and manifest["source"]["fingerprint"]
-    assert manifest["command"].startswith("dstrain prepare --dataset ")
-    readers = [ShardReader.open(tiny_corpus / s["prefix"]) for s in manifest["shards"]]
-    assert [len(r) for r in readers] == [s["documents"] for s in manifest["shards"]]
-    assert [int(r.sizes.sum()) for r in readers] == [s["tokens"] for s in manifest["shards"]]
-    assert manifest["documents"] == sum(len(r) for r in readers) == len(read_texts(manifest["source"]["dataset"]))
-    assert manifest["tokens"] == sum(s["tokens"] for s in manifest["shards"])
+    assert manifest.vocab_size == len(tokenizer) == TINY_VOCAB
+    assert manifest.eos_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert manifest.dtype == "uint16"
+    assert manifest.tokenizer.hash == tokenizer_hash(tokenizer)
+    assert manifest.source.text_field == "text" and manifest.source.fingerprint
+    assert manifest.command.startswith("dstrain prepare --dataset ")
+    readers = [ShardReader.open(tiny_corpus / s.prefix) for s in manifest.shards]
+    assert [len(r) for r in readers] == [s.documents for s in manifest.shards]
+    assert [int(r.sizes.sum()) for r in readers] == [s.tokens for s in manifest.shards]
+    assert manifest.documents == sum(len(r) for r in readers) == len(read_texts(manifest.source.dataset))
+    assert manifest.tokens == sum(s.tokens for s in manifest.shards)
     assert len(readers) >= 3
     # Each shard is cut before the first document that would overflow --shard-tokens.
     for shard, following in zip(readers, readers[1:]):
         assert int(shard.sizes.sum()) <= TINY_SHARD_TOKENS or len(shard) == 1
         assert int(shard.sizes.sum()) + int(following.sizes[0]) > TINY_SHARD_TOKENS
-    verify_tokenizer(tiny_corpus, tiny_corpus / "tokenizer")  # the saved tokenizer is the manifest's
+    verify_tokenizer(manifest, tiny_corpus, tiny_corpus / "tokenizer")  # the saved tokenizer is the manifest's
 
 
 def test_interrupted_prepare_rewrites_only_the_missing_shard(tmp_path, tiny_corpus, monkeypatch):
     out = copy_prepared(tiny_corpus, tmp_path / "out")
     original_bytes = shard_bytes(out)
-    original_manifest = json.loads((out / "manifest.json").read_text())
+    original_manifest = read_manifest(out)
     (out / "manifest.json").unlink()
     (out / "shard_00001.bin").unlink()
     (out / "shard_00001.idx").unlink()
@@ -93,9 +95,9 @@ def test_interrupted_prepare_rewrites_only_the_missing_shard(tmp_path, tiny_corp
     untouched = [name for name in before if name not in ("prepare_inputs.json", "shard_00002.bin.tmp")]
     assert all(after[name] == before[name] for name in untouched)  # tokenizer and other shards kept
     assert shard_bytes(out) == original_bytes  # the rewritten shard is identical, the .tmp is gone
-    drop = lambda m: {k: v for k, v in m.items() if k != "command"}  # noqa: E731
+    drop = lambda m: dataclasses.replace(m, command="")  # noqa: E731
     assert drop(manifest) == drop(original_manifest)
-    assert drop(json.loads((out / "manifest.json").read_text())) == drop(original_manifest)
+    assert drop(read_manifest(out)) == drop(original_manifest)
 
 
 def test_rerun_of_a_complete_folder_changes_nothing(tmp_path, tiny_corpus):
@@ -158,7 +160,7 @@ def test_every_source_kind_gives_the_same_shards(tmp_path, tiny_corpus, make_sou
         progress=False,
     )
     assert shard_bytes(out) == shard_bytes(tiny_corpus)
-    verify_tokenizer(out, tiny_corpus / "tokenizer")
+    verify_tokenizer(read_manifest(out), out, tiny_corpus / "tokenizer")
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -192,7 +194,7 @@ def test_cli_with_two_processes_matches_in_process_prepare(tmp_path, tiny_corpus
     assert result.returncode == 0, result.stderr
     assert f"{out}: 300 documents" in result.stdout
     assert shard_bytes(out) == shard_bytes(tiny_corpus)
-    verify_tokenizer(out, tiny_corpus / "tokenizer")
+    verify_tokenizer(read_manifest(out), out, tiny_corpus / "tokenizer")
 
 
 @pytest.mark.launcher
@@ -306,7 +308,7 @@ def test_verify_tokenizer_rejects_another_tokenizer(tmp_path, tiny_corpus):
     other = train_bpe_tokenizer(iter([texts[:100]]), TINY_VOCAB, 100)
     save_tokenizer(other, tmp_path / "other")
     with pytest.raises(DstrainError) as error:
-        verify_tokenizer(tiny_corpus, tmp_path / "other")
+        verify_tokenizer(read_manifest(tiny_corpus), tiny_corpus, tmp_path / "other")
     message = str(error.value)
     assert "\n" not in message and "manifest.json tokenizer.hash" in message and str(tmp_path / "other") in message
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
-import json
 import os
 import signal
 import subprocess
@@ -16,6 +16,7 @@ import pytest
 import dstrain.data.shard_writing as prepare_module  # where shards are written
 from dstrain.data import prepare_parts
 from dstrain.data.dataset import build_dataset
+from dstrain.data.manifest import read_manifest
 from dstrain.data.prepare import prepare
 from dstrain.data.shards import ShardReader
 from dstrain.data.tokenizer import save_tokenizer, train_bpe_tokenizer
@@ -51,8 +52,8 @@ def _run_tasks(dataset: str, out: Path, tokenizer: Path, count: int, **options) 
 
 
 def _stream(folder: Path) -> tuple[np.ndarray, np.ndarray]:
-    manifest = json.loads((folder / "manifest.json").read_text())
-    readers = [ShardReader.open(folder / s["prefix"]) for s in manifest["shards"]]
+    manifest = read_manifest(folder)
+    readers = [ShardReader.open(folder / s.prefix) for s in manifest.shards]
     return np.concatenate([r.tokens for r in readers]), np.concatenate([r.sizes for r in readers])
 
 
@@ -62,9 +63,9 @@ def _samples(folder: Path, split: str) -> np.ndarray:
 
 
 def _assert_trains_the_same(merged: Path, single: Path) -> None:
-    ours, theirs = (json.loads((f / "manifest.json").read_text()) for f in (merged, single))
-    ignored = ("shards", "command")  # the command names its own --out
-    assert {k: v for k, v in ours.items() if k not in ignored} == {k: v for k, v in theirs.items() if k not in ignored}
+    ours, theirs = (read_manifest(f) for f in (merged, single))
+    ignored = {"shards": [], "command": ""}  # the command names its own --out
+    assert dataclasses.replace(ours, **ignored) == dataclasses.replace(theirs, **ignored)
     for a, b in zip(_stream(merged), _stream(single)):
         assert np.array_equal(a, b)
     for split in ("train", "valid"):
@@ -91,9 +92,9 @@ def test_merged_tasks_train_as_one_process(tmp_path, inputs, kind, count):
     out = tmp_path / "out"
     parts = _run_tasks(inputs[kind], out, inputs["tokenizer"], count)
     if count > 1:
-        records = [part["task"] for part in parts]
-        assert ("files" in records[0]) == (kind == "files")
-        ranges = [r["files" if kind == "files" else "rows"] for r in records]
+        records = [part.task for part in parts]
+        assert all((r.files is not None) == (kind == "files") for r in records)
+        ranges = [r.files if kind == "files" else r.rows for r in records]
         assert (
             ranges[0][0] == 0
             and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
@@ -113,7 +114,7 @@ def test_byte_identical_where_shard_boundaries_coincide(tmp_path, inputs):
         return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
     assert files(merged) == files(single)
-    assert len(json.loads((single / "manifest.json").read_text())["shards"]) == 300
+    assert len(read_manifest(single).shards) == 300
 
 
 # A `dstrain prepare` task that stalls once its third shard is half written (flushed to the file), so that the test
@@ -191,9 +192,9 @@ def test_merge_command_waits_for_every_task_and_is_idempotent(tmp_path, inputs):
     assert not (out / "manifest.json").exists()
     _prepare(inputs["files"], out, inputs["tokenizer"], num_tasks=3, task_index=1)  # the last one merges
     merged = (out / "manifest.json").read_bytes()
-    assert prepare_parts.merge(out) == json.loads(merged) and (out / "manifest.json").read_bytes() == merged
+    assert prepare_parts.merge(out) == read_manifest(out) and (out / "manifest.json").read_bytes() == merged
     again = _prepare(inputs["files"], out, inputs["tokenizer"], num_tasks=3, task_index=1)  # a late requeue
-    assert again == json.loads(merged) and not (out / prepare_parts.TASKS_DIR).exists()
+    assert again == read_manifest(out) and not (out / prepare_parts.TASKS_DIR).exists()
     other = tmp_path / "other_tokenizer"
     save_tokenizer(train_bpe_tokenizer(iter([["a few words of text"] * 10]), 300, 10), other)
     with pytest.raises(DstrainError, match="already holds data prepared from a different tokenizer"):

@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dstrain.data.dataset import build_dataset
+from dstrain.data.manifest import read_manifest
 from dstrain.data.shards import ShardReader, ShardWriter, token_dtype
 from dstrain.errors import DstrainError
 
@@ -41,34 +42,34 @@ def megatron_read(prefix: Path) -> tuple[int, list[list[int]], list[int]]:
 
 
 def test_megatron_reader_sees_every_document_tokenized_in_order(tiny_corpus):
-    manifest = json.loads((tiny_corpus / "manifest.json").read_text())
+    manifest = read_manifest(tiny_corpus)
     tokenizer = AutoTokenizer.from_pretrained(tiny_corpus / "tokenizer")
-    texts = read_texts(manifest["source"]["dataset"])
+    texts = read_texts(manifest.source.dataset)
     sequences = []
-    for shard in manifest["shards"]:
-        code, shard_sequences, doc_idx = megatron_read(tiny_corpus / shard["prefix"])
+    for shard in manifest.shards:
+        code, shard_sequences, doc_idx = megatron_read(tiny_corpus / shard.prefix)
         assert code == 8  # uint16: vocabulary 512 < 65,500
         assert doc_idx == list(range(len(shard_sequences) + 1))
-        assert len(shard_sequences) == shard["documents"]
-        assert sum(map(len, shard_sequences)) == shard["tokens"]
+        assert len(shard_sequences) == shard.documents
+        assert sum(map(len, shard_sequences)) == shard.tokens
         sequences += shard_sequences
-    assert len(sequences) == len(texts) == manifest["documents"]
-    expected = [ids + [manifest["eos_id"]] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    assert len(sequences) == len(texts) == manifest.documents
+    expected = [ids + [manifest.eos_id] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     assert sequences == expected
 
 
 def test_round_trip_decodes_every_document_then_eos(tiny_corpus):
-    manifest = json.loads((tiny_corpus / "manifest.json").read_text())
+    manifest = read_manifest(tiny_corpus)
     tokenizer = AutoTokenizer.from_pretrained(tiny_corpus / "tokenizer")
     eos = tokenizer.eos_token_id
     decoded = []
-    for shard in manifest["shards"]:
-        reader = ShardReader.open(tiny_corpus / shard["prefix"])
+    for shard in manifest.shards:
+        reader = ShardReader.open(tiny_corpus / shard.prefix)
         for i in range(len(reader)):
             ids = reader[i].tolist()
             assert ids[-1] == eos and eos not in ids[:-1]
             decoded.append(tokenizer.decode(ids[:-1]))
-    assert decoded == read_texts(manifest["source"]["dataset"])
+    assert decoded == read_texts(manifest.source.dataset)
 
 
 def test_special_token_quoted_in_text_is_not_a_document_boundary(tmp_path, tiny_corpus):
@@ -79,7 +80,7 @@ def test_special_token_quoted_in_text_is_not_a_document_boundary(tmp_path, tiny_
     source.write_text(json.dumps({"text": text}) + "\n")
     manifest = prepare(source, tmp_path / "out", tokenizer=str(tiny_corpus / "tokenizer"), num_proc=1, progress=False)
     ids = ShardReader.open(tmp_path / "out" / "shard_00000")[0].tolist()
-    assert manifest["documents"] == 1 and ids.count(manifest["eos_id"]) == 1 and ids[-1] == manifest["eos_id"]
+    assert manifest.documents == 1 and ids.count(manifest.eos_id) == 1 and ids[-1] == manifest.eos_id
 
 
 @pytest.mark.parametrize("vocab_size, code, limit", [(65_499, 8, 65_498), (65_500, 4, 151_000)])

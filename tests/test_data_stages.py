@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import yaml
 
-from dstrain.config import load_recipe
 from dstrain.data.dataset import BlendedDataset, build_dataset
 from dstrain.data.index import build_staged_blend
 from dstrain.data.prepare import prepare
 from dstrain.errors import DstrainError
+from dstrain.recipe_file import load_recipe
 
 from data_fixtures import corpus_file
 

@@ -163,7 +163,7 @@ def test_dualpipev_checkpoint_continues_on_another_layout(runs, model, target):
 
 
 def resolve_with(tmp_path, world: int, n_layer: int = 4, **changes):
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     recipe = tmp_path / "r.yaml"

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from dstrain.config import load_recipe
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig, num_params
 from dstrain.plan.memory import estimate, estimate_file
 from dstrain.plan.memory_parts import GIB
 from dstrain.plan.param_counts import count_params
+from dstrain.recipe_file import load_recipe
 from dstrain.strategy.resolve import load_ds_config, resolve
 
 from train_helpers import ROOT

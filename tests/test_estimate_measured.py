@@ -6,9 +6,9 @@ import collections
 import pytest
 import yaml
 
-from dstrain.config import load_recipe
 from dstrain.model.config import GPTConfig
 from dstrain.plan.memory import estimate, estimate_file
+from dstrain.recipe_file import load_recipe
 from dstrain.strategy.resolve import load_ds_config, resolve
 
 from ranks import run_ranks

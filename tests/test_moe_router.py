@@ -194,9 +194,9 @@ def test_parameter_line_shows_total_and_active():
 
 
 def test_estimate_splits_the_experts_over_the_expert_parallel_ranks():
-    from dstrain.config import load_recipe
     from dstrain.plan.memory import estimate_file
     from dstrain.plan.param_counts import EXPERTS, meta_shapes
+    from dstrain.recipe_file import load_recipe
 
     root = Path(__file__).resolve().parents[1]
     recipe_file = root / "recipes" / "moe-1b.yaml"
@@ -222,8 +222,8 @@ def test_moe_activations_against_saved_tensors(tmp_path, checkpointing):
     every MoE block under recompute, as before, gave +13%)."""
     from test_estimate_measured import saved_tensor_bytes, write_recipe
 
-    from dstrain.config import load_recipe
     from dstrain.plan.memory import estimate
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     recipe_file = write_recipe(tmp_path, n_layer=3, moe={"num_experts": 4, "top_k": 2, "d_expert": 96})

@@ -22,7 +22,7 @@ from dstrain.metrics import MetricsLog
 from dstrain.metrics_records import drop_records_after, read_events, read_records
 from dstrain.monitors.settings import check_monitors, monitor_settings
 from dstrain.run_dir import RunDir
-from dstrain.train.run import move_previous_run
+from dstrain.train.run_folder import move_previous_run
 
 from ranks import run_ranks
 from train_helpers import ds_config, small_recipe, train_argv
@@ -128,7 +128,7 @@ def test_unknown_monitor_keys_are_refused_before_any_work(block, fragments, tmp_
 def test_deepspeeds_own_wandb_block_resolves_as_written(tmp_path, corpus):
     """The block of DeepSpeed's documentation is accepted (dstrain once filled a job_name into it, which DeepSpeed's
     schema refuses) and keeps what the user wrote; TensorBoard's and CSV's folders go into the run folder."""
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     recipe_file, config_file = small_recipe(tmp_path, corpus), ds_config(tmp_path, "zero1", **MONITORS)
@@ -179,7 +179,7 @@ def test_monitors_follow_a_rollback_and_a_resume_after_a_kill(offline):
     for step in range(5, 9):
         log.write(record(step, 2))
     log.close()  # not what a killed job does; what W&B received is the point
-    drop_records_after(files.metrics, 6)  # run.claim_run_dir, resuming from global_step6
+    drop_records_after(files.metrics, 6)  # run_folder.claim_run_dir, resuming from global_step6
     log = MetricsLog(files, True, 10)
     log.write({"step": 6, "event": "resume", "tag": "global_step6", "changed": {"optim.lr": [0.001, 0.0005]}})
     for step in range(7, 11):
@@ -212,7 +212,7 @@ def test_monitors_follow_a_rollback_and_a_resume_after_a_kill(offline):
     assert [e["event"] for e in read_events(files.metrics)] == ["spike", "resume"]
 
     move_previous_run(files)  # what `--resume none` (or a start without a checkpoint) does: a new W&B run
-    _write_run_files(files)  # run.claim_run_dir writes them again
+    _write_run_files(files)  # run_folder.claim_run_dir writes them again
     log = MetricsLog(files, True, 10)
     log.write(record(1, 3))
     log.stopped(1, DiskFull("checkpoint global_step1 did not fit"), DISK_FULL_EXIT)  # as run.train does
@@ -250,7 +250,7 @@ def poisoned_then_stopped(argv: list[str], stop_after: int) -> int:
     """Rank target: train with samples POISON's loss x 10 (a spike at step 7), rank 0 asking to stop after step
     ``stop_after``."""
     from dstrain.train.run import main
-    from dstrain.train.steps import StepHooks
+    from dstrain.train.step_hooks import StepHooks
 
     class Hooks(StepHooks):
         def train_batch(self, samples, batch):
@@ -339,7 +339,7 @@ def test_a_job_killed_hard_leaves_nothing_missing_from_wandb(offline):
     killed = subprocess.run([sys.executable, "-c", KILLED_JOB, str(files.root)], capture_output=True, text=True)
     assert killed.returncode == 9, killed.stderr[-2000:]
     assert json.loads(files.wandb_run.read_text())["logged_through"] == -1  # nothing W&B surely holds
-    drop_records_after(files.metrics, 2)  # run.claim_run_dir, resuming from global_step2
+    drop_records_after(files.metrics, 2)  # run_folder.claim_run_dir, resuming from global_step2
     log = MetricsLog(files, True, 6)
     log.write({"step": 2, "event": "resume", "tag": "global_step2", "changed": {}})
     for step in range(3, 7):

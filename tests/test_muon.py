@@ -105,7 +105,7 @@ RECIPE = {
 
 
 def resolve_muon(tmp_path, base: str, world: int, recipe_changes: dict | None = None, **changes):
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     recipe = tmp_path / "r.yaml"
@@ -179,9 +179,9 @@ def test_estimate_counts_one_momentum_for_each_parameter_deepspeed_gives_muon(tm
     """The estimate's M against DeepSpeed's own tagging of a real GPT (deepspeed.set_optimizer_flags)."""
     import deepspeed
 
-    from dstrain.config import load_recipe
     from dstrain.model.gpt import GPT
     from dstrain.plan.memory import estimate
+    from dstrain.recipe_file import load_recipe
 
     strategy = resolve_muon(tmp_path, "zero0", 2)
     recipe = load_recipe(tmp_path / "r.yaml")
@@ -363,10 +363,10 @@ def test_compare_refuses_a_muon_entry_under_offload_before_launching(tmp_path, c
 
 def test_an_adamw_checkpoint_is_not_resumed_with_muon(tmp_path):
     """The checkpoint holds AdamW's moments: continuing it with Muon is another experiment (optim.kind is identity)."""
-    from dstrain.checkpoint.record import RECORD, CheckpointRecord
-    from dstrain.config import load_recipe
+    from dstrain.checkpoint.record import RECORD, CheckpointRecord, identity
     from dstrain.errors import DstrainError
-    from dstrain.train.run import check_run_dir, identity
+    from dstrain.recipe_file import load_recipe
+    from dstrain.train.preflight import check_run_dir
 
     topology = resolve_muon(tmp_path, "zero0", 2).topology  # writes r.yaml, a Muon recipe
     muon = load_recipe(tmp_path / "r.yaml")

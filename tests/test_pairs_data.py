@@ -88,10 +88,10 @@ def test_pairs_match_trl_dpo_preprocessing(tmp_path, kind, prompt):
             assert docs[doc] == row["prompt_ids"] + row[side]
             assert masks[doc] == [False] * len(row["prompt_ids"]) + [True] * len(row[side])
     manifest = read_manifest(out)
-    assert manifest["chat"]["format"] == "preference"
+    assert manifest.chat.format == "preference"
     pairs = [len(docs[2 * k]) + len(docs[2 * k + 1]) for k in range(len(rows))]
-    assert manifest["pairs"]["pairs"] == len(rows) and manifest["pairs"]["longest"] == max(pairs)
-    assert manifest["pairs"]["longer_than"]["128"] == sum(n > 129 for n in pairs)
+    assert manifest.pairs.pairs == len(rows) and manifest.pairs.longest == max(pairs)
+    assert manifest.pairs.longer_than["128"] == sum(n > 129 for n in pairs)
 
 
 USER = {"role": "user", "content": "Which one?"}
@@ -130,8 +130,9 @@ def test_a_pair_folder_is_refused_by_training_and_by_eval_without_a_reference(tm
     import yaml
 
     from dstrain.commands.cli import main as cli
-    from dstrain.config import load_recipe
-    from dstrain.train.run import fingerprint_of_checked_data
+    from dstrain.data.manifest import read_manifest
+    from dstrain.recipe_file import load_recipe
+    from dstrain.train.preflight import fingerprint_of_checked_data
 
     out, _, _ = prepared_pairs(tmp_path, conversational_rows(implicit=False))
     path = tmp_path / "sft.yaml"
@@ -141,7 +142,7 @@ def test_a_pair_folder_is_refused_by_training_and_by_eval_without_a_reference(tm
         yaml.safe_dump({"name": "x", "model": model, "data": data, "train": {"steps": 1, "global_batch": 2}})
     )
     with pytest.raises(DstrainError, match=re.escape(f"{path}: data.sources {out} holds preference pairs")) as error:
-        fingerprint_of_checked_data(load_recipe(path), str(path))
+        fingerprint_of_checked_data(load_recipe(path), str(path), [read_manifest(out)])
     assert "\n" not in str(error.value)
     hf = tmp_path / "hf"
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -171,7 +172,7 @@ def test_packed_pairs_give_each_completions_log_prob_sum_alone(tmp_path):
     data = build_dataset([(str(out), 1.0)], "train", 320, 7, None, 0.2)
     samples = [data[i] for i in range(len(data))]
     assert max(int(s["documents"].max()) for s in samples) >= 3  # at least two pairs share a sample
-    vocab = -(-read_manifest(out)["vocab_size"] // 64) * 64
+    vocab = -(-read_manifest(out).vocab_size // 64) * 64
     config = GPTConfig(flavour="llama", vocab_size=vocab, max_seq_len=320, n_layer=2, n_head=4, n_kv_head=2,
                        d_model=64, doc_masking=True)  # fmt: skip
     torch.manual_seed(0)
@@ -204,7 +205,6 @@ def test_reference_scores_are_each_side_alone_kept_reused_and_checked(tmp_path):
     import torch
 
     from dstrain.data.dataset import build_dataset
-    from dstrain.data.manifest import manifest_hash
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT
     from dstrain.model.hf import to_hf_model
@@ -213,11 +213,11 @@ def test_reference_scores_are_each_side_alone_kept_reused_and_checked(tmp_path):
     rows = conversational_rows(implicit=True) * 2 + text_rows(implicit=False) * 2
     out, docs, masks = prepared_pairs(tmp_path, rows)
     sets = [build_dataset([(str(out), 1.0)], split, 320, 7, None, 0.2) for split in ("train", "valid")]
-    config = GPTConfig(flavour="llama", vocab_size=-(-read_manifest(out)["vocab_size"] // 64) * 64, max_seq_len=320,
+    config = GPTConfig(flavour="llama", vocab_size=-(-read_manifest(out).vocab_size // 64) * 64, max_seq_len=320,
                        n_layer=2, n_head=4, n_kv_head=2, d_model=64, doc_masking=True)  # fmt: skip
     torch.manual_seed(0)
     model = GPT(config).eval()
-    key, parts = scores_key(weights_hash(model.state_dict()), manifest_hash(read_manifest(out)), 320, "truncate")
+    key, parts = scores_key(weights_hash(model.state_dict()), read_manifest(out).hash, 320, "truncate")
     calls = []
 
     def compute():
@@ -260,7 +260,7 @@ def test_two_tasks_and_their_merge_make_the_one_process_pair_folder(tmp_path):
     tokens = PreparedTokens(merged)
     assert [tokens.document(d).tolist() for d in range(tokens.num_docs)] == docs
     assert [tokens.document_mask(d).astype(bool).tolist() for d in range(tokens.num_docs)] == masks
-    assert read_manifest(merged)["pairs"] == read_manifest(one)["pairs"]
+    assert read_manifest(merged).pairs == read_manifest(one).pairs
 
 
 def test_eval_of_a_pair_folder_gives_the_loss_and_reward_accuracy_of_each_side_alone(tmp_path, capsys):
@@ -280,7 +280,7 @@ def test_eval_of_a_pair_folder_gives_the_loss_and_reward_accuracy_of_each_side_a
 
     rows = conversational_rows(implicit=False) * 3 + text_rows(implicit=True) * 3
     out, docs, masks = prepared_pairs(tmp_path, rows)
-    config = GPTConfig(flavour="llama", vocab_size=-(-read_manifest(out)["vocab_size"] // 64) * 64, max_seq_len=320,
+    config = GPTConfig(flavour="llama", vocab_size=-(-read_manifest(out).vocab_size // 64) * 64, max_seq_len=320,
                        n_layer=2, n_head=4, n_kv_head=2, d_model=64)  # fmt: skip
     models = {}
     for name, seed in (("policy", 0), ("reference", 1)):

@@ -17,7 +17,7 @@ RECIPE = {
 
 
 def resolve_with(tmp_path, base: str, world: int, **changes):
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     recipe = tmp_path / "r.yaml"

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from dstrain.config import load_recipe
 from dstrain.plan.bubble import BACKWARD_OVER_FORWARD, bubble_fraction
 from dstrain.plan.layouts import Layout, plan
 from dstrain.plan.param_counts import count_params
 from dstrain.plan.pipe_schedules import held_stages
 from dstrain.plan.time_model import DEVICES, Cluster, predict, traffic_table
+from dstrain.recipe_file import load_recipe
 from dstrain.strategy.resolve import resolve
 
 from train_helpers import ROOT

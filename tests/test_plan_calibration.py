@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from dstrain.config import load_recipe
 from dstrain.plan.layouts import Layout
 from dstrain.plan.time_model import DEVICES, Cluster, engine_kind, layout_counts, predict
+from dstrain.recipe_file import load_recipe
 from dstrain.strategy.resolve import resolve
 
 from train_helpers import ROOT

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from dstrain.config import load_recipe
 from dstrain.plan.time_model import expert_share, layout_counts
 from dstrain.plan.traffic import step_traffic
+from dstrain.recipe_file import load_recipe
 from dstrain.strategy.resolve import load_ds_config, resolve
 
 from ranks import run_ranks

@@ -14,10 +14,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import transformers  # noqa: E402
 
-from dstrain.config import load_recipe  # noqa: E402
 from dstrain.model.config import num_params  # noqa: E402
 from dstrain.model.family_configs import config_from_hf  # noqa: E402
 from dstrain.model.hf import architecture_diff  # noqa: E402
+from dstrain.recipe_file import load_recipe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -206,7 +206,7 @@ def test_a_checkpoint_of_another_experiment_is_refused_by_its_own_record(resumed
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_changed_optimizer_values_apply_from_the_first_resumed_step(resumed, strategy):
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.train.schedule import lr_at
 
     recipe_file, _, results = resumed
@@ -236,7 +236,7 @@ def test_resume_reports_what_changed(resumed, capfd):
 
 def test_an_extended_run_follows_the_longer_schedule(resumed):
     """4 steps extended to 8: every logged lr is the 8-step schedule's, as an uninterrupted 8-step run logs."""
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.train.schedule import lr_at
 
     recipe_file, _, results = resumed
@@ -261,8 +261,8 @@ def test_activation_checkpointing_may_change_on_resume(resumed):
 
 def test_estimate_and_the_model_take_activation_checkpointing_from_the_ds_config(tmp_path, corpus):
     """The ds_config's section turns it on for the estimate and the model."""
-    from dstrain.config import load_recipe
     from dstrain.plan.memory import estimate
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
     from dstrain.train.engine import build_model
 

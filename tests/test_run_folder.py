@@ -135,7 +135,8 @@ def test_eval_of_a_run_finds_its_data_where_it_was_launched_and_says_when_it_is_
 @pytest.mark.distributed
 def test_resume_refuses_moved_data_and_a_changed_tokenizer_in_one_line(moved, monkeypatch):
     from dstrain.errors import DstrainError
-    from dstrain.train.run import checked_inputs, parse_args
+    from dstrain.train.preflight import checked_inputs
+    from dstrain.train.run import parse_args
 
     tmp, _, argv = moved
     launch = tmp / "launch"
@@ -175,15 +176,17 @@ def test_a_tokenizer_path_that_exists_nowhere_is_named_as_a_path(tmp_path, monke
 def test_launch_record_round_trips_and_a_recipe_without_one_is_named(corpus, tmp_path, monkeypatch):
     import yaml
 
-    from dstrain.config import load_recipe, to_dict
+    from dstrain.config import to_dict
     from dstrain.errors import DstrainError
+    from dstrain.recipe_file import load_recipe
     from dstrain.run_dir import LAUNCH_KEY, LaunchRecord
+    from dstrain.train.run_folder import launch_record
 
     monkeypatch.chdir(tmp_path)
     copy_prepared(corpus, tmp_path / "data" / "corp")
     recipe = load_recipe(small_recipe(tmp_path, Path("data/corp")))
     written = tmp_path / "recipe.yaml"
-    record = LaunchRecord.of(recipe)
+    record = launch_record(recipe)
     written.write_text(yaml.safe_dump({**to_dict(recipe), LAUNCH_KEY: dataclasses.asdict(record)}))
     assert LaunchRecord.read(written) == record
     assert record == LaunchRecord(str(tmp_path), {"data.sources[0].path": str(tmp_path / "data" / "corp")})
@@ -191,3 +194,12 @@ def test_launch_record_round_trips_and_a_recipe_without_one_is_named(corpus, tmp
     written.write_text(yaml.safe_dump(to_dict(recipe)))  # a recipe, not a run's record of one
     with pytest.raises(DstrainError, match=rf"^{written}: no readable `launch` record .* name the run folder"):
         LaunchRecord.read(written)
+
+
+def test_run_dir_find_tells_a_run_from_any_other_folder(tmp_path):
+    from dstrain.run_dir import RunDir
+
+    assert RunDir.find(tmp_path) is None  # a Hugging Face folder, prepared data, an empty folder: no recipe.yaml
+    assert RunDir.find(tmp_path / "absent") is None
+    (tmp_path / "recipe.yaml").write_text("name: x\n")
+    assert RunDir.find(str(tmp_path)) == RunDir(tmp_path)

@@ -3,7 +3,6 @@ against masks built by hand from the assistant contents' token spans, and the on
 
 from __future__ import annotations
 
-import json
 import re
 
 import datasets
@@ -22,6 +21,7 @@ from chat_fixtures import (
 
 from dstrain.data.chat import encode_messages, encode_prompt_completion
 from dstrain.data.dataset import PreparedTokens, build_dataset, collate
+from dstrain.data.manifest import read_manifest
 from dstrain.data.prepare import prepare
 from dstrain.errors import DstrainError
 
@@ -127,9 +127,9 @@ def test_masks_match_the_assistant_contents_token_spans(name):
 
 def test_prepare_without_markers_reports_the_mask_and_packs_whole_conversations(tmp_path):
     out, docs, masks = prepared(tmp_path, [{"messages": c} for c in CONVERSATIONS * 30], "qwen2.5")
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["chat"]["mask_from"].startswith("prefix renders")
-    assert manifest["chat"]["learned_tokens"] == sum(sum(m) for m in masks)
+    manifest = read_manifest(out)
+    assert manifest.chat.mask_from.startswith("prefix renders")
+    assert manifest.chat.learned_tokens == sum(sum(m) for m in masks)
     seq_len = 64
     data = build_dataset([(str(out), 1.0)], "train", seq_len, 3, None, 0.05)
     whole = {tuple(d) for d in docs}
@@ -178,7 +178,7 @@ def test_a_tokenizer_without_a_template_names_chat_template(tmp_path):
         str(source), str(tmp_path / "out"), tokenizer=str(tmp_path / "tok"), chat=True, progress=False,
         chat_template=str(tmp_path / "t.jinja"), num_proc=1,
     )  # fmt: skip
-    assert manifest["chat"]["template_file"] == str(tmp_path / "t.jinja")
+    assert manifest.chat.template_file == str(tmp_path / "t.jinja")
 
 
 def test_a_plain_pair_learns_the_completion_and_eos():
@@ -246,8 +246,8 @@ def test_sft_recipes_and_chat_folders_go_together(tmp_path, corpus):
     """A --chat folder under a recipe without data.sft, and an SFT recipe without a --chat folder: one line each."""
     import yaml
 
-    from dstrain.config import load_recipe
-    from dstrain.train.run import fingerprint_of_checked_data
+    from dstrain.recipe_file import load_recipe
+    from dstrain.train.preflight import fingerprint_of_checked_data
 
     chat, _, _ = prepared(tmp_path, [{"messages": c} for c in CONVERSATIONS], "chatml")
     for folder, sft, masking, fragment in (
@@ -264,7 +264,8 @@ def test_sft_recipes_and_chat_folders_go_together(tmp_path, corpus):
             yaml.safe_dump({"name": "x", "model": model, "data": data, "train": {"steps": 1, "global_batch": 2}})
         )
         with pytest.raises(DstrainError, match=re.escape(fragment)) as error:
-            fingerprint_of_checked_data(load_recipe(path), str(path))
+            recipe = load_recipe(path)
+            fingerprint_of_checked_data(recipe, str(path), [read_manifest(s.path) for s in recipe.data.sources])
         assert str(path) in str(error.value) and "\n" not in str(error.value)
     model = {"flavour": "llama", "n_layer": 1, "n_head": 2, "d_model": 32}
     data = {"sources": [{"path": str(chat)}], "seq_len": 32, "sft": True}
@@ -275,7 +276,7 @@ def test_sft_recipes_and_chat_folders_go_together(tmp_path, corpus):
 
 
 def test_a_changed_mask_is_refused_like_a_changed_shard(tmp_path):
-    from dstrain.data.manifest import check_shards, read_manifest
+    from dstrain.data.manifest import check_shards
 
     out, _, _ = prepared(tmp_path, [{"messages": c} for c in CONVERSATIONS], "chatml")
     check_shards(out, read_manifest(out))
@@ -299,7 +300,7 @@ def test_two_tasks_and_their_merge_make_the_one_process_folder(tmp_path):
     tokens = PreparedTokens(merged)
     assert [tokens.document(d).tolist() for d in range(tokens.num_docs)] == docs
     assert [tokens.document_mask(d).astype(bool).tolist() for d in range(tokens.num_docs)] == masks
-    ours, theirs = (json.loads((f / "manifest.json").read_text())["chat"] for f in (one, merged))
+    ours, theirs = (read_manifest(f).chat for f in (one, merged))
     assert ours == theirs
 
 
@@ -311,7 +312,7 @@ def test_chat_mixed_with_text_learns_every_text_token(tmp_path):
     text = prepare_text(
         str(corpus_text(tmp_path)), str(tmp_path / "text"), tokenizer=str(tokenizer), num_proc=1, progress=False
     )
-    assert "chat" not in text
+    assert text.chat is None
     source = write_jsonl(tmp_path / "rows.jsonl", [{"messages": c} for c in CONVERSATIONS * 20])
     prepare(str(source), str(tmp_path / "chat"), tokenizer=str(tokenizer), chat=True, num_proc=1, progress=False)
     data = build_dataset([(str(tmp_path / "chat"), 1.0), (str(tmp_path / "text"), 1.0)], "train", 32, 1, 40, 0.05)
@@ -331,8 +332,8 @@ def corpus_text(tmp_path):
 def test_a_killed_chat_prepare_resumes_to_the_same_folder(tmp_path):
     rows = [{"messages": c} for c in (CONVERSATIONS + HELD_OUT) * 10]
     out, docs, masks = prepared(tmp_path, rows, "chatml", shard_tokens=400)
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["shards"]) >= 3
+    manifest = read_manifest(out)
+    assert len(manifest.shards) >= 3
     (out / "manifest.json").unlink()  # killed while shard 1's mask was being written: its files are not published
     for name in ("shard_00001.bin", "shard_00001.idx", "shard_00001.mask.idx"):
         (out / name).unlink()

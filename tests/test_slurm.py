@@ -8,6 +8,7 @@ paths, as a user submitting from elsewhere would.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -268,13 +269,14 @@ PREPARE = str(ROOT / "slurm" / "prepare.sbatch")
 def test_prepare_array_on_two_nodes_then_dependent_merge(slurm_cluster, work, corpus):
     """`sbatch --array=0-1 prepare.sbatch ...` (each task a whole node: one on dsnode1, one on dsnode2), then the
     `--merge` job with --dependency=afterok: the merged folder holds one process's documents, order and tokens."""
+    from dstrain.data.manifest import read_manifest
     from dstrain.data.prepare import prepare
 
     from data_fixtures import read_texts
 
     parts = work / "parts"
     parts.mkdir()
-    texts = read_texts(json.loads((corpus / "manifest.json").read_text())["source"]["dataset"])
+    texts = read_texts(read_manifest(corpus).source.dataset)
     for i in range(5):  # 5 files for 2 tasks: split by files
         lines = [json.dumps({"text": t}) + "\n" for t in texts[i * 60 : (i + 1) * 60]]
         (parts / f"part_{i}.jsonl").write_text("".join(lines), encoding="utf-8")
@@ -295,14 +297,12 @@ def test_prepare_array_on_two_nodes_then_dependent_merge(slurm_cluster, work, co
     assert "merged" in merge_log.read_text()
 
     single = prepare(source, work / "single", tokenizer=tokenizer, shard_tokens=20000, num_proc=1, progress=False)
-    merged = json.loads((work / "prepared" / "manifest.json").read_text())
-    ignored = ("shards", "command")
-    assert {k: v for k, v in merged.items() if k not in ignored} == {
-        k: v for k, v in single.items() if k not in ignored
-    }
+    merged = read_manifest(work / "prepared")
+    ignored = {"shards": [], "command": ""}
+    assert dataclasses.replace(merged, **ignored) == dataclasses.replace(single, **ignored)
     for name in ("tokens", "sizes"):
         ours, theirs = (
-            np.concatenate([getattr(ShardReader.open(folder / s["prefix"]), name) for s in m["shards"]])
+            np.concatenate([getattr(ShardReader.open(folder / s.prefix), name) for s in m.shards])
             for folder, m in ((work / "prepared", merged), (work / "single", single))
         )
         assert np.array_equal(ours, theirs)

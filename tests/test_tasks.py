@@ -115,8 +115,8 @@ def test_a_bad_task_file_is_one_line_naming_it(tmp_path, content, expected):
 
 
 def test_recipe_tasks_are_typed_and_named_once(tmp_path, corpus):
-    from dstrain.config import load_recipe
     from dstrain.errors import DstrainError
+    from dstrain.recipe_file import load_recipe
 
     from train_helpers import small_recipe
 

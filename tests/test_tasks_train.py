@@ -120,11 +120,11 @@ def test_dstrain_eval_gives_the_loops_numbers(runs, strategy):
 
 @pytest.mark.deepspeed_defect(
     "PipelineEngine.eval_batch adds every output into total_loss, which only train_batch resets "
-    "(train/steps.py::StepRunner._pipe_score)"
+    "(train/forward.py::ModelForward._pipe_score)"
 )
 def test_deepspeed_pipeline_eval_total_loss_defect(runs):
     """DeepSpeed 0.19.8: a second eval_batch whose loss has another shape fails adding it to the first's total;
-    StepRunner._pipe_score empties total_loss around each call. If this fails, drop that line."""
+    ModelForward._pipe_score empties total_loss around each call. If this fails, drop that line."""
     assert runs[2] == ["RuntimeError"] * 2
 
 
@@ -132,7 +132,7 @@ def test_deepspeed_pipeline_eval_total_loss_defect(runs):
 def test_lm_eval_on_the_export_gives_the_loops_numbers(runs, tmp_path):
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is the optional extra .[harness]")
     from dstrain.commands.cli import main
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.run_dir import RunDir
     from dstrain.tasks.harness import run_harness
 

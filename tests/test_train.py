@@ -160,7 +160,7 @@ def test_model_states_load_without_pickle(equivalence_runs):
 
 
 def test_lr_follows_the_recipe_schedule(equivalence_runs):
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.train.schedule import lr_at
 
     recipe = load_recipe(equivalence_runs["zero1"] / "recipe.yaml")

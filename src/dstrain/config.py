@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 from dstrain.ranges import Range
-from dstrain.recipe_checks import validate
-from dstrain.run_dir import LAUNCH_KEY
-from dstrain.typed_yaml import apply_override, parse, read_yaml_file
 
 Positive = Annotated[int, Range(ge=1)]
 NonNegative = Annotated[int, Range(ge=0)]
@@ -137,6 +132,16 @@ class WatchdogConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    """Early stopping on the valid loss (dstrain.train.early_stop): the run stops cleanly, as a finished one (a
+    checkpoint, summary.json with status "stopped"), after ``patience`` evaluations in a row whose ``valid`` loss is
+    not below the best so far by more than ``min_delta``. Needs train.eval_interval."""
+
+    patience: NonNegative = 0  # evaluations without an improvement before the run stops; 0 = off
+    min_delta: Annotated[float, Range(ge=0)] = 0.0  # an improvement is a loss below the best by more than this
+
+
+@dataclass
 class TaskConfig:
     """A downstream task scored at each evaluation (dstrain.tasks; docs/evaluation.md): its first ``limit``
     items, each choice scored by the log-likelihood of its continuation, as lm-evaluation-harness scores them
@@ -184,6 +189,10 @@ class TrainConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)  # hang watchdog
     tasks: list[TaskConfig] = field(default_factory=list)  # downstream tasks scored at each evaluation
     averaging: AveragingConfig = field(default_factory=AveragingConfig)  # EMA / last-N average of the weights
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)  # stop when the valid loss stops improving
+    # every published checkpoint of a multiple of this many steps also as a Hugging Face folder, run_dir/hf/<tag>/
+    # (dstrain.train.hf_export; what `dstrain export --tag` writes); 0 = off
+    export_every: NonNegative = 0
 
 
 @dataclass
@@ -224,99 +233,6 @@ class Recipe:
         return starts
 
 
-def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
-    """Read a recipe file, apply ``key=value`` overrides, and validate everything."""
-    path = Path(path)
-    try:
-        raw = read_yaml_file(path, "pass a recipe YAML file, e.g. recipes/tiny.yaml")
-    except FileNotFoundError:
-        raise DstrainError(f"{path}: no such recipe file; see recipes/ for examples") from None
-    except OSError as e:
-        raise DstrainError(
-            f"{path}: cannot read the recipe ({e.strerror}); pass a YAML file, e.g. recipes/tiny.yaml"
-        ) from None
-    if not isinstance(raw, dict):
-        raise DstrainError(f"{path}: a recipe is a YAML mapping of sections (model, data, train, ...)")
-    raw.pop(LAUNCH_KEY, None)  # what a run folder's recipe.yaml recorded of its launch: not a setting
-    for item in overrides:
-        apply_override(raw, item, path)
-    refuse_moved_keys(raw, path)
-    fill_model_from_init_from(raw, path)
-    fill_model_defaults(raw, path)
-    recipe = parse(Recipe, raw, path, "")
-    validate(recipe, path)
-    return recipe
-
-
-def load_recipe_to_size(path: str | Path, overrides: Sequence[str], purpose: str) -> Recipe:
-    """``load_recipe`` for what sizes a run without reading its data (dstrain estimate, plan): a refusal for want of
-    the prepared data's manifest also names the override that does without it; ``purpose``: "estimate", "plan"."""
-    try:
-        return load_recipe(path, overrides)
-    except DstrainError as e:
-        hint = f"; to {purpose} without the data, pass model.vocab_size=<size>" if "manifest" in str(e) else ""
-        raise DstrainError(f"{e}{hint}") from None
-
-
-def refuse_moved_keys(raw: dict, path: Path) -> None:
-    """model.activation_checkpointing, where nanoGPT-style recipes keep it, is a memory strategy: the ds_config's."""
-    model = raw.get("model")
-    if isinstance(model, dict) and "activation_checkpointing" in model:
-        raise DstrainError(
-            f"{path}: model.activation_checkpointing is a ds_config setting; remove it here and add "
-            f'"activation_checkpointing": {{"partition_activations": false}} to your ds_config'
-        )
-
-
-def fill_model_from_init_from(raw: dict, path: Path) -> None:
-    """With init_from, the model fields the recipe leaves out are the folder's (config.json only; no weights read).
-    Training choices (doc_masking) stay the recipe's; the fields it gives are checked against the folder before any
-    work (train/preflight.py), so a differing one is refused by name."""
-    source, model = raw.get("init_from"), raw.get("model")
-    if not isinstance(source, str) or not (model is None or isinstance(model, dict)):
-        return  # no init_from, or parse() reports the malformed section
-    from dstrain.run_dir import RunDir
-
-    run = RunDir(Path(source))
-    if run.recipe.is_file():  # a dstrain run (an SFT after a continued run): the model its recipe resolved
-        folder = dataclasses.asdict(load_recipe(run.recipe).model)
-    elif model and not (Path(source) / "config.json").is_file():
-        return  # written out (a shipped recipe on a machine without the weights): preflight checks the folder
-    else:
-        from dstrain.model.hf import architecture_from_hf  # torch and transformers: only for a recipe with init_from
-
-        try:
-            folder = dataclasses.asdict(architecture_from_hf(source))
-        except DstrainError as e:
-            raise DstrainError(f"{path}: init_from: {e}") from None
-    del folder["doc_masking"]
-    given = model or {}
-    for key in ("moe", "rope_scaling"):  # one level deeper: moe.aux_loss_coef alone keeps the folder's experts
-        if isinstance(given.get(key), dict) and isinstance(folder.get(key), dict):
-            given[key] = {**folder[key], **given[key]}
-    raw["model"] = {**folder, **given}
-
-
-def fill_model_defaults(raw: dict, path: Path) -> None:
-    """model.max_seq_len defaults to data.seq_len; model.vocab_size to the data's, padded to a multiple of 64;
-    model.doc_masking to true under data.sft (a recipe that sets it false is refused by train/preflight.py)."""
-    model, data = raw.get("model"), raw.get("data")
-    if not isinstance(model, dict) or not isinstance(data, dict):
-        return  # parse() reports the missing or malformed section
-    model.setdefault("max_seq_len", data.get("seq_len"))
-    if data.get("sft") is True:  # conversations are packed whole: read with document masking (preflight refuses false)
-        model.setdefault("doc_masking", True)
-    sources = data.get("sources")
-    if model.get("vocab_size") is None and isinstance(sources, list) and sources:
-        from dstrain.data.manifest import read_manifest
-
-        if not isinstance(sources[0], dict) or not isinstance(sources[0].get("path"), str):
-            return  # parse() reports the malformed source
-        first = sources[0]["path"]
-        vocab = read_manifest(first)["vocab_size"]
-        model["vocab_size"] = -(-vocab // 64) * 64
-
-
 def to_dict(recipe: Recipe) -> dict:
     """Plain data (tuples as lists) for the resolved recipe.yaml a run leaves, and for checkpoints."""
     return json.loads(json.dumps(dataclasses.asdict(recipe)))
@@ -332,3 +248,18 @@ def recipe_changes(old: dict, new: dict, prefix: str = "") -> dict:
         elif a != b and f"{prefix}{key}" != "run_dir":
             changed[f"{prefix}{key}"] = [a, b]
     return changed
+
+
+def run_folder(recipe: Recipe) -> Path:
+    """Where a recipe's run lives: its run_dir, by default runs/<name>."""
+    return Path(recipe.run_dir or f"runs/{recipe.name}")
+
+
+def recipe_paths(recipe: Recipe) -> dict[str, str]:
+    """{dotted key: path as written} of every file or folder a recipe names."""
+    paths = {f"data.sources[{i}].path": s.path for i, s in enumerate(recipe.data.sources)}
+    if recipe.data.tokenizer:
+        paths["data.tokenizer"] = recipe.data.tokenizer
+    if recipe.init_from:
+        paths["init_from"] = recipe.init_from
+    return paths

@@ -100,7 +100,7 @@ class MetricsLog:
         if enabled:
             from dstrain.monitors import open_monitors
 
-            # what a resumed run kept (run.claim_run_dir cut it at the checkpoint)
+            # what a resumed run kept (run_folder.claim_run_dir cut it at the checkpoint)
             self.monitors = open_monitors(files, read_all(files.metrics))
 
     def write(self, record: dict) -> None:

@@ -50,7 +50,7 @@ class EventRecord(TypedDict, total=False):
     by an error (``message``), or the previous launch's hang (logged by the launch after it)."""
 
     step: Required[int]
-    event: Required[str]  # "resume" | "spike" | "disk_full" | "stopped" | "hang"
+    event: Required[str]  # "resume" | "spike" | "disk_full" | "stopped" | "hang" | "early_stop" | "hf_export"
     message: str  # disk_full, stopped: the error's line
     hang_step: int  # hang: the step the watchdog found stalled
     at: str  # hang: where in it (e.g. "backward 0 of step 5")
@@ -64,6 +64,9 @@ class EventRecord(TypedDict, total=False):
     threshold: float  # spike: factor x median
     rolled_back_to: str | None  # spike: the tag reloaded; None before the first checkpoint
     skipped_samples: list[int] | None  # spike: [first, end) of the samples skipped on the way back
+    best_loss: float  # early_stop: the best valid loss of the run
+    loss: float  # early_stop: the valid loss of the evaluation that stopped it
+    folder: str  # hf_export: the Hugging Face folder written (tag: the checkpoint's)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,11 @@ def validate(recipe: Recipe, file: Path) -> None:
     if len(set(names)) != len(names):
         twice = next(name for name in names if names.count(name) > 1)
         raise DstrainError(f"{file}: train.tasks names {twice!r} twice; give each task its own name")
+    if t.early_stop.patience and not t.eval_interval:
+        raise DstrainError(
+            f"{file}: train.early_stop.patience={t.early_stop.patience} counts evaluations, and train.eval_interval is "
+            f"0 (only at the end); set train.eval_interval, or train.early_stop.patience: 0"
+        )
     w = t.watchdog
     if w.floor_s > w.ceiling_s:
         raise DstrainError(

@@ -7,6 +7,7 @@ metrics.jsonl, summary.json   one record per logged step / evaluation / event; t
 checkpoints/global_step<N>/   DeepSpeed's checkpoint of step N, and `latest` naming the newest
 logs/rank<r>.log, loss.png    each rank's full output; train and valid loss with the learning rate
 tasks.png                     the train.tasks' accuracies at each evaluation (runs with train.tasks)
+hf/<tag>/                      published checkpoints as Hugging Face folders (train.export_every)
 hang/rank<r>.txt              every thread's stack of each rank when the hang watchdog fired, the stuck ranks named
 tensorboard/, csv/            the monitors' files, when the ds_config enables them (dstrain.monitors)
 wandb_run.json, wandb/        the W&B run this run logs to (its id: a resumed run continues it), W&B's own files
@@ -15,15 +16,12 @@ previous/<UTC time>/          an earlier run's files, moved aside by `--resume n
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
-
-if TYPE_CHECKING:
-    from dstrain.config import Recipe
 
 TAG = re.compile(r"^global_step(\d+)$")
 LATEST = "latest"  # in a checkpoints folder: the newest published tag's name (DeepSpeed's convention)
@@ -41,18 +39,9 @@ def step_of(tag: str) -> int:
     return int(match.group(1))
 
 
-def run_folder(recipe: Recipe) -> Path:
-    """Where a recipe's run lives: its run_dir, by default runs/<name>."""
-    return Path(recipe.run_dir or f"runs/{recipe.name}")
-
-
 @dataclass(frozen=True)
 class RunDir:
     root: Path
-
-    @classmethod
-    def of(cls, recipe: Recipe) -> RunDir:
-        return cls(run_folder(recipe))
 
     # What a run writes (the monitors: tensorboard/, csv/, wandb_run.json and W&B's wandb/), and so what
     # `--resume none` moves into previous/ (a fresh start is a new W&B run).
@@ -72,10 +61,17 @@ class RunDir:
         "wandb_run.json",
         "wandb",
         "hang",
+        "hf",
     )
     # What may be in a run folder besides: a metrics rewrite in progress, what launchers put there first
     # (slurm/train.sbatch its hostfile), earlier runs.
     ALLOWED = (*WRITTEN, "metrics.jsonl.tmp", "hostfile", "previous")
+
+    @classmethod
+    def find(cls, path: str | os.PathLike) -> RunDir | None:
+        """The run folder at ``path``, or None where ``path`` is no dstrain run (it has no recipe.yaml)."""
+        run = cls(Path(path))
+        return run if run.recipe.is_file() else None
 
     @property
     def recipe(self) -> Path:
@@ -131,6 +127,10 @@ class RunDir:
     def previous(self) -> Path:
         return self.root / "previous"
 
+    def hf_export(self, tag: str) -> Path:
+        """Checkpoint ``tag`` as a Hugging Face folder (train.export_every)."""
+        return self.root / "hf" / tag
+
     def log(self, rank: int) -> Path:
         return self.root / "logs" / f"rank{rank}.log"
 
@@ -146,29 +146,12 @@ class RunDir:
 LAUNCH_KEY = "launch"
 
 
-def recipe_paths(recipe: Recipe) -> dict[str, str]:
-    """{dotted key: path as written} of every file or folder a recipe names."""
-    paths = {f"data.sources[{i}].path": s.path for i, s in enumerate(recipe.data.sources)}
-    if recipe.data.tokenizer:
-        paths["data.tokenizer"] = recipe.data.tokenizer
-    if recipe.init_from:
-        paths["init_from"] = recipe.init_from
-    return paths
-
-
 @dataclass(frozen=True)
 class LaunchRecord:
     """The LAUNCH_KEY section of a run's recipe.yaml."""
 
     cwd: str  # the working directory of the launch, absolute
     paths: dict[str, str]  # {dotted recipe key: absolute path} of each recipe path that existed there
-
-    @classmethod
-    def of(cls, recipe: Recipe) -> LaunchRecord:
-        """This launch's record (a tokenizer or init_from that names a Hub model has no path)."""
-        cwd = Path.cwd()
-        resolved = {key: (cwd / path).resolve() for key, path in recipe_paths(recipe).items()}
-        return cls(str(cwd), {key: str(path) for key, path in resolved.items() if path.exists()})
 
     @classmethod
     def read(cls, recipe_file: str | Path) -> LaunchRecord:

@@ -101,6 +101,10 @@ def coerce(hint: Any, value: Any, file: Path, key: str) -> Any:
         return value
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return parse(hint, value, file, key + ".")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise DstrainError(f"{file}: {key} must be a mapping, got {value!r}")
+        return {coerce(args[0], k, file, key): coerce(args[1], v, file, f"{key}.{k}") for k, v in value.items()}
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise DstrainError(f"{file}: {key} must be a list, got {value!r}")

@@ -131,7 +131,7 @@ class BackgroundSaves:
             raise self.error
         return self.thread is None or not self.thread.is_alive()
 
-    def publish(self) -> None:
+    def publish(self) -> str:
         """Every rank, once all ranks' writes are done (agreed in one collective): rank 0 publishes the tag, unless
         a rank's disk filled (then DiskFull on every rank, the partial tag removed)."""
         disk_full = self.snapshot.disk_full if self.snapshot else None
@@ -139,13 +139,15 @@ class BackgroundSaves:
         store.agree_written(self.engine, self.checkpoint_dir, tag_for(self.step), disk_full)
         assert self.topology is not None
         store.publish(self.checkpoint_dir, self.step, self.topology, self.keep_last, self.identity)
+        return tag_for(self.step)
 
-    def wait(self) -> None:
-        """Every rank: wait for the write in flight, then publish it."""
+    def wait(self) -> str | None:
+        """Every rank: wait for the write in flight, then publish it; its tag (None: none was in flight)."""
         if self.thread is None:
-            return
+            return None
         self.thread.join()
         self.done()
         torch.distributed.barrier()
-        self.publish()
+        tag = self.publish()
         torch.distributed.barrier()
+        return tag

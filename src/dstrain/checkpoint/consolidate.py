@@ -155,11 +155,13 @@ def read_checkpoint(path: str | Path) -> tuple[GPTConfig, StateDict]:
 
 def load_run(run_dir: str | os.PathLike, tag: str | None):
     """(recipe, tag folder) of a run directory; tag None = the newest complete checkpoint."""
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
 
-    files = RunDir(Path(run_dir))
-    if not files.recipe.is_file():
-        raise DstrainError(f"{files.recipe}: no such file; pass a run directory written by dstrain.train")
+    files = RunDir.find(run_dir)
+    if files is None:
+        raise DstrainError(
+            f"{RunDir(Path(run_dir)).recipe}: no such file; pass a run directory written by dstrain.train"
+        )
     recipe = load_recipe(files.recipe)
     checkpoints = files.checkpoints
     if tag is None:  # the tag `latest` names, else the newest saved; damaged, it is refused below
@@ -234,7 +236,7 @@ def load_model_source(path: str | os.PathLike, tag: str | None = None):
             raise DstrainError(f"--tag {tag}: {path} is a Hugging Face model folder, which has no checkpoints")
         config, state = from_hf(path)
         return config, {k: v.float() for k, v in state.items()}, None
-    if RunDir(path).recipe.is_file():
+    if RunDir.find(path):
         recipe, tag_dir = load_run(path, tag)
         return recipe.model, consolidated_state_dict(tag_dir, recipe.model), recipe
     raise DstrainError(f"{path}: neither a run directory (recipe.yaml) nor a Hugging Face model folder (config.json)")

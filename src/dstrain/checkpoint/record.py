@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dstrain.config import Recipe, to_dict
 from dstrain.strategy.topology import Topology
 
 PARTIAL = ".partial"  # suffix of a tag folder while it is being written
@@ -19,7 +20,7 @@ SCHEMA = 1  # of dstrain_checkpoint.json and of the client state; a record of an
 
 @dataclass(frozen=True)
 class Identity:
-    """What makes a checkpoint meaningless for another experiment (dstrain.train.run.identity builds it)."""
+    """What makes a checkpoint meaningless for another experiment (``identity`` builds it)."""
 
     model: dict  # config.to_dict of the recipe's model
     seq_len: int
@@ -31,6 +32,25 @@ class Identity:
     def differences(self, other: Identity) -> list[str]:
         """The fields in which ``other`` differs, in declaration order."""
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+def identity(recipe: Recipe, data: str | list) -> Identity:
+    """What a checkpoint records of its experiment (in dstrain_checkpoint.json), for check_run_dir to compare: the
+    model, what it reads (``data``: the data's fingerprint), the seed, and which optimizer's state it holds. The rest
+    of the recipe (the optimizer's hyper-parameters, schedule, length, cadence) may change on resume, and the current
+    recipe's values apply."""
+    return identity_of_recipe_dict(to_dict(recipe), data)
+
+
+def identity_of_recipe_dict(recipe: dict, data: str | list) -> Identity:
+    return Identity(
+        model=recipe["model"],
+        seq_len=recipe["data"]["seq_len"],
+        valid_fraction=recipe["data"]["valid_fraction"],
+        data=data,
+        seed=recipe["seed"],
+        optimizer=recipe["optim"]["kind"],
+    )
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ def check_counts(nproc: int | None, steps: int | None) -> None:
 
 def check_configs(recipe_file: str, entries: list, overrides: list[str], nproc: int) -> None:
     """Resolve every config against its recipe for nproc ranks now, so that none is launched only to be refused."""
-    from dstrain.config import load_recipe
+    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     for _, config, extra in entries:
@@ -189,8 +189,8 @@ def add_estimates(
     sources: dict[str, str],
 ) -> None:
     """The estimated device peak of each config, from the run's resolved files, else the inputs."""
-    from dstrain.config import load_recipe
     from dstrain.plan.memory import estimate_file
+    from dstrain.recipe_file import load_recipe
 
     for row in rows:
         run = out / row.config
@@ -284,7 +284,7 @@ def main(args: argparse.Namespace) -> int:
             raise DstrainError("dstrain compare needs --recipe, --deepspeed_configs and --out (or --collect DIR)")
         from deepspeed.accelerator import get_accelerator
 
-        from dstrain.config import load_recipe
+        from dstrain.recipe_file import load_recipe
 
         check_counts(args.nproc, args.steps)
         overrides = run_overrides(overrides, args.steps)

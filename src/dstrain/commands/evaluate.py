@@ -100,10 +100,10 @@ def evaluate(args: argparse.Namespace) -> dict:
         from dstrain.commands.evaluate_pairs import evaluate_pairs
 
         return evaluate_pairs(args)
-    run = RunDir(Path(args.model))
+    run = RunDir.find(args.model)
     sources = [(args.data, 1.0)] if args.data else None
-    if run.recipe.is_file():  # before the checkpoint is read
-        from dstrain.config import load_recipe
+    if run:  # before the checkpoint is read
+        from dstrain.recipe_file import load_recipe
 
         run_recipe = load_recipe(run.recipe)
         if args.data:
@@ -176,9 +176,9 @@ def _masked_where_packed_whole(config: GPTConfig, sources: list[tuple[str, float
 def _evaluator(model, device, micro: int):
     """The trainer's evaluator on a plain model, each rank one data-parallel replica."""
     from dstrain.train.evaluator import Evaluator
-    from dstrain.train.steps import StepRunner
+    from dstrain.train.forward import ModelForward
 
-    runner = StepRunner.for_module(model, device, model.config.doc_masking)
+    runner = ModelForward.of_module(model, device, model.config.doc_masking)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     return Evaluator(runner, rank, world, micro, model.config.max_seq_len)
 
@@ -216,7 +216,8 @@ def evaluate_tasks(args: argparse.Namespace) -> dict:
 
 def _task_configs(args: argparse.Namespace) -> tuple[list, str]:
     """(the tasks, the file that names them): --tasks YAML, else the run's recipe's train.tasks."""
-    from dstrain.config import TaskConfig, load_recipe
+    from dstrain.config import TaskConfig
+    from dstrain.recipe_file import load_recipe
     from dstrain.typed_yaml import coerce, read_yaml_file
 
     if args.tasks:
@@ -225,8 +226,8 @@ def _task_configs(args: argparse.Namespace) -> tuple[list, str]:
             raise DstrainError(f"--tasks {path}: no such file; pass a YAML list of tasks, or --tasks alone for a run's")
         tasks = read_yaml_file(path, "pass a YAML list of tasks in train.tasks' form")
         return coerce(list[TaskConfig], tasks, path, "tasks"), str(path)
-    run = RunDir(Path(args.model))
-    if not run.recipe.is_file():
+    run = RunDir.find(args.model)
+    if run is None:
         raise DstrainError(f"--tasks alone: {args.model} is not a run with train.tasks; pass --tasks FILE.yaml")
     recipe = load_recipe(run.recipe)
     if not recipe.train.tasks:
@@ -255,28 +256,25 @@ def _check_data(folder: str, model: str, config: GPTConfig, recipe: Recipe | Non
     from dstrain.data.manifest import read_manifest
     from dstrain.data.tokenizer import verify_tokenizer
 
-    vocab = read_manifest(folder)["vocab_size"]
+    manifest = read_manifest(folder)
+    vocab = manifest.vocab_size
     if vocab > config.vocab_size:
         raise DstrainError(
             f"--data {folder} has {vocab} token ids, the model {model} only {config.vocab_size}; "
             f"pass data prepared with the model's tokenizer"
         )
     if recipe is None and (Path(model) / "tokenizer_config.json").is_file():
-        verify_tokenizer(folder, model)
+        verify_tokenizer(manifest, folder, model)
 
 
 def _check_run_tokenizer(folder: str, run: RunDir, recipe) -> None:
     """--data was prepared with the run's tokenizer: equal vocabulary sizes are no proof, hashes are."""
-    from dstrain.data.manifest import read_manifest
+    from dstrain.data.manifest import read_manifest, same_tokenizer
     from dstrain.data.tokenizer import load_run_tokenizer, tokenizer_hash
 
-    theirs = read_manifest(folder)["tokenizer"]["hash"]
     ours = tokenizer_hash(load_run_tokenizer(run.root))
-    if ours != theirs:
-        raise DstrainError(
-            f"--data {folder} was prepared with another tokenizer than the run {run.root} was trained with (hash "
-            f"{theirs}, not {ours}); prepare it with --tokenizer {run.tokenizer}"
-        )
+    fix = f"prepare it with --tokenizer {run.tokenizer}"
+    same_tokenizer(read_manifest(folder), f"--data {folder}", ours, f"the run {run.root}", fix)
 
 
 def _run_sources(run: RunDir, recipe) -> list[tuple[str, float]]:

@@ -22,7 +22,7 @@ DEFAULT_MICRO_BATCH = 4
 def evaluate_pairs(args: argparse.Namespace) -> dict:
     from dstrain.checkpoint.consolidate import load_model_source
     from dstrain.data.dataset import build_dataset
-    from dstrain.data.manifest import manifest_hash, read_manifest
+    from dstrain.data.manifest import read_manifest
     from dstrain.preference_config import PreferenceConfig
     from dstrain.train import distributed
     from dstrain.train.preference import PairLogps, metric_sums, metrics_of, pair_losses
@@ -36,9 +36,9 @@ def evaluate_pairs(args: argparse.Namespace) -> dict:
         )
     manifest = read_manifest(args.data)
     config, state, recipe = load_model_source(args.model, args.tag)
-    if manifest["vocab_size"] > config.vocab_size:
+    if manifest.vocab_size > config.vocab_size:
         raise DstrainError(
-            f"--data {args.data} has {manifest['vocab_size']} token ids, the model {args.model} only "
+            f"--data {args.data} has {manifest.vocab_size} token ids, the model {args.model} only "
             f"{config.vocab_size}; pass data prepared with the model's tokenizer"
         )
     seq_len = args.seq_len or (recipe.data.seq_len if recipe else config.max_seq_len)
@@ -54,7 +54,7 @@ def evaluate_pairs(args: argparse.Namespace) -> dict:
 
     device = torch.device(get_accelerator().current_device_name())
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    micro, pairs = args.micro_batch or DEFAULT_MICRO_BATCH, int(manifest["documents"]) // 2
+    micro, pairs = args.micro_batch or DEFAULT_MICRO_BATCH, manifest.documents // 2
 
     def scores_of(model_config, model_state, datasets) -> np.ndarray:
         forward = _forward(dataclasses.replace(model_config, doc_masking=True), model_state, device)
@@ -64,7 +64,7 @@ def evaluate_pairs(args: argparse.Namespace) -> dict:
     reference = np.zeros_like(policy)
     if args.reference is not None:
         ref_config, ref_state, _ = load_model_source(args.reference)
-        key, parts = scores_key(weights_hash(ref_state), manifest_hash(manifest), seq_len, overlong)
+        key, parts = scores_key(weights_hash(ref_state), manifest.hash, seq_len, overlong)
         reference = reference_scores(
             args.data, key, parts, lambda: scores_of(ref_config, ref_state, list(sets.values()))
         )

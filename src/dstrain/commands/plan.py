@@ -14,12 +14,13 @@ import json
 import sys
 from pathlib import Path
 
-from dstrain.config import Recipe, load_recipe_to_size
+from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.plan.layouts import Planned, plan, smallest_fitting_nodes
 from dstrain.plan.memory_parts import GIB
 from dstrain.plan.time_model import DEVICES, Cluster, Device
 from dstrain.precision import Precision
+from dstrain.recipe_file import load_recipe_to_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

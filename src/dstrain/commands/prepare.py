@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import fields
 from pathlib import Path
 
-from dstrain.data.manifest import MANIFEST_NAME
+from dstrain.data.manifest import MANIFEST_NAME, ChatRecord, read_manifest
 from dstrain.data.prepare import DEFAULT_SHARD_TOKENS, PrepareOptions, run
 from dstrain.data.prepare_parts import merge
 from dstrain.errors import DstrainError
@@ -80,8 +79,8 @@ def _merge(args: argparse.Namespace) -> int:
         raise DstrainError(f"dstrain prepare --merge OUT takes only the output folder; drop {' and '.join(given)}")
     manifest = merge(args.merge)
     print(
-        f"{args.merge}: merged {len(manifest['shards'])} shard(s), {manifest['documents']:,} documents, "
-        f"{manifest['tokens']:,} tokens"
+        f"{args.merge}: merged {len(manifest.shards)} shard(s), {manifest.documents:,} documents, "
+        f"{manifest.tokens:,} tokens"
     )
     return 0
 
@@ -96,32 +95,31 @@ def main(args: argparse.Namespace) -> int:
     options = {f.name: getattr(args, f.name) for f in fields(PrepareOptions) if f.name != "progress"}
     manifest = run(PrepareOptions(**options, progress=not args.no_progress))
     seconds = time.perf_counter() - start
-    task = manifest.get("task")
-    where = f"{args.out} (task {task['index']} of {task['count']})" if task else args.out
+    task = manifest.task
+    where = f"{args.out} (task {task.index} of {task.count})" if task else args.out
     print(
-        f"{where}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
-        f"in {len(manifest['shards'])} shard(s), {manifest['dtype']}, vocab {manifest['vocab_size']:,} "
+        f"{where}: {manifest.documents:,} documents, {manifest.tokens:,} tokens "
+        f"in {len(manifest.shards)} shard(s), {manifest.dtype}, vocab {manifest.vocab_size:,} "
         f"({seconds:.1f} s)"
     )
-    if manifest.get("chat"):
-        print(_chat_summary(manifest["chat"], manifest["tokens"]))
-    if manifest.get("pairs"):
-        pairs = manifest["pairs"]
-        longer = ", ".join(f"{n} > {length} + 1" for length, n in pairs["longer_than"].items() if n) or "none"
+    if manifest.chat:
+        print(_chat_summary(manifest.chat, manifest.tokens))
+    if manifest.pairs:
+        longer = ", ".join(f"{n} > {length} + 1" for length, n in manifest.pairs.longer_than.items() if n) or "none"
         print(
-            f"preference pairs: {pairs['pairs']:,} (chosen and rejected neighbouring documents); longest pair "
-            f"{pairs['longest']:,} tokens; pairs longer than a seq_len + 1: {longer}"
+            f"preference pairs: {manifest.pairs.pairs:,} (chosen and rejected neighbouring documents); longest pair "
+            f"{manifest.pairs.longest:,} tokens; pairs longer than a seq_len + 1: {longer}"
         )
-    if task and (merged := Path(args.out) / MANIFEST_NAME).is_file():
-        total = json.loads(merged.read_text(encoding="utf-8"))
-        print(f"{args.out}: every task done, merged: {total['documents']:,} documents, {total['tokens']:,} tokens")
+    if task and (Path(args.out) / MANIFEST_NAME).is_file():
+        total = read_manifest(args.out)
+        print(f"{args.out}: every task done, merged: {total.documents:,} documents, {total.tokens:,} tokens")
     return 0
 
 
-def _chat_summary(chat: dict, tokens: int) -> str:
-    longer = ", ".join(f"{n} > {length}" for length, n in chat["longer_than"].items() if n) or "none"
+def _chat_summary(chat: ChatRecord, tokens: int) -> str:
+    longer = ", ".join(f"{n} > {length}" for length, n in chat.longer_than.items() if n) or "none"
     return (
-        f"chat ({chat['format']}, mask from {chat['mask_from']}): {chat['learned_tokens']:,} learned tokens "
-        f"({chat['learned_tokens'] / max(tokens, 1):.0%}); longest example {chat['longest']:,} tokens; examples longer "
+        f"chat ({chat.format}, mask from {chat.mask_from}): {chat.learned_tokens:,} learned tokens "
+        f"({chat.learned_tokens / max(tokens, 1):.0%}); longest example {chat.longest:,} tokens; examples longer "
         f"than a seq_len (data.overlong truncates or drops them): {longer}"
     )

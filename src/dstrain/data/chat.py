@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dstrain.data.sources import example_batches
 from dstrain.errors import DstrainError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -62,18 +63,6 @@ def has_generation_markers(template: str) -> bool:
 
 def template_hash(template: str) -> str:
     return hashlib.sha256(template.encode()).hexdigest()[:16]
-
-
-def example_format(columns: list[str]) -> str:
-    """``messages`` or ``prompt-completion`` from a dataset's columns, or a one-line refusal."""
-    if "messages" in columns:
-        return "messages"
-    if "prompt" in columns and "completion" in columns:
-        return "prompt-completion"
-    raise DstrainError(
-        f"--chat: the dataset has neither a 'messages' column nor 'prompt' and 'completion' columns "
-        f"(it has: {', '.join(columns) or 'none'}); rename the conversation column to 'messages'"
-    )
 
 
 def check_messages(messages, what: str = "messages") -> list[dict]:
@@ -266,8 +255,6 @@ class ChatEncoder:
     def check(self, source) -> None:
         """Every example's structure, before anything is written (a source that can be read twice: not a stream);
         the first bad row refused in one line. A template's own refusal shows when the example is rendered."""
-        from dstrain.data.sources import example_batches
-
         row = 0
         for examples in example_batches(source, 0, self.batch_docs):
             for example in examples:
@@ -295,8 +282,6 @@ class ChatEncoder:
         return encode_prompt_completion(self.tokenizer, self.template, example["prompt"], example["completion"])
 
     def read(self, source, start: int):
-        from dstrain.data.sources import example_batches
-
         row = start
         for examples in example_batches(source, start, self.batch_docs):
             id_lists, masks = [], []

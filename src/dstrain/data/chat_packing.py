@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from dstrain.data.manifest import Manifest
+
 OVERLONG = ("truncate", "drop")
 
 
-def packs_whole(manifest: dict) -> bool:
+def packs_whole(manifest: Manifest) -> bool:
     """Whether a prepared folder's documents are packed whole (--chat conversations): then every reader, training
     and every evaluation, reads them with document masking and positions restarting at each document."""
-    return manifest.get("chat") is not None
+    return manifest.chat is not None
 
 
 def pack_epoch(sizes: np.ndarray, order: np.ndarray, capacity: int) -> np.ndarray:

@@ -19,18 +19,15 @@ import numpy as np
 
 from dstrain.data import index as index_lib
 from dstrain.data.chat_packing import build_chat_epochs, chat_sample, pack_epoch
-from dstrain.data.manifest import manifest_hash, read_manifest
+from dstrain.data.manifest import read_manifest
 from dstrain.data.pair_packing import pair_sample, pair_sizes
-from dstrain.data.pairs import is_pair_folder
 from dstrain.data.shards import ShardReader, mask_prefix
-from dstrain.data.tokenizer import check_same_tokenizer
 from dstrain.errors import DstrainError
 
 SPLITS = ("train", "valid")
 CACHE_DIR_NAME = "index_cache"
 
 __all__ = [
-    "read_manifest",
     "build_dataset",
     "build_valid_sets",
     "source_names",
@@ -47,20 +44,22 @@ class PreparedTokens:
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         self.manifest = read_manifest(self.folder)
-        self.shards = [ShardReader.open(self.folder / shard["prefix"]) for shard in self.manifest["shards"]]
-        for shard, record in zip(self.shards, self.manifest["shards"]):
-            if len(shard) != record["documents"]:
+        self.shards = [ShardReader.open(self.folder / shard.prefix) for shard in self.manifest.shards]
+        for shard, record in zip(self.shards, self.manifest.shards):
+            if len(shard) != record.documents:
                 raise DstrainError(
-                    f"{shard.prefix}.idx: {len(shard)} documents but manifest.json lists {record['documents']}; "
+                    f"{shard.prefix}.idx: {len(shard)} documents but manifest.json lists {record.documents}; "
                     f"re-run `dstrain prepare` into a new --out"
                 )
         counts = [len(shard) for shard in self.shards]
         self.first_doc = [0, *np.cumsum(counts).tolist()]  # python ints: bisect beats numpy here
         self.num_docs = self.first_doc[-1]
-        self.hash = manifest_hash(self.manifest)
-        self.chat = self.manifest.get("chat") is not None  # prepared with --chat: each shard has its loss mask
+        self.hash = self.manifest.hash
+        self.chat = self.manifest.masked  # prepared with --chat: each shard has its loss mask
         self.masks = [ShardReader.open(mask_prefix(shard.prefix)) for shard in self.shards] if self.chat else []
-        self.pairs = is_pair_folder(self.manifest)  # documents 2k, 2k + 1: pair k, packed whole (data/pair_packing.py)
+        self.pairs = (
+            self.manifest.pairs is not None
+        )  # documents 2k, 2k + 1: pair k, packed whole (data/pair_packing.py)
 
     def sizes(self) -> np.ndarray:
         """Tokens (EOS included) of every document, in memory (4 bytes each)."""
@@ -134,7 +133,7 @@ class PackedDataset:
         arrays = index_lib.cached_arrays(
             cache_dir, epochs_key, lambda: build(sizes, np.asarray(docs), seq_len, seed, num_epochs, *options)
         )
-        self.pad_id = int(tokens.manifest["eos_id"])
+        self.pad_id = tokens.manifest.eos_id
         self.epoch_first_doc = np.concatenate([[0], np.cumsum(arrays["epoch_docs"])]) if tokens.chat else None
         self.docs_per_epoch = docs.size
         self.doc_order = arrays["doc_order"]
@@ -252,8 +251,6 @@ def build_dataset(
     ``num_samples``. ``overlong``: --chat conversations longer than a sample, truncated or dropped (chat_packing)."""
     _check_arguments(sources, split, seq_len, num_samples, valid_fraction)
     prepared = [PreparedTokens(folder) for folder, _ in sources]
-    folders = [folder for folder, _ in sources]
-    check_same_tokenizer(folders[0], folders[1:], "prepare them with one tokenizer", where="data source ")
 
     def cache_of(p: PreparedTokens) -> Path:
         return Path(cache_dir) if cache_dir is not None else p.folder / CACHE_DIR_NAME

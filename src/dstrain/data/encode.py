@@ -71,7 +71,7 @@ class ParallelEncoder:
         from dstrain.data.tokenizer import document_framing
 
         framing = document_framing(tokenizer)
-        return cls(tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id, dtype, num_proc, framing["bos_id"])
+        return cls(tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id, dtype, num_proc, framing.bos_id)
 
     def __enter__(self) -> ParallelEncoder:
         if self.num_proc > 1:

@@ -20,25 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from dstrain.data.chat import ChatEncoder, ExampleError, check_messages, encode_prompt_completion
+from dstrain.data.manifest import Manifest
 from dstrain.errors import DstrainError
-
-PAIR_FORMAT = "preference"
-PAIR_COLUMNS = ("chosen", "rejected")
-
-
-def pair_columns(columns: list[str]) -> list[str] | None:
-    """The columns a preference source is read from (``prompt`` where there is one), None for a source that is not
-    one (neither ``chosen`` nor ``rejected``), or a one-line refusal where one of the two is missing."""
-    present = [c for c in PAIR_COLUMNS if c in columns]
-    if not present:
-        return None
-    if len(present) == 1:
-        missing = next(c for c in PAIR_COLUMNS if c not in columns)
-        raise DstrainError(
-            f"--chat: the dataset has a {present[0]!r} column but no {missing!r} column (TRL's preference format "
-            f"needs both, and optionally 'prompt'); rename the columns or add the missing one"
-        )
-    return ["prompt", *PAIR_COLUMNS] if "prompt" in columns else list(PAIR_COLUMNS)
 
 
 def implicit_prompt(chosen, rejected) -> tuple:
@@ -112,13 +95,13 @@ class PairEncoder(ChatEncoder):
         return encode_pair(self.tokenizer, self.template, example)
 
 
-def pair_counts(out: Path, shards: list[dict]) -> dict:
+def pair_counts(out: Path, prefixes: list[str]) -> dict:
     """The manifest's ``pairs`` record: the pairs, the longest (chosen + rejected, packed together), and how many are
     longer than each common seq_len + 1 (packing truncates or drops them by the recipe's data.overlong)."""
     from dstrain.data.shard_writing import LENGTH_BOUNDS
     from dstrain.data.shards import ShardReader
 
-    sizes = [ShardReader.open(out / shard["prefix"]).sizes for shard in shards]
+    sizes = [ShardReader.open(out / prefix).sizes for prefix in prefixes]
     lengths = np.concatenate(sizes).astype(np.int64) if sizes else np.zeros(0, np.int64)
     if lengths.size % 2:
         raise DstrainError(f"{out}: {lengths.size} documents, not pairs; run `dstrain prepare` again into a new --out")
@@ -130,12 +113,12 @@ def pair_counts(out: Path, shards: list[dict]) -> dict:
     }
 
 
-def is_pair_folder(manifest: dict) -> bool:
+def is_pair_folder(manifest: Manifest) -> bool:
     """A folder of preference pairs (documents 2k and 2k + 1 are pair k's chosen and rejected answers)."""
-    return manifest.get("pairs") is not None
+    return manifest.pairs is not None
 
 
-def refuse_pair_sources(folders: list[str], manifests: list[dict], where: str) -> None:
+def refuse_pair_sources(folders: list[str], manifests: list[Manifest], where: str) -> None:
     """Pairs train only under a preference objective, which this version's trainer does not have yet: a pair folder
     under any recipe (it would learn the rejected answers as SFT does) is refused in one line."""
     for folder, manifest in zip(folders, manifests):

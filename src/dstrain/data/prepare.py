@@ -17,6 +17,7 @@ As one of N tasks (``--num-tasks``, or a Slurm array), the same happens in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -29,11 +30,20 @@ import numpy as np
 from dstrain.data import prepare_parts
 from dstrain.data.chat import ChatEncoder, has_generation_markers, load_chat_template, template_hash
 from dstrain.data.encode import ParallelEncoder
-from dstrain.data.manifest import FORMAT, FORMAT_VERSION, INPUTS_NAME, MANIFEST_NAME, shard_files
-from dstrain.data.pairs import PAIR_FORMAT, PairEncoder, pair_counts
+from dstrain.data.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    INPUTS_NAME,
+    MANIFEST_NAME,
+    Manifest,
+    read_manifest,
+    shard_files,
+    write_manifest,
+)
+from dstrain.data.pairs import PairEncoder, pair_counts
 from dstrain.data.shard_writing import Progress, chat_counts, complete_shard, write_shards
 from dstrain.data.shards import token_dtype
-from dstrain.data.sources import Source, SourceSpec, describe, open_chat_source, open_source, text_batches
+from dstrain.data.sources import PAIR_FORMAT, Source, SourceSpec, describe, open_chat_source, open_source, text_batches
 from dstrain.data.tokenizer import (
     TOKENIZER_DIR,
     document_framing,
@@ -87,7 +97,7 @@ class PrepareOptions:
         return shlex.join(parts + (["--streaming"] if self.streaming else []))
 
 
-def prepare(dataset: str, out: str, **options) -> dict:
+def prepare(dataset: str, out: str, **options) -> Manifest:
     """Python entry point: ``options`` are PrepareOptions' other fields, as the CLI's flags; returns the manifest."""
     return run(PrepareOptions(dataset=str(dataset), out=str(out), **options))
 
@@ -147,17 +157,15 @@ def _refuse(out: Path, what: str) -> DstrainError:
     )
 
 
-def _complete_manifest(out: Path) -> dict | None:
+def _complete_manifest(out: Path) -> Manifest | None:
     """The manifest of a finished prepare in ``out`` whose every shard is whole; None otherwise."""
-    path = out / MANIFEST_NAME
-    if not path.is_file():
+    if not (out / MANIFEST_NAME).is_file():
         return None
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        manifest = read_manifest(out)
+    except DstrainError:
         return None  # rewritten at the end of this run
-    masked = manifest.get("chat") is not None
-    if all(complete_shard(out, i, masked) is not None for i in range(len(manifest.get("shards", [])))):
+    if all(complete_shard(out, i, manifest.masked) is not None for i in range(len(manifest.shards))):
         return manifest
     return None
 
@@ -203,7 +211,7 @@ def _trained_tokenizer(opts: PrepareOptions, source, saved, earlier_hash: str | 
     return tokenizer
 
 
-def run(opts: PrepareOptions) -> dict:
+def run(opts: PrepareOptions) -> Manifest:
     """Prepare ``opts.dataset`` into ``opts.out``; as one of N tasks, only this task's part (see prepare_parts.py),
     merged by the task that finishes last. Returns the manifest written (the task's part, or the merged one)."""
     _check_options(opts)
@@ -234,23 +242,26 @@ def run(opts: PrepareOptions) -> dict:
     return part
 
 
-def _conflict_ignoring_fingerprint(manifest: dict, spec: SourceSpec, opts: PrepareOptions) -> str | None:
+def _conflict_ignoring_fingerprint(manifest: Manifest, spec: SourceSpec, opts: PrepareOptions) -> str | None:
     """How a merged folder's inputs differ from a task's options (its content fingerprint is not recomputed)."""
+    recorded = manifest.to_dict()  # its inputs, as prepare_inputs.json records them
     inputs = {
-        "source": {**describe(spec), "fingerprint": manifest["source"]["fingerprint"]},
+        "source": {**describe(spec), "fingerprint": manifest.source.fingerprint},
         "tokenizer": {
-            **manifest["tokenizer"],
+            **dataclasses.asdict(manifest.tokenizer),
             "hash": tokenizer_hash(load_tokenizer(opts.tokenizer)) if opts.tokenizer else None,
             "trained_vocab_size": opts.train_tokenizer,
         },
         "shard_tokens": opts.shard_tokens,
     }
     if opts.chat:  # whether the folder holds conversations (its template is not rendered again)
-        inputs["chat"] = manifest.get("chat") or {}  # {} where the folder holds text: the conflict then says so
-    return _conflict(manifest, inputs)
+        inputs["chat"] = (
+            dataclasses.asdict(manifest.chat) if manifest.chat else {}
+        )  # {} where the folder holds text: the conflict then says so
+    return _conflict(recorded, inputs)
 
 
-def _prepare_folder(out: Path, opts: PrepareOptions, source: Source, extra_inputs: dict) -> dict:
+def _prepare_folder(out: Path, opts: PrepareOptions, source: Source, extra_inputs: dict) -> Manifest:
     """Prepare ``source`` into ``out`` (a whole prepare, or one task's folder); resumes what is there."""
     tokenizer = load_tokenizer(opts.tokenizer) if opts.tokenizer is not None else None
     spec = source.spec
@@ -288,24 +299,23 @@ def _prepare_folder(out: Path, opts: PrepareOptions, source: Source, extra_input
     shards, dtype = _tokenize(out, source, tokenizer, opts)
     shards = [{**shard, **shard_files(out / shard["prefix"])} for shard in shards]
     if opts.chat:
-        inputs["chat"] = {**inputs["chat"], **chat_counts(out, shards)}
+        inputs["chat"] = {**inputs["chat"], **chat_counts(out, [s["prefix"] for s in shards])}
     if source.chat_format == PAIR_FORMAT:  # only then: the manifests of conversations (and their hashes) unchanged
-        inputs["pairs"] = pair_counts(out, shards)
+        inputs["pairs"] = pair_counts(out, [s["prefix"] for s in shards])
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         **inputs,
         "vocab_size": len(tokenizer),
         "eos_id": int(tokenizer.eos_token_id),
-        "framing": document_framing(tokenizer),
+        "framing": dataclasses.asdict(document_framing(tokenizer)),
         "dtype": dtype.name,
         "shards": shards,
         "documents": sum(s["documents"] for s in shards),
         "tokens": sum(s["tokens"] for s in shards),
         "command": opts.command(),
     }
-    write_json_atomic(out / MANIFEST_NAME, manifest)
-    return manifest
+    return write_manifest(out, manifest)
 
 
 def _tokenize(out: Path, source, tokenizer, opts: PrepareOptions) -> tuple[list[dict], np.dtype]:

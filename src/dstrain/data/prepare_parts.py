@@ -21,6 +21,7 @@ repeats or finds done, and ``manifest.json`` is written last.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -32,7 +33,16 @@ from typing import Any
 
 import numpy as np
 
-from dstrain.data.manifest import INPUTS_NAME, MANIFEST_NAME
+from dstrain.data.manifest import (
+    INPUTS_NAME,
+    MANIFEST_NAME,
+    Manifest,
+    PairsRecord,
+    ShardRecord,
+    read_manifest,
+    write_manifest,
+)
+from dstrain.data.pairs import pair_counts
 from dstrain.data.shard_writing import chat_counts
 from dstrain.data.shards import SHARD_NAME, ShardReader, mask_prefix, shard_paths
 from dstrain.data.sources import (
@@ -54,8 +64,6 @@ _TASK_PATTERN = re.compile(r"^(\d{5})-of-(\d{5})$")
 MERGE_LOCK = "merge.lock"
 # Keys of a task's manifest that describe its part only; every other key must agree between tasks.
 # ("command" is spelled by each task; what it says is in the other keys.)
-_PART_KEYS = ("shards", "documents", "tokens", "task", "source", "command")
-CHAT_RENDERING = ("format", "template_hash", "template_file", "mask_from")  # of a --chat manifest: alike in all tasks
 
 
 @dataclass(frozen=True)
@@ -177,7 +185,7 @@ def missing_tasks(out: Path, count: int) -> list[int]:
     return [i for i in range(count) if i not in folders or not (folders[i][1] / MANIFEST_NAME).is_file()]
 
 
-def merge_if_last(out: Path, count: int) -> dict | None:
+def merge_if_last(out: Path, count: int) -> Manifest | None:
     """Called by a task once its part is done: the task that finds every part done merges
     (one of them, by an exclusive lock file); None if some are still running."""
     if missing_tasks(out, count):
@@ -191,14 +199,13 @@ def merge_if_last(out: Path, count: int) -> dict | None:
     return merge(out)
 
 
-def _merged(out: Path) -> dict | None:
-    manifest = _read_json(out / MANIFEST_NAME)
-    if manifest is None or (out / TASKS_DIR).exists():
+def _merged(out: Path) -> Manifest | None:
+    if not (out / MANIFEST_NAME).is_file() or (out / TASKS_DIR).exists():
         return None
-    return manifest
+    return read_manifest(out)
 
 
-def _task_manifests(out: Path) -> list[tuple[Path, dict]]:
+def _task_manifests(out: Path) -> list[tuple[Path, Manifest]]:
     folders = _task_folders(out)
     counts = {count for count, _ in folders.values()}
     if len(counts) != 1:
@@ -214,27 +221,29 @@ def _task_manifests(out: Path) -> list[tuple[Path, dict]]:
     result = []
     for index in range(count):
         folder = folders[index][1]
-        manifest = _read_json(folder / MANIFEST_NAME)
-        if manifest is None:
-            raise DstrainError(f"{folder / MANIFEST_NAME}: unreadable; rerun task {index}, then merge")
+        try:
+            manifest = read_manifest(folder)
+        except DstrainError as e:
+            raise DstrainError(f"{e}; or rerun task {index}, then merge") from None
         result.append((folder, manifest))
     return result
 
 
-def _check_agreement(parts: list[tuple[Path, dict]]) -> None:
-    def shared(manifest: dict) -> dict:
-        return {
-            **{k: v for k, v in manifest.items() if k not in _PART_KEYS},
-            "source": {**manifest["source"], "fingerprint": None},
-            **({"chat": {k: manifest["chat"][k] for k in CHAT_RENDERING}} if manifest.get("chat") else {}),
-            "pairs": manifest.get("pairs") is not None,  # each part's own counts; the merge counts them again
-        }
+def _check_agreement(parts: list[tuple[Path, Manifest]]) -> None:
+    def shared(manifest: Manifest) -> Manifest:
+        """What every task's part has alike: not its shards, counts, task, content fingerprint or command line."""
+        chat = manifest.chat and dataclasses.replace(manifest.chat, learned_tokens=0, longest=0, longer_than={})
+        pairs = manifest.pairs and PairsRecord(pairs=0, longest=0, longer_than={})  # each part's own counts
+        source = dataclasses.replace(manifest.source, fingerprint=None)
+        return dataclasses.replace(
+            manifest, shards=[], documents=0, tokens=0, task=None, source=source, command="", chat=chat, pairs=pairs
+        )
 
     first_folder, first = parts[0]
     for folder, manifest in parts[1:]:
         theirs, ours = shared(manifest), shared(first)
-        for key in sorted(set(theirs) | set(ours)):
-            if theirs.get(key) != ours.get(key):
+        for key in [f.name for f in dataclasses.fields(Manifest) if f.compare]:
+            if getattr(theirs, key) != getattr(ours, key):
                 raise DstrainError(
                     f"{folder / MANIFEST_NAME}: {key} differs from {first_folder / MANIFEST_NAME}'s; "
                     f"the tasks were run with different options: rerun them with one set, then merge"
@@ -250,38 +259,37 @@ def _move(src: Path, dst: Path) -> None:
             raise DstrainError(f"{src}: missing; rerun its task, then merge") from None
 
 
-def merge(out: str | os.PathLike) -> dict:
+def merge(out: str | os.PathLike) -> Manifest:
     """One manifest over every task's shards (``dstrain prepare --merge OUT``); returns it."""
     out = Path(out)
     if (done := _merged(out)) is not None:
         return done
     parts = _task_manifests(out)
     _check_agreement(parts)
-    records = [manifest["task"] for _, manifest in parts]
-    if "file_digests" in records[0]:
-        fingerprint = combine_digests([d for record in records for d in record["file_digests"]])
+    records = [manifest.task for _, manifest in parts]
+    fingerprint: str | None
+    if records[0] is not None and records[0].file_digests is not None:  # tasks of files: their digests combined
+        fingerprint = combine_digests([d for record in records if record for d in record.file_digests or []])
     else:
-        fingerprint = parts[0][1]["source"]["fingerprint"]
+        fingerprint = parts[0][1].source.fingerprint
         for folder, manifest in parts[1:]:
-            if manifest["source"]["fingerprint"] != fingerprint:
+            if manifest.source.fingerprint != fingerprint:
                 raise DstrainError(
                     f"{folder / MANIFEST_NAME}: prepared from other content than {parts[0][0] / MANIFEST_NAME} "
                     f"(the input changed while the tasks ran); rerun every task into a new --out"
                 )
-    shards: list[dict] = []
+    shards: list[ShardRecord] = []
     for folder, manifest in parts:
-        for shard in manifest["shards"]:
+        for shard in manifest.shards:
             name = SHARD_NAME.format(len(shards))
-            pairs = list(zip(shard_paths(folder / shard["prefix"]), shard_paths(out / name)))
-            if manifest.get("chat"):  # the mask first: a shard whose .idx is in place has its mask
-                pairs[:0] = zip(
-                    shard_paths(mask_prefix(folder / shard["prefix"])), shard_paths(mask_prefix(out / name))
-                )
+            pairs = list(zip(shard_paths(folder / shard.prefix), shard_paths(out / name)))
+            if manifest.masked:  # the mask first: a shard whose .idx is in place has its mask
+                pairs[:0] = zip(shard_paths(mask_prefix(folder / shard.prefix)), shard_paths(mask_prefix(out / name)))
             for src, dst in pairs:
                 _move(src, dst)  # .bin first, .idx last: a shard whose .idx is in place is whole
-            shards.append({**shard, "prefix": name})
+            shards.append(dataclasses.replace(shard, prefix=name))
     for shard in shards:
-        ShardReader.open(out / shard["prefix"])  # every moved shard is whole
+        ShardReader.open(out / shard.prefix)  # every moved shard is whole
     if not (out / TOKENIZER_DIR).is_dir():
         _move(parts[0][0] / TOKENIZER_DIR, out / TOKENIZER_DIR)
     inputs = _read_json(parts[0][0] / INPUTS_NAME)
@@ -290,19 +298,20 @@ def merge(out: str | os.PathLike) -> dict:
     inputs.pop("task", None)
     inputs["source"] = {**inputs["source"], "fingerprint": fingerprint}
     write_json_atomic(out / INPUTS_NAME, inputs)
-    manifest = {k: v for k, v in parts[0][1].items() if k != "task"}
-    manifest.update(
-        source={**manifest["source"], "fingerprint": fingerprint},
+    first = parts[0][1]
+    prefixes = [s.prefix for s in shards]
+    chat = first.chat and dataclasses.replace(first.chat, **chat_counts(out, prefixes))
+    pairs_record = first.pairs and PairsRecord(**pair_counts(out, prefixes))
+    merged = dataclasses.replace(
+        first,
+        source=dataclasses.replace(first.source, fingerprint=fingerprint),
         shards=shards,
-        documents=sum(m["documents"] for _, m in parts),
-        tokens=sum(m["tokens"] for _, m in parts),
+        documents=sum(m.documents for _, m in parts),
+        tokens=sum(m.tokens for _, m in parts),
+        chat=chat,
+        pairs=pairs_record,
+        task=None,
     )
-    if manifest.get("chat") is not None:
-        manifest["chat"] = {**manifest["chat"], **chat_counts(out, shards)}
-    if manifest.get("pairs") is not None:
-        from dstrain.data.pairs import pair_counts
-
-        manifest["pairs"] = pair_counts(out, shards)
-    write_json_atomic(out / MANIFEST_NAME, manifest)
+    manifest = write_manifest(out, merged.to_dict())
     shutil.rmtree(out / TASKS_DIR, ignore_errors=True)
     return manifest

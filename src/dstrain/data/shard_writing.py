@@ -140,13 +140,13 @@ def write_shards(
 LENGTH_BOUNDS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
-def chat_counts(out: Path, shards: list[dict]) -> dict:
+def chat_counts(out: Path, prefixes: list[str]) -> dict:
     """The learned tokens (mask ones), the longest example, and how many examples exceed each common seq_len
     (packing truncates or drops them by the recipe's data.overlong)."""
     learned, sizes = 0, []
-    for shard in shards:
-        learned += int(ShardReader.open(mask_prefix(out / shard["prefix"])).tokens.sum(dtype=np.int64))
-        sizes.append(ShardReader.open(out / shard["prefix"]).sizes)
+    for prefix in prefixes:
+        learned += int(ShardReader.open(mask_prefix(out / prefix)).tokens.sum(dtype=np.int64))
+        sizes.append(ShardReader.open(out / prefix).sizes)
     lengths = np.concatenate(sizes) if sizes else np.zeros(0, np.int32)
     return {
         "learned_tokens": learned,

@@ -273,13 +273,41 @@ def _validated(spec: SourceSpec, rows, fingerprint: str) -> Source:
     return Source(spec, rows.select_columns([spec.text_field]), None, fingerprint, announced or None)
 
 
+PAIR_FORMAT = "preference"
+PAIR_COLUMNS = ("chosen", "rejected")
+
+
+def pair_columns(columns: list[str]) -> list[str] | None:
+    """The columns a preference source is read from (``prompt`` where there is one), None for a source that is not
+    one (neither ``chosen`` nor ``rejected``), or a one-line refusal where one of the two is missing."""
+    present = [c for c in PAIR_COLUMNS if c in columns]
+    if not present:
+        return None
+    if len(present) == 1:
+        missing = next(c for c in PAIR_COLUMNS if c not in columns)
+        raise DstrainError(
+            f"--chat: the dataset has a {present[0]!r} column but no {missing!r} column (TRL's preference format "
+            f"needs both, and optionally 'prompt'); rename the columns or add the missing one"
+        )
+    return ["prompt", *PAIR_COLUMNS] if "prompt" in columns else list(PAIR_COLUMNS)
+
+
+def example_format(columns: list[str]) -> str:
+    """``messages`` or ``prompt-completion`` from a dataset's columns, or a one-line refusal."""
+    if "messages" in columns:
+        return "messages"
+    if "prompt" in columns and "completion" in columns:
+        return "prompt-completion"
+    raise DstrainError(
+        f"--chat: the dataset has neither a 'messages' column nor 'prompt' and 'completion' columns "
+        f"(it has: {', '.join(columns) or 'none'}); rename the conversation column to 'messages'"
+    )
+
+
 def open_chat_source(spec: SourceSpec, files: list[str] | None = None) -> tuple[Source, list[str] | None]:
     """``--chat``: the source with only its conversation columns, its ``chat_format`` set; ``files``: a task's part
     only, then also each file's content hash (as ``open_files``)."""
     import datasets
-
-    from dstrain.data.chat import example_format
-    from dstrain.data.pairs import PAIR_FORMAT, pair_columns
 
     digests = None
     if files is not None:

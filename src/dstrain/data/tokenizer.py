@@ -2,21 +2,21 @@
 
 Either way the tokenizer is saved next to the shards (``OUT/tokenizer/``) and
 identified by a content hash, so the trainer can check that a recipe's tokenizer is
-the one the data was made with (``verify_tokenizer``), and that data folders share one
-(``check_same_tokenizer``).
+the one the data was made with (``verify_tokenizer``; data folders sharing one: data.manifest.same_tokenizer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-from dstrain.data.manifest import read_manifest
+from dstrain.data.manifest import Framing, Manifest, same_tokenizer
 from dstrain.errors import DstrainError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -122,62 +122,34 @@ def save_tokenizer(tokenizer, folder: Path) -> None:
     os.replace(tmp, folder)
 
 
-def document_framing(tokenizer) -> dict[str, int | None]:
-    """How `dstrain prepare` frames each document for this tokenizer: {"bos_id", "eos_id"}.
+def document_framing(tokenizer) -> Framing:
+    """How `dstrain prepare` frames each document for this tokenizer (the manifest's ``framing``).
 
     EOS ends every document (all families). BOS starts each one where the tokenizer itself puts it before a text
     (its post-processor adds it: Llama 3's <|begin_of_text|>); a tokenizer that has a BOS token but does not add it
     (GPT-2, Qwen) frames without. A document's ids are then tokenizer(text).input_ids + [EOS]."""
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [bos]
-    return {"bos_id": int(bos) if adds_bos else None, "eos_id": int(tokenizer.eos_token_id)}
-
-
-def manifest_framing(manifest: dict) -> dict[str, int | None]:
-    """The framing a manifest records."""
-    return manifest["framing"]
+    return Framing(bos_id=int(bos) if adds_bos else None, eos_id=int(tokenizer.eos_token_id))
 
 
 def verify_tokenizer(
-    manifest_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, flag: str = "recipe tokenizer"
+    manifest: Manifest,
+    manifest_dir: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike,
+    flag: str = "recipe tokenizer",
 ) -> None:
     """DstrainError unless ``tokenizer_dir`` is the tokenizer ``manifest_dir``'s data was made with, and framed for."""
-    manifest = read_manifest(manifest_dir)
-    expected = manifest["tokenizer"]["hash"]
     tokenizer = load_tokenizer(str(tokenizer_dir), flag=flag)
-    actual = tokenizer_hash(tokenizer)
-    fix = f"re-run `dstrain prepare --tokenizer {tokenizer_dir}` into a new --out"
-    if actual != expected:
-        raise DstrainError(
-            f"tokenizer {tokenizer_dir} ({flag}, hash {actual}) is not the one {manifest_dir} was prepared with "
-            f"(manifest.json tokenizer.hash {expected}); use {Path(manifest_dir) / TOKENIZER_DIR} or {fix}"
-        )
-    framing, recorded = document_framing(tokenizer), manifest_framing(manifest)
+    rerun = f"re-run `dstrain prepare --tokenizer {tokenizer_dir}` into a new --out"
+    fix = f"use {Path(manifest_dir) / TOKENIZER_DIR} or {rerun}"
+    same_tokenizer(manifest, manifest_dir, tokenizer_hash(tokenizer), f"tokenizer {tokenizer_dir} ({flag})", fix)
+    framing, recorded = document_framing(tokenizer), manifest.framing
     if framing != recorded:
         raise DstrainError(
-            f"{Path(manifest_dir) / 'manifest.json'}: documents were framed as {recorded} but tokenizer "
-            f"{tokenizer_dir} ({flag}) frames them as {framing}; {fix}"
+            f"{Path(manifest_dir) / 'manifest.json'}: documents were framed as {dataclasses.asdict(recorded)} but "
+            f"tokenizer {tokenizer_dir} ({flag}) frames them as {dataclasses.asdict(framing)}; {rerun}"
         )
-
-
-def check_same_tokenizer(
-    reference: str | os.PathLike,
-    others: Iterable[str | os.PathLike],
-    fix: str,
-    where: str = "",
-    reference_name: str | None = None,
-) -> None:
-    """DstrainError naming the first of ``others`` prepared with another tokenizer than ``reference`` (data folders,
-    compared by their manifests' tokenizer hashes: equal vocabulary sizes are no proof). ``where`` prefixes the line
-    (the file or flag that named the folders), ``reference_name`` says what ``reference`` is, ``fix`` ends it."""
-    expected = read_manifest(reference)["tokenizer"]["hash"]
-    for folder in others:
-        found = read_manifest(folder)["tokenizer"]["hash"]
-        if found != expected:
-            raise DstrainError(
-                f"{where}{folder} was prepared with another tokenizer than {reference_name or reference} "
-                f"(manifest.json tokenizer.hash {found}, not {expected}); {fix}"
-            )
 
 
 def run_tokenizer_dir(data) -> Path:
@@ -200,16 +172,11 @@ def copy_run_tokenizer(data, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
-def check_run_tokenizer(run_tokenizer: Path, manifest_dir: str) -> None:
+def check_run_tokenizer(run_tokenizer: Path, manifest: Manifest, manifest_dir: str) -> None:
     """On resume: the tokenizer the run started with is the one its data (now) was prepared with."""
-    expected = read_manifest(manifest_dir)["tokenizer"]["hash"]
-    actual = tokenizer_hash(load_tokenizer(str(run_tokenizer), flag="the run's tokenizer"))
-    if actual != expected:
-        raise DstrainError(
-            f"{run_tokenizer} (hash {actual}), the tokenizer this run started with, is not the one {manifest_dir} "
-            f"was prepared with (manifest.json tokenizer.hash {expected}); point data.sources at the run's data, "
-            f"or set run_dir=<new folder>"
-        )
+    found = tokenizer_hash(load_tokenizer(str(run_tokenizer), flag="the run's tokenizer"))
+    fix = "point data.sources at the run's data, or set run_dir=<new folder>"
+    same_tokenizer(manifest, manifest_dir, found, f"{run_tokenizer}, the tokenizer this run started with,", fix)
 
 
 def load_run_tokenizer(run_dir: str | os.PathLike):

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dstrain.config import Recipe
+from dstrain.config import Recipe, run_folder
 from dstrain.data.sampler import valid_micro_batches
 from dstrain.errors import DstrainError
 from dstrain.precision import Precision
-from dstrain.run_dir import run_folder
 from dstrain.strategy import parallel
 from dstrain.strategy.ds_schema import validate_ds_config
 from dstrain.strategy.optimizer import check_muon, fill_optimizer

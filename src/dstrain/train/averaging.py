@@ -35,7 +35,8 @@ from dstrain.checkpoint.averaged import FILE, KINDS, window_mean
 from dstrain.config import AveragingConfig
 from dstrain.errors import DstrainError
 from dstrain.strategy.topology import Topology
-from dstrain.train.components import Component, StepOutcome
+from dstrain.train.components import Component, StepOutcome, Verdict
+from dstrain.train.handle import RunHandle
 
 
 def held_parameters(engine) -> tuple[list[str], list[torch.Tensor], list[tuple[int, ...]]]:
@@ -122,11 +123,11 @@ class WeightAverager(Component):
         return held_parameters(self.engine)[1]
 
     @classmethod
-    def build(cls, config: AveragingConfig, engine, tokens_per_step: int, strategy) -> Component:
+    def build(cls, config: AveragingConfig, engine, tokens_per_step: int, strategy) -> WeightAverager | None:
         """``strategy``: the resolved ds_config (dstrain.strategy.resolve.Strategy), for its refusal; train.averaging
-        off: a component that does nothing."""
+        off: None."""
         if not config.enabled:
-            return Component()
+            return None
         if strategy.offload_param == "nvme":
             raise DstrainError(
                 f"{strategy.source}: zero_optimization.offload_param swaps parameter partitions out to NVMe, and "
@@ -135,9 +136,9 @@ class WeightAverager(Component):
         return cls(config, engine, tokens_per_step)
 
     # --- as the trainer's component ---------------------------------------------------------------------------------
-    def on_step_end(self, outcome: StepOutcome) -> bool:
+    def on_step_end(self, outcome: StepOutcome) -> Verdict:
         self.update(outcome.step)
-        return False
+        return Verdict.GO_ON
 
     def eval_records(self, evaluate) -> list[dict]:
         return self.evaluate(evaluate)
@@ -272,3 +273,7 @@ def refusal(tag_dir: Path, saved: dict, now: dict) -> str:
         f"{tag_dir}: its weight average (train.averaging) is held per rank as {describe(saved)}, and dstrain does not "
         f"reshard it onto {describe(now)}; resume on the saved layout, or in a new run_dir with init_from"
     )
+
+
+def build(run: RunHandle) -> WeightAverager | None:
+    return WeightAverager.build(run.recipe.train.averaging, run.engine, run.tokens_per_step, run.strategy)

@@ -1,15 +1,17 @@
 """What the training loop calls besides the engine: one small protocol, ``Component``, whose every hook does nothing.
 
 A feature of the trainer (the weight averager, the spike guard and its rollback, the fatal-step check, the MoE meter,
-the hang watchdog, the downstream tasks, the mixture's shares) is a component that overrides the hooks it needs; a
-feature that is off is the plain ``Component`` (a null object), so the loop never asks whether one is there.
+the hang watchdog, the downstream tasks, the mixture's shares, early stopping, the Hugging Face export) is a component
+that overrides the hooks it needs, built by its module's ``build(run) -> Component | None`` (None: the feature is off).
 ``dstrain.train.features.assemble`` builds a run's list; ``Components`` calls its members in that order.
 
-Adding a feature: a ``Component`` subclass in a module of its own, and one line in ``features.assemble``.
+Adding a feature: a ``Component`` subclass and its ``build`` in a module of its own, and one line in
+``features.BUILDERS``. What a component may touch of the trainer is ``dstrain.train.handle.RunHandle``.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -31,6 +33,14 @@ class StepOutcome:
     loss: float  # its mean loss over all ranks
     grad_norm: float  # the pre-clip gradient norm, the mean of the ranks' readings
     stop_requested: bool  # a rank received a stop signal
+
+
+class Verdict(enum.Enum):
+    """What a component says of a step (``on_step_end``) or an evaluation (``on_eval_end``)."""
+
+    GO_ON = "go on"
+    UNDONE = "undone"  # it undid the step (a rollback): the loop starts its data stream and logging interval afresh
+    STOP = "stop"  # stop cleanly: no more steps; the run ends as after its last (a checkpoint, the summary)
 
 
 @dataclass
@@ -74,10 +84,10 @@ class Component:
         """What a micro-batch's backward pass differentiates, given its LM loss (the loss logged stays the LM's)."""
         return loss
 
-    def on_step_end(self, outcome: StepOutcome) -> bool:
-        """After the step's all-reduce; True when the component undid the step (a rollback): the loop starts its data
-        stream and logging interval afresh, and calls no later component for this step."""
-        return False
+    def on_step_end(self, outcome: StepOutcome) -> Verdict:
+        """After the step's all-reduce. UNDONE when the component undid the step (a rollback), STOP to end the run
+        cleanly after it; either way the loop calls no later component for this step."""
+        return Verdict.GO_ON
 
     def train_record_fields(self, progress: Progress, steps: int) -> dict:
         """Fields of the train record of a logging interval of ``steps`` steps (a collective on every rank)."""
@@ -90,6 +100,14 @@ class Component:
     def eval_records(self, evaluate) -> list[dict]:
         """Records of their own after an evaluation; ``evaluate``: Trainer.evaluate, to run again."""
         return []
+
+    def on_eval_end(self, records: list[dict]) -> Verdict:
+        """Every record of an evaluation, as logged (the ``valid`` record among them); STOP ends the run cleanly."""
+        return Verdict.GO_ON
+
+    def on_checkpoint_published(self, tag: str) -> None:
+        """Checkpoint ``tag`` is published in the run's checkpoints/ (complete, verified on read): on every rank,
+        after rank 0 published it."""
 
     def state_dict(self) -> dict | None:
         """What the checkpoint's client state carries for it (under ``state_key``)."""
@@ -138,8 +156,12 @@ class Components(Component):
             loss = c.objective(loss)
         return loss
 
-    def on_step_end(self, outcome: StepOutcome) -> bool:
-        return any(c.on_step_end(outcome) for c in self.members)  # stops at the first that undid the step
+    def on_step_end(self, outcome: StepOutcome) -> Verdict:
+        for c in self.members:  # stops at the first that undid the step or stops the run
+            verdict = c.on_step_end(outcome)
+            if verdict is not Verdict.GO_ON:
+                return verdict
+        return Verdict.GO_ON
 
     def train_record_fields(self, progress: Progress, steps: int) -> dict:
         return {k: v for c in self.members for k, v in c.train_record_fields(progress, steps).items()}
@@ -149,6 +171,14 @@ class Components(Component):
 
     def eval_records(self, evaluate) -> list[dict]:
         return [record for c in self.members for record in c.eval_records(evaluate)]
+
+    def on_eval_end(self, records: list[dict]) -> Verdict:
+        verdicts = [c.on_eval_end(records) for c in self.members]  # every one sees every evaluation
+        return Verdict.STOP if Verdict.STOP in verdicts else Verdict.GO_ON
+
+    def on_checkpoint_published(self, tag: str) -> None:
+        for c in self.members:
+            c.on_checkpoint_published(tag)
 
     def state_dict(self) -> dict[str, dict]:
         states = {c.state_key: c.state_dict() for c in self.members if c.state_key is not None}

@@ -1,6 +1,6 @@
 """The one evaluation of a model: the token-weighted mean loss of each valid source and the downstream tasks' scores,
-driven through dstrain.train.steps.StepRunner's forward, so the trainer (under every strategy: ZeRO, AutoTP, pipeline,
-sequence parallelism) and ``dstrain eval`` (a plain model, ``StepRunner.for_module``) compute the same numbers.
+driven through dstrain.train.forward.ModelForward, so the trainer (under every strategy: ZeRO, AutoTP, pipeline,
+sequence parallelism) and ``dstrain eval`` (a plain model, ``ModelForward.of_module``) compute the same numbers.
 
 Each data-parallel replica takes every ``replicas``-th sample; the micro-batches' (loss x tokens, tokens) are summed
 in float64 over all ranks."""
@@ -14,7 +14,7 @@ import torch
 
 from dstrain.metrics_records import SourceLoss
 from dstrain.tasks import scoring
-from dstrain.train.steps import StepRunner
+from dstrain.train.forward import ModelForward
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class SourceEval:
 
 
 class Evaluator:
-    def __init__(self, runner: StepRunner, replica: int, replicas: int, micro: int, max_len: int) -> None:
+    def __init__(self, runner: ModelForward, replica: int, replicas: int, micro: int, max_len: int) -> None:
         """``replica`` of ``replicas``: this rank's data-parallel rank and their number; ``micro``: samples per
         forward; ``max_len``: the model's positions (the longest task row)."""
         self.runner, self.replica, self.replicas, self.micro = runner, replica, replicas, micro

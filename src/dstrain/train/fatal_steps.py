@@ -7,7 +7,8 @@ from pathlib import Path
 
 from dstrain.errors import DstrainError
 from dstrain.precision import Precision
-from dstrain.train.components import Component, StepOutcome
+from dstrain.train.components import Component, StepOutcome, Verdict
+from dstrain.train.handle import RunHandle
 
 
 class FatalStepCheck(Component):
@@ -26,9 +27,9 @@ class FatalStepCheck(Component):
     def on_train_start(self) -> None:
         self.last_skipped, self.consecutive_skips = self.engine.skipped_steps, 0  # as the resumed checkpoint left it
 
-    def on_step_end(self, outcome: StepOutcome) -> bool:
+    def on_step_end(self, outcome: StepOutcome) -> Verdict:
         self.check(outcome.step, outcome.loss)
-        return False
+        return Verdict.GO_ON
 
     def check(self, step: int, step_loss: float) -> None:
         skipped = self.engine.skipped_steps - self.last_skipped
@@ -44,3 +45,7 @@ class FatalStepCheck(Component):
                 f"loss became {step_loss} at step {step}; stopping, the last checkpoint in {self.checkpoints} is kept; "
                 f"lower optim.lr or raise schedule.warmup_steps"
             )
+
+
+def build(run: RunHandle) -> FatalStepCheck:
+    return FatalStepCheck(run.engine, run.recipe.train, run.strategy.precision, run.files.checkpoints)

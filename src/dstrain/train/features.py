@@ -1,37 +1,43 @@
-"""Where a run's components are assembled (dstrain.train.components): one line per feature, in the order the loop
-calls them. A new feature of the trainer is a Component subclass and one line here; the loop does not change.
+"""Where a run's components are assembled (dstrain.train.components): one builder per feature, in the order the loop
+calls them. Each builder is its module's ``build(run) -> Component | None``: None when the recipe leaves the feature
+off, the one way a feature is off. A new feature of the trainer is a module with its Component and its ``build``, and
+one line here; the loop does not change.
 
 The order matters where components act on one step: the averager takes in the step's weights before the spike guard
 may roll them back, and the fatal-step check sees only a step that was not undone."""
 
 from __future__ import annotations
 
-from deepspeed.accelerator import get_accelerator
+from collections.abc import Callable
 
-from dstrain.train.averaging import WeightAverager
+from dstrain.train import (
+    averaging,
+    early_stop,
+    fatal_steps,
+    hf_export,
+    mixture,
+    moe_metrics,
+    spike_rollback,
+    task_eval,
+    watchdog,
+)
 from dstrain.train.components import Component
-from dstrain.train.fatal_steps import FatalStepCheck
-from dstrain.train.mixture import MixtureShares
-from dstrain.train.moe_metrics import MoEMeter
-from dstrain.train.spike_guard import SpikeGuard
-from dstrain.train.spike_rollback import SpikeRollback
-from dstrain.train.task_eval import TaskScores
-from dstrain.train.watchdog import HangEvent, Watchdog
+from dstrain.train.handle import RunHandle
+
+BUILDERS: tuple[Callable[[RunHandle], Component | None], ...] = (
+    watchdog.build,  # the hang watchdog (train.watchdog)
+    moe_metrics.build,  # router losses and expert shares (MoE models)
+    averaging.build,  # EMA / last-N of the weights (train.averaging)
+    spike_rollback.build,  # the spike guard and its rollback (train.spike_guard)
+    fatal_steps.build,  # fp16 overflow runs, a non-finite loss
+    task_eval.build,  # downstream tasks at each evaluation (train.tasks)
+    mixture.build,  # the data mixture's stages and shares
+    watchdog.build_hang_event,  # the previous launch's hang, as an event
+    early_stop.build,  # early stopping on the valid loss (train.early_stop)
+    hf_export.build,  # each published checkpoint as a Hugging Face folder (train.export_every)
+)
 
 
-def assemble(trainer, tasks: list) -> list[Component]:
-    """The components of ``trainer`` (dstrain.train.loop.Trainer, not yet running); ``tasks``: the train.tasks,
-    prepared. A feature that is off is a plain Component, which does nothing."""
-    recipe, strategy, engine, t = trainer.recipe, trainer.strategy, trainer.engine, trainer.recipe.train
-    backend = get_accelerator().communication_backend_name()
-    watchdog = Watchdog(t.watchdog, trainer.files, trainer.rank, trainer.world, backend) if t.watchdog.enabled else None
-    return [
-        watchdog or Component(),
-        MoEMeter(engine.module, recipe.model, trainer.device),
-        WeightAverager.build(t.averaging, engine, trainer.tokens_per_step, strategy),
-        SpikeRollback(trainer, SpikeGuard(t.spike_guard)) if t.spike_guard.enabled else Component(),
-        FatalStepCheck(engine, t, strategy.precision, trainer.files.checkpoints),
-        TaskScores(engine, trainer.evaluator, tasks) if tasks else Component(),
-        MixtureShares(recipe, trainer.train_data, trainer.is_rank0),
-        HangEvent(trainer),
-    ]
+def assemble(run: RunHandle) -> list[Component]:
+    """The components of ``run`` (dstrain.train.loop.Trainer, not yet running) whose features are on."""
+    return [component for build in BUILDERS if (component := build(run)) is not None]

@@ -32,10 +32,12 @@ from dstrain.metrics_records import evaluation_summary, perplexity
 from dstrain.model.config import describe_params, flops_per_token
 from dstrain.run_dir import RunDir
 from dstrain.train import features
-from dstrain.train.components import Components, Progress, StepOutcome, StepSums
+from dstrain.train.components import Components, Progress, StepOutcome, StepSums, Verdict
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank
 from dstrain.train.evaluator import Evaluator
-from dstrain.train.steps import StepHooks, StepRunner
+from dstrain.train.forward import ModelForward
+from dstrain.train.step_hooks import StepHooks
+from dstrain.train.steps import TrainStep
 from dstrain.train.stop import StopSignal
 
 
@@ -50,12 +52,10 @@ class Trainer:
         files: RunDir,
         data_fingerprint,
         identity: Identity | None = None,
-        tasks=(),
         hooks: StepHooks | None = None,
     ):
         """``valid_sets``: (name, weight, dataset) per data source (``dstrain.data.dataset.build_valid_sets``);
-        ``tasks``: the recipe's train.tasks, prepared (``dstrain.tasks.scoring.prepare``); ``hooks``: a test's
-        faults (dstrain.train.steps.StepHooks)."""
+        ``hooks``: a test's faults (dstrain.train.step_hooks.StepHooks)."""
         self.recipe, self.strategy, self.engine = recipe, strategy, engine
         self.train_data, self.valid_sets = train_data, valid_sets
         # Only DeepSpeed's groups know the pipeline/TP layout, so the data-parallel rank comes from them.
@@ -74,11 +74,12 @@ class Trainer:
         self.saves = BackgroundSaves(engine, self.files.checkpoints, recipe.train.keep_last, self.identity)
         self.hooks = hooks or StepHooks()
         self.components = Components([])  # the steps' view of them, filled below
-        self.steps = StepRunner(recipe, strategy, engine, self.progress, self.hooks, self.components)
+        self.forward = ModelForward.of_engine(recipe, strategy, engine, self.progress, self.hooks)
+        self.steps = TrainStep(recipe, strategy, engine, self.forward, self.components)
         self.evaluator = Evaluator(
-            self.steps, self.dp_rank, strategy.dp_size, strategy.micro_batch, recipe.model.max_seq_len
+            self.forward, self.dp_rank, strategy.dp_size, strategy.micro_batch, recipe.model.max_seq_len
         )
-        self.components.members = features.assemble(self, list(tasks))
+        self.components.members = features.assemble(self)
 
     # --- data -------------------------------------------------------------------------
     def _batches(self):
@@ -92,7 +93,7 @@ class Trainer:
         n = len(self.train_data)  # a skipped window moves the stream on: past its planned end, it wraps
         for samples in indices:
             samples = [i % n for i in samples]
-            yield self.hooks.train_batch(samples, self.steps.to_device(samples, self.train_data))
+            yield self.hooks.train_batch(samples, self.forward.to_device(samples, self.train_data))
 
     # --- one optimizer step ------------------------------------------------------------
     def train_step(self, batches) -> torch.Tensor:
@@ -118,8 +119,9 @@ class Trainer:
         return [*records, {"step": step, "split": "valid", **evaluation_summary(sources)}]
 
     # --- checkpoints ------------------------------------------------------------------
-    def save(self, background: bool = False) -> None:
-        """A checkpoint of this step; ``background``: snapshot now, write while training goes on."""
+    def save(self, background: bool = False) -> str | None:
+        """A checkpoint of this step, its tag once published; ``background``: snapshot now, write while training goes
+        on (None: published at a later step's all-reduce, or by finish_pending_save)."""
         client_state = ClientState(
             consumed_samples=self.progress.consumed_samples,
             rng=store.rng_state(),
@@ -131,15 +133,18 @@ class Trainer:
         )
         if background:
             self.saves.start(self.progress.step, client_state, self.components.rank_files())
-            return
+            return None
         where, keep = self.files.checkpoints, self.recipe.train.keep_last
-        store.save(
+        tag = store.save(
             self.engine, where, self.progress.step, client_state, keep, self.identity, self.components.rank_files()
         )
+        self.components.on_checkpoint_published(tag)
+        return tag
 
     def finish_pending_save(self) -> None:
         """Wait for the background write in flight, if any, and publish it."""
-        self.saves.wait()
+        if (tag := self.saves.wait()) is not None:
+            self.components.on_checkpoint_published(tag)
 
     def restore(self, tag: str) -> ClientState:
         """Model, optimizer, schedule, RNG, data position and the components' state of checkpoint ``tag``; its client
@@ -190,7 +195,8 @@ class Trainer:
             self.components.on_phase("step", self.progress.step + 1)
             lr = self._lr_of_next_step()
             outcome = self._step_of_all_ranks(batches, stop)
-            if self.components.on_step_end(outcome):  # undone (a rollback): the stream goes on from elsewhere
+            verdict = self.components.on_step_end(outcome)
+            if verdict is Verdict.UNDONE:  # a rollback: the stream goes on from elsewhere
                 batches, interval_loss, interval_steps, interval_learned = self._batches(), 0.0, 0, 0
                 if outcome.stop_requested:
                     status = "interrupted"
@@ -208,16 +214,20 @@ class Trainer:
                 self.log.print_step(record, start_step)
                 interval_loss, interval_steps, interval_learned = 0.0, 0, 0
             if t.eval_interval and self.progress.step % t.eval_interval == 0 and self.progress.step < total:
-                self._eval_and_log()
+                if self._eval_and_log() is Verdict.STOP:
+                    verdict = Verdict.STOP
             if outcome.stop_requested:
                 status = "interrupted"
+                break
+            if verdict is Verdict.STOP:  # a component ended the run (early stopping): as a finished one, evaluated
+                status = "stopped"
                 break
             if t.checkpoint_interval and self.progress.step % t.checkpoint_interval == 0 and self.progress.step < total:
                 with self.clock.paused("checkpoint"):
                     self.components.on_phase("checkpoint", self.progress.step)
                     self.save(background=t.async_checkpoint)
         self.components.on_phase("end", self.progress.step)
-        if status == "completed":
+        if status == "completed" or (status == "stopped" and self.progress.last_eval.get("step") != self.progress.step):
             self._eval_and_log()
         self.finish_pending_save()
         self.save()
@@ -251,7 +261,7 @@ class Trainer:
         self.components.on_mark("the step's all-reduce")
         sums = mine.all_reduce(self.device)
         if self.saves.in_flight and sums.save_done == self.world:
-            self.saves.publish()
+            self.components.on_checkpoint_published(self.saves.publish())
         return StepOutcome(
             step=self.progress.step,
             loss=self.steps.step_loss(float(sums.loss), self.world),
@@ -259,7 +269,7 @@ class Trainer:
             stop_requested=sums.stop_requested > 0,
         )
 
-    def _eval_and_log(self) -> None:
+    def _eval_and_log(self) -> Verdict:
         self.components.on_phase("eval", self.progress.step)
         start = time.perf_counter()
         with self.clock.paused("eval"):
@@ -272,6 +282,7 @@ class Trainer:
         for record in records:
             self.log.write(record)
             self.log.print_eval(record)
+        return self.components.on_eval_end(records)
 
     def _train_record_of_all_ranks(self, loss: float, lr: float, steps: int, seconds: dict) -> dict:
         """A collective (every rank calls it: the memory peak is the largest of all ranks). ``seconds``: the

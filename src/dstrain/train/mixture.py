@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dstrain.data.dataset import BlendedDataset, source_names
 from dstrain.train.components import Component, Progress
+from dstrain.train.handle import RunHandle
 
 
 def _weights(names: list[str], weights: list[float]) -> str:
@@ -65,3 +66,7 @@ class MixtureShares(Component):
 
     def train_record_fields(self, progress: Progress, steps: int) -> dict:
         return realised(self.recipe, self.train_data, progress.consumed_samples, steps, self.is_rank0)
+
+
+def build(run: RunHandle) -> MixtureShares:
+    return MixtureShares(run.recipe, run.train_data, run.is_rank0)

@@ -15,6 +15,13 @@ import torch
 from dstrain.model.config import GPTConfig
 from dstrain.model.moe import moe_routers, router_losses
 from dstrain.train.components import Component, Progress
+from dstrain.train.handle import RunHandle
+
+
+def build(run: RunHandle) -> MoEMeter | None:
+    """The meter of a model with MoE blocks; None for a dense one."""
+    meter = MoEMeter(run.engine.module, run.recipe.model, run.device)
+    return meter if meter.enabled else None
 
 
 class MoEMeter(Component):

@@ -10,7 +10,7 @@ sequence for its heads, and a second all-to-all turns the result back. The core 
 ids (all-gathered once per forward) for the document mask.
 
 The loss of a slice is its share of the sample's mean: sum of its tokens' losses / the tokens of the whole SP group
-(dstrain.train.steps.StepRunner._forward_loss).
+(dstrain.train.forward.ModelForward._forward_loss).
 The shares add up to the full-sequence mean, and the gradient of the mean is the SUM over the SP group of each
 rank's gradient, which is what DeepSpeed's reduction over its sequence-data-parallel group forms (it divides by the
 data-parallel size only) under ZeRO 0, 1 and 2. See ``backward_factor`` for ZeRO-3.

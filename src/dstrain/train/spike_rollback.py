@@ -11,27 +11,28 @@ import torch
 from dstrain.checkpoint import store
 from dstrain.errors import DstrainError
 from dstrain.run_dir import step_of
-from dstrain.train.components import Component, StepOutcome
+from dstrain.train.components import Component, StepOutcome, Verdict
+from dstrain.train.handle import RunHandle
 from dstrain.train.spike_guard import SpikeGuard
 
 
 class SpikeRollback(Component):
     state_key = "spike_guard"
 
-    def __init__(self, trainer, guard: SpikeGuard) -> None:
-        """``trainer``: dstrain.train.loop.Trainer, whose restore, save and log a rollback uses."""
-        self.trainer, self.guard = trainer, guard
+    def __init__(self, run: RunHandle, guard: SpikeGuard) -> None:
+        """``run``: the trainer, whose restore, save and log a rollback uses."""
+        self.trainer, self.guard = run, guard
 
     def lr_scale(self, step: int) -> float:
         return self.guard.lr_scale(step)
 
-    def on_step_end(self, outcome: StepOutcome) -> bool:
+    def on_step_end(self, outcome: StepOutcome) -> Verdict:
         metric = outcome.grad_norm if self.guard.config.metric == "grad_norm" else outcome.loss
         # fp16: an overflow's inf is the loss scaler's business, not a spike.
         if not math.isfinite(metric) and self.trainer.strategy.precision == "fp16":
-            return False
+            return Verdict.GO_ON
         limit = self.guard.observe(metric)
-        return limit is not None and self.roll_back(metric, limit)
+        return Verdict.UNDONE if limit is not None and self.roll_back(metric, limit) else Verdict.GO_ON
 
     def state_dict(self) -> dict:
         return self.guard.state_dict()
@@ -87,3 +88,8 @@ class SpikeRollback(Component):
             + (f", lr x {config.lr_factor:g} until step {guard.lr_until}" if config.lr_steps else "")
         )
         return True
+
+
+def build(run: RunHandle) -> SpikeRollback | None:
+    config = run.recipe.train.spike_guard
+    return SpikeRollback(run, SpikeGuard(config)) if config.enabled else None

@@ -32,6 +32,7 @@ from dstrain.config import WatchdogConfig
 from dstrain.files import write_json_atomic
 from dstrain.run_dir import RunDir
 from dstrain.train.components import Component
+from dstrain.train.handle import RunHandle
 
 HANG_EXIT = 124  # as coreutils' timeout: the job ran out of time, not out of luck with its inputs
 REPORT_WAIT_S = 10.0  # how long a rank that fired waits for the others' reports before naming the silent ones
@@ -170,16 +171,29 @@ class Watchdog(threading.Thread, Component):
         (self.dir / f"nccl_trace_rank{self.rank}.pkl").write_bytes(trace)
 
 
+def build(run: RunHandle) -> Watchdog | None:
+    config = run.recipe.train.watchdog
+    if not config.enabled:
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    return Watchdog(config, run.files, run.rank, run.world, get_accelerator().communication_backend_name())
+
+
+def build_hang_event(run: RunHandle) -> HangEvent:
+    return HangEvent(run)
+
+
 class HangEvent(Component):
     """The hang the previous launch's watchdog reported, as an event of this launch's metrics.jsonl (and so of its
     dashboards), logged once at its first step: the watchdog's thread ends the process and cannot write it itself."""
 
-    def __init__(self, trainer) -> None:
-        self.trainer, self.report = trainer, trainer.files.hang / HANG_EVENT
+    def __init__(self, run: RunHandle) -> None:
+        self.run, self.report = run, run.files.hang / HANG_EVENT
 
     def on_train_start(self) -> None:
-        if not self.trainer.is_rank0 or not self.report.is_file():
+        if not self.run.is_rank0 or not self.report.is_file():
             return
         event = json.loads(self.report.read_text())
-        self.trainer.log.write({"step": self.trainer.progress.step, "event": "hang", **event})
+        self.run.log.write({"step": self.run.progress.step, "event": "hang", **event})
         os.replace(self.report, self.report.with_name("event.logged.json"))
