@@ -133,7 +133,8 @@ class Watchdog(threading.Thread, Component):
             with open(stacks, "a") as f:
                 f.write("\n" + line + "\n")
             print(line, file=sys.stderr, flush=True)
-            hang = {"hang_step": self.step, "at": state, "detail": line}
+            # "ranks": the ranks behind, whose hosts slurm/train.sbatch leaves out of its next launch (train/elastic.py)
+            hang = {"hang_step": self.step, "at": state, "detail": line, "ranks": sorted(behind)}
             write_json_atomic(self.dir / HANG_EVENT, hang)  # logged by the next launch (HangEvent)
         else:
             time.sleep(LAGGARD_DELAY_S)

@@ -1,0 +1,44 @@
+"""The relaunch slurm/train.sbatch made after a failed step (dstrain.train.elastic), as an event of this launch's
+metrics.jsonl (and so of its dashboards: a W&B alert, TensorBoard text, events.csv), logged once at its first step,
+with what the failure cost: the seconds from the last step logged before it to this first step after it, and the
+steps trained again (those after the checkpoint resumed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from dstrain.train.components import Component, StepOutcome
+from dstrain.train.elastic import EVENTS, PENDING, folder
+
+
+class RestartEvent(Component):
+    def __init__(self, trainer) -> None:
+        self.trainer, self.pending = trainer, folder(trainer.files.root) / PENDING
+        self.logged = False
+
+    def on_step_end(self, outcome: StepOutcome) -> bool:
+        if self.logged or not self.trainer.is_rank0:
+            return False
+        self.logged = True
+        if not self.pending.is_file():
+            return False
+        event = json.loads(self.pending.read_text())
+        resumed = outcome.step - 1
+        event.update(
+            step=outcome.step,
+            resumed_step=resumed,
+            steps_lost=max(0, event.get("fault_step", resumed) - resumed),
+            time_lost_s=round(time.time() - event.pop("fault_time", time.time()), 3),
+        )
+        self.trainer.log.write(event)
+        with open(self.pending.with_name(EVENTS), "a") as f:
+            f.write(json.dumps(event) + "\n")
+        os.remove(self.pending)
+        print(
+            f"dstrain: {event['event']} at step {outcome.step}: {event['time_lost_s']:.1f} s and "
+            f"{event['steps_lost']} step(s) lost ({event.get('detail', '')})",
+            flush=True,
+        )
+        return False
