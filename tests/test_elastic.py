@@ -82,7 +82,10 @@ def test_the_next_command_keeps_the_state_and_leaves_the_event_for_the_next_laun
     recipe, ds = str(small_recipe(tmp_path, corpus)), str(ROOT / "ds_configs" / "zero0.json")
     run = tmp_path / "run"
     common = ["--run-dir", str(run), "--recipe", recipe, "--ds-config", ds]
-    assert elastic.main(["start", "--job", "7.0", "--gpus", "1", "--hosts", "n1,n2,n3", "--spare-nodes", "1", *common]) == 0
+    assert (
+        elastic.main(["start", "--job", "7.0", "--gpus", "1", "--hosts", "n1,n2,n3", "--spare-nodes", "1", *common])
+        == 0
+    )
     assert capsys.readouterr().out.splitlines()[-1].split() == ["n1", "n2"]
     (run / "metrics.jsonl").write_text(json.dumps({"step": 12, "loss": 5.0}) + "\n")
     assert elastic.main(["next", "--unreachable", "n2", *common]) == 0

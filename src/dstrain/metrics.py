@@ -185,7 +185,8 @@ class EventRecord(TypedDict, total=False):
     slurm/train.sbatch after a failed step (restart, spare, shrink, requeue: dstrain.train.elastic)."""
 
     step: Required[int]
-    event: Required[str]  # "resume" | "spike" | "disk_full" | "stopped" | "hang" | "restart" | "spare" | "shrink" | "requeue"
+    # "resume" | "spike" | "disk_full" | "stopped" | "hang" | "restart" | "spare" | "shrink" | "requeue"
+    event: Required[str]
     message: str  # disk_full, stopped: the error's line
     hang_step: int  # hang: the step the watchdog found stalled
     at: str  # hang: where in it (e.g. "backward 0 of step 5")

@@ -94,7 +94,9 @@ def start(config: ElasticConfig, job: str, hosts: list[str], gpus: int) -> JobSt
     return JobState(job=job, gpus=gpus, hosts=train, spares=hosts[len(train) :], world=len(train) * gpus)
 
 
-def decide(state: JobState, config: ElasticConfig, unreachable: set[str], hang_ranks: list[int], accumulation) -> Decision:
+def decide(
+    state: JobState, config: ElasticConfig, unreachable: set[str], hang_ranks: list[int], accumulation
+) -> Decision:
     """After a failed step: the next launch's hosts, or a requeue. ``unreachable``: hosts the probe could not run on;
     ``hang_ranks``: the ranks the watchdog named; ``accumulation(world)``: the gradient accumulation the recipe's
     global batch needs on ``world`` ranks (a DstrainError: that world cannot hold it)."""
@@ -111,7 +113,9 @@ def decide(state: JobState, config: ElasticConfig, unreachable: set[str], hang_r
     if restart > config.max_restarts:
         return requeue(f"restart cap reached ({config.max_restarts} in this job)", lost_text, details)
     if len(hosts) < config.min_nodes:
-        return requeue(f"{len(hosts)} healthy node(s) left, fewer than --min-nodes={config.min_nodes}", lost_text, details)
+        return requeue(
+            f"{len(hosts)} healthy node(s) left, fewer than --min-nodes={config.min_nodes}", lost_text, details
+        )
     world = len(hosts) * state.gpus
     try:
         accum = accumulation(world)
@@ -265,9 +269,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        {"start": command_start, "next": command_next, "summary": lambda a: fold_into_summary(a.run_dir)}[
-            args.command
-        ](args)
+        {"start": command_start, "next": command_next, "summary": lambda a: fold_into_summary(a.run_dir)}[args.command](
+            args
+        )
     except DstrainError as e:
         message = str(e)
         print(message if message.startswith("train.sbatch") else f"train.sbatch: error: {message}", file=sys.stderr)

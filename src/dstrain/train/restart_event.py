@@ -1,6 +1,6 @@
 """The relaunch slurm/train.sbatch made after a failed step (dstrain.train.elastic), as an event of this launch's
-metrics.jsonl (and so of its dashboards: a W&B alert, TensorBoard text, events.csv), logged once at its first step,
-with what the failure cost: the seconds from the last step logged before it to this first step after it, and the
+metrics.jsonl (and so of its dashboards: a W&B alert, TensorBoard text, events.csv), logged once at its first step
+under the step it resumed from, with what the failure cost: the seconds from the last step logged before it to this first step after it, and the
 steps trained again (those after the checkpoint resumed)."""
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ class RestartEvent(Component):
             return False
         event = json.loads(self.pending.read_text())
         resumed = outcome.step - 1
+        # At the step it resumed from, as the resume event: a later relaunch from that checkpoint keeps it
         event.update(
-            step=outcome.step,
-            resumed_step=resumed,
+            step=resumed,
+            first_step=outcome.step,
             steps_lost=max(0, event.get("fault_step", resumed) - resumed),
             time_lost_s=round(time.time() - event.pop("fault_time", time.time()), 3),
         )
