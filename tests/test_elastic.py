@@ -98,3 +98,33 @@ def test_the_next_command_keeps_the_state_and_leaves_the_event_for_the_next_laun
     # a bad option: one line, exit 2, nothing launched
     assert elastic.main(["start", "--job", "7.1", "--gpus", "1", "--hosts", "n1", "--spare-nodes", "1", *common]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_relaunch_is_an_event_at_its_first_step_with_what_it_cost(tmp_path):
+    """RestartEvent: the pending decision logged once (metrics.jsonl's path, so every dashboard's), under the step it
+    resumed from, with the steps trained again and the seconds since the last step logged before the fault."""
+    import time
+    from types import SimpleNamespace
+
+    from dstrain.monitors.records import describe
+    from dstrain.train.components import StepOutcome
+    from dstrain.train.restart_event import RestartEvent
+
+    (tmp_path / "elastic").mkdir()
+    pending = {"event": "shrink", "fault_step": 14, "fault_time": time.time() - 30.0, "detail": "lost n2 (unreachable)"}
+    (tmp_path / "elastic" / "pending.json").write_text(json.dumps(pending))
+    records: list[dict] = []
+    trainer = SimpleNamespace(
+        files=SimpleNamespace(root=tmp_path), is_rank0=True, log=SimpleNamespace(write=records.append)
+    )
+    component = RestartEvent(trainer)
+    for step in (11, 12):
+        assert component.on_step_end(StepOutcome(step, 5.0, 1.0, False)) is False
+    (event,) = records
+    assert (event["step"], event["first_step"], event["steps_lost"]) == (10, 11, 4)
+    assert 30.0 <= event["time_lost_s"] < 60.0 and "fault_time" not in event
+    assert describe(event).startswith("shrink at step 10: lost n2 (unreachable); 30 s and 4 step(s) lost")
+    assert not (tmp_path / "elastic" / "pending.json").exists()
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "completed"}))
+    elastic.fold_into_summary(tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text())["restarts"] == [event]

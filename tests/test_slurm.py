@@ -313,7 +313,7 @@ def test_prepare_array_on_two_nodes_then_dependent_merge(slurm_cluster, work, co
 # --- a node that dies: the job keeps its allocation and relaunches (slurm/train.sbatch, dstrain.train.elastic) -------
 # Last in this file: these tests kill a node's slurmd (started again before they end).
 CHECKPOINTS = "train.checkpoint_interval=10"  # the most steps a fault can cost
-FAULT_BOUND_S = 120  # fault to first step after it: detection (10 s grace), probes, a relaunch on 2 busy cores
+FAULT_BOUND_S = 180  # fault to first step after it: detection (10 s grace), probes, a relaunch on 2 busy cores
 
 
 def progress(run) -> tuple[int, list[dict]]:
