@@ -1,7 +1,7 @@
 """The relaunch slurm/train.sbatch made after a failed step (dstrain.train.elastic), as an event of this launch's
 metrics.jsonl (and so of its dashboards: a W&B alert, TensorBoard text, events.csv), logged once at its first step
-under the step it resumed from, with what the failure cost: the seconds from the last step logged before it to this first step after it, and the
-steps trained again (those after the checkpoint resumed)."""
+under the step it resumed from, with what the failure cost: the seconds from the last step logged before it to this
+first step after it, and the steps trained again (those after the checkpoint resumed)."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ class Watchdog(threading.Thread, Component):
             with open(stacks, "a") as f:
                 f.write("\n" + line + "\n")
             print(line, file=sys.stderr, flush=True)
-            # "ranks": the ranks behind, whose hosts slurm/train.sbatch leaves out of its next launch (train/elastic.py).
+            # "ranks": the ranks behind, whose hosts slurm/train.sbatch leaves out of its next launch (train/elastic).
             # The first report of this launch stands: a frozen rank woken as its step is ended (Slurm sends SIGCONT
             # before SIGTERM) fires late, finds every report at its own tick and would name no one.
             hang = {"hang_step": self.step, "at": state, "detail": line, "ranks": sorted(behind)}
