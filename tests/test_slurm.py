@@ -261,6 +261,15 @@ def test_a_bad_override_fails_the_job_at_once_with_the_reason(slurm_cluster, wor
     log = log_of(work, job)
     assert re.search(r"train\.sbatch: error: .*train\.stepz", log), log
     assert not run_of(work, job).exists()
+    # The script's own options too (dstrain.train.elastic): more spares than nodes, before any rank starts.
+    with pytest.raises(AssertionError, match=r"exited 2: (\d+)") as failed:
+        submit(
+            slurm_cluster, work, ["--nodes=2", "--ntasks-per-node=1", TRAIN, "--spare-nodes=2", "small.yaml", zero(0)]
+        )
+    job = int(re.search(r"exited 2: (\d+)", str(failed.value)).group(1))
+    log = log_of(work, job)
+    assert "train.sbatch: --spare-nodes=2 with 2 node(s) allocated leaves no node to train on" in log, log
+    assert "attempt 1" not in log and not (run_of(work, job) / "metrics.jsonl").exists()
 
 
 PREPARE = str(ROOT / "slurm" / "prepare.sbatch")
