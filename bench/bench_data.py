@@ -207,8 +207,9 @@ def bench_loader(folder: str, samples: int) -> dict:
 
 def simulate_corpus(folder: Path, total_tokens: int, shards: int) -> int:
     """A prepared folder whose shards have realistic document sizes but no real tokens."""
-    from dstrain.data.manifest import FORMAT, FORMAT_VERSION, write_json_atomic
+    from dstrain.data.manifest import FORMAT, FORMAT_VERSION
     from dstrain.data.shards import write_index
+    from dstrain.files import write_json_atomic
 
     rng = np.random.default_rng(0)
     mean = 1000  # tokens per document, lognormal like web text

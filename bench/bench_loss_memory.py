@@ -55,7 +55,7 @@ def child(recipe_file: str, ds_file: str) -> dict:
 
     from dstrain.config import load_recipe
     from dstrain.model.gpt import lm_loss
-    from dstrain.strategy.memory import estimate
+    from dstrain.plan.memory import estimate
     from dstrain.strategy.resolve import load_ds_config, resolve
     from dstrain.train import distributed, tiling
     from dstrain.train.engine import build_engine, build_model

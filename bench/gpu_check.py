@@ -185,6 +185,13 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
             VERDICT,
             "Instruction tuning's masked loss: GPU against CPU (tiny on scripts/demo-sft's conversations, fp32)",
         ),
+        Part(
+            "chunked_attention",
+            lambda c: features.chunked_attention(c, steps),
+            tiny if dry else 2 * tiny + FLEX_COMPILE_S,
+            VERDICT + ["tokens_per_s", "mem_peak_gib"],
+            "Llama 4's chunked attention, temperature tuning and q/k norm: FlexAttention (GPU) against the dense mask",
+        ),
     ]
 
 

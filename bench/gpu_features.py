@@ -8,7 +8,9 @@ own tolerance) and, on a GPU, the speed and peak memory it costs or saves.
   reaches the router through the checkpoint), then its speed on a GPU;
 - windowed_attention: sliding windows (3 local blocks, 1 global, as Gemma 3's pattern) with sinks (GPT-OSS) through
   FlexAttention's block mask on a GPU against the dense mask on the CPU, then its speed against full attention;
-- sft_loss: instruction tuning's masked loss (scripts/demo-sft's conversations) on a GPU against the CPU.
+- sft_loss: instruction tuning's masked loss (scripts/demo-sft's conversations) on a GPU against the CPU;
+- chunked_attention: Llama 4's attention (issue 50: 32-token chunks on 3 blocks, a block without RoPE with temperature
+  tuning, the weightless q/k norm) through FlexAttention's block mask on a GPU against the dense mask on the CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ WINDOWED = [
     "model.sliding_window=32",
     "model.layer_types=[sliding_attention, sliding_attention, sliding_attention, full_attention]",
     "model.attention_sinks=true",
+]
+
+CHUNKED = [
+    "model.attention_chunk=32",
+    "model.layer_types=[chunked_attention, chunked_attention, chunked_attention, full_attention]",
+    "model.nope_layers=[3]",
+    "model.qk_norm=l2",
+    "model.attn_temperature_floor=16",
 ]
 
 
@@ -79,6 +89,21 @@ def windowed_attention(check: Check, steps: int) -> list[dict]:
         compare(check, "windows and sinks: FlexAttention (GPU) vs dense mask (CPU)", windowed, dense, 1e-4, steps),
         _speed_row("tiny windowed", windowed),
         _speed_row("tiny full attention", full),
+    ]
+
+
+def chunked_attention(check: Check, steps: int) -> list[dict]:
+    """tiny with CHUNKED on this device against the CPU's dense mask (fp32, 1e-4), then its speed and peak memory."""
+    import torch
+
+    config = _config(check, "chunk-zero1", "zero1.json")
+    chunked = check.train("chunk-device", "tiny", config, CHUNKED, steps)
+    if not torch.cuda.is_available():
+        return [check.verdict("Llama 4's chunks, this device", chunked["rc"] == 0, f"{status(chunked)}; no CUDA")]
+    dense = check.train("chunk-cpu", "tiny", config, CHUNKED, steps, env=ON_CPU)
+    return [
+        compare(check, "Llama 4's chunks: FlexAttention (GPU) vs dense mask (CPU)", chunked, dense, 1e-4, steps),
+        _speed_row("tiny chunked (Llama 4)", chunked),
     ]
 
 

@@ -229,7 +229,7 @@ def precision(check: Check, steps: int) -> list[dict]:
 def memory(check: Check, recipe_name: str, micro: int, seq: int, configs: list[str], steps: int) -> list[dict]:
     """Measured peak device memory over a few steps beside `dstrain estimate`'s device peak, world of one."""
     from dstrain.config import load_recipe
-    from dstrain.strategy.memory import estimate_file
+    from dstrain.plan.memory import estimate_file
 
     rows = []
     recipe_file = ROOT / "recipes" / f"{recipe_name}.yaml"

@@ -11,7 +11,7 @@ import yaml
 
 from dstrain.config import AveragingConfig, load_recipe
 from dstrain.errors import DstrainError
-from dstrain.strategy.memory import estimate
+from dstrain.plan.memory import estimate
 from dstrain.strategy.resolve import load_ds_config, resolve
 from dstrain.strategy.topology import Topology
 from dstrain.train.averaging import FILE, WeightAverager, check_resume, ema_decay

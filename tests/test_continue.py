@@ -152,8 +152,8 @@ def test_shipped_continue_recipe_fits_one_node_under_its_ds_config(recipe_file):
 
     from dstrain.config import load_recipe
     from dstrain.model.families import CLASSES, check_exportable
-    from dstrain.strategy.memory import estimate_file
-    from dstrain.strategy.memory_parts import GIB
+    from dstrain.plan.memory import estimate_file
+    from dstrain.plan.memory_parts import GIB
     from dstrain.strategy.resolve import load_ds_config
 
     root = recipe_file.parents[1]
@@ -226,7 +226,7 @@ def test_every_family_continues_training_from_init_from_and_exports_to_its_class
     from train_helpers import ROOT, small_recipe, train_each, train_losses
 
     families = ["llama3", "mistral", "qwen2", "qwen3", "olmo2", "qwen3_moe", "mixtral"]
-    families += ["smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"]
+    families += ["smollm3", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3", "phi3-longrope", "llama4"]
     argvs, runs = [], {}
     for family in families:
         config_class, features = FAMILIES[family]

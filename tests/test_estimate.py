@@ -10,9 +10,9 @@ import pytest
 from dstrain.config import load_recipe
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig, num_params
-from dstrain.strategy.memory import estimate, estimate_file
-from dstrain.strategy.memory_parts import GIB
-from dstrain.strategy.param_counts import count_params
+from dstrain.plan.memory import estimate, estimate_file
+from dstrain.plan.memory_parts import GIB
+from dstrain.plan.param_counts import count_params
 from dstrain.strategy.resolve import load_ds_config, resolve
 
 from train_helpers import ROOT

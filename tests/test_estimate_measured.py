@@ -8,7 +8,7 @@ import yaml
 
 from dstrain.config import load_recipe
 from dstrain.model.config import GPTConfig
-from dstrain.strategy.memory import estimate, estimate_file
+from dstrain.plan.memory import estimate, estimate_file
 from dstrain.strategy.resolve import load_ds_config, resolve
 
 from ranks import run_ranks

@@ -33,6 +33,14 @@ LLAMA3_ROPE = {
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
 LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
 PARTIAL_ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}  # Phi-3/4: half of each head
+LONGROPE = {  # Phi-4-mini's form at a small size: half of each 8-wide head rotated, 2 factors each
+    "rope_type": "longrope",
+    "rope_theta": 1e4,
+    "partial_rotary_factor": 0.5,
+    "short_factor": [1.0, 1.7],
+    "long_factor": [2.5, 9.0],
+    "original_max_position_embeddings": 16,
+}
 LOCAL_ROPE = {"rope_type": "default", "rope_theta": 100.0}  # Gemma 3's local blocks: their own base, unscaled
 SMALL = dict(
     vocab_size=VOCAB,
@@ -113,6 +121,35 @@ FAMILIES = {
             rope_parameters=YARN_ROPE | {"truncate": False},
         ),
     ),
+    # --- issue 50's families ---
+    "phi3-longrope": (  # Phi-3.5 / Phi-4-mini: long factors past 16 positions (the 48 tokens), short ones below
+        transformers.Phi3Config,
+        dict(pad_token_id=None, original_max_position_embeddings=16, rope_parameters=LONGROPE),
+    ),
+    "llama4": (  # Llama 4 text, dense: 16-token chunks on the RoPE blocks, block 3 without RoPE and temperature-tuned
+        transformers.Llama4TextConfig,
+        dict(
+            num_hidden_layers=4,
+            head_dim=8,
+            intermediate_size_mlp=40,
+            moe_layers=[],
+            attention_chunk_size=16,
+            floor_scale=8,  # small enough that the temperature grows within the 48 tokens
+            attn_scale=0.5,
+            pad_token_id=None,
+            rope_parameters=LLAMA3_ROPE,
+        ),
+    ),
+    "olmo3": (  # 3 local : 1 global; YaRN on the global blocks only, the local ones unscaled with the same base
+        transformers.Olmo3Config,
+        dict(
+            num_hidden_layers=4,
+            sliding_window=16,
+            pad_token_id=None,
+            eos_token_id=1,
+            rope_parameters={"full_attention": YARN_ROPE, "sliding_attention": LOCAL_ROPE | {"rope_theta": 1e4}},
+        ),
+    ),
 }
 
 
@@ -188,7 +225,9 @@ def test_exported_family_is_the_same_class_with_the_same_logits(imported, tmp_pa
     assert from_hf(tmp_path)[0] == config  # config.json -> the same model.* fields
 
 
-@pytest.mark.parametrize("family", ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize(
+    "family", ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3", "phi3-longrope", "llama4"]
+)
 @torch.no_grad()
 def test_greedy_generation_equals_transformers_generate(family):
     """Past the windows (6 + 14 tokens > 16): transformers decodes with its cache (a sliding one on local layers),
@@ -219,6 +258,12 @@ def test_greedy_generation_equals_transformers_generate(family):
         ("gemma2", "logit_softcap", None),
         ("gpt_oss", "layer_types", None),
         ("gpt_oss", "moe", "unclamped"),
+        ("olmo3", "layer_types", None),
+        ("olmo3", "rope_local_theta", None),
+        ("llama4", "attention_chunk", 4096),  # chunks longer than the sequence: nothing cut
+        ("llama4", "nope_layers", []),
+        ("llama4", "qk_norm", None),
+        ("llama4", "attn_temperature_floor", None),
     ],
 )
 @torch.no_grad()
@@ -246,6 +291,58 @@ def test_rope_scaling_equals_transformers_inverse_frequencies(rope):
     assert torch.equal(inv_freq, theirs) and scale == their_scale
     unscaled = dataclasses.replace(config, rope_scaling=None)
     assert not torch.equal(inv_freq, inverse_frequencies(unscaled, torch.device("cpu"))[0])
+
+
+# --- issue 50: longrope ---
+
+
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
+def test_longrope_equals_transformers_inverse_frequencies(long):
+    """Both factor sets and the attention factor, derived from max_position_embeddings / original (Phi-3's way)."""
+    features = dict(rope_parameters=LONGROPE, original_max_position_embeddings=16, pad_token_id=None)
+    hf_config = transformers.Phi3Config(**(SMALL | features))
+    config, _ = from_hf(transformers.Phi3ForCausalLM(hf_config))
+    assert config.rope_scaling.factor == 4.0  # 64 / 16, written out on export
+    inv_freq, scale = inverse_frequencies(config, torch.device("cpu"), long=long)
+    theirs, their_scale = ROPE_INIT_FUNCTIONS["longrope"](hf_config, "cpu", seq_len=17 if long else 16)
+    assert torch.equal(inv_freq, theirs) and scale == their_scale and scale > 1.0
+
+
+@torch.no_grad()
+def test_longrope_takes_the_short_factors_within_the_original_length():
+    """12 tokens (within original_max_position_embeddings 16): the short factors, as transformers; the 48 tokens of the
+    parity test above took the long ones. Either set swapped for the other changes the logits."""
+    hf = build_hf("phi3-longrope")
+    config, state = from_hf(hf)
+    ours = GPT(config).eval()
+    ours.load_state_dict(state, strict=True)
+    for length in (12, LENGTH):
+        ids = torch.randint(0, VOCAB, (2, length))
+        assert max_diff(ours(ids), hf(ids).logits) <= ATOL
+        s = config.rope_scaling
+        swapped = dataclasses.replace(s, long_factor=s.short_factor, short_factor=s.long_factor)
+        other = GPT(dataclasses.replace(config, rope_scaling=swapped)).eval()
+        other.load_state_dict(state, strict=True)
+        assert max_diff(other(ids), hf(ids).logits) > 1e-3
+
+
+def test_llama4_moe_is_refused_on_every_path_that_reads_a_model(tmp_path, capsys):
+    """Llama 4's MoE (sigmoid-scaled expert inputs beside a shared expert) is not computed: a config with MoE layers
+    (Scout: every block) is refused by name whether imported, continued, evaluated or sampled from."""
+    from dstrain.checkpoint.consolidate import load_model_source
+    from dstrain.commands.cli import main as cli
+    from dstrain.model.hf import architecture_from_hf
+
+    config_class, features = FAMILIES["llama4"]
+    torch.manual_seed(0)
+    transformers.Llama4ForCausalLM(config_class(**(SMALL | features | dict(moe_layers=[1])))).save_pretrained(tmp_path)
+    for read in (from_hf, architecture_from_hf, load_model_source):
+        with pytest.raises(DstrainError, match=r"config.json: moe_layers=\[1\] is not supported: Llama 4's mixture"):
+            read(tmp_path)
+    capsys.readouterr()
+    assert cli(["generate", str(tmp_path), "--prompt", "a"]) == 2
+    assert cli(["eval", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("moe_layers=[1] is not supported") == 2
 
 
 def test_unsupported_family_features_are_named():

@@ -12,10 +12,10 @@ from test_estimate_measured import saved_tensor_bytes, write_recipe
 from dstrain.commands.cli import main as cli
 from dstrain.config import load_recipe
 from dstrain.plan.layouts import Layout, plan
+from dstrain.plan.memory import estimate
+from dstrain.plan.memory_parts import GIB
+from dstrain.plan.param_counts import count_params
 from dstrain.plan.time_model import DEVICES, Cluster, predict
-from dstrain.strategy.memory import estimate
-from dstrain.strategy.memory_parts import GIB
-from dstrain.strategy.param_counts import count_params
 from dstrain.strategy.resolve import load_ds_config, resolve
 
 from train_helpers import ROOT

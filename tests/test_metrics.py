@@ -18,7 +18,7 @@ EVAL_RTOL = 1e-6  # `dstrain eval` against the trainer's eval of the same sample
 
 
 def test_read_records_skips_events_and_a_line_cut_short(tmp_path):
-    from dstrain.metrics import drop_records_after, read_events, read_records
+    from dstrain.metrics_records import drop_records_after, read_events, read_records
 
     metrics = tmp_path / "metrics.jsonl"
     assert read_records(metrics) == [] and read_events(metrics) == []  # a run that logged nothing yet
@@ -109,13 +109,13 @@ GIB = 2**30
     ],
 )
 def test_peak_of_each_device_variant(name, memory, precision, variant, tflops):
-    from dstrain.metrics import lookup_peak
+    from dstrain.devices import lookup_peak
 
     assert lookup_peak(name, int(memory), precision) == (variant, tflops)
 
 
 def test_the_first_lines_name_the_peak(monkeypatch):
-    from dstrain.metrics import device_peak
+    from dstrain.devices import device_peak
 
     monkeypatch.setenv("DSTRAIN_PEAK_TFLOPS", "400")
     assert device_peak("bf16") == (400.0, "MFU against 400 TFLOP/s per device (DSTRAIN_PEAK_TFLOPS)")

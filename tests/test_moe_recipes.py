@@ -14,8 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 
 from dstrain.config import load_recipe  # noqa: E402
-from dstrain.strategy.memory import estimate_file  # noqa: E402
-from dstrain.strategy.memory_parts import GIB  # noqa: E402
+from dstrain.plan.memory import estimate_file  # noqa: E402
+from dstrain.plan.memory_parts import GIB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "continue-qwen3-30b-a3b.yaml"

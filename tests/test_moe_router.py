@@ -195,8 +195,8 @@ def test_parameter_line_shows_total_and_active():
 
 def test_estimate_splits_the_experts_over_the_expert_parallel_ranks():
     from dstrain.config import load_recipe
-    from dstrain.strategy.memory import estimate_file
-    from dstrain.strategy.param_counts import EXPERTS, meta_shapes
+    from dstrain.plan.memory import estimate_file
+    from dstrain.plan.param_counts import EXPERTS, meta_shapes
 
     root = Path(__file__).resolve().parents[1]
     recipe_file = root / "recipes" / "moe-1b.yaml"
@@ -223,7 +223,7 @@ def test_moe_activations_against_saved_tensors(tmp_path, checkpointing):
     from test_estimate_measured import saved_tensor_bytes, write_recipe
 
     from dstrain.config import load_recipe
-    from dstrain.strategy.memory import estimate
+    from dstrain.plan.memory import estimate
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     recipe_file = write_recipe(tmp_path, n_layer=3, moe={"num_experts": 4, "top_k": 2, "d_expert": 96})
@@ -282,7 +282,7 @@ def test_a_checkpoint_of_an_moe_model_reads_back_its_config(tmp_path):
 def test_meta_shapes_extended_from_three_experts_are_those_of_the_whole_model(biases):
     """The planner builds 2 and 3 experts and extends them (DeepSpeed deep-copies each expert: 5 s at 6,144); the
     names, order and shapes are those of the model built with all of them."""
-    from dstrain.strategy.param_counts import _built_shapes, meta_shapes
+    from dstrain.plan.param_counts import _built_shapes, meta_shapes
 
     moe = MoEConfig(num_experts=7, top_k=2, every=2, dense_layers=[3], router_bias=biases, expert_bias=biases)
     config = dataclasses.replace(CONFIG, n_layer=6, moe=moe)

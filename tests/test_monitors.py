@@ -18,7 +18,8 @@ import yaml
 from monitor_readers import csv_scalars, tensorboard_scalars, tensorboard_texts, wandb_runs
 
 from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError
-from dstrain.metrics import MetricsLog, drop_records_after, read_events, read_records
+from dstrain.metrics import MetricsLog
+from dstrain.metrics_records import drop_records_after, read_events, read_records
 from dstrain.monitors.settings import check_monitors, monitor_settings
 from dstrain.run_dir import RunDir
 from dstrain.train.run import move_previous_run

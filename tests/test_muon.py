@@ -181,7 +181,7 @@ def test_estimate_counts_one_momentum_for_each_parameter_deepspeed_gives_muon(tm
 
     from dstrain.config import load_recipe
     from dstrain.model.gpt import GPT
-    from dstrain.strategy.memory import estimate
+    from dstrain.plan.memory import estimate
 
     strategy = resolve_muon(tmp_path, "zero0", 2)
     recipe = load_recipe(tmp_path / "r.yaml")

@@ -1,5 +1,5 @@
 """The planner's pipeline bubble and held activations, simulated on DeepSpeed's own schedules
-(dstrain.plan.bubble, dstrain.strategy.pipe_schedules), and DualPipeV as a layout of dstrain plan."""
+(dstrain.plan.bubble, dstrain.plan.pipe_schedules), and DualPipeV as a layout of dstrain plan."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from dstrain.config import load_recipe
 from dstrain.plan.bubble import BACKWARD_OVER_FORWARD, bubble_fraction
 from dstrain.plan.layouts import Layout, plan
+from dstrain.plan.param_counts import count_params
+from dstrain.plan.pipe_schedules import held_stages
 from dstrain.plan.time_model import DEVICES, Cluster, predict, traffic_table
-from dstrain.strategy.param_counts import count_params
-from dstrain.strategy.pipe_schedules import held_stages
 from dstrain.strategy.resolve import resolve
 
 from train_helpers import ROOT

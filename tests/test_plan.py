@@ -12,10 +12,10 @@ import pytest
 from dstrain.commands.cli import main as cli
 from dstrain.config import load_recipe
 from dstrain.plan.layouts import Layout, plan
+from dstrain.plan.memory import estimate, estimate_file
+from dstrain.plan.param_counts import count_params
 from dstrain.plan.time_model import DEVICES, Cluster, predict
 from dstrain.plan.traffic import WIRE
-from dstrain.strategy.memory import estimate, estimate_file
-from dstrain.strategy.param_counts import count_params
 from dstrain.strategy.resolve import AUTO, load_ds_config, resolve
 
 from ranks import run_ranks

@@ -262,7 +262,7 @@ def test_activation_checkpointing_may_change_on_resume(resumed):
 def test_estimate_and_the_model_take_activation_checkpointing_from_the_ds_config(tmp_path, corpus):
     """The ds_config's section turns it on for the estimate and the model."""
     from dstrain.config import load_recipe
-    from dstrain.strategy.memory import estimate
+    from dstrain.plan.memory import estimate
     from dstrain.strategy.resolve import load_ds_config, resolve
     from dstrain.train.engine import build_model
 

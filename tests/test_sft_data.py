@@ -250,12 +250,15 @@ def test_sft_recipes_and_chat_folders_go_together(tmp_path, corpus):
     from dstrain.train.run import fingerprint_of_checked_data
 
     chat, _, _ = prepared(tmp_path, [{"messages": c} for c in CONVERSATIONS], "chatml")
-    for folder, sft, fragment in (
-        (chat, False, "was prepared with --chat (conversations with a loss mask) but data.sft is false"),
-        (corpus, True, "data.sft is true but no data.sources folder was prepared with --chat"),
+    for folder, sft, masking, fragment in (
+        (chat, False, None, "was prepared with --chat (conversations with a loss mask) but data.sft is false"),
+        (corpus, True, None, "data.sft is true but no data.sources folder was prepared with --chat"),
+        (chat, True, False, "model.doc_masking is false but data.sources"),  # issue 46: packed whole, always masked
     ):
-        path = tmp_path / f"sft-{sft}.yaml"
+        path = tmp_path / f"sft-{sft}-{masking}.yaml"
         model = {"flavour": "llama", "n_layer": 1, "n_head": 2, "d_model": 32}
+        if masking is not None:
+            model["doc_masking"] = masking
         data = {"sources": [{"path": str(folder)}], "seq_len": 32, "sft": sft}
         path.write_text(
             yaml.safe_dump({"name": "x", "model": model, "data": data, "train": {"steps": 1, "global_batch": 2}})
@@ -263,6 +266,12 @@ def test_sft_recipes_and_chat_folders_go_together(tmp_path, corpus):
         with pytest.raises(DstrainError, match=re.escape(fragment)) as error:
             fingerprint_of_checked_data(load_recipe(path), str(path))
         assert str(path) in str(error.value) and "\n" not in str(error.value)
+    model = {"flavour": "llama", "n_layer": 1, "n_head": 2, "d_model": 32}
+    data = {"sources": [{"path": str(chat)}], "seq_len": 32, "sft": True}
+    path.write_text(
+        yaml.safe_dump({"name": "x", "model": model, "data": data, "train": {"steps": 1, "global_batch": 2}})
+    )
+    assert load_recipe(path).model.doc_masking  # the default under data.sft
 
 
 def test_a_changed_mask_is_refused_like_a_changed_shard(tmp_path):

@@ -69,7 +69,7 @@ def sft_runs(tmp_path_factory, chat_folder):
     runs = {name: tmp / name for name in [*one, *two, "ce"]}
     argvs = [train_argv(recipe, c, runs[n]) for n, c in one.items()]
     # Step 1 runs at lr 0 (warmup starts there): the 1-step run's checkpoint holds the weights its loss was taken with
-    ce = sft_recipe(tmp, chat_folder, name="ce", model={"doc_masking": False}, schedule={"warmup_steps": 1})
+    ce = sft_recipe(tmp, chat_folder, name="ce", schedule={"warmup_steps": 1})
     ce_config = ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=2)
     argvs.append(train_argv(ce, ce_config, runs["ce"], "train.steps=1"))
     # and a run whose init_from is the first run's folder, one step at lr 0: it ends with that run's weights
@@ -104,10 +104,24 @@ def test_strategies_give_the_same_sft_losses_and_grad_norms(sft_runs, run):
     np.testing.assert_allclose(other[1], norms, rtol=STRATEGY_RTOL)
 
 
+def each_document_alone(model, batch: dict) -> tuple[torch.Tensor, int]:
+    """(sum of the learned tokens' losses, their count) of a collated batch, each packed document (a row's segment
+    whose positions restart at 0) run through transformers' ``model`` alone: a plain causal forward, no mask."""
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for inputs, labels, positions in zip(batch["input_ids"], batch["labels"], batch["position_ids"]):
+        starts = [*torch.nonzero(positions == 0).flatten().tolist(), positions.numel()]
+        for a, b in zip(starts, starts[1:]):
+            with torch.no_grad():
+                logits = model(input_ids=inputs[None, a:b]).logits[0]
+            losses = torch.nn.functional.cross_entropy(logits, labels[a:b], ignore_index=-100, reduction="sum")
+            total, count = total + losses.double(), count + int((labels[a:b] != -100).sum())
+    return total, count
+
+
 def test_the_step_loss_is_the_masked_cross_entropy_of_the_transformers_model(tmp_path, sft_runs, chat_folder):
     """The 1-step run's checkpoint holds the weights its step-1 loss was taken with (lr 0); exported, transformers'
-    model gives a plain masked cross-entropy over the same global batch (4 micro-batches of 2). Without document
-    masking, so that transformers' plain causal attention is the same attention."""
+    model gives a plain masked cross-entropy of each conversation of the same global batch (4 micro-batches of 2)
+    run alone: document masking (on under data.sft) makes packing change no token's loss."""
     from transformers import AutoModelForCausalLM
 
     from dstrain.commands.cli import main as cli
@@ -118,16 +132,53 @@ def test_the_step_loss_is_the_masked_cross_entropy_of_the_transformers_model(tmp
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     data = build_dataset([(str(chat_folder), 1.0)], "train", 64, 7, 8, 0.1)
     batch = collate([data[i] for i in range(8)])
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"]).logits
-    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+    assert (batch["position_ids"] == 0).sum() > 8  # several conversations share a sample
+    total, count = each_document_alone(model, batch)
     loss, _, learned = curves(run)
-    assert learned[0] == int((batch["labels"] != -100).sum())
-    np.testing.assert_allclose(loss[0], expected.item(), rtol=CE_RTOL)
+    assert learned[0] == count
+    np.testing.assert_allclose(loss[0], (total / count).item(), rtol=CE_RTOL)
     # the mean of the micro-batches' means, the defect this normalisation avoids, is another number here
-    halves = [torch.nn.functional.cross_entropy(logits[a:b].flatten(0, 1), batch["labels"][a:b].flatten()) for a, b in
-              ((0, 2), (2, 4), (4, 6), (6, 8))]  # fmt: skip
-    assert abs(torch.stack(halves).mean().item() - loss[0]) > 10 * CE_RTOL * loss[0]  # measured: 4e-5 relative
+    parts = [each_document_alone(model, {k: v[a : a + 2] for k, v in batch.items()}) for a in (0, 2, 4, 6)]
+    halves = torch.stack([t / c for t, c in parts])
+    assert abs(halves.mean().item() - loss[0]) > 10 * CE_RTOL * loss[0]  # measured: 4e-5 relative
+
+
+def test_eval_of_a_run_and_of_its_export_is_each_conversation_alone(tmp_path, sft_runs, chat_folder, capsys):
+    """Issue 46's defect: `dstrain eval` of a run, of its Hugging Face export (whose config has no document masking)
+    at another --seq-len and --micro-batch, and transformers' masked cross-entropy of each valid conversation alone
+    (read from the shards, not from dstrain's samples) give one number (fp32, 1e-5 relative)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from dstrain.commands.cli import main as cli
+    from dstrain.data.dataset import PreparedTokens
+    from dstrain.data.index import split_documents
+
+    run, hf = sft_runs["r1_accum1"], tmp_path / "hf"
+    assert cli(["export", str(run), "--out", str(hf)]) == 0
+    capsys.readouterr()
+    assert cli(["eval", str(run)]) == 0
+    of_run = json.loads(capsys.readouterr().out)
+    argv = ["eval", str(hf), "--data", str(chat_folder), "--valid-fraction", "0.1", "--seed", "7"]
+    assert cli([*argv, "--seq-len", "64", "--micro-batch", "3"]) == 0
+    of_export = json.loads(capsys.readouterr().out)
+    assert cli([*argv, "--seq-len", "48", "--micro-batch", "1"]) == 0  # packed otherwise, cut shorter
+    shorter = json.loads(capsys.readouterr().out)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tokens = PreparedTokens(chat_folder)
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for doc in split_documents(tokens.num_docs, "valid", 0.1, 7).tolist():
+        ids = torch.from_numpy(tokens.document(doc)[:65].astype(np.int64))  # data.overlong: truncate at seq_len + 1
+        labels = ids[1:].masked_fill(torch.from_numpy(tokens.document_mask(doc)[1:65] == 0), -100)
+        with torch.no_grad():
+            logits = model(input_ids=ids[None, :-1]).logits[0]
+        total += torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").double()
+        count += int((labels != -100).sum())
+    assert of_run["tokens"] == of_export["tokens"] == count
+    np.testing.assert_allclose(of_run["loss"], (total / count).item(), rtol=1e-5)
+    np.testing.assert_allclose(of_export["loss"], (total / count).item(), rtol=1e-5)
+    assert shorter["tokens"] < count  # truncated at 49 tokens: fewer learned, each still its conversation's own
 
 
 def test_init_from_a_run_folder_starts_from_its_newest_checkpoint(sft_runs):

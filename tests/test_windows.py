@@ -91,3 +91,53 @@ def test_a_local_block_costs_its_window_in_attention_flops():
     seq = 1000
     assert flops_per_token(full, seq) - flops_per_token(local, seq) == 12 * 4 * 16 * (seq - 100) * 2
     assert flops_per_token(full, 50) == flops_per_token(local, 50)  # a window longer than the sequence cuts nothing
+
+
+# --- Llama 4's chunked attention (issue 50) ---
+
+
+def test_chunk_mask_is_transformers_chunked_mask_and_restarts_with_each_document():
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    length, chunk = 40, 7
+    mask = doc_causal_mask(None, length, chunk=chunk)[0, 0]
+    theirs = chunked_causal_mask_function(chunk, torch.zeros(1, dtype=torch.long))
+    index = torch.arange(length)
+    expected = torch.stack([torch.stack([theirs(0, 0, q, k) for k in index]) for q in index])
+    assert torch.equal(mask, expected) and mask.sum() < doc_causal_mask(None, length)[0, 0].sum()
+    # packed: the second document's chunks count from its own start, as if it ran alone
+    positions = torch.cat([torch.arange(12), torch.arange(28)])[None]
+    packed_mask = doc_causal_mask(positions, length, chunk=chunk)[0, 0]
+    assert torch.equal(packed_mask[12:, 12:], doc_causal_mask(None, 28, chunk=chunk)[0, 0])
+    assert not packed_mask[12:, :12].any()
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on purpose: no compiler
+@pytest.mark.parametrize("documents", [True, False], ids=["packed", "one-document"])
+def test_flex_chunks_equal_the_dense_mask_forward_on_cpu(documents):
+    q, k, v, positions = packed()
+    positions = positions if documents else None
+    with torch.no_grad():
+        flex = flex_doc_attention(q, k, v, positions, None, compiled=False, chunk=WINDOW)
+        dense = dense_doc_attention(q, k, v, positions, None, chunk=WINDOW)
+        unchunked = dense_doc_attention(q, k, v, positions, None)
+    torch.testing.assert_close(flex, dense, rtol=0, atol=1e-5)
+    assert (dense - unchunked).abs().max() > 1e-2  # the chunks cut
+
+
+def test_flops_count_a_chunked_block_over_its_chunk():
+    """flops_per_token: a chunked block's queries see min(C, L) keys each, as a local block's see min(W, L)."""
+    from dstrain.model.config import flops_per_token, num_params
+
+    kinds = ["chunked_attention", "full_attention"]
+    config = GPTConfig(flavour="llama", n_layer=2, layer_types=kinds, attention_chunk=64, qk_norm="l2")
+    n = num_params(config, exclude_embeddings=True, active=True)
+    assert num_params(config) == num_params(GPTConfig(flavour="llama", n_layer=2))  # the l2 q/k norm has no weight
+    assert flops_per_token(config, 1024) == 6 * n + 12 * config.n_head * config.head_dim * (64 + 1024)
+    assert flops_per_token(config, 32) == 6 * n + 12 * config.n_head * config.head_dim * (32 + 32)
+    with pytest.raises(DstrainError, match="model.layer_types: chunked_attention blocks need a chunk size"):
+        GPTConfig(flavour="llama", n_layer=2, layer_types=kinds)
+    with pytest.raises(DstrainError, match="model.attention_chunk: no block is chunked_attention"):
+        GPTConfig(flavour="llama", n_layer=2, attention_chunk=64)
+    with pytest.raises(DstrainError, match="attn_temperature_floor need 'llama'"):
+        GPTConfig(flavour="gpt2", n_layer=2, attn_temperature_floor=8)

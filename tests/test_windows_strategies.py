@@ -3,7 +3,8 @@ small model with a window shorter than the sequence, packed documents, a block w
 RMSNorm, GeGLU, query_pre_attn_scalar, a local RoPE base, partial rotary and soft caps gives ZeRO-0's losses AND
 pre-clip gradient norms under ZeRO-3, TP2, PP2 and SP2 (Ulysses: the window applies to the global positions of the
 gathered sequence, and crosses the two ranks' halves). GPT-OSS's features (sinks, biases, its experts) under EP2
-give EP1's. One process group for all seven runs of 5 steps."""
+give EP1's; Llama 4's chunks, temperature tuning and q/k norm under TP2 and SP2 give ZeRO-0's. One process group for
+all ten runs of 5 steps."""
 
 from __future__ import annotations
 
@@ -42,6 +43,17 @@ GPT_OSS = {
     "o_bias": True,
     "moe": {"num_experts": 4, "top_k": 2, "router_bias": True, "expert_bias": True, "swiglu_limit": 0.5},
 }
+# Llama 4's attention (issue 50): 8-token chunks (crossing SP2's halves at 16), a block without RoPE whose q is
+# temperature-tuned from position 3 on (counted over the gathered sequence under SP), the weightless q/k norm.
+CHUNKED = {
+    "doc_masking": True,
+    "layer_types": ["chunked_attention", "full_attention"],
+    "attention_chunk": 8,
+    "nope_layers": [1],
+    "qk_norm": "l2",
+    "attn_temperature_floor": 4,
+    "attn_temperature_scale": 0.5,
+}
 MOE_RTOL = 1e-5  # as tests/test_moe.py: DeepSpeed's MoE dispatch sums the experts' outputs in another order
 LAYOUTS = ["zero3", "tp2_zero1", "pp2_zero1", "sp2_zero1"]
 RUNS = [
@@ -49,6 +61,7 @@ RUNS = [
     *(("windowed", name) for name in LAYOUTS),
     ("gpt_oss", "zero1"),
     ("gpt_oss", "ep2_zero1"),
+    *(("chunked", name) for name in ("zero0", "tp2_zero1", "sp2_zero1")),
 ]
 
 
@@ -57,7 +70,7 @@ def runs(tmp_path_factory, corpus):
     tmp = tmp_path_factory.mktemp("windows")
     recipes = {
         name: small_recipe(tmp, corpus, name=name, model=model)
-        for name, model in [("windowed", WINDOWED), ("gpt_oss", GPT_OSS)]
+        for name, model in [("windowed", WINDOWED), ("gpt_oss", GPT_OSS), ("chunked", CHUNKED)]
     }
     argvs = [train_argv(recipes[model], ds, tmp / f"{model}_{ds}", "train.steps=5") for model, ds in RUNS]
     assert run_ranks(2, train_each, argvs) == [[0] * len(argvs)] * 2
@@ -79,3 +92,8 @@ def test_windowed_model_gives_zero0_losses_and_grad_norms(runs, layout):
 
 def test_gpt_oss_features_under_expert_parallelism_give_ep1_losses_and_grad_norms(runs):
     assert_same_steps(runs["gpt_oss", "ep2_zero1"], runs["gpt_oss", "zero1"], MOE_RTOL)
+
+
+@pytest.mark.parametrize("layout", ["tp2_zero1", "sp2_zero1"])
+def test_llama4_attention_gives_zero0_losses_and_grad_norms(runs, layout):
+    assert_same_steps(runs["chunked", layout], runs["chunked", "zero0"], RTOL)

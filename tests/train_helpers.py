@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from dstrain import metrics
-from dstrain.metrics import EventRecord, MetricsRecord, read_records
+from dstrain.metrics_records import EventRecord, MetricsRecord, read_records
 from dstrain.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]

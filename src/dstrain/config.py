@@ -298,11 +298,14 @@ def fill_model_from_init_from(raw: dict, path: Path) -> None:
 
 
 def fill_model_defaults(raw: dict, path: Path) -> None:
-    """model.max_seq_len defaults to data.seq_len; model.vocab_size to the data's, padded to a multiple of 64."""
+    """model.max_seq_len defaults to data.seq_len; model.vocab_size to the data's, padded to a multiple of 64;
+    model.doc_masking to true under data.sft (a recipe that sets it false is refused by train/preflight.py)."""
     model, data = raw.get("model"), raw.get("data")
     if not isinstance(model, dict) or not isinstance(data, dict):
         return  # parse() reports the missing or malformed section
     model.setdefault("max_seq_len", data.get("seq_len"))
+    if data.get("sft") is True:  # conversations are packed whole: read with document masking (preflight refuses false)
+        model.setdefault("doc_masking", True)
     sources = data.get("sources")
     if model.get("vocab_size") is None and isinstance(sources, list) and sources:
         from dstrain.data.manifest import read_manifest

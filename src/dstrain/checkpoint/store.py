@@ -28,8 +28,8 @@ import torch
 
 from dstrain.checkpoint import integrity, nvme, reshard, safe_load
 from dstrain.checkpoint.record import PARTIAL, RECORD, CheckpointRecord, ClientState, Identity, read_record
-from dstrain.data.manifest import write_text_atomic
 from dstrain.errors import DiskFull, DstrainError, warn
+from dstrain.files import write_text_atomic
 from dstrain.run_dir import LATEST, TAG, tag_for
 from dstrain.strategy.topology import Topology
 

@@ -190,7 +190,7 @@ def add_estimates(
 ) -> None:
     """The estimated device peak of each config, from the run's resolved files, else the inputs."""
     from dstrain.config import load_recipe
-    from dstrain.strategy.memory import estimate_file
+    from dstrain.plan.memory import estimate_file
 
     for row in rows:
         run = out / row.config

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dstrain.commands.report import GIB, Row
-from dstrain.metrics import read_records, realised_mix, task_names
+from dstrain.metrics_records import read_records, realised_mix, task_names
 from dstrain.run_dir import RunDir
 
 LOG_NAME = "launcher.log"

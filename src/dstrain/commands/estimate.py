@@ -1,5 +1,5 @@
 """``dstrain estimate``: memory per device of a recipe under a ds_config, before anything is submitted, and the
-cheapest shipped ds_config that fits. The memory model, and its formulas, are dstrain.strategy.memory's.
+cheapest shipped ds_config that fits. The memory model, and its formulas, are dstrain.plan.memory's.
 
     dstrain estimate --recipe recipes/llama-7b.yaml --deepspeed_config ds_configs/zero3_bf16.json --nodes 4
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 
 from dstrain.config import Recipe, load_recipe_to_size
 from dstrain.errors import DstrainError
-from dstrain.strategy.memory import estimate_file
-from dstrain.strategy.memory_parts import Estimate
-from dstrain.strategy.precision import Precision
+from dstrain.plan.memory import estimate_file
+from dstrain.plan.memory_parts import Estimate
+from dstrain.precision import Precision
 
 
 def cost(est: Estimate) -> tuple:

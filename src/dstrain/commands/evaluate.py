@@ -5,6 +5,7 @@
     dstrain eval runs/tiny --samples 32                 # the first 32 samples only (a run's train.eval_samples)
     dstrain eval hf/tiny --data data/pydocs --seq-len 256 --micro-batch 8
     torchrun --nproc_per_node 8 -m dstrain eval runs/gpt2-125m      # or: deepspeed --module dstrain eval ...
+    dstrain eval hf/policy --data data/pairs --reference hf/sft     # pairs: the DPO loss and rewards (evaluate_pairs)
 
 Samples, their split among ranks and the averaging are the trainer's: the one evaluator
 (dstrain.train.evaluator.Evaluator) over the same forward (each rank takes every world-th sample;
@@ -24,8 +25,9 @@ import torch
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
-from dstrain.metrics import evaluation_summary, perplexity
+from dstrain.metrics_records import evaluation_summary, perplexity
 from dstrain.model.config import GPTConfig
+from dstrain.preference_config import LOSSES
 from dstrain.run_dir import RunDir
 
 DEFAULT_MICRO_BATCH = 4
@@ -50,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="the data split's seed (default: the run's seed, else 1234)")
     parser.add_argument("--valid-fraction", type=float, help="default: the run's data.valid_fraction, else 0.01")
     parser.add_argument("--tag", help="checkpoint tag of a run (default: the newest complete)")
+    pairs = parser.add_argument_group("preference pairs (--data a pair folder; docs/preference-tuning.md)")
+    pairs.add_argument(
+        "--reference", metavar="DIR", help="the reference model (the policy's init_from): a run or folder"
+    )
+    pairs.add_argument("--loss", choices=LOSSES, help="the preference loss (default: sigmoid)")
+    pairs.add_argument("--beta", type=float, help="the preference loss's beta (default: 0.1)")
     parser.add_argument(
         "--tasks",
         nargs="?",
@@ -88,6 +96,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch), ("--samples", args.samples)):
         if value is not None and value <= 0:  # before anything is read; the run's own values are validated
             raise DstrainError(f"{flag} {value}: must be positive")
+    if args.data and _holds_pairs(args.data):  # the preference loss and reward metrics (docs/preference-tuning.md)
+        from dstrain.commands.evaluate_pairs import evaluate_pairs
+
+        return evaluate_pairs(args)
     run = RunDir(Path(args.model))
     sources = [(args.data, 1.0)] if args.data else None
     if run.recipe.is_file():  # before the checkpoint is read
@@ -109,6 +121,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     micro = _first(args.micro_batch, recipe and _run_micro_batch(Path(args.model)), DEFAULT_MICRO_BATCH)
     assert sources is not None  # a run names its data, a Hugging Face folder needs --data (refused above)
     _check_data(sources[0][0], args.model, config, recipe)
+    config = _masked_where_packed_whole(config, sources)
     if config.position_limit and seq_len > config.position_limit:
         raise DstrainError(f"--seq-len {seq_len} exceeds the model's {config.position_limit} positions; lower it")
     overlong = recipe.data.overlong if recipe is not None else _default(DataConfig, "overlong")
@@ -137,6 +150,27 @@ def evaluate(args: argparse.Namespace) -> dict:
         for e in evals
     }  # fmt: skip
     return result
+
+
+def _holds_pairs(folder: str) -> bool:
+    from dstrain.data.manifest import read_manifest
+    from dstrain.data.pairs import is_pair_folder
+
+    return is_pair_folder(read_manifest(folder))
+
+
+def _masked_where_packed_whole(config: GPTConfig, sources: list[tuple[str, float]]) -> GPTConfig:
+    """The model reads data whose documents are packed whole (--chat) with document masking and restarting positions,
+    whatever its own config says (a Hugging Face folder's never does): each conversation's loss is its loss alone,
+    not one that depends on --seq-len, --micro-batch or its neighbours."""
+    import dataclasses
+
+    from dstrain.data.chat_packing import packs_whole
+    from dstrain.data.manifest import read_manifest
+
+    if config.doc_masking or not any(packs_whole(read_manifest(folder)) for folder, _ in sources):
+        return config
+    return dataclasses.replace(config, doc_masking=True)
 
 
 def _evaluator(model, device, micro: int):

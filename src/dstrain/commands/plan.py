@@ -17,9 +17,9 @@ from pathlib import Path
 from dstrain.config import Recipe, load_recipe_to_size
 from dstrain.errors import DstrainError
 from dstrain.plan.layouts import Planned, plan, smallest_fitting_nodes
+from dstrain.plan.memory_parts import GIB
 from dstrain.plan.time_model import DEVICES, Cluster, Device
-from dstrain.strategy.memory_parts import GIB
-from dstrain.strategy.precision import Precision
+from dstrain.precision import Precision
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chat.add_argument(
         "--chat",
         action="store_true",
-        help="conversations ('messages', or 'prompt'/'completion' columns) rendered by the tokenizer's chat template, "
+        help="conversations ('messages', 'prompt'/'completion', or TRL's preference pairs 'chosen'/'rejected' with an "
+        "optional 'prompt') rendered by the tokenizer's chat template, "
         "with a loss mask on the assistant's tokens",
     )
     chat.add_argument(
@@ -104,6 +105,13 @@ def main(args: argparse.Namespace) -> int:
     )
     if manifest.get("chat"):
         print(_chat_summary(manifest["chat"], manifest["tokens"]))
+    if manifest.get("pairs"):
+        pairs = manifest["pairs"]
+        longer = ", ".join(f"{n} > {length} + 1" for length, n in pairs["longer_than"].items() if n) or "none"
+        print(
+            f"preference pairs: {pairs['pairs']:,} (chosen and rejected neighbouring documents); longest pair "
+            f"{pairs['longest']:,} tokens; pairs longer than a seq_len + 1: {longer}"
+        )
     if task and (merged := Path(args.out) / MANIFEST_NAME).is_file():
         total = json.loads(merged.read_text(encoding="utf-8"))
         print(f"{args.out}: every task done, merged: {total['documents']:,} documents, {total['tokens']:,} tokens")

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dstrain.strategy.memory_parts import GIB
-from dstrain.strategy.precision import Precision
+from dstrain.plan.memory_parts import GIB
+from dstrain.precision import Precision
 
 if TYPE_CHECKING:
-    from dstrain.strategy.memory_parts import Estimate
+    from dstrain.plan.memory_parts import Estimate
 
 
 @dataclass

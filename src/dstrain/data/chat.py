@@ -272,7 +272,7 @@ class ChatEncoder:
         for examples in example_batches(source, 0, self.batch_docs):
             for example in examples:
                 try:
-                    check_example(self.format, example)
+                    self.check_example(example)
                 except ExampleError as e:
                     raise DstrainError(
                         f"--dataset {source.spec.dataset!r} row {row}: {e}; fix or drop that example"
@@ -281,6 +281,13 @@ class ChatEncoder:
 
     def __exit__(self, *exc) -> None:
         pass
+
+    def check_example(self, example: dict) -> None:
+        check_example(self.format, example)
+
+    def documents(self, example: dict) -> list[tuple[list[int], np.ndarray]]:
+        """(ids, loss mask) of each document an example makes: one here (two for a preference pair: data/pairs.py)."""
+        return [self.encode(example)]
 
     def encode(self, example: dict) -> tuple[list[int], np.ndarray]:
         if self.format == "messages":
@@ -295,13 +302,13 @@ class ChatEncoder:
             id_lists, masks = [], []
             for example in examples:
                 try:
-                    ids, mask = self.encode(example)
+                    documents = self.documents(example)
                 except ExampleError as e:
                     raise DstrainError(
                         f"--dataset {source.spec.dataset!r} row {row}: {e}; fix or drop that example"
                     ) from None
-                id_lists.append(ids)
-                masks.append(mask)
+                id_lists += [ids for ids, _ in documents]
+                masks += [mask for _, mask in documents]
                 row += 1
             sizes = np.fromiter((len(ids) for ids in id_lists), dtype=np.int64, count=len(id_lists))
             flat = np.fromiter((t for ids in id_lists for t in ids), dtype=self.dtype, count=int(sizes.sum()))

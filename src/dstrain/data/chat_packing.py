@@ -19,6 +19,12 @@ import numpy as np
 OVERLONG = ("truncate", "drop")
 
 
+def packs_whole(manifest: dict) -> bool:
+    """Whether a prepared folder's documents are packed whole (--chat conversations): then every reader, training
+    and every evaluation, reads them with document masking and positions restarting at each document."""
+    return manifest.get("chat") is not None
+
+
 def pack_epoch(sizes: np.ndarray, order: np.ndarray, capacity: int) -> np.ndarray:
     """First position in ``order`` of each sample, and the end: next-fit of whole documents (``sizes`` already cut to
     ``capacity``) into samples of ``capacity`` tokens."""

@@ -20,6 +20,8 @@ import numpy as np
 from dstrain.data import index as index_lib
 from dstrain.data.chat_packing import build_chat_epochs, chat_sample, pack_epoch
 from dstrain.data.manifest import manifest_hash, read_manifest
+from dstrain.data.pair_packing import pair_sample, pair_sizes
+from dstrain.data.pairs import is_pair_folder
 from dstrain.data.shards import ShardReader, mask_prefix
 from dstrain.data.tokenizer import check_same_tokenizer
 from dstrain.errors import DstrainError
@@ -58,6 +60,7 @@ class PreparedTokens:
         self.hash = manifest_hash(self.manifest)
         self.chat = self.manifest.get("chat") is not None  # prepared with --chat: each shard has its loss mask
         self.masks = [ShardReader.open(mask_prefix(shard.prefix)) for shard in self.shards] if self.chat else []
+        self.pairs = is_pair_folder(self.manifest)  # documents 2k, 2k + 1: pair k, packed whole (data/pair_packing.py)
 
     def sizes(self) -> np.ndarray:
         """Tokens (EOS included) of every document, in memory (4 bytes each)."""
@@ -66,6 +69,10 @@ class PreparedTokens:
     def document(self, doc: int) -> np.ndarray:
         shard = bisect_right(self.first_doc, doc) - 1
         return self.shards[shard][doc - self.first_doc[shard]]
+
+    def side(self, doc: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, loss mask) of a document of a --chat folder."""
+        return self.document(doc), self.document_mask(doc)
 
     def document_mask(self, doc: int) -> np.ndarray:
         """The loss mask of a --chat document: 1 where its token is learned."""
@@ -100,12 +107,13 @@ class PackedDataset:
             "seed": seed,
             "valid_fraction": valid_fraction,
         }
+        units = tokens.num_docs // 2 if tokens.pairs else tokens.num_docs  # a pair folder splits and packs pairs
         docs = index_lib.cached_arrays(
             cache_dir,
             split_key,
-            lambda: {"docs": index_lib.split_documents(tokens.num_docs, split, valid_fraction, seed)},
+            lambda: {"docs": index_lib.split_documents(units, split, valid_fraction, seed)},
         )["docs"]
-        sizes = tokens.sizes()
+        sizes = pair_sizes(tokens.sizes()) if tokens.pairs else tokens.sizes()
         self.samples_per_epoch = index_lib.samples_per_epoch(int(sizes[docs].sum(dtype=np.int64)), seq_len)
         if tokens.chat:
             kept = docs if overlong == "truncate" else docs[sizes[docs] <= seq_len + 1]
@@ -150,6 +158,11 @@ class PackedDataset:
         if self.epoch_first_doc is not None:  # whole conversations, positions [position, last_position)
             base = int(self.epoch_first_doc[epoch])
             conversations = self.doc_order[base + position : base + last_position].tolist()
+            if self.tokens.pairs:
+                sides = [self.tokens.side(2 * pair + side) for pair in conversations for side in (0, 1)]
+                pair_ids = np.full(self.seq_len + 1, -1, dtype=np.int64)
+                pair_ids[: len(conversations)] = conversations  # the folder's pair of each of the sample's pairs
+                return {**pair_sample(sides, self.seq_len, self.pad_id), "pair_ids": pair_ids}
             pieces = [self.tokens.document(doc) for doc in conversations]
             masks = [self.tokens.document_mask(doc) for doc in conversations]
             return chat_sample(pieces, masks, self.seq_len, self.pad_id)
@@ -324,8 +337,13 @@ def collate(samples: list[dict[str, np.ndarray]]) -> dict:
     if any("loss_mask" in s for s in samples):
         learned = np.stack([s.get("loss_mask", np.ones(s["tokens"].size, np.uint8))[1:] for s in samples])
         labels[torch.from_numpy(learned == 0)] = -100
-    return {
+    batch = {
         "input_ids": tokens[:, :-1].contiguous(),
         "labels": labels,
         "position_ids": torch.from_numpy(np.stack([s["position_ids"] for s in samples])),
     }
+    if all("documents" in s for s in samples):  # pairs: each label's piece in its sample (data/pair_packing.py)
+        batch["documents"] = torch.from_numpy(np.stack([s["documents"][1:] for s in samples]))
+    if all("pair_ids" in s for s in samples):  # the folder's pair of each of a sample's pairs, in order; -1 after
+        batch["pair_ids"] = torch.from_numpy(np.stack([s["pair_ids"] for s in samples]))
+    return batch

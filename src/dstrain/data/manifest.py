@@ -35,18 +35,6 @@ FORMAT = "dstrain-packed-shards"
 FORMAT_VERSION = 1
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write to a temp file and rename it over ``path``: readers never see half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: str | os.PathLike, payload: dict[str, Any]) -> None:
-    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
-
-
 def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a prepared folder; a one-line DstrainError if there is none."""
     path = Path(folder) / MANIFEST_NAME

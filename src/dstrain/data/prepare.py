@@ -29,7 +29,8 @@ import numpy as np
 from dstrain.data import prepare_parts
 from dstrain.data.chat import ChatEncoder, has_generation_markers, load_chat_template, template_hash
 from dstrain.data.encode import ParallelEncoder
-from dstrain.data.manifest import FORMAT, FORMAT_VERSION, INPUTS_NAME, MANIFEST_NAME, shard_files, write_json_atomic
+from dstrain.data.manifest import FORMAT, FORMAT_VERSION, INPUTS_NAME, MANIFEST_NAME, shard_files
+from dstrain.data.pairs import PAIR_FORMAT, PairEncoder, pair_counts
 from dstrain.data.shard_writing import Progress, chat_counts, complete_shard, write_shards
 from dstrain.data.shards import token_dtype
 from dstrain.data.sources import Source, SourceSpec, describe, open_chat_source, open_source, text_batches
@@ -43,6 +44,7 @@ from dstrain.data.tokenizer import (
     verify_tokenizer,
 )
 from dstrain.errors import DstrainError
+from dstrain.files import write_json_atomic
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 BATCH_DOCS = 1000  # documents per tokenisation task: large enough to amortise IPC, small in memory
@@ -287,6 +289,8 @@ def _prepare_folder(out: Path, opts: PrepareOptions, source: Source, extra_input
     shards = [{**shard, **shard_files(out / shard["prefix"])} for shard in shards]
     if opts.chat:
         inputs["chat"] = {**inputs["chat"], **chat_counts(out, shards)}
+    if source.chat_format == PAIR_FORMAT:  # only then: the manifests of conversations (and their hashes) unchanged
+        inputs["pairs"] = pair_counts(out, shards)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -310,7 +314,8 @@ def _tokenize(out: Path, source, tokenizer, opts: PrepareOptions) -> tuple[list[
     num_proc = opts.num_proc or len(os.sched_getaffinity(0))
     encoder: ParallelEncoder | ChatEncoder = ParallelEncoder.for_tokenizer(tokenizer, dtype, num_proc)
     if source.chat_format is not None:
-        encoder = ChatEncoder(tokenizer, tokenizer.chat_template, source.chat_format, dtype)
+        chat_encoder = PairEncoder if source.chat_format == PAIR_FORMAT else ChatEncoder
+        encoder = chat_encoder(tokenizer, tokenizer.chat_template, source.chat_format, dtype)
         if source.num_docs is not None:  # bad examples refused before the first shard is written
             encoder.check(source)
     progress = Progress(source.num_docs or source.announced_docs, opts.progress)

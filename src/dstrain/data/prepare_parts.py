@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from dstrain.data.manifest import INPUTS_NAME, MANIFEST_NAME, write_json_atomic
+from dstrain.data.manifest import INPUTS_NAME, MANIFEST_NAME
 from dstrain.data.shard_writing import chat_counts
 from dstrain.data.shards import SHARD_NAME, ShardReader, mask_prefix, shard_paths
 from dstrain.data.sources import (
@@ -46,6 +46,7 @@ from dstrain.data.sources import (
 )
 from dstrain.data.tokenizer import TOKENIZER_DIR
 from dstrain.errors import DstrainError
+from dstrain.files import write_json_atomic
 
 TASKS_DIR = "tasks"
 _TASK_NAME = "{:05d}-of-{:05d}"
@@ -226,6 +227,7 @@ def _check_agreement(parts: list[tuple[Path, dict]]) -> None:
             **{k: v for k, v in manifest.items() if k not in _PART_KEYS},
             "source": {**manifest["source"], "fingerprint": None},
             **({"chat": {k: manifest["chat"][k] for k in CHAT_RENDERING}} if manifest.get("chat") else {}),
+            "pairs": manifest.get("pairs") is not None,  # each part's own counts; the merge counts them again
         }
 
     first_folder, first = parts[0]
@@ -297,6 +299,10 @@ def merge(out: str | os.PathLike) -> dict:
     )
     if manifest.get("chat") is not None:
         manifest["chat"] = {**manifest["chat"], **chat_counts(out, shards)}
+    if manifest.get("pairs") is not None:
+        from dstrain.data.pairs import pair_counts
+
+        manifest["pairs"] = pair_counts(out, shards)
     write_json_atomic(out / MANIFEST_NAME, manifest)
     shutil.rmtree(out / TASKS_DIR, ignore_errors=True)
     return manifest

@@ -279,6 +279,7 @@ def open_chat_source(spec: SourceSpec, files: list[str] | None = None) -> tuple[
     import datasets
 
     from dstrain.data.chat import example_format
+    from dstrain.data.pairs import PAIR_FORMAT, pair_columns
 
     digests = None
     if files is not None:
@@ -296,8 +297,10 @@ def open_chat_source(spec: SourceSpec, files: list[str] | None = None) -> tuple[
         if first is None:
             raise _empty(spec)
         columns, num_docs = list(first), None
-    fmt = example_format(columns)
-    kept = ["messages"] if fmt == "messages" else ["prompt", "completion"]
+    kept = pair_columns(columns)  # TRL's preference format: chosen/rejected (data/pairs.py)
+    fmt = PAIR_FORMAT if kept is not None else example_format(columns)
+    if kept is None:
+        kept = ["messages"] if fmt == "messages" else ["prompt", "completion"]
     return Source(spec, rows.select_columns(kept), num_docs, fingerprint, None, fmt), digests
 
 

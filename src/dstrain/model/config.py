@@ -15,6 +15,7 @@ FLAVOURS = ("gpt2", "llama")
 FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe"),
     *("smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"),
+    *("olmo3", "llama4"),  # issue 50's families
 )
 
 
@@ -23,7 +24,7 @@ class RopeScaling:
     """RoPE scaling as transformers defines it (its `rope_parameters` without rope_theta; see
     transformers.modeling_rope_utils). Unscaled RoPE ("default") is model.rope_scaling: null."""
 
-    type: Literal["linear", "llama3", "yarn"]  # transformers' rope_type
+    type: Literal["linear", "llama3", "yarn", "longrope"]  # transformers' rope_type
     factor: Annotated[float, Range(gt=0)]  # context extension factor (positions / factor for linear)
     original_max_position_embeddings: Annotated[int, Range(ge=1)] | None = None  # llama3, yarn: pretraining length
     low_freq_factor: Annotated[float, Range(gt=0)] = 1.0  # llama3: wavelengths above orig/low are divided by factor
@@ -34,9 +35,12 @@ class RopeScaling:
     mscale: float | None = None  # yarn (DeepSeek form): with mscale_all_dim, attention_factor = ratio of the two
     mscale_all_dim: float | None = None  # yarn: see mscale
     truncate: bool = True  # yarn: round the correction range to whole dimensions
+    # --- longrope (Phi-3.5, Phi-4-mini): per-frequency divisors, the long ones past original_max_position_embeddings
+    long_factor: list[float] | None = None  # longrope: rotary_dim/2 divisors when the batch's positions exceed it
+    short_factor: list[float] | None = None  # longrope: rotary_dim/2 divisors otherwise; None: init_from's config.json
 
     def __post_init__(self) -> None:
-        if self.type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+        if self.type in ("llama3", "yarn", "longrope") and self.original_max_position_embeddings is None:
             raise DstrainError(
                 f"model.rope_scaling.original_max_position_embeddings: {self.type} needs it; "
                 f"set the pretraining context length"
@@ -109,8 +113,9 @@ class GPTConfig:
     d_head: Annotated[int, Range(ge=2)] | None = None  # width of one head; None = d_model / n_head (Qwen3: 128)
     qkv_bias: bool = False  # biases on q_proj, k_proj, v_proj only (Qwen2/2.5)
     o_bias: bool = False  # a bias on the attention's o_proj too (GPT-OSS, with qkv_bias)
-    qk_norm: Literal["head", "projection"] | None = (
-        None  # RMSNorm of q and k before RoPE: per head over d_head (Qwen3), or over the whole projection (OLMo 2)
+    qk_norm: Literal["head", "projection", "l2"] | None = (
+        None  # RMSNorm of q and k before RoPE: per head over d_head (Qwen3), or over the whole projection (OLMo 2);
+        # l2: per head without a weight, after RoPE, on the blocks with RoPE only (Llama 4's use_qk_norm)
     )
     norm_placement: Literal["pre", "post", "sandwich"] = (
         "pre"  # pre: x + f(norm(x)); post: x + norm(f(x)) (OLMo 2); sandwich: x + norm(f(norm(x))) (Gemma 3)
@@ -137,9 +142,18 @@ class GPTConfig:
     sliding_window: Annotated[int, Range(ge=1)] | None = (
         None  # window W of the local blocks: a query attends to itself and the W-1 tokens before it; None = no window
     )
-    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = (
+    layer_types: list[Literal["full_attention", "sliding_attention", "chunked_attention"]] | None = (
         None  # each block's attention, as transformers names it; None = every block local if sliding_window is set
     )
+    # --- Llama 4's attention (issue 50) ---
+    attention_chunk: Annotated[int, Range(ge=1)] | None = (
+        None  # chunk C of the chunked_attention blocks: a query attends to the keys of its own C-token chunk only
+    )
+    attn_temperature_floor: Annotated[int, Range(ge=1)] | None = (
+        None  # Llama 4's temperature tuning on blocks without RoPE: q times 1 + attn_temperature_scale *
+        # ln(1 + floor((position + 1) / attn_temperature_floor)); None = off
+    )
+    attn_temperature_scale: float = 0.1  # the strength of that tuning (Llama 4's attn_scale)
     nope_layers: list[Annotated[int, Range(ge=0)]] = field(default_factory=list)  # blocks (0-based) without RoPE
     attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (GPT-OSS's sinks)
     rope_scaling: RopeScaling | None = None  # RoPE scaling (Llama 3.x: llama3); None = unscaled
@@ -204,14 +218,20 @@ class GPTConfig:
             raise bad("flavour", "layer kinds, sinks and the Gemma features need 'llama'", "set flavour: llama")
         if self.flavour == "gpt2" and (self.query_pre_attn_scalar or self.partial_rotary_factor != 1.0):
             raise bad("flavour", "query_pre_attn_scalar and partial_rotary_factor need 'llama'", "set flavour: llama")
-        if self.flavour == "gpt2" and (self.attn_softcap or self.logit_softcap):
-            raise bad("flavour", "attn_softcap and logit_softcap need 'llama'", "set flavour: llama")
+        if self.flavour == "gpt2" and (self.attn_softcap or self.logit_softcap or self.attn_temperature_floor):
+            raise bad(
+                "flavour", "attn_softcap, logit_softcap, attn_temperature_floor need 'llama'", "set flavour: llama"
+            )
         if self.flavour == "llama" and self.rotary_dim % 2:
             raise bad("partial_rotary_factor", f"rotates {self.rotary_dim} dimensions, an odd number", "change it")
         if self.layer_types is not None and len(self.layer_types) != self.n_layer:
             raise bad("layer_types", f"{len(self.layer_types)} kinds for n_layer={self.n_layer}", "give one per block")
         if self.layer_types and "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise bad("layer_types", "sliding_attention blocks need a window", "set model.sliding_window")
+        if self.layer_types and "chunked_attention" in self.layer_types and self.attention_chunk is None:
+            raise bad("layer_types", "chunked_attention blocks need a chunk size", "set model.attention_chunk")
+        if self.attention_chunk is not None and "chunked_attention" not in (self.layer_types or []):
+            raise bad("attention_chunk", "no block is chunked_attention", "list them in model.layer_types or remove it")
         outside = [i for i in self.nope_layers if i >= self.n_layer]
         if outside:
             raise bad("nope_layers", f"block {outside[0]} does not exist (n_layer={self.n_layer})", "use 0..n_layer-1")
@@ -220,6 +240,10 @@ class GPTConfig:
         """The attention window of block `index` (0-based): sliding_window on a local block, None on a global one."""
         local = self.layer_types is None or self.layer_types[index] == "sliding_attention"
         return self.sliding_window if local else None
+
+    def chunk(self, index: int) -> int | None:
+        """The attention chunk of block `index`: attention_chunk on a chunked_attention block (Llama 4), else None."""
+        return self.attention_chunk if self.layer_types and self.layer_types[index] == "chunked_attention" else None
 
     def uses_rope(self, index: int) -> bool:
         """Whether block `index` rotates q and k (the llama flavour, but not the nope_layers)."""
@@ -294,7 +318,7 @@ def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool
         attention += q_out + 2 * kv_out
     if config.o_bias:
         attention += d
-    if config.qk_norm is not None:
+    if config.qk_norm in ("head", "projection"):  # l2 (Llama 4) has no weight
         attention += 2 * config.head_dim if config.qk_norm == "head" else q_out + kv_out
     if config.attention_sinks:
         attention += config.n_head
@@ -336,5 +360,6 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> int:
     n = num_params(config, exclude_embeddings=True, active=True) + (
         config.vocab_size * config.d_model if config.tied else 0
     )
-    keys = sum(min(config.window(i) or seq_len, seq_len) for i in range(config.n_layer))  # keys per query, summed
+    # keys per query, summed: a local block's window, a chunked block's chunk (Llama 4), else the whole sequence
+    keys = sum(min(config.window(i) or config.chunk(i) or seq_len, seq_len) for i in range(config.n_layer))
     return 6 * n + 12 * config.n_head * config.head_dim * keys

@@ -24,16 +24,45 @@ import torch
 import torch.nn.functional as F
 
 
-def doc_causal_mask(position_ids: torch.Tensor | None, length: int, window: int | None = None, device=None):
-    """Boolean (B|1, 1, L, L) mask, True = may attend: causal, within the window, within the same document."""
+def doc_causal_mask(
+    position_ids: torch.Tensor | None, length: int, window: int | None = None, device=None, chunk: int | None = None
+):
+    """Boolean (B|1, 1, L, L) mask, True = may attend: causal, within the window, within the chunk, within the same
+    document."""
     index = torch.arange(length, device=device if position_ids is None else position_ids.device)
     allowed = index[:, None] >= index[None, :]
     if window is not None:
         allowed = allowed & (index[:, None] - index[None, :] < window)
+    if chunk is not None:
+        chunk_ids = chunk_of(position_ids, index, chunk)
+        allowed = allowed & (chunk_ids[:, :, None] == chunk_ids[:, None, :])
     if position_ids is None:
-        return allowed[None, None]
+        return allowed[None, None] if allowed.dim() == 2 else allowed.unsqueeze(1)
     segment = torch.cumsum(position_ids == 0, dim=-1)
     return (allowed & (segment[:, :, None] == segment[:, None, :])).unsqueeze(1)
+
+
+# --- Llama 4's position-dependent attention (issue 50): chunks and temperature tuning ---
+
+
+def token_positions(position_ids: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:
+    """(B|1, L) positions that chunks and temperature count from: within each document with doc masking (the core
+    gets position_ids only then, as if each document ran alone), else the index in the sequence, as transformers."""
+    return index[None] if position_ids is None else position_ids
+
+
+def chunk_of(position_ids: torch.Tensor | None, index: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(B|1, L) chunk number of each token (transformers' chunked_overlay: same chunk = position // chunk equal)."""
+    return torch.div(token_positions(position_ids, index), chunk, rounding_mode="floor")
+
+
+def temperature_tuned(q: torch.Tensor, position_ids: torch.Tensor | None, floor: int, strength: float) -> torch.Tensor:
+    """q (B, L, heads, d) times 1 + strength * ln(1 + floor((position + 1) / floor)) per token: transformers'
+    Llama4TextAttention on its blocks without RoPE (attn_temperature_tuning, floor_scale, attn_scale)."""
+    index = torch.arange(q.shape[1], device=q.device)
+    positions = token_positions(position_ids, index).float()
+    scales = torch.log1p(torch.floor((positions + 1.0) / floor)) * strength + 1.0
+    return (q * scales[:, :, None, None]).to(q.dtype)
 
 
 def dense_doc_attention(
@@ -45,6 +74,7 @@ def dense_doc_attention(
     sinks=None,
     scale: float | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """q: (B, heads, L, d), k/v: (B, kv_heads, L, d) -> (B, heads, L, d), through SDPA with the dense mask; with
     sinks (heads,) or a soft cap the scores are materialised (SDPA has neither) as transformers' eager attention of
@@ -52,7 +82,7 @@ def dense_doc_attention(
     if k.shape[1] != q.shape[1]:  # fused SDPA kernels with an explicit mask do not all take enable_gqa
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    mask = doc_causal_mask(position_ids, q.shape[2], window, q.device)
+    mask = doc_causal_mask(position_ids, q.shape[2], window, q.device, chunk)
     if sinks is None and softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
@@ -68,8 +98,11 @@ def dense_doc_attention(
     return probs.to(v.dtype) @ v
 
 
-def block_mask(position_ids: torch.Tensor | None, batch: int, length: int, window: int | None, device):
-    """FlexAttention's BlockMask: causal, within the window, within documents (position_ids None: one document)."""
+def block_mask(
+    position_ids: torch.Tensor | None, batch: int, length: int, window: int | None, device, chunk: int | None = None
+):
+    """FlexAttention's BlockMask: causal, within the window or chunk, within documents (position_ids None: one
+    document)."""
     from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
     def causal(b, h, q_idx, kv_idx):
@@ -82,6 +115,15 @@ def block_mask(position_ids: torch.Tensor | None, batch: int, length: int, windo
             return q_idx - kv_idx < window
 
         parts.append(within_window)
+    if chunk is not None:
+        chunk_ids = chunk_of(position_ids, torch.arange(length, device=device), chunk)
+        chunk_rows = chunk_ids.shape[0]
+
+        def within_chunk(b, h, q_idx, kv_idx):
+            row = b if chunk_rows > 1 else 0
+            return chunk_ids[row, q_idx] == chunk_ids[row, kv_idx]
+
+        parts.append(within_chunk)
     if position_ids is not None:
         segment = torch.cumsum(position_ids == 0, dim=-1)
 
@@ -105,15 +147,15 @@ def _compiled_flex():
 _cache: dict = {"batch": None, "masks": {}}
 
 
-def _mask_for(position_ids, batch: int, length: int, window: int | None, device):
+def _mask_for(position_ids, batch: int, length: int, window: int | None, device, chunk: int | None = None):
     key = position_ids if position_ids is not None else (batch, length, str(device))
     old = _cache["batch"]
     if not (old is key or (isinstance(old, tuple) and isinstance(key, tuple) and old == key)):
         _cache.update(batch=key, masks={})
     masks = _cache["masks"]
-    if window not in masks:
-        masks[window] = block_mask(position_ids, batch, length, window, device)
-    return masks[window]
+    if (window, chunk) not in masks:
+        masks[window, chunk] = block_mask(position_ids, batch, length, window, device, chunk)
+    return masks[window, chunk]
 
 
 def flex_doc_attention(
@@ -126,10 +168,11 @@ def flex_doc_attention(
     scale: float | None = None,
     softcap: float | None = None,
     compiled: bool = True,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    mask = _mask_for(position_ids, q.shape[0], q.shape[2], window, q.device)
+    mask = _mask_for(position_ids, q.shape[0], q.shape[2], window, q.device, chunk)
     attend = _compiled_flex() if compiled else flex_attention
     gqa = k.shape[1] != q.shape[1]
     capped = None
@@ -161,13 +204,13 @@ def flex_supported(device_type: str) -> bool:
 
 
 def doc_attention(
-    q, k, v, position_ids, window: int | None = None, sinks=None, scale: float | None = None, softcap=None
+    q, k, v, position_ids, window: int | None = None, sinks=None, scale: float | None = None, softcap=None, chunk=None
 ):
-    """Causal attention, within documents when position_ids is given, within the window, with sinks and soft-capped
-    scores: FlexAttention where the device supports it, else the dense mask. Plain causal attention takes SDPA's
-    is_causal kernels."""
-    if position_ids is None and window is None and sinks is None and softcap is None:
+    """Causal attention, within documents when position_ids is given, within the window or chunk, with sinks and
+    soft-capped scores: FlexAttention where the device supports it, else the dense mask. Plain causal attention takes
+    SDPA's is_causal kernels."""
+    if position_ids is None and window is None and sinks is None and softcap is None and chunk is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if flex_supported(q.device.type):
-        return flex_doc_attention(q, k, v, position_ids, window, sinks, scale, softcap)
-    return dense_doc_attention(q, k, v, position_ids, window, sinks, scale, softcap)
+        return flex_doc_attention(q, k, v, position_ids, window, sinks, scale, softcap, chunk=chunk)
+    return dense_doc_attention(q, k, v, position_ids, window, sinks, scale, softcap, chunk)

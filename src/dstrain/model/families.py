@@ -20,6 +20,11 @@ dstrain.model.family_configs the configs (docs/published-models.md has the table
 |           |                      | logit_softcap (soft-capped scores and logits); layer_types alternating        |
 | gpt_oss   | GptOssForCausalLM    | attention_sinks, layer_types (alternating 128-token windows), qkv_bias,       |
 |           |                      | o_bias, moe: router_bias, expert_bias, swiglu_limit, swiglu_alpha (top-4)     |
+| olmo3     | Olmo3ForCausalLM     | as olmo2, plus layer_types (3 local : 1 global), sliding_window and           |
+|           |                      | rope_local_theta (the local blocks' RoPE unscaled, the same base)             |
+| llama4    | Llama4ForCausalLM    | layer_types (chunked_attention on the RoPE blocks), attention_chunk,          |
+|           |                      | nope_layers (every 4th), qk_norm l2, attn_temperature_floor/_scale, d_head;   |
+|           |                      | RoPE on interleaved pairs in HF (q/k rows reordered); dense blocks only       |
 
 Qwen3-MoE's decoder_sparse_step is moe.every, its mlp_only_layers moe.dense_layers, moe_intermediate_size d_expert.
 """
@@ -45,6 +50,9 @@ CLASSES = {
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
     "gpt_oss": ("GptOssForCausalLM", "GptOssConfig"),
+    # --- issue 50's families ---
+    "olmo3": ("Olmo3ForCausalLM", "Olmo3Config"),
+    "llama4": ("Llama4ForCausalLM", "Llama4TextConfig"),
 }
 ARCHITECTURE_FAMILY = {architecture: family for family, (architecture, _) in CLASSES.items()}
 _LLAMA: dict[str, Any] = {"qkv_bias": False, "qk_norm": None, "norm_placement": "pre", "moe": False}
@@ -65,9 +73,15 @@ FIXED: dict[str, dict[str, Any]] = {
     "gemma2": _GEMMA,
     "gemma3": _GEMMA | {"qk_norm": "head"},
     "gpt_oss": _LLAMA | {"qkv_bias": True, "o_bias": True, "attention_sinks": True, "moe": True},
+    # --- issue 50's families ---
+    "olmo3": _LLAMA | {"qk_norm": "projection", "norm_placement": "post"},
+    "llama4": {k: v for k, v in _LLAMA.items() if k != "qk_norm"},  # use_qk_norm: qk_norm l2 or none
 }
+FFN_PREFIX = {"llama4": "feed_forward"}  # HF's name of a decoder layer's MLP where it is not "mlp"
+INTERLEAVED_ROPE = {"llama4"}  # HF rotates pairs (2i, 2i+1) of each head: q/k rows reordered (dstrain.model.hf)
 WINDOW_EVERY_BLOCK = {"mistral", "mixtral", "phi3"}  # one sliding_window for every block (no layer_types in HF)
-WINDOW_PER_BLOCK = {"gemma2", "gemma3", "gpt_oss"}  # HF's layer_types and sliding_window
+WINDOW_PER_BLOCK = {"gemma2", "gemma3", "gpt_oss", "olmo3"}  # HF's layer_types and sliding_window
+LOCAL_ROPE = {"gemma3", "olmo3"}  # one rope_parameters per layer type: the local blocks' unscaled (rope_local_theta)
 SLIDING_KEY = {"qwen2", "qwen3", "qwen3_moe", "smollm3"}  # config has use_sliding_window (Qwen3-MoE: only false)
 WINDOW_WHEN_ENABLED = {"qwen2", "qwen3", "smollm3"}  # use_sliding_window true: HF's layer_types and sliding_window
 # HF name of a fused weight in a decoder layer -> our names, concatenated in this order along the output dimension.
@@ -118,10 +132,11 @@ def block_names(config: GPTConfig, index: int) -> list[tuple[str, str]]:
         names += [(f"self_attn.{p}_proj.bias",) * 2 for p in "qkv"]
     if config.o_bias:
         names += [("self_attn.o_proj.bias",) * 2]
-    if config.qk_norm is not None:
+    if config.qk_norm in ("head", "projection"):
         names += [("self_attn.q_norm.weight",) * 2, ("self_attn.k_norm.weight",) * 2]
     if config.attention_sinks:
         names += [("self_attn.sinks",) * 2]
     if not config.is_moe_block(index):
-        names += [(f"mlp.{p}_proj.weight",) * 2 for p in ("gate", "up", "down")]
+        ffn = FFN_PREFIX.get(config.resolved_family, "mlp")
+        names += [(f"mlp.{p}_proj.weight", f"{ffn}.{p}_proj.weight") for p in ("gate", "up", "down")]
     return names

@@ -17,6 +17,7 @@ import transformers
 from dstrain.errors import DstrainError
 from dstrain.model import families
 from dstrain.model.config import GPTConfig, MoEConfig, RopeScaling
+from dstrain.model.family_llama4 import computes_nothing, llama4_fields, llama4_kwargs
 
 # Keys of every transformers config that do not change the function the model computes: bookkeeping, generation,
 # initialisation, and dropout and router noise (training-time only; dstrain trains without them, inference never
@@ -40,33 +41,46 @@ def rope_parameters(config: GPTConfig, local: bool = False) -> dict[str, Any]:
     partial = {"partial_rotary_factor": config.partial_rotary_factor} if config.family == "phi3" else {}
     if scaling is None:
         return {"rope_type": "default", "rope_theta": theta, **partial}
-    keys = {"factor": scaling.factor, "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    keys: dict[str, Any] = {
+        "factor": scaling.factor,
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
+    }
     if scaling.type == "llama3":
         keys |= {"low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor}
     elif scaling.type == "yarn":
         keys |= {"beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow, "truncate": scaling.truncate}
         extra = {"attention_factor": scaling.attention_factor, "mscale": scaling.mscale}
         keys |= {k: v for k, v in (extra | {"mscale_all_dim": scaling.mscale_all_dim}).items() if v is not None}
+    elif scaling.type == "longrope":  # factor written out (transformers would derive it from max_position_embeddings)
+        keys |= {"long_factor": scaling.long_factor, "short_factor": scaling.short_factor}
+        keys |= {} if scaling.attention_factor is None else {"attention_factor": scaling.attention_factor}
     elif scaling.original_max_position_embeddings is None:
         del keys["original_max_position_embeddings"]
     return {"rope_type": scaling.type, "rope_theta": theta, **keys, **partial}
 
 
-def read_rope(rope: dict[str, Any] | None, source: str) -> tuple[float, RopeScaling | None, float]:
-    """(rope_theta, rope_scaling, partial_rotary_factor) from transformers' rope_parameters."""
+def read_rope(
+    rope: dict[str, Any] | None, source: str, max_positions: int | None = None
+) -> tuple[float, RopeScaling | None, float]:
+    """(rope_theta, rope_scaling, partial_rotary_factor) from transformers' rope_parameters; max_positions: the
+    config's max_position_embeddings, from which transformers derives a longrope factor the config leaves out."""
     rope = dict(rope or {})
     kind = rope.pop("rope_type", "default")
+    rope.pop("type", None)  # the legacy name of rope_type, which Phi-3's config keeps beside it
     theta = float(rope.pop("rope_theta", None) or 10000.0)
     partial = float(rope.pop("partial_rotary_factor", None) or 1.0)
     if kind == "default":
         return theta, None, partial
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
     unknown = sorted(set(rope) - fields)
-    if kind not in ("linear", "llama3", "yarn"):
+    if kind not in ("linear", "llama3", "yarn", "longrope"):
         raise DstrainError(
             f"{source}: rope_parameters.rope_type={kind!r} is not supported; dstrain converts default, linear, "
-            f"llama3 and yarn"
+            f"llama3, yarn and longrope"
         )
+    original = rope.get("original_max_position_embeddings")
+    if kind == "longrope" and rope.get("factor") is None and max_positions and original:
+        rope["factor"] = max_positions / original
     if unknown:
         raise DstrainError(f"{source}: rope_parameters.{unknown[0]} is not supported for rope_type {kind!r}")
     try:
@@ -79,12 +93,12 @@ def _rope_fields(hf: transformers.PretrainedConfig, family: str, source: str) ->
     """rope_theta, rope_scaling, partial_rotary_factor and rope_local_theta of an HF config."""
     rope = hf.rope_parameters
     local = None
-    if family == "gemma3":  # one rope_parameters per layer type: the local blocks' unscaled, with their own base
+    if family in families.LOCAL_ROPE:  # one rope_parameters per layer type: the local blocks' unscaled, own base
         local_theta, local_scaling, _ = read_rope(rope["sliding_attention"], f"{source} (sliding_attention)")
         if local_scaling is not None:
             raise DstrainError(f"{source}: rope_parameters.sliding_attention is scaled; dstrain scales global blocks")
         local, rope = local_theta, rope["full_attention"]
-    theta, scaling, partial = read_rope(rope, source)
+    theta, scaling, partial = read_rope(rope, source, hf.max_position_embeddings)
     return dict(rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial, rope_local_theta=local)
 
 
@@ -151,6 +165,7 @@ def config_from_hf(hf: transformers.PretrainedConfig, family: str, source: str) 
     caps["logit_softcap"] = getattr(hf, "final_logit_softcapping", None)
     features = fixed | _rope_fields(hf, family, source) | _layer_fields(hf, family)
     features |= {"d_ff": hf.intermediate_size} | _moe_fields(hf, family) | caps
+    features |= llama4_fields(hf, source) if family == "llama4" else {}
     try:
         config = GPTConfig(
             flavour="llama",
@@ -177,14 +192,16 @@ def config_from_hf(hf: transformers.PretrainedConfig, family: str, source: str) 
 def _value(hf: transformers.PretrainedConfig, key: str) -> Any:
     """hf.key with what transformers leaves None resolved, and keys that compute nothing in this config as None."""
     value = getattr(hf, key, None)
+    if isinstance(hf, transformers.Llama4TextConfig) and computes_nothing(hf, key):
+        return None
     if key == "head_dim" and value is None:
         return hf.hidden_size // hf.num_attention_heads
     if key == "num_key_value_heads" and value is None:
         return hf.num_attention_heads
     if key == "rope_parameters" and value is not None:  # compared as what it computes: defaults filled in
         if "full_attention" in value:
-            return {kind: read_rope(rope, "") for kind, rope in value.items()}
-        return read_rope(value, "")
+            return {kind: read_rope(rope, "", hf.max_position_embeddings) for kind, rope in value.items()}
+        return read_rope(value, "", hf.max_position_embeddings)
     kinds = getattr(hf, "layer_types", None)  # None: one window for every block (Mistral, Phi-3)
     sliding = getattr(hf, "use_sliding_window", True) and (kinds is None or "sliding_attention" in kinds)
     if key == "sliding_window" and not sliding:
@@ -235,6 +252,10 @@ def hf_config(
     if family != "phi3":  # Phi-3's heads are hidden_size / num_attention_heads wide (not every class lists head_dim)
         kwargs["head_dim"] = config.head_dim
     kwargs |= _layer_kwargs(config, family) | _moe_kwargs(config, family)
+    scaling = config.rope_scaling
+    if "original_max_position_embeddings" in class_fields and scaling and scaling.original_max_position_embeddings:
+        # Phi-3's config keeps it beside rope_parameters, and its own value wins there
+        kwargs["original_max_position_embeddings"] = scaling.original_max_position_embeddings
     hf = getattr(transformers, config_class)(**kwargs)
     if check:
         again = config_from_hf(hf, family, "model")
@@ -252,6 +273,8 @@ def _layer_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
     """The HF keys of windows, layer kinds, RoPE per kind and Gemma's attention scale."""
     if family in families.WINDOW_EVERY_BLOCK:
         return {"sliding_window": config.sliding_window}
+    if family == "llama4":
+        return llama4_kwargs(config)
     kinds = ["sliding_attention" if config.window(i) else "full_attention" for i in range(config.n_layer)]
     out: dict[str, Any] = {}
     if family == "smollm3":
@@ -262,6 +285,9 @@ def _layer_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
         return out
     if family == "gpt_oss":
         return dict(layer_types=kinds, sliding_window=config.sliding_window, attention_bias=True)
+    local_rope = {"full_attention": rope_parameters(config), "sliding_attention": rope_parameters(config, True)}
+    if family == "olmo3":  # Gemma 3's RoPE per layer type, without Gemma's conventions
+        return dict(layer_types=kinds, sliding_window=config.sliding_window, rope_parameters=local_rope)
     scalar = config.query_pre_attn_scalar or config.head_dim
     gemma = dict(
         layer_types=kinds,
@@ -272,7 +298,6 @@ def _layer_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
     )
     if family == "gemma2":  # one rope_parameters; use_bidirectional_attention left at the class's None
         return gemma
-    local_rope = {"full_attention": rope_parameters(config), "sliding_attention": rope_parameters(config, True)}
     return gemma | dict(rope_parameters=local_rope, use_bidirectional_attention=False)
 
 
@@ -311,13 +336,14 @@ def _moe_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
 def _architecture(config: GPTConfig) -> dict[str, Any]:
     """config's fields that decide the computed function, each in one form (windows per block; defaults resolved)."""
     fields = dataclasses.asdict(config)
-    for key in ("doc_masking", "init_std", "layer_types", "sliding_window", "family"):
+    for key in ("doc_masking", "init_std", "layer_types", "sliding_window", "family", "attention_chunk"):
         del fields[key]
     if fields["moe"] is not None:
         del fields["moe"]["z_loss_coef"]  # a training choice transformers does not record
         fields["moe"]["d_expert"] = config.expert_dim
     fields |= dict(
         windows=[config.window(i) for i in range(config.n_layer)],
+        chunks=[config.chunk(i) for i in range(config.n_layer)],
         query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
         rope_local_theta=config.rope_local_theta or config.rope_theta,
         d_head=config.head_dim,

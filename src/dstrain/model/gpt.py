@@ -9,7 +9,8 @@ RoPE scaling (rope_scaling, model/rope.py), q/k/v biases (qkv_bias), q/k RMSNorm
 MoE routing options (moe.norm_topk_prob, moe.dense_layers). Per block: local attention within a window
 (layer_types, sliding_window), no RoPE (nope_layers), sinks (attention_sinks). Gemma's conventions (norm_unit_offset,
 scale_embeddings, mlp_activation gelu_tanh, query_pre_attn_scalar, rope_local_theta, Gemma 2's attn_softcap and
-logit_softcap) and Phi-3's partial rotary (partial_rotary_factor). model/families.py says which family uses which;
+logit_softcap) and Phi-3's partial rotary (partial_rotary_factor). Llama 4's chunks (attention_chunk), weightless q/k
+norm after RoPE (qk_norm l2) and temperature tuning (attn_temperature_floor). model/families.py says which uses which;
 docs/published-models.md explains them.
 
 Module tree (shared by both flavours, so a pipeline engine can cut the same blocks into stages):
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dstrain.model.config import GPTConfig
-from dstrain.model.doc_attention import doc_attention
+from dstrain.model.doc_attention import doc_attention, temperature_tuned
 from dstrain.model.moe import MoEMLP, checkpointed_moe_block
 from dstrain.model.rope import rope_cos_sin
 
@@ -142,6 +143,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([turned * cos + rotate_half(turned) * sin, kept], dim=-1)
 
 
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x over its RMS along the last dimension, in fp32, no weight (transformers' Llama4TextL2Norm)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
+
+
 # --- the transformer ---
 
 
@@ -156,16 +162,21 @@ class CoreAttention(nn.Module):
     def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.config = config
-        self.window = config.window(index)
+        self.window, self.chunk = config.window(index), config.chunk(index)
         self.scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
         self.softcap = config.attn_softcap
+        # Llama 4: the blocks without RoPE sharpen with position; counted over the whole (gathered) sequence
+        self.temperature = None if config.uses_rope(index) else config.attn_temperature_floor
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None, sinks=None
     ) -> torch.Tensor:
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         documents = position_ids if self.config.doc_masking else None
-        return doc_attention(q, k, v, documents, self.window, sinks, self.scale, self.softcap).transpose(1, 2)
+        if self.temperature is not None:
+            q = temperature_tuned(q, documents, self.temperature, self.config.attn_temperature_scale)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        y = doc_attention(q, k, v, documents, self.window, sinks, self.scale, self.softcap, self.chunk)
+        return y.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -184,7 +195,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_width, d, bias or config.o_bias, std / math.sqrt(2 * config.n_layer))
         # Per head: one weight every head uses, whole on each TP/SP rank (under TP its gradient is summed over the
         # group: train/engine.py). Over the projection (OLMo 2): it spans every head, so TP is refused.
-        if config.qk_norm is not None:
+        if config.qk_norm in ("head", "projection"):
             per_head = config.qk_norm == "head"
             self.q_norm = make_norm(config, self.head_dim if per_head else q_width)
             self.k_norm = make_norm(config, self.head_dim if per_head else kv_width)
@@ -208,6 +219,8 @@ class Attention(nn.Module):
             positions = position_ids if position_ids is not None else torch.arange(length, device=x.device)[None]
             cos, sin = rope_cos_sin(positions, self.config, q.dtype, self.local)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.config.qk_norm == "l2":  # Llama 4: per head, no weight, after RoPE
+                q, k = unit_rms(q, self.config.norm_eps), unit_rms(k, self.config.norm_eps)
         # (B, L, heads, head_dim) in and out of the core: the layout sequence parallelism exchanges.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # Sinks only where the model has them: Ulysses' wrapper passes the core no more than position_ids.

@@ -277,6 +277,10 @@ def _llama_to_hf(config: GPTConfig, sd: StateDict) -> StateDict:
                 out[f"model.layers.{i}.{hf}"] = sd[f"blocks.{i}.{ours}"]
         for hf, parts in fused.items():  # Phi-3: [q; k; v] and [gate; up] along the output rows
             out[f"model.layers.{i}.{hf}"] = torch.cat([sd[f"blocks.{i}.{ours}"] for ours in parts])
+        if config.resolved_family in families.INTERLEAVED_ROPE:
+            for p in "qk":
+                name = f"model.layers.{i}.self_attn.{p}_proj.weight"
+                out[name] = _interleaved_pairs(out[name], config.head_dim, back=True)
         if config.is_moe_block(i):
             experts_to_hf(config, sd, i, out)
     out["model.norm.weight"] = sd["norm.weight"]
@@ -295,6 +299,10 @@ def _llama_from_hf(config: GPTConfig, hf_state: StateDict, source: str) -> State
             split |= {ours: piece.contiguous() for ours, piece in zip(parts, pieces, strict=True)}
         for ours, hf in families.block_names(config, i):
             out[f"blocks.{i}.{ours}"] = split.pop(ours) if ours in split else take(f"model.layers.{i}.{hf}")
+        if config.resolved_family in families.INTERLEAVED_ROPE:
+            for p in "qk":
+                name = f"blocks.{i}.self_attn.{p}_proj.weight"
+                out[name] = _interleaved_pairs(out[name], config.head_dim)
         if config.is_moe_block(i):
             experts_from_hf(config, take, i, out)
     out["norm.weight"] = take("model.norm.weight")
@@ -302,6 +310,16 @@ def _llama_from_hf(config: GPTConfig, hf_state: StateDict, source: str) -> State
     take.discard("lm_head.weight")  # a tied head may or may not be listed
     take.check_all_used()
     return out
+
+
+def _interleaved_pairs(weight: torch.Tensor, head_dim: int, back: bool = False) -> torch.Tensor:
+    """A q/k projection whose RoPE turns pairs (2i, 2i+1) of each head (Llama 4's complex form) with its rows
+    reordered so that our RoPE, which turns (i, i + head_dim/2), turns the same pairs by the same angles (the
+    permute of transformers' convert_llama_weights_to_hf); back: the reverse, for export. Scores are unchanged:
+    q and k are reordered alike, and Llama 4's q/k norm has no weight."""
+    heads, half = weight.shape[0] // head_dim, head_dim // 2
+    shape = (heads, 2, half, -1) if back else (heads, half, 2, -1)
+    return weight.reshape(shape).transpose(1, 2).reshape(weight.shape).contiguous()
 
 
 # --- helpers ---

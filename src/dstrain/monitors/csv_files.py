@@ -7,11 +7,12 @@ A resumed run and a rollback cut every file back to the steps still valid, so ea
 from __future__ import annotations
 
 import csv
-import os
+import io
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dstrain.files import write_text_atomic
 from dstrain.monitors.records import describe, scalars
 
 EVENTS = "events.csv"  # a number's file is named train_... or eval_..., never this
@@ -52,10 +53,9 @@ class CsvMonitor:
             kept = rows[:1] + [row for row in rows[1:] if row and _step(row) <= step]
             if len(kept) == len(rows):
                 continue
-            tmp = path.with_name(path.name + ".tmp")
-            with tmp.open("w", newline="") as f:
-                csv.writer(f).writerows(kept)
-            os.replace(tmp, path)
+            text = io.StringIO()
+            csv.writer(text).writerows(kept)
+            write_text_atomic(path, text.getvalue())
 
     def close(self, exit_code: int = 0) -> None:
         pass

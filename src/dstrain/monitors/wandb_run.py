@@ -18,11 +18,11 @@ current recipe applies).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dstrain.files import write_json_atomic
 from dstrain.monitors.records import describe, scalars
 from dstrain.monitors.settings import WandbSettings
 
@@ -70,9 +70,7 @@ class WandbMonitor:
         print(f"W&B run {self.run.id} {state} ({settings.mode}, project {settings.project}): {where}", flush=True)
 
     def _save(self) -> None:
-        tmp = self.id_file.with_name(self.id_file.name + ".tmp")
-        tmp.write_text(json.dumps({"id": self.run.id, "logged_through": self.sent_through}) + "\n")
-        os.replace(tmp, self.id_file)
+        write_json_atomic(self.id_file, {"id": self.run.id, "logged_through": self.sent_through})
 
     def write(self, record: Mapping[str, Any]) -> None:
         step = int(record["step"])

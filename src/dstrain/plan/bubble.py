@@ -1,5 +1,5 @@
 """The pipeline bubble, from DeepSpeed's own schedules: each rank runs its instruction list
-(dstrain.strategy.pipe_schedules.instructions) in order, a forward waits for the previous stage's forward of the same
+(dstrain.plan.pipe_schedules.instructions) in order, a forward waits for the previous stage's forward of the same
 micro-batch, a backward for the next stage's backward; the bubble is the step's length minus a rank's busy time.
 
 Assumed: a forward of one stage takes F, its backward 2F (activation gradients and weight gradients, which
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from dstrain.strategy.pipe_schedules import instructions
+from dstrain.plan.pipe_schedules import instructions
 
 BACKWARD_OVER_FORWARD = 2.0
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
+from dstrain.plan.memory import estimate
+from dstrain.plan.memory_parts import Estimate
 from dstrain.plan.time_model import Cluster, Prediction, layout_counts, predict
+from dstrain.precision import Precision
 from dstrain.strategy.ds_schema import validate_ds_config
-from dstrain.strategy.memory import estimate
-from dstrain.strategy.memory_parts import Estimate
-from dstrain.strategy.precision import Precision
 from dstrain.strategy.resolve import AUTO, Strategy, resolve
 
 # AutoTP's split of dstrain's projections (the layer_specs of ds_configs/tp2_zero1.json).

@@ -31,11 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dstrain.config import Recipe
+from dstrain.devices import datasheet_peaks
 from dstrain.model.config import flops_per_token
 from dstrain.plan.bubble import bubble_fraction
+from dstrain.plan.param_counts import ParamCounts, count_params
 from dstrain.plan.traffic import Traffic, dtype_bytes, step_traffic
-from dstrain.strategy.param_counts import ParamCounts, count_params
-from dstrain.strategy.precision import Precision
+from dstrain.precision import Precision
 from dstrain.strategy.resolve import Strategy
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
@@ -87,8 +88,8 @@ class Device:
 # Efficiency 0.6 is the fraction of the bf16 peak large GEMMs sustain in training on H100 SXM (Megatron-LM reports
 # 41-48% MFU end to end); NVLink 4 all-reduce bus bandwidth ~360 GB/s; one 400 Gbit/s NDR NIC per GPU; PCIe 5 x16.
 DEVICES = {
-    "h100-sxm": Device("h100-sxm", 80, {"bf16": 989.5, "fp16": 989.5, "fp32": 67.0}, 0.5, 512, 2880, 360, 400, 1e9),
-    "a100-80gb": Device("a100-80gb", 80, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, 0.5, 512, 2000, 180, 200, 5e8),
+    "h100-sxm": Device("h100-sxm", 80, datasheet_peaks("H100 SXM"), 0.5, 512, 2880, 360, 400, 1e9),
+    "a100-80gb": Device("a100-80gb", 80, datasheet_peaks("A100 80GB"), 0.5, 512, 2000, 180, 200, 5e8),
 }
 
 

@@ -38,8 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dstrain.config import Recipe
-from dstrain.strategy.param_counts import ParamCounts
-from dstrain.strategy.precision import Precision
+from dstrain.plan.param_counts import ParamCounts
+from dstrain.precision import Precision
 from dstrain.strategy.resolve import Strategy
 
 # What each collective puts on the wire per rank, per logged byte, in a ring of n ranks (nccl-tests' bus bandwidth):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
-from dstrain.strategy.precision import Precision
+from dstrain.precision import Precision
 
 MUON = "Muon"
 ADAM_TYPES = ("adam", "adamw")  # what a ds_config may name as the implementation of Muon's AdamW half

@@ -213,6 +213,11 @@ def check_sequence_parallel(
             f"{ds_file}: sequence_parallel_size with model.attention_sinks is not supported: after the all-to-all a "
             f"rank attends with a slice of the heads, whose sinks the core is not given; use a ZeRO config"
         )
+    if model.rope_scaling is not None and model.rope_scaling.type == "longrope":  # issue 50
+        raise DstrainError(
+            f"{ds_file}: sequence_parallel_size with model.rope_scaling longrope is not supported: it picks its "
+            f"factors by the batch's largest position, which each rank sees only in its slice; use a ZeRO config"
+        )
     for heads, key in [(model.n_head, "model.n_head"), (model.kv_heads, "model.n_kv_head")]:
         if heads % size:
             raise DstrainError(

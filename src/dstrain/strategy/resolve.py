@@ -22,11 +22,11 @@ from typing import Any
 from dstrain.config import Recipe
 from dstrain.data.sampler import valid_micro_batches
 from dstrain.errors import DstrainError
+from dstrain.precision import Precision
 from dstrain.run_dir import run_folder
 from dstrain.strategy import parallel
 from dstrain.strategy.ds_schema import validate_ds_config
 from dstrain.strategy.optimizer import check_muon, fill_optimizer
-from dstrain.strategy.precision import Precision
 from dstrain.strategy.tiling import check_tiling
 from dstrain.strategy.topology import Topology
 

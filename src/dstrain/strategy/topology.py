@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from dstrain.strategy.precision import Precision
+from dstrain.precision import Precision
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dstrain.errors import DstrainError, OneLineArgumentParser
+from dstrain.files import write_json_atomic
 
 ELASTIC_DIR = "elastic"  # in the run folder: this module's state and events
 STATE = "state.json"  # this job attempt's hosts, spares and relaunch count
@@ -146,8 +147,6 @@ def folder(run_dir: str | Path) -> Path:
 
 
 def save_state(run_dir: str | Path, config: ElasticConfig, state: JobState) -> None:
-    from dstrain.data.manifest import write_json_atomic
-
     folder(run_dir).mkdir(parents=True, exist_ok=True)
     write_json_atomic(folder(run_dir) / STATE, {"config": asdict(config), "state": asdict(state)})
 
@@ -189,8 +188,6 @@ def last_step_logged(run_dir: str | Path) -> tuple[int, float]:
 
 def record_pending(run_dir: str | Path, decision: Decision) -> None:
     """The decision as the event the next launch logs at its first step (dstrain.train.restart_event)."""
-    from dstrain.data.manifest import write_json_atomic
-
     fault_step, fault_time = last_step_logged(run_dir)
     event = {"event": decision.kind, **decision.details, "fault_step": fault_step, "fault_time": fault_time}
     event["detail"] = decision.line

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dstrain.metrics import SourceLoss
+from dstrain.metrics_records import SourceLoss
 from dstrain.tasks import scoring
 from dstrain.train.steps import StepRunner
 

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from dstrain.errors import DstrainError
-from dstrain.strategy.precision import Precision
+from dstrain.precision import Precision
 from dstrain.train.components import Component, StepOutcome
 
 

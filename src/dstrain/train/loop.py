@@ -25,15 +25,10 @@ from dstrain.checkpoint.background import BackgroundSaves
 from dstrain.checkpoint.record import ClientState, Identity
 from dstrain.config import recipe_changes, to_dict
 from dstrain.data.sampler import micro_batches
+from dstrain.devices import device_peak
 from dstrain.errors import DstrainError
-from dstrain.metrics import (
-    IntervalClock,
-    MetricsLog,
-    device_peak,
-    evaluation_summary,
-    largest_peak_memory_of_all_ranks,
-    perplexity,
-)
+from dstrain.metrics import IntervalClock, MetricsLog, largest_peak_memory_of_all_ranks
+from dstrain.metrics_records import evaluation_summary, perplexity
 from dstrain.model.config import describe_params, flops_per_token
 from dstrain.run_dir import RunDir
 from dstrain.train import features

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstrain.errors import warn
-from dstrain.metrics import read_records
+from dstrain.metrics_records import read_records
 from dstrain.run_dir import RunDir
 
 

@@ -93,7 +93,11 @@ def check_data_tokenizer(recipe: Recipe, recipe_file: str) -> None:
 
 
 def check_chat_sources(recipe: Recipe, manifests: list[dict], recipe_file: str) -> None:
-    """An SFT recipe (data.sft) has a --chat source; a pretraining one none (it would learn every prompt token)."""
+    """An SFT recipe (data.sft) has a --chat source; a pretraining one none (it would learn every prompt token); a
+    --chat source, packed whole, is read with document masking."""
+    from dstrain.data.pairs import refuse_pair_sources
+
+    refuse_pair_sources([s.path for s in recipe.data.sources], manifests, f"{recipe_file}: data.sources ")
     chat = [s.path for s, m in zip(recipe.data.sources, manifests) if m.get("chat")]
     if recipe.data.sft and not chat:
         raise DstrainError(
@@ -104,4 +108,9 @@ def check_chat_sources(recipe: Recipe, manifests: list[dict], recipe_file: str) 
         raise DstrainError(
             f"{recipe_file}: data.sources {chat[0]} was prepared with --chat (conversations with a loss mask) but "
             f"data.sft is false; set data.sft: true, or prepare the text without --chat"
+        )
+    if chat and not recipe.model.doc_masking:
+        raise DstrainError(
+            f"{recipe_file}: model.doc_masking is false but data.sources {chat[0]} packs conversations whole (each "
+            f"must attend only to itself, its positions restarting); remove model.doc_masking (true under data.sft)"
         )

@@ -29,7 +29,7 @@ import time
 from collections import deque
 
 from dstrain.config import WatchdogConfig
-from dstrain.data.manifest import write_json_atomic
+from dstrain.files import write_json_atomic
 from dstrain.run_dir import RunDir
 from dstrain.train.components import Component
 

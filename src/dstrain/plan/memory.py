@@ -27,9 +27,9 @@ fp32 gradient partition (plus a 16-bit staging copy, and a 16-bit accumulation b
 parameter offload moves ZeRO-3's partitions.
 
 Activations per rank: what autograd saves for the backward (tests/test_estimate.py checks it with saved-tensor
-hooks), term by term in dstrain.strategy.activations. Sequence parallelism (sp) divides them by sp (each rank holds
+hooks), term by term in dstrain.plan.activations. Sequence parallelism (sp) divides them by sp (each rank holds
 L/sp tokens; attention holds L tokens of heads/sp heads) and partitions the model states over N = dp x sp ranks.
-train.averaging's fp32 copies of the weights: dstrain.strategy.averaging_memory (4·(E + L)·Ψ or Ψ/N).
+train.averaging's fp32 copies of the weights: dstrain.plan.averaging_memory (4·(E + L)·Ψ or Ψ/N).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.model.config import num_params
-from dstrain.strategy.activations import activation_bytes, mlp_tile_bytes, sp_exchange_bytes
-from dstrain.strategy.averaging_memory import averaging_parts
-from dstrain.strategy.memory_parts import GIB, Estimate, Part
-from dstrain.strategy.param_counts import MOE_FORMULA, ParamCounts, count_params, meta_shapes, moe_activation_bytes
+from dstrain.plan.activations import activation_bytes, mlp_tile_bytes, sp_exchange_bytes
+from dstrain.plan.averaging_memory import averaging_parts
+from dstrain.plan.memory_parts import GIB, Estimate, Part
+from dstrain.plan.param_counts import MOE_FORMULA, ParamCounts, count_params, meta_shapes, moe_activation_bytes
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from dstrain.model.config import GPTConfig, num_params
-from dstrain.strategy.precision import Precision
+from dstrain.precision import Precision
 
 EXPERTS = ".deepspeed_experts."  # in the names of expert parameters (DeepSpeed's MoE layer)
 # Tensor-parallel (AutoTP) shards these linear layers; embeddings, norms and the head are replicated.

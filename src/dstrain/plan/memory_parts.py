@@ -1,12 +1,12 @@
 """What a memory estimate is made of: one Part per thing a rank holds, and the Estimate that adds them up per place
-(device, cpu, nvme) and phase of a step; `dstrain estimate --json` prints an Estimate. dstrain.strategy.memory makes
+(device, cpu, nvme) and phase of a step; `dstrain estimate --json` prints an Estimate. dstrain.plan.memory makes
 them."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from dstrain.strategy.precision import Precision
+from dstrain.precision import Precision
 
 GIB = 2**30
 PHASES = ("backward", "step")

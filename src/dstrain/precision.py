@@ -1,7 +1,6 @@
 """The precision a run trains in, as one type: what a ds_config's ``fp16`` / ``bf16`` switches select (neither: fp32).
 
-A module of its own, below ``resolve`` and ``parallel`` (which imports nothing of ``resolve``), so every layer above
-the base can name it.
+A ground-floor module: the strategy, the metrics and the planner all name it, and it imports nothing.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from dstrain.config import AveragingConfig
-from dstrain.strategy.memory_parts import Part
+from dstrain.plan.memory_parts import Part
 from dstrain.strategy.resolve import Strategy
 
 

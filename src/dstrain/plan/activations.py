@@ -1,5 +1,5 @@
 """Activation memory per rank: what autograd saves for the backward of one micro-batch (tests/test_estimate.py checks
-it with saved-tensor hooks), and the transient buffers of sequence parallelism. Used by dstrain.strategy.memory."""
+it with saved-tensor hooks), and the transient buffers of sequence parallelism. Used by dstrain.plan.memory."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
         norm = (a if fused_norms else 8) * h + 4  # the norm's input (fused) or fp32 input and output; rstd
         inner = 2 * q + 2 * kv + mlp_inner(m) * (strategy.mlp_tiles == 1)  # q, k, v, attention output; the MLP's
         if m.qk_norm is not None:  # the q and k norms keep theirs too, with an rstd per head (or per token)
-            rstd = 4 * (heads + m.kv_heads if m.qk_norm == "head" else 2)
+            rstd = 4 * (heads + m.kv_heads if m.qk_norm in ("head", "l2") else 2)  # l2: Llama 4's, per head
             inner += ((a if fused_norms else 8) * (q + kv) + rstd) // a
     else:
         norm = a * (h + 2)  # LayerNorm keeps its input, mean and rstd
@@ -57,7 +57,7 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     ids = tokens * 8
     if strategy.pp_stages == 1:
         return int(stage + head + ids), logits_grad
-    from dstrain.strategy.pipe_schedules import held_stages
+    from dstrain.plan.pipe_schedules import held_stages
 
     in_flight = held_stages(strategy.pipe_schedule, strategy.pp_stages, strategy.grad_accum)
     if strategy.pipe_schedule == "dualpipev":  # rank 0 holds the first and the last stage

@@ -1,0 +1,95 @@
+"""The preference loss's cost on the step: one forward + backward of the tiny model over the same packed micro-batch
+of pairs, with the SFT loss (token_loss_sum over the learned tokens) and with the DPO loss (dstrain.train.preference:
+each completion's log-prob sum from the packed forward, against stored reference scores, so no second model).
+CPU, fp32; the ratio DPO ÷ SFT of the median of ``--repeats`` interleaved timings.
+
+    python bench/bench_dpo.py [--seq 1024] [--batch 4] [--repeats 9]
+
+What it does not measure (not built yet): the trainer's preference step (its pair-count all-reduce) and the
+reference pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from dstrain.data.dataset import collate
+from dstrain.data.pair_packing import pair_sample
+from dstrain.model.config import GPTConfig
+from dstrain.model.gpt import GPT, token_loss_sum
+from dstrain.preference_config import PreferenceConfig
+from dstrain.train.preference import PairCounts, PairLogps, completion_logps, loss_share
+
+
+def packed_pairs(seq: int, batch: int, vocab: int, seed: int = 1) -> dict:
+    """``batch`` samples, each packed with pairs of a 40-100 token prompt and 20-120 token completions."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(batch):
+        sides, used = [], 0
+        while True:
+            prompt = rng.integers(0, vocab, rng.integers(40, 100))
+            answers = [rng.integers(0, vocab, rng.integers(20, 120)) for _ in range(2)]
+            if used + 2 * prompt.size + sum(a.size for a in answers) > seq + 1:
+                break
+            for answer in answers:
+                ids = np.concatenate([prompt, answer])
+                mask = np.concatenate([np.zeros(prompt.size, np.uint8), np.ones(answer.size, np.uint8)])
+                sides.append((ids, mask))
+                used += ids.size
+        samples.append(pair_sample(sides, seq, pad_id=0))
+    return collate(samples)
+
+
+def timed(model: GPT, batch: dict, loss_of) -> float:
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    logits = model(batch["input_ids"], batch["position_ids"])
+    loss_of(logits).backward()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    config = GPTConfig(flavour="llama", vocab_size=4096, max_seq_len=args.seq, n_layer=4, n_head=4, n_kv_head=2,
+                       d_model=128, doc_masking=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT(config)
+    batch = packed_pairs(args.seq, args.batch, config.vocab_size)
+    labels, learned = batch["labels"], int((batch["labels"] != -100).sum())
+    with torch.no_grad():  # the reference scores, stored before training: here the initial model's
+        reference = completion_logps(model(batch["input_ids"], batch["position_ids"]), labels, batch["documents"])
+    pairs = reference.chosen.numel()
+    preference = PreferenceConfig()
+    counts = PairCounts(pairs=pairs, chosen_tokens=float(reference.chosen_tokens.sum()))
+
+    def sft(logits):
+        return token_loss_sum(logits, labels) / learned
+
+    def dpo(logits):
+        policy = completion_logps(logits, labels, batch["documents"])
+        logps = PairLogps(policy.chosen, policy.rejected, reference.chosen, reference.rejected,
+                          policy.chosen_tokens, policy.rejected_tokens)  # fmt: skip
+        return loss_share(preference, logps, counts)
+
+    times: dict[str, list[float]] = {"sft": [], "dpo": []}
+    for _ in range(args.repeats + 1):  # the first round warms up
+        for name, loss_of in (("sft", sft), ("dpo", dpo)):
+            times[name].append(timed(model, batch, loss_of))
+    sft_s, dpo_s = (statistics.median(times[name][1:]) for name in ("sft", "dpo"))
+    print(f"tiny (llama, d_model 128, vocab 4096), {args.batch} x {args.seq} tokens, {pairs} pairs, fp32, CPU")
+    print(f"SFT step {sft_s * 1e3:.1f} ms, DPO step {dpo_s * 1e3:.1f} ms (median of {args.repeats})")
+    print(f"DPO / SFT: {dpo_s / sft_s:.3f}")
+
+
+if __name__ == "__main__":
+    main()

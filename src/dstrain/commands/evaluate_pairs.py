@@ -1,0 +1,89 @@
+"""`dstrain eval MODEL --data PAIRS --reference REF`: the preference loss and reward metrics of a model (a run or a
+Hugging Face folder) over a pair folder's split (docs/preference-tuning.md).
+
+The reference's scores of every pair come from dstrain.train.reference_scores (computed once, kept beside the
+shards, reused); the model's from the same packed, document-masked forwards; the loss is ``--loss`` with ``--beta``
+(PreferenceConfig's defaults otherwise), the mean over the split's pairs. Rank 0 prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import numpy as np
+import torch
+
+from dstrain.errors import DstrainError
+
+DEFAULT_MICRO_BATCH = 4
+
+
+def evaluate_pairs(args: argparse.Namespace) -> dict:
+    from dstrain.checkpoint.consolidate import load_model_source
+    from dstrain.data.dataset import build_dataset
+    from dstrain.data.manifest import manifest_hash, read_manifest
+    from dstrain.preference_config import PreferenceConfig
+    from dstrain.train import distributed
+    from dstrain.train.preference import PairLogps, metric_sums, metrics_of, pair_losses
+    from dstrain.train.reference_scores import reference_scores, score_pairs, scores_key, weights_hash
+
+    preference = PreferenceConfig(loss=args.loss or "sigmoid", beta=args.beta if args.beta is not None else 0.1)
+    if args.reference is None and preference.loss != "simpo":
+        raise DstrainError(
+            f"--data {args.data} holds preference pairs: name the reference model with --reference DIR (the policy's "
+            f"init_from), or pass --loss simpo (reference-free)"
+        )
+    manifest = read_manifest(args.data)
+    config, state, recipe = load_model_source(args.model, args.tag)
+    if manifest["vocab_size"] > config.vocab_size:
+        raise DstrainError(
+            f"--data {args.data} has {manifest['vocab_size']} token ids, the model {args.model} only "
+            f"{config.vocab_size}; pass data prepared with the model's tokenizer"
+        )
+    seq_len = args.seq_len or (recipe.data.seq_len if recipe else config.max_seq_len)
+    seed = args.seed if args.seed is not None else (recipe.seed if recipe else 1234)
+    valid_fraction = args.valid_fraction or (recipe.data.valid_fraction if recipe else 0.01)
+    overlong = recipe.data.overlong if recipe else "truncate"
+    sets = {
+        split: build_dataset([(args.data, 1.0)], split, seq_len, seed, None, valid_fraction, overlong=overlong)
+        for split in ("train", "valid")
+    }
+    distributed.init()
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    micro, pairs = args.micro_batch or DEFAULT_MICRO_BATCH, int(manifest["documents"]) // 2
+
+    def scores_of(model_config, model_state, datasets) -> np.ndarray:
+        forward = _forward(dataclasses.replace(model_config, doc_masking=True), model_state, device)
+        return score_pairs(forward, datasets, pairs, micro, rank, world, device)
+
+    policy = scores_of(config, state, [sets[args.split]])
+    reference = np.zeros_like(policy)
+    if args.reference is not None:
+        ref_config, ref_state, _ = load_model_source(args.reference)
+        key, parts = scores_key(weights_hash(ref_state), manifest_hash(manifest), seq_len, overlong)
+        reference = reference_scores(
+            args.data, key, parts, lambda: scores_of(ref_config, ref_state, list(sets.values()))
+        )
+    met = ~np.isnan(policy[:, 0])
+    if not met.any():
+        raise DstrainError(f"--data {args.data}: the {args.split} split holds no pairs to evaluate")
+    p, r = torch.from_numpy(policy[met]), torch.from_numpy(reference[met])
+    logps = PairLogps(p[:, 0], p[:, 1], r[:, 0], r[:, 1], p[:, 2], p[:, 3])
+    losses = pair_losses(preference, logps)
+    return {
+        "model": str(args.model), "split": args.split, "pairs": int(met.sum()), "loss_type": preference.loss,
+        "beta": preference.beta, "loss": losses.mean().item(), **metrics_of(metric_sums(preference, logps), met.sum()),
+    }  # fmt: skip
+
+
+def _forward(config, state, device):
+    from dstrain.model.gpt import GPT
+
+    model = GPT(config)
+    model.load_state_dict(state, strict=True)
+    model.to(device).eval()
+    return lambda batch: model(batch["input_ids"], batch["position_ids"])

@@ -1,0 +1,130 @@
+"""Issue 50's shipped continue-recipes at real size, on one process: each recipe's model: is its published config.json
+as transformers reads it (imported through dstrain's family table, no architecture field differs), its parameter
+count is the published size, and its ds_config is the layout `dstrain plan` picks on the fewest 8 x 80 GiB nodes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import transformers  # noqa: E402
+
+from dstrain.config import load_recipe  # noqa: E402
+from dstrain.model.config import num_params  # noqa: E402
+from dstrain.model.family_configs import config_from_hf  # noqa: E402
+from dstrain.model.hf import architecture_diff  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# https://huggingface.co/allenai/Olmo-3-1025-7B/blob/main/config.json (the architecture keys, from memory)
+OLMO3_7B = dict(
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=100278,
+    max_position_embeddings=65536,
+    rms_norm_eps=1e-6,
+    rope_theta=500000,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "attention_factor": 1.2079441541679836,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    sliding_window=4096,
+    layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 8,
+    tie_word_embeddings=False,
+)
+# https://huggingface.co/microsoft/Phi-4-mini-instruct/blob/main/config.json (from memory; the 48 + 48 longrope
+# factors are not transcribed: the recipe takes them from init_from's config.json, these stand in for them)
+PHI4_MINI = dict(
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_hidden_layers=32,
+    num_attention_heads=24,
+    num_key_value_heads=8,
+    vocab_size=200064,
+    max_position_embeddings=131072,
+    original_max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "long_factor": [1.0 + i for i in range(48)],
+        "short_factor": [1.0] * 48,
+    },
+    sliding_window=262144,
+    tie_word_embeddings=True,
+    pad_token_id=None,
+)
+# recipe -> (transformers config of the published config.json, family, published size in billions, rounded)
+PUBLISHED = {
+    "continue-olmo3-7b": (lambda: transformers.Olmo3Config(**OLMO3_7B), "olmo3", 7.3),
+    "continue-phi4-mini": (lambda: transformers.Phi3Config(**PHI4_MINI), "phi3", 3.8),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_recipe_model_is_the_published_config_json_and_size(name):
+    make, family, billions = PUBLISHED[name]
+    recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
+    theirs = config_from_hf(make(), family, "config.json")
+    ours = recipe.model.rope_scaling
+    if ours is not None and ours.type == "longrope":  # the factors come from init_from's config.json (merged)
+        assert ours.long_factor is None and ours.short_factor is None
+        ours.long_factor, ours.short_factor = theirs.rope_scaling.long_factor, theirs.rope_scaling.short_factor
+    assert architecture_diff(recipe.model, theirs) == []
+    assert round(num_params(recipe.model) / 1e9, 1) == billions
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_shipped_ds_config_is_what_the_planner_picks_on_one_node(name):
+    """`dstrain plan --nodes 1 --gpus-per-node 8 --device h100-sxm` (the fewest nodes: one) writes this ds_config."""
+    from dstrain.plan.layouts import plan
+    from dstrain.plan.time_model import DEVICES, Cluster
+
+    path = ROOT / "recipes" / f"{name}.yaml"
+    shipped = json.loads((ROOT / "ds_configs" / "planned" / f"{name}-1x8-h100.json").read_text())
+    found, fitting = plan(load_recipe(path), path, Cluster(DEVICES["h100-sxm"], 1, 8), "bf16", top=1)
+    assert fitting > 0 and found[0].ds_config == shipped, found[0].layout.describe()
+
+
+def test_longrope_factors_come_from_init_from_and_are_required(tmp_path):
+    """The shipped Phi-4-mini recipe leaves the 48 + 48 factors to init_from's config.json: a folder with them fills
+    them in (model.rope_scaling merged one level deep); a model without them refuses to run, naming the key; longrope
+    under sequence parallelism is refused (each rank would pick its factors from its own slice of positions)."""
+    import torch
+    import yaml
+
+    from dstrain.errors import DstrainError
+    from dstrain.model.gpt import GPT
+    from dstrain.strategy.resolve import load_ds_config, resolve
+
+    small = dict(PHI4_MINI, hidden_size=48, intermediate_size=32, num_hidden_layers=1, num_attention_heads=3)
+    small |= dict(num_key_value_heads=1, vocab_size=64, architectures=["Phi3ForCausalLM"])
+    factors = dict(long_factor=[1.0 + i for i in range(6)], short_factor=[1.0] * 6)  # 16-wide heads, 12 rotated
+    small["rope_parameters"] = PHI4_MINI["rope_parameters"] | factors
+    transformers.Phi3Config(**small).save_pretrained(tmp_path / "phi4-mini")
+    recipe = yaml.safe_load((ROOT / "recipes" / "continue-phi4-mini.yaml").read_text())
+    recipe["model"] = {"rope_scaling": recipe["model"]["rope_scaling"], "doc_masking": True}
+    recipe["init_from"] = str(tmp_path / "phi4-mini")
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    loaded = load_recipe(tmp_path / "recipe.yaml")
+    assert loaded.model.rope_scaling.long_factor == small["rope_parameters"]["long_factor"]
+    without = dataclasses.replace(loaded.model.rope_scaling, long_factor=None)
+    model = GPT(dataclasses.replace(loaded.model, rope_scaling=without))
+    with pytest.raises(DstrainError, match="model.rope_scaling.long_factor: longrope needs 6 factors"):
+        model(torch.zeros(1, 4097, dtype=torch.long))  # past 4096 positions: the long factors
+    sp2 = ROOT / "ds_configs" / "sp2_zero1.json"
+    with pytest.raises(DstrainError, match="sequence_parallel_size with model.rope_scaling longrope"):
+        resolve(loaded, str(tmp_path / "recipe.yaml"), load_ds_config(sp2), sp2, 2)
