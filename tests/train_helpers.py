@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from dstrain import metrics
 from dstrain.metrics_records import EventRecord, MetricsRecord, read_records
+from dstrain.metrics_records import read_events as read_event_records
 from dstrain.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def read_metrics(run_dir: str | Path) -> list[MetricsRecord]:
 
 
 def read_events(run_dir: str | Path) -> list[EventRecord]:
-    return metrics.read_events(RunDir(Path(run_dir)).metrics)
+    return read_event_records(RunDir(Path(run_dir)).metrics)
 
 
 def train(argv: list[str]) -> int:
