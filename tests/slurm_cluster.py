@@ -194,6 +194,52 @@ class SlurmCluster:
 
         self._wait_for(gone, timeout, f"jobs {', '.join(sorted(ids))} to finish")
 
+    # --- faults (tests/test_slurm.py's node-loss tests) -------------------------------------------------------------
+    def job_processes(self, job_id: int, **environment: str) -> list[int]:
+        """PIDs of this cluster's processes of job ``job_id`` whose environment has each of ``environment``'s values
+        (e.g. SLURMD_NODENAME="dsnode2", SLURM_PROCID="1")."""
+        wanted = {f"SLURM_CONF={self.conf}", f"SLURM_JOB_ID={job_id}", *(f"{k}={v}" for k, v in environment.items())}
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                variables = {v.decode(errors="replace") for v in (entry / "environ").read_bytes().split(b"\0")}
+            except OSError:
+                continue
+            if wanted <= variables:
+                found.append(int(entry.name))
+        return found
+
+    def trainer_ranks(self, job_id: int, rank: int) -> list[int]:
+        """The PIDs of rank ``rank`` of the job's current training step (python -m dstrain.train under srun)."""
+        pids = []
+        for pid in self.job_processes(job_id, SLURM_PROCID=str(rank)):
+            try:
+                if b"dstrain.train" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    pids.append(pid)
+            except OSError:
+                pass
+        return pids
+
+    def kill_node(self, node: str, job_id: int) -> None:
+        """As a node that dies: its slurmd, then the job's tasks on it and their slurmstepd, SIGKILLed."""
+        self.procs[f"slurmd-{node}"].kill()
+        self.procs[f"slurmd-{node}"].wait(timeout=10)
+        for pid in self.job_processes(job_id, SLURMD_NODENAME=node):
+            try:
+                parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                is_stepd = Path(f"/proc/{parent}/cmdline").read_bytes().startswith(b"slurmstepd")
+                os.kill(pid, signal.SIGKILL)
+                if is_stepd:
+                    os.kill(parent, signal.SIGKILL)
+            except (OSError, ValueError, IndexError):
+                pass  # gone meanwhile
+
+    def restart_node(self, node: str) -> None:
+        """A killed node's slurmd started again (ReturnToService=2 brings the node back when it registers)."""
+        self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
+
     def logs_tail(self, lines: int = 30) -> str:
         parts = []
         for log in sorted(self.logs.glob("*.log")):

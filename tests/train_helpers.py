@@ -10,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from dstrain.metrics_records import EventRecord, MetricsRecord, read_events, read_records
+from dstrain.metrics_records import EventRecord, MetricsRecord, read_records
+from dstrain.metrics_records import read_events as read_event_records
 from dstrain.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +89,7 @@ def read_metrics(run_dir: str | Path) -> list[MetricsRecord]:
 
 
 def read_events(run_dir: str | Path) -> list[EventRecord]:
-    return read_events(RunDir(Path(run_dir)).metrics)
+    return read_event_records(RunDir(Path(run_dir)).metrics)
 
 
 def train(argv: list[str]) -> int:
@@ -111,7 +112,7 @@ def train_and_signal_at(
     """Rank target: train, with ``rank`` sending itself ``signum`` (``times`` times, ``gap_s`` apart) right after
     optimizer step ``step``."""
     from dstrain.train.run import main
-    from dstrain.train.step_hooks import StepHooks
+    from dstrain.train.steps import StepHooks
 
     class SignalAfterStep(StepHooks):
         def stepped(self, taken: int) -> None:
@@ -134,7 +135,7 @@ def enable_fp16_on_cpu() -> None:
 def train_fp16_with_overflows(argv: list[str], overflow_steps: set[int] | None) -> int:
     """Rank target: fp16 training where the loss of the given optimizer steps (1-based; None = all) is made inf."""
     from dstrain.train.run import main
-    from dstrain.train.step_hooks import StepHooks
+    from dstrain.train.steps import StepHooks
 
     class Overflows(StepHooks):
         def forward(self, step, batch, forward):
@@ -189,7 +190,7 @@ def train_with_fault(argv: list[str], step: int, fault: str, rank: int | None = 
     "raise" (an exception), "nan" (the loss becomes NaN), "die-in-save" (the process dies inside
     save_checkpoint after DeepSpeed wrote its files, before dstrain publishes them)."""
     from dstrain.train.run import main
-    from dstrain.train.step_hooks import StepHooks
+    from dstrain.train.steps import StepHooks
 
     here = rank is None or int(os.environ["RANK"]) == rank
 
@@ -221,7 +222,7 @@ def train_with_fault(argv: list[str], step: int, fault: str, rank: int | None = 
 def poison(first: int, end: int, factor: float = 10.0):
     """StepHooks with samples [first, end) of the train stream poisoned: the loss of a micro-batch that holds one is
     multiplied by ``factor`` (and so are its gradients), wherever in the run that sample is read."""
-    from dstrain.train.step_hooks import StepHooks
+    from dstrain.train.steps import StepHooks
 
     class Poison(StepHooks):
         def train_batch(self, samples, batch):
@@ -258,7 +259,7 @@ def train_and_hang_at(argv: list[str], step: int, rank: int, marker: str) -> int
     """Rank target: train, with ``rank`` hanging in the forward pass of optimizer step ``step`` (the time it began
     hanging written to ``marker``)."""
     from dstrain.train.run import main
-    from dstrain.train.step_hooks import StepHooks
+    from dstrain.train.steps import StepHooks
 
     class Hang(StepHooks):
         def forward(self, taking, batch, forward):

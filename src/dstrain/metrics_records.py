@@ -47,10 +47,13 @@ class MetricsRecord(TypedDict, total=False):
 
 class EventRecord(TypedDict, total=False):
     """One event line of metrics.jsonl: a resume (``tag``, ``changed``), a loss spike rolled back, a run stopped
-    by an error (``message``), or the previous launch's hang (logged by the launch after it)."""
+    by an error (``message``), the previous launch's hang (logged by the launch after it), or a relaunch of
+    slurm/train.sbatch after a failed step (restart, spare, shrink, requeue: dstrain.train.elastic)."""
 
     step: Required[int]
-    event: Required[str]  # "resume" | "spike" | "disk_full" | "stopped" | "hang" | "early_stop" | "hf_export"
+    # "resume" | "spike" | "disk_full" | "stopped" | "hang" | "early_stop" | "hf_export"
+    # | "restart" | "spare" | "shrink" | "requeue"
+    event: Required[str]
     message: str  # disk_full, stopped: the error's line
     hang_step: int  # hang: the step the watchdog found stalled
     at: str  # hang: where in it (e.g. "backward 0 of step 5")

@@ -34,6 +34,11 @@ def describe(record: Mapping[str, Any]) -> str:
         if not skipped:
             return what + "; no checkpoint yet, training went on"
         return f"{what}: rolled back to {record['rolled_back_to']}, skipping samples {skipped[0]}-{skipped[1] - 1}"
+    if kind in ("restart", "spare", "shrink", "requeue"):  # slurm/train.sbatch's relaunch (dstrain.train.elastic)
+        return (
+            f"{kind} at step {step}: {record.get('detail', '')}; "
+            f"{record.get('time_lost_s', 0):.0f} s and {record.get('steps_lost', 0)} step(s) lost"
+        )
     if "message" in record:  # a run stopped by an error: disk_full, stopped
         return f"{kind} at step {step}: {record['message']}"
     details = {k: v for k, v in record.items() if k not in ("event", "step")}

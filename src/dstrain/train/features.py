@@ -17,6 +17,7 @@ from dstrain.train import (
     hf_export,
     mixture,
     moe_metrics,
+    restart_event,
     spike_rollback,
     task_eval,
     watchdog,
@@ -35,6 +36,7 @@ BUILDERS: tuple[Callable[[RunHandle], Component | None], ...] = (
     watchdog.build_hang_event,  # the previous launch's hang, as an event
     early_stop.build,  # early stopping on the valid loss (train.early_stop)
     hf_export.build,  # each published checkpoint as a Hugging Face folder (train.export_every)
+    restart_event.build,  # slurm/train.sbatch's relaunch after a failed step, as an event
 )
 
 

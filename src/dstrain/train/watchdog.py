@@ -134,11 +134,22 @@ class Watchdog(threading.Thread, Component):
             with open(stacks, "a") as f:
                 f.write("\n" + line + "\n")
             print(line, file=sys.stderr, flush=True)
-            hang = {"hang_step": self.step, "at": state, "detail": line}
-            write_json_atomic(self.dir / HANG_EVENT, hang)  # logged by the next launch (HangEvent)
+            # "ranks": the ranks behind, whose hosts slurm/train.sbatch leaves out of its next launch (train/elastic).
+            # The first report of this launch stands: a frozen rank woken as its step is ended (Slurm sends SIGCONT
+            # before SIGTERM) fires late, finds every report at its own tick and would name no one.
+            hang = {"hang_step": self.step, "at": state, "detail": line, "ranks": sorted(behind)}
+            if not self._reported():
+                write_json_atomic(self.dir / HANG_EVENT, hang)  # logged by the next launch (HangEvent)
         else:
             time.sleep(LAGGARD_DELAY_S)
         os._exit(HANG_EXIT)
+
+    def _reported(self) -> bool:
+        """Whether a rank of this launch already wrote the hang event."""
+        try:
+            return (self.dir / HANG_EVENT).stat().st_mtime >= self.born - 1
+        except OSError:
+            return False
 
     def _reports(self) -> dict[int, dict]:
         """This launch's reports (an earlier launch's are older than this watchdog), waiting for all or a while."""
