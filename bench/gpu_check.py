@@ -185,6 +185,13 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
             VERDICT,
             "Instruction tuning's masked loss: GPU against CPU (tiny on scripts/demo-sft's conversations, fp32)",
         ),
+        Part(
+            "doctor",
+            lambda c: features.doctor(c, dry),
+            (4 if dry else 30) * tiny,
+            VERDICT,
+            "`dstrain doctor`: every shipped strategy against ZeRO-0 on tiny, the kernels and the collectives",
+        ),
     ]
 
 

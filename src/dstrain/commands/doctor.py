@@ -166,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CONFIG",
         help="ds_configs to check against ZeRO-0 (default: every shipped one this machine can run)",
     )
-    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: every local device, at least 2)")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: every local GPU; 2 on a CPU)")
     parser.add_argument("--steps", type=int, default=10, help="steps of each run (default 10)")
     parser.add_argument("--out", type=Path, required=True, help="report folder (report.md, doctor.json, doctor.png)")
     parser.add_argument("overrides", nargs="*", help="dotted recipe overrides for every run")
@@ -182,7 +182,8 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[dict], dict, int, list
         raise DstrainError(f"--steps {args.steps}: doctor needs at least 2 steps (the resume check stops at half)")
     if args.nproc is not None and args.nproc < 1:
         raise DstrainError(f"--nproc {args.nproc}: the ranks must be a positive integer")
-    nproc = args.nproc or max(2, get_accelerator().device_count())
+    # a CPU runs 2 gloo ranks (data-parallel sums need two); a GPU machine one rank per device
+    nproc = args.nproc or (2 if get_accelerator().device_name() == "cpu" else get_accelerator().device_count())
     recipe = load_recipe(args.recipe, list(args.overrides))
     overrides = [*small_model(recipe, args.steps), *args.overrides]
     load_recipe(args.recipe, overrides)  # the small model must be a valid recipe too
