@@ -52,9 +52,10 @@ def test_doctor_fails_naming_a_strategy_with_a_silent_gradient_defect(tmp_path, 
     from dstrain.commands.doctor_report import build_report
 
     recipe = small_recipe(tmp_path, corpus, model={"doc_masking": True})
-    buckets = ds_config(tmp_path, "zero2", zero_optimization={"stage": 2, "reduce_bucket_size": BUCKET})
-    defective = tmp_path / "zero2_patched.json"
-    defective.write_text(buckets.read_text())
+    bucketed = ds_config(tmp_path, "zero2", zero_optimization={"stage": 2, "reduce_bucket_size": BUCKET})
+    buckets, defective = tmp_path / "zero2_buckets.json", tmp_path / "zero2_patched.json"
+    buckets.write_text(bucketed.read_text())
+    defective.write_text(bucketed.read_text())
     out = tmp_path / "doctor"
     _, runs, refused, _, _ = prepare(doctor_args(recipe, out, ROOT / "ds_configs" / "zero2.json", buckets, defective))
     runs = [run for run in runs if run["name"] != "zero1_then_zero3"]  # the resume check: the launcher test's
