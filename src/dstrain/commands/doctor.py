@@ -116,7 +116,8 @@ def plan_runs(recipe_file: str, configs: list[Path], out: Path, overrides: list[
 
     entries = [(BASELINE, SHIPPED / f"{BASELINE}.json"), (TWIN, write_twin(out))]
     entries += [(config.stem, config) for config in configs if config.stem not in (BASELINE, TWIN)]
-    runs, refused = [], {}
+    runs: list[dict] = []
+    refused: dict[str, str] = {}
     for name, config in entries:
         why = refusal(recipe_file, config, base, nproc)
         if why:

@@ -49,7 +49,7 @@ class Verdict:
 
 def train_records(run_dir: Path) -> list[dict]:
     records = read_records(RunDir(run_dir).metrics) if RunDir(run_dir).metrics.is_file() else []
-    by_step = {r["step"]: r for r in records if "split" not in r}  # a resume logs its steps after the stop again
+    by_step = {r["step"]: dict(r) for r in records if "split" not in r}  # a resume logs its steps after the stop again
     return [by_step[s] for s in sorted(by_step)]
 
 
