@@ -33,13 +33,14 @@ TIMEOUT_S = 1800
 
 def small_model(recipe, steps: int = 10) -> list[str]:
     """Overrides that keep the recipe's family and features (attention kind, norms, RoPE, windows, MoE, tying,
-    document masking) at doctor's size: 2 blocks, d_model 64, 4 query heads, 32 tokens, a global batch of 8."""
+    document masking) at doctor's size: 2 blocks, d_model 64, 8 query heads (4 key/value heads where the recipe
+    groups them: SP up to 4 then), 32 tokens, a global batch of 8."""
     model = recipe.model
-    kv = None if model.n_kv_head is None else (model.n_head if model.n_kv_head == model.n_head else 2)
+    kv = None if model.n_kv_head is None else (8 if model.n_kv_head == model.n_head else 4)
     overrides = [
         "model.n_layer=2",
         "model.d_model=64",
-        "model.n_head=4",
+        "model.n_head=8",
         f"model.n_kv_head={'null' if kv is None else kv}",
         f"model.d_head={'null' if model.d_head is None else 16}",
         f"model.d_ff={'null' if model.d_ff is None else 128}",
@@ -157,6 +158,21 @@ def launch(plan_file: Path, nproc: int, log: Path) -> int:
             return 124
 
 
+def planned_bandwidth() -> str:
+    """What `dstrain plan` assumes of this machine's links, to set beside the measured bandwidths."""
+    import torch
+
+    from dstrain.plan.time_model import DEVICES
+
+    if not torch.cuda.is_available():
+        return "dstrain plan assumes no CPU figure: `dstrain plan --calibrate` measures a 2-rank all-reduce"
+    name = torch.cuda.get_device_name().lower()
+    for key, device in DEVICES.items():
+        if key.split("-")[0] in name:
+            return f"dstrain plan --device {key} assumes {device.intra_node_gbps:g} Gbit/s bus bandwidth in a node"
+    return f"dstrain plan knows no {name}: `dstrain plan --calibrate` measures it"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", required=True, help="recipe YAML: its model family and features, and its data")
     parser.add_argument(
@@ -206,4 +222,5 @@ def main(args: argparse.Namespace) -> int:
     print(f"dstrain doctor: {len(runs)} runs on {nproc} ranks in one launch ({args.out / 'launcher.log'})")
     code = launch(plan_file, nproc, args.out / "launcher.log")
     context = {"recipe": args.recipe, "ranks": nproc, "steps": args.steps, "overrides": overrides, "launch": code}
+    context["planned_bandwidth"] = planned_bandwidth()
     return build_report(args.out, runs, refused, context)

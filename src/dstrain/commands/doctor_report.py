@@ -151,6 +151,8 @@ def markdown(found: list[Verdict], checks: list[dict], context: dict, fp32: floa
     for c in checks:
         value = fmt(c["value"], ".3g") if c["value"] is not None else "n/a"
         lines.append(f"| {c['name']} | {value} | {fmt(c['tolerance'])} | {c['ok']} | {c['detail']} |")
+    if "planned_bandwidth" in context:
+        lines += ["", f"Bandwidths are bus Gbit/s as nccl-tests count them; {context['planned_bandwidth']}."]
     return "\n".join([*lines, "", "![differences per step](doctor.png)", ""])
 
 
