@@ -200,15 +200,18 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[dict], dict, int, list
     if args.nproc is not None and args.nproc < 1:
         raise DstrainError(f"--nproc {args.nproc}: the ranks must be a positive integer")
     # a CPU runs 2 gloo ranks (data-parallel sums need two); a GPU machine one rank per device
+    # nargs="*" swallows the overrides that follow --deepspeed_configs: a ds_config path has no "="
+    user_overrides = [*args.overrides, *(c for c in args.deepspeed_configs if "=" in c)]
+    listed = [Path(c) for c in args.deepspeed_configs if "=" not in c]
     nproc = args.nproc or (2 if get_accelerator().device_name() == "cpu" else get_accelerator().device_count())
-    recipe = load_recipe(args.recipe, list(args.overrides))
-    overrides = [*small_model(recipe, args.steps), *args.overrides]
+    recipe = load_recipe(args.recipe, user_overrides)
+    overrides = [*small_model(recipe, args.steps), *user_overrides]
     load_recipe(args.recipe, overrides)  # the small model must be a valid recipe too
     out: Path = args.out
     if (out / "runs").exists():
         raise DstrainError(f"--out {out} already holds doctor's runs; choose another folder or remove it")
     out.mkdir(parents=True, exist_ok=True)
-    configs = [Path(c) for c in args.deepspeed_configs] or shipped_configs()
+    configs = listed or shipped_configs()
     runs, refused = plan_runs(args.recipe, configs, out, overrides, nproc, args.steps)
     plan_file = out / "plan.json"
     plan_file.write_text(json.dumps({"out": str(out), "runs": runs}, indent=1))
