@@ -19,14 +19,15 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
+from dstrain.commands.doctor_report import BASELINE, TWIN
 from dstrain.errors import DstrainError
 
 SHIPPED = Path(__file__).resolve().parents[3] / "ds_configs"
-BASELINE = "zero0"
-TWIN = "zero0_reordered"  # ZeRO-0 with another micro-batch split: the same math, its sums in another order
 RESUMED = "zero1_then_zero3"  # stopped after half the steps under ZeRO-1, resumed under ZeRO-3
 TIMEOUT_S = 1800
 
@@ -143,10 +144,13 @@ def plan_runs(recipe_file: str, configs: list[Path], out: Path, overrides: list[
 
 def launch(plan_file: Path, nproc: int, log: Path) -> int:
     """One deepspeed launch for every run (dstrain.train.doctor_runs); its output goes to ``log``."""
-    from dstrain.commands.compare import launcher
     from dstrain.train.distributed import free_port
 
-    command = [launcher(), "--num_gpus", str(nproc), "--master_port", str(free_port())]
+    beside = Path(sys.executable).parent / "deepspeed"  # a venv's bin/ need not be on PATH
+    found = str(beside) if beside.exists() else shutil.which("deepspeed")
+    if not found:
+        raise DstrainError("the deepspeed launcher is not installed in this environment; pip install deepspeed")
+    command = [found, "--num_gpus", str(nproc), "--master_port", str(free_port())]
     command += ["--module", "dstrain.train.doctor_runs", str(plan_file)]
     with log.open("w") as out:
         out.write("$ " + shlex.join(command) + "\n")

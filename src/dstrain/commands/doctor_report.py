@@ -24,6 +24,8 @@ from dstrain.commands.report import _pyplot
 from dstrain.metrics import read_records
 from dstrain.run_dir import RunDir
 
+BASELINE = "zero0"
+TWIN = "zero0_reordered"  # ZeRO-0 with another micro-batch split: the same math, its sums in another order
 FP32_RTOL = 1e-6
 TWIN_FACTOR = 10.0
 LOW_PRECISION_RTOL = 2e-2
@@ -97,8 +99,6 @@ def failure_reason(run_dir: Path, code: int | None) -> str:
 
 def verdicts(out: Path, runs: list[dict], refused: dict[str, str]) -> tuple[list[Verdict], float]:
     """Every run's verdict (the baseline's and twin's first) and the fp32 tolerance the twin set."""
-    from dstrain.commands.doctor import BASELINE, TWIN
-
     codes_file = out / "codes.json"
     codes = json.loads(codes_file.read_text()) if codes_file.is_file() else {}
     reference = train_records(out / "runs" / BASELINE)
