@@ -169,6 +169,8 @@ def plot(found: list[Verdict], fp32: float, path: Path) -> None:
         ax.axhline(LOW_PRECISION_RTOL, color="grey", linewidth=0.8, linestyle=":", label="bf16/fp16 tolerance")
         ax.set(yscale="log", xlabel="step", title=f"{title} against ZeRO-0")
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    diverged = [f"{v.name} from step {v.first_diverging_step}" for v in found if v.status == "MISMATCH"]
+    figure.suptitle("outside tolerance: " + ", ".join(diverged) if diverged else "every strategy within tolerance")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
