@@ -35,8 +35,8 @@ def fused_optimizer(device) -> dict:
 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(4096, generator=generator)
-    # |g| in [1e-2, 2e-2]: where |g| nears eps the two place eps differently (measured on a CPU: 1.7e-4 of the
-    # largest update with torch.randn * 1e-2 gradients, whose smallest are ~1e-6); a training step's are not there
+    # |g| in [1e-2, 2e-2], away from eps, where an eps placed differently would weigh (measured on a CPU: 1.7e-4 of
+    # the largest update with torch.randn * 1e-2 gradients, whose smallest are ~1e-6)
     grad = torch.randn(4096, generator=generator).sign() * (1 + torch.rand(4096, generator=generator)) * 1e-2
     updates = []
     kind = DeepSpeedCPUAdam if device.type == "cpu" else FusedAdam
