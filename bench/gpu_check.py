@@ -192,6 +192,13 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
             VERDICT + ["tokens_per_s", "mem_peak_gib"],
             "Llama 4's chunked attention, temperature tuning and q/k norm: FlexAttention (GPU) against the dense mask",
         ),
+        Part(
+            "doctor",
+            lambda c: features.doctor(c, dry),
+            (4 if dry else 30) * tiny,
+            VERDICT,
+            "`dstrain doctor`: every shipped strategy against ZeRO-0 on tiny, the kernels and the collectives",
+        ),
     ]
 
 

@@ -11,11 +11,13 @@ own tolerance) and, on a GPU, the speed and peak memory it costs or saves.
 - sft_loss: instruction tuning's masked loss (scripts/demo-sft's conversations) on a GPU against the CPU;
 - chunked_attention: Llama 4's attention (issue 50: 32-token chunks on 3 blocks, a block without RoPE with temperature
   tuning, the weightless q/k norm) through FlexAttention's block mask on a GPU against the dense mask on the CPU.
+- doctor: `dstrain doctor` on tiny, every shipped strategy the GPUs can run against ZeRO-0, and the kernel checks.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -140,3 +142,32 @@ def _speed_row(name: str, run: dict) -> dict:
         "tokens_per_s": max((r.get("tokens_per_s") or 0 for r in timed), default=None),
         "mem_peak_gib": peak_gib(run),
     }
+
+
+def doctor(check: Check, dry: bool) -> list[dict]:
+    """`dstrain doctor` on tiny as a user runs it: every shipped strategy this machine can run against ZeRO-0, the
+    kernels (FusedAdam, FlexAttention, the chunked loss) and the collectives; on every device here (a dry run on
+    the CPU: ZeRO-2 only, 2 ranks). One row per strategy and per kernel check; the part fails if doctor does."""
+    import torch
+
+    out = check.work / "doctor"
+    shutil.rmtree(out, ignore_errors=True)
+    command = [sys.executable, "-m", "dstrain", "doctor", "--recipe", str(ROOT / "recipes" / "tiny.yaml")]
+    command += ["--out", str(out), f"data.sources=[{{path: {check.data}}}]"]
+    if dry or not torch.cuda.is_available():
+        command += ["--nproc", "2", "--deepspeed_configs", str(CONFIGS / "zero2.json")]
+    done = subprocess.run(command, env=check.env, capture_output=True, text=True)
+    (check.work / "logs" / "doctor.log").write_text(" ".join(command) + "\n\n" + done.stdout + done.stderr)
+    if not (out / "doctor.json").exists():
+        return [check.verdict("dstrain doctor", False, f"exit {done.returncode}: {done.stderr.strip()[-300:]}")]
+    report = json.loads((out / "doctor.json").read_text())
+    rows = [check.verdict("dstrain doctor", done.returncode == 0, f"exit {done.returncode}; {out / 'report.md'}")]
+    for s in report["strategies"]:
+        if s["status"] not in ("baseline", "cannot run here"):
+            figures = f"loss {s['max_loss_rel']}, grad norm {s['max_norm_rel']} (tolerance {s['tolerance']})"
+            rows.append({"check": f"doctor: {s['name']}", "ok": s["status"] == "ok", "detail": figures})
+    rows += [
+        {"check": f"doctor: {c['name']}", "ok": c["ok"], "detail": f"{c['value']}: {c['detail']}"}
+        for c in report["checks"]
+    ]
+    return rows

@@ -38,6 +38,7 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
         "windowed_attention",
         "sft_loss",
         "chunked_attention",
+        "doctor",
         "pytest_gpu",
         "doc_masking",
         "published_family",
@@ -55,6 +56,7 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
     assert [row["ok"] for row in parts["windowed_attention"]["rows"]] == [True]  # on a GPU: against the CPU, 1e-4
     assert [row["ok"] for row in parts["sft_loss"]["rows"]] == [True]  # on a GPU: against the CPU, 1e-4
     assert [row["ok"] for row in parts["chunked_attention"]["rows"]] == [True]  # on a GPU: against the CPU, 1e-4
+    assert all(row["ok"] for row in parts["doctor"]["rows"]) and len(parts["doctor"]["rows"]) >= 4  # + zero2, twin
     (memory,) = parts["memory_gpt2_125m"]["rows"]
     assert memory["status"] == "ok" and memory["measured_gib"] > 0 and memory["estimated_gib"] > 0
     (speed,) = parts["speed_gpt2_125m"]["rows"]

@@ -25,6 +25,10 @@ COMMANDS = {
     "export": ("dstrain.commands.export", "write a run's checkpoint as a Hugging Face model folder"),
     "eval": ("dstrain.commands.evaluate", "loss and perplexity of a run or Hugging Face model on a prepared split"),
     "generate": ("dstrain.commands.generate", "sample text from a run or Hugging Face model"),
+    "doctor": (
+        "dstrain.commands.doctor",
+        "check that every strategy gives ZeRO-0's losses and gradient norms on this machine, and its kernels",
+    ),
     "verify": ("dstrain.commands.verify", "check every checkpoint of a run against its recorded sizes and checksums"),
 }
 
