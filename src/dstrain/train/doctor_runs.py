@@ -25,7 +25,7 @@ from dstrain.train import console
 def stop_after(step: int):
     """StepHooks that stop the run as a SIGUSR1 after optimizer step ``step`` would (rank 0 sends it to itself:
     the trainer's stop is agreed across ranks at the step's end, then checkpointed)."""
-    from dstrain.train.steps import StepHooks
+    from dstrain.train.step_hooks import StepHooks
 
     class StopAfter(StepHooks):
         def stepped(self, taken: int) -> None:
