@@ -37,9 +37,9 @@ CASES = {
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero2", pipeline={"stages": 2}), []),
         ["pipeline parallelism works with ZeRO stage 0 or 1", "stage to 1"],
     ),
-    "sequence parallelism not dividing the heads": (
-        lambda t, c: (small_recipe(t, c, model={"n_kv_head": 1}), ROOT / "ds_configs/sp2_zero1.json", []),
-        ["sequence_parallel_size=2 does not divide the 1 heads", "model.n_kv_head"],
+    "sequence parallelism not dividing the query heads": (  # beyond the key/value heads is fine: they are repeated
+        lambda t, c: (small_recipe(t, c, model={"n_head": 1, "n_kv_head": 1}), ROOT / "ds_configs/sp2_zero1.json", []),
+        ["sequence_parallel_size=2 does not divide the 1 query heads", "model.n_head"],
     ),
     "sequence parallelism not dividing seq_len": (
         lambda t, c: (edit_recipe(small_recipe(t, c), "data", seq_len=33), ROOT / "ds_configs/sp2_zero1.json", []),
