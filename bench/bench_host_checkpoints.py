@@ -108,7 +108,8 @@ def main() -> None:
                 capture_output=True,
                 text=True,
                 check=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                # a fixed mmap threshold: freed tensors go back to the system, so the peak RSS is what was held
+                env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"},
             ).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
     print(f"llama {args.layers} x d_model {args.d_model}, seq {args.seq}, fp32, ZeRO-0, activation checkpointing")

@@ -22,7 +22,8 @@ from dstrain.strategy.memory_parts import GIB
 from dstrain.strategy.resolve import load_ds_config, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
-LONG_RECIPES = sorted(ROOT.glob("recipes/continue-*-[0-9]*[km].yaml"))
+LONG_RECIPES = [ROOT / f"recipes/continue-{n}.yaml" for n in ("llama3.1-8b-128k", "llama3.1-8b-512k", "llama3.1-8b-1m")]
+LONG_RECIPES.append(ROOT / "recipes/continue-qwen3-8b-128k.yaml")
 # Past the published context (131072 for Llama-3.1, 32768 for Qwen3-8B-Base) up to the longest recipe's last token.
 POSITIONS = torch.tensor([[0, 8191, 32767, 131071, 131072, 524287, 1048575]])
 
