@@ -101,9 +101,9 @@ def host_checkpoint_bytes(recipe: Recipe, strategy: Strategy) -> int:
     m, a = recipe.model, 4 if strategy.precision == "fp32" else 2
     tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
     layers = math.ceil(m.n_layer / strategy.pp_stages)
-    in_flight = 1
+    in_flight = 1.0
     if strategy.pp_stages > 1:
         from dstrain.strategy.pipe_schedules import held_stages
 
         in_flight = held_stages(strategy.pipe_schedule, strategy.pp_stages, strategy.grad_accum)
-    return (in_flight * layers - 1) * tokens * a * m.d_model
+    return int((in_flight * layers - 1) * tokens * a * m.d_model)

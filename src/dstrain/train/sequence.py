@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dstrain.model.config import GPTConfig
 from dstrain.strategy.parallel import kv_replicas
 
 
@@ -73,7 +74,7 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         # (B, L, heads, d): scatter the heads (dim 2), gather the sequence (dim 1).
         self.exchange = DistributedAttention(core, group, scatter_idx=2, gather_idx=1)
-        self.config = core.config
+        self.config: GPTConfig = core.config  # type: ignore[assignment]
         self.positions = positions
         self.replicas = kv_replicas(self.config.n_head, self.config.kv_heads, torch.distributed.get_world_size(group))
 
