@@ -114,3 +114,28 @@ def test_a_sequence_not_dividing_sp_times_the_loss_chunks_is_refused():
     config = load_ds_config(ROOT / "ds_configs/sp8_zero3_bf16.json") | {"tiling": {"loss": 3}}
     with pytest.raises(DstrainError, match=r"tiling.loss=3 does not divide the 16384 tokens of a rank's sequence"):
         resolve(load_recipe(recipe_file), recipe_file, config, "d.json", 8, check_device=False)
+
+
+def test_long_samples_pack_documents_each_attending_within_its_own(tiny_corpus, tmp_path):
+    """At 4096 tokens a sample of the tiny corpus holds several whole documents, or a slice of one longer than it:
+    the position ids restart after every EOS (and at the sample's start), and the document mask built from them (the
+    one Ulysses builds on the gathered sequence) lets a token attend to the earlier tokens of its own document only."""
+    from dstrain.data.dataset import build_dataset, collate, read_manifest
+    from dstrain.model.doc_attention import doc_causal_mask
+
+    seq, eos = 4096, read_manifest(tiny_corpus)["eos_id"]
+    ds = build_dataset([(str(tiny_corpus), 1.0)], "train", seq, 0, None, 0.1, cache_dir=tmp_path)
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    documents_per_sample = []
+    for start in range(0, len(ds) - 1, 2):
+        batch = collate([ds[start], ds[start + 1]])
+        masks = doc_causal_mask(batch["position_ids"], seq)[:, 0]
+        for inputs, positions, mask in zip(batch["input_ids"], batch["position_ids"], masks):
+            starts = torch.cat([torch.tensor([0]), (inputs[:-1] == eos).nonzero().flatten() + 1])
+            expected = torch.zeros(seq, dtype=torch.long)
+            expected[starts] = 1
+            document = torch.cumsum(expected, 0)
+            assert torch.equal(positions, torch.arange(seq) - starts[document - 1])
+            assert torch.equal(mask, (document[:, None] == document[None, :]) & causal)
+            documents_per_sample.append(len(starts))
+    assert min(documents_per_sample) == 1 and max(documents_per_sample) > 2  # slices of long ones, and packed ones
