@@ -139,3 +139,14 @@ def test_long_samples_pack_documents_each_attending_within_its_own(tiny_corpus, 
             assert torch.equal(mask, (document[:, None] == document[None, :]) & causal)
             documents_per_sample.append(len(starts))
     assert min(documents_per_sample) == 1 and max(documents_per_sample) > 2  # slices of long ones, and packed ones
+
+
+def test_a_long_sample_that_fits_nowhere_is_told_more_nodes_or_a_shorter_sequence(capsys):
+    """Llama-3.1-8B at 1M tokens on one H100: one line naming the fewest such nodes and the longest sample that fit."""
+    from dstrain.commands.cli import main as cli
+
+    recipe_file = ROOT / "recipes/continue-llama3.1-8b-1m.yaml"
+    assert cli(["plan", "--recipe", str(recipe_file), "--gpus-per-node", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fits 1 x 1 devices of 80 GiB with 2048 GiB of host memory per node" in err[0], err
+    assert "what fits: 4 nodes (--nodes 4) or data.seq_len=262144" in err[0]
