@@ -150,3 +150,18 @@ def test_a_long_sample_that_fits_nowhere_is_told_more_nodes_or_a_shorter_sequenc
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "fits 1 x 1 devices of 80 GiB with 2048 GiB of host memory per node" in err[0], err
     assert "what fits: 4 nodes (--nodes 4) or data.seq_len=262144" in err[0]
+
+
+def test_init_from_accepts_a_longer_context_for_a_rope_model_only():
+    """Continued pretraining past the published context raises model.max_seq_len: no position table changes size
+    under RoPE, so init_from's architecture check takes a longer one (a shorter one, or gpt2's table, it refuses)."""
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.hf import architecture_diff
+
+    published = GPTConfig(flavour="llama", max_seq_len=131072, n_layer=2, n_head=4, d_model=64)
+    assert architecture_diff(dataclasses.replace(published, max_seq_len=1048576), published) == []
+    assert architecture_diff(dataclasses.replace(published, max_seq_len=4096), published) == [
+        ("max_seq_len", 4096, 131072)
+    ]
+    gpt2 = GPTConfig(flavour="gpt2", max_seq_len=1024, n_layer=2, n_head=4, d_model=64)
+    assert architecture_diff(dataclasses.replace(gpt2, max_seq_len=2048), gpt2) == [("max_seq_len", 2048, 1024)]
