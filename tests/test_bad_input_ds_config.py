@@ -53,6 +53,22 @@ CASES = {
         lambda t, c: (small_recipe(t, c), ds_config(t, "tp2_zero1", sequence_parallel_size=2), []),
         ["sequence_parallel_size with tensor_parallel", "ds_configs/tp2_zero1.json"],
     ),
+    "host checkpointing without activation checkpointing": (
+        lambda t, c: (
+            small_recipe(t, c),
+            ds_config(
+                t,
+                "pp2_zero1",
+                pipeline={"stages": 2, "activation_checkpoint_interval": 0},
+                activation_checkpointing={"cpu_checkpointing": True},
+            ),
+            [],
+        ),
+        [
+            "activation_checkpointing.cpu_checkpointing",
+            "activation_checkpoint_interval=0 turns activation checkpointing",
+        ],
+    ),
     "misspelled tiling key": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", tiling={"los": 4}), []),
         ['unknown key "tiling.los"', '"loss" and "mlp"'],
