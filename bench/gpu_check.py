@@ -188,7 +188,7 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
         Part(
             "long_context",
             lambda c: features.long_context(c, steps, dry),
-            tiny if dry else run_s(dry, "llama-1b-32k", 131072, 1, steps) * 2,  # x2: every block recomputed
+            tiny if dry else run_s(dry, "llama-1b-32k", 131072, 1, features.LONG_CONTEXT_STEPS) * 2,  # x2: recompute
             VERDICT + ["measured_gib", "estimated_gib", "error", "host_gib"],
             "A 131,072-token step of a 1B llama with host-held checkpoints: peak memory against the estimate",
         ),

@@ -110,6 +110,7 @@ def sft_loss(check: Check, steps: int) -> list[dict]:
 
 LONG_CONTEXT = ("llama-1b-32k", 131072)  # (recipe, tokens per sample) on a GPU
 DRY_LONG_CONTEXT = ("tiny", 256)
+LONG_CONTEXT_STEPS = 4
 
 
 def long_context(check: Check, steps: int, dry: bool) -> list[dict]:
@@ -118,6 +119,7 @@ def long_context(check: Check, steps: int, dry: bool) -> list[dict]:
     from dstrain.strategy.memory import estimate_file
 
     recipe_name, seq = DRY_LONG_CONTEXT if dry else LONG_CONTEXT
+    steps = min(steps, LONG_CONTEXT_STEPS)  # a memory figure: a few steps (~15 s each on an H100)
     levers = {
         "train_micro_batch_size_per_gpu": 1,
         "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": True},
