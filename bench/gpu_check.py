@@ -199,6 +199,13 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
             VERDICT,
             "`dstrain doctor`: every shipped strategy against ZeRO-0 on tiny, the kernels and the collectives",
         ),
+        Part(
+            "long_context",
+            lambda c: features.long_context(c, steps, dry),
+            tiny if dry else run_s(dry, "llama-1b-32k", 131072, 1, features.LONG_CONTEXT_STEPS) * 2,  # x2: recompute
+            VERDICT + ["measured_gib", "estimated_gib", "error", "host_gib"],
+            "A 131,072-token step of a 1B llama with host-held checkpoints: peak memory against the estimate",
+        ),
     ]
 
 

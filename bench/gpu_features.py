@@ -12,6 +12,9 @@ own tolerance) and, on a GPU, the speed and peak memory it costs or saves.
 - chunked_attention: Llama 4's attention (issue 50: 32-token chunks on 3 blocks, a block without RoPE with temperature
   tuning, the weightless q/k norm) through FlexAttention's block mask on a GPU against the dense mask on the CPU.
 - doctor: `dstrain doctor` on tiny, every shipped strategy the GPUs can run against ZeRO-0, and the kernel checks.
+- long_context: a 131,072-token step of a 1B llama (llama-1b-32k's model) with the long-context levers (activation
+  checkpoints held on the host, the chunked loss, the tiled MLP; sequence parallelism over the loan's devices, none
+  on a world of one), its peak device memory against `dstrain estimate`'s.
 """
 
 from __future__ import annotations
@@ -130,6 +133,42 @@ def sft_loss(check: Check, steps: int) -> list[dict]:
         return [check.verdict("SFT masked loss, this device", run["rc"] == 0, f"{status(run)}; no CUDA")]
     reference = check.train("sft-cpu", "tiny", config, tuning, steps, env=ON_CPU)
     return [compare(check, "SFT masked loss: GPU vs CPU", run, reference, 1e-4, steps)]
+
+
+LONG_CONTEXT = ("llama-1b-32k", 131072)  # (recipe, tokens per sample) on a GPU
+DRY_LONG_CONTEXT = ("tiny", 256)
+LONG_CONTEXT_STEPS = 4
+
+
+def long_context(check: Check, steps: int, dry: bool) -> list[dict]:
+    """Peak device memory of one long sample's steps against the estimate's device peak (and its host memory)."""
+    from dstrain.plan.memory import estimate_file
+    from dstrain.recipe_file import load_recipe
+
+    recipe_name, seq = DRY_LONG_CONTEXT if dry else LONG_CONTEXT
+    steps = min(steps, LONG_CONTEXT_STEPS)  # a memory figure: a few steps (~15 s each on an H100)
+    levers = {
+        "train_micro_batch_size_per_gpu": 1,
+        "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": True},
+        "tiling": {"loss": 4 if dry else "auto", "mlp": 4},
+    }
+    path = _config(check, "long-context", "zero1.json" if dry else "zero3_bf16.json", **levers)
+    overrides = [f"data.seq_len={seq}", "train.global_batch=1", f"model.max_seq_len={seq}"]
+    recipe_file = ROOT / "recipes" / f"{recipe_name}.yaml"
+    recipe = load_recipe(recipe_file, overrides + [f"data.sources=[{{path: {check.data}}}]"])
+    est = estimate_file(recipe, recipe_file, path, 1, 1)
+    run = check.train("long-context", recipe_name, path, overrides, steps)
+    measured = max((r.get("mem_peak_bytes") or 0 for r in run["records"]), default=0)
+    detail = f"{status(run)}; {seq} tokens, world of one (SP 1), host-held checkpoints, chunked loss, tiled MLP"
+    row = check.verdict(f"long context: {recipe_name} at {seq} tokens", run["rc"] == 0, detail)
+    row.update(
+        measured_gib=round(measured / 2**30, 2),
+        estimated_gib=round(est.peak("device") / 2**30, 2),
+        error=round(est.peak("device") / measured - 1, 3) if measured else None,
+        host_gib=round(est.peak("cpu") / 2**30, 2),
+        seconds=run["seconds"],
+    )
+    return [row]
 
 
 def _speed_row(name: str, run: dict) -> dict:

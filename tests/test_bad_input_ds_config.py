@@ -37,9 +37,9 @@ CASES = {
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero2", pipeline={"stages": 2}), []),
         ["pipeline parallelism works with ZeRO stage 0 or 1", "stage to 1"],
     ),
-    "sequence parallelism not dividing the heads": (
-        lambda t, c: (small_recipe(t, c, model={"n_kv_head": 1}), ROOT / "ds_configs/sp2_zero1.json", []),
-        ["sequence_parallel_size=2 does not divide the 1 heads", "model.n_kv_head"],
+    "sequence parallelism not dividing the query heads": (  # beyond the key/value heads is fine: they are repeated
+        lambda t, c: (small_recipe(t, c, model={"n_head": 1, "n_kv_head": 1}), ROOT / "ds_configs/sp2_zero1.json", []),
+        ["sequence_parallel_size=2 does not divide the 1 query heads", "model.n_head"],
     ),
     "sequence parallelism not dividing seq_len": (
         lambda t, c: (edit_recipe(small_recipe(t, c), "data", seq_len=33), ROOT / "ds_configs/sp2_zero1.json", []),
@@ -52,6 +52,22 @@ CASES = {
     "sequence parallelism with tensor parallelism": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "tp2_zero1", sequence_parallel_size=2), []),
         ["sequence_parallel_size with tensor_parallel", "ds_configs/tp2_zero1.json"],
+    ),
+    "host checkpointing without activation checkpointing": (
+        lambda t, c: (
+            small_recipe(t, c),
+            ds_config(
+                t,
+                "pp2_zero1",
+                pipeline={"stages": 2, "activation_checkpoint_interval": 0},
+                activation_checkpointing={"cpu_checkpointing": True},
+            ),
+            [],
+        ),
+        [
+            "activation_checkpointing.cpu_checkpointing",
+            "activation_checkpoint_interval=0 turns activation checkpointing",
+        ],
     ),
     "misspelled tiling key": (
         lambda t, c: (small_recipe(t, c), ds_config(t, "zero1", tiling={"los": 4}), []),

@@ -39,6 +39,7 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
         "sft_loss",
         "chunked_attention",
         "doctor",
+        "long_context",
         "pytest_gpu",
         "doc_masking",
         "published_family",
@@ -57,6 +58,8 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
     assert [row["ok"] for row in parts["sft_loss"]["rows"]] == [True]  # on a GPU: against the CPU, 1e-4
     assert [row["ok"] for row in parts["chunked_attention"]["rows"]] == [True]  # on a GPU: against the CPU, 1e-4
     assert all(row["ok"] for row in parts["doctor"]["rows"]) and len(parts["doctor"]["rows"]) >= 4  # + zero2, twin
+    (long,) = parts["long_context"]["rows"]  # host-held checkpoints, chunked loss, tiled MLP: memory vs estimate
+    assert long["ok"] and long["estimated_gib"] > 0 and "host_gib" in long  # tiny's host share rounds to 0.00 GiB
     (memory,) = parts["memory_gpt2_125m"]["rows"]
     assert memory["status"] == "ok" and memory["measured_gib"] > 0 and memory["estimated_gib"] > 0
     (speed,) = parts["speed_gpt2_125m"]["rows"]

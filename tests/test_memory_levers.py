@@ -80,7 +80,7 @@ def test_a_recipe_that_fits_nowhere_is_told_the_fewest_nodes_that_fit(capsys):
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no layout dstrain accepts fits 1 x 2 devices of 5 GiB" in err[0], err
-    assert "the fewest nodes on which one fits: 8 (--nodes 8)" in err[0]
+    assert "what fits: 8 nodes (--nodes 8)" in err[0]
     recipe, small = load_recipe(recipe_file), dataclasses.replace(H100, memory_gib=5)
     assert fits_somewhere(recipe, recipe_file, Cluster(small, 8, 2), "bf16")
     assert not fits_somewhere(recipe, recipe_file, Cluster(small, 7, 2), "bf16")

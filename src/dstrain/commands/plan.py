@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
-from dstrain.plan.layouts import Planned, plan, smallest_fitting_nodes
+from dstrain.plan.layouts import Planned, longest_fitting_sequence, plan, smallest_fitting_nodes
 from dstrain.plan.memory_parts import GIB
 from dstrain.plan.time_model import DEVICES, Cluster, Device
 from dstrain.precision import Precision
@@ -29,6 +29,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-node", "--gpus_per_node", type=int, default=8, help="devices per node (default: 8)")
     parser.add_argument("--device", choices=sorted(DEVICES), default=None, help="a known device (default: h100-sxm)")
     parser.add_argument("--device-memory", type=float, default=None, metavar="GiB", help="memory per device")
+    parser.add_argument(
+        "--host-gib",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="host memory per node that offloaded state and host-held checkpoints may take (default: the device's, "
+        "2048 for an H100 node)",
+    )
     parser.add_argument("--peak-tflops", type=float, default=None, metavar="T", help="dense bf16 TFLOP/s per device")
     for where in ("intra", "inter"):
         help_text = f"Gbit/s per device, {where}-node"
@@ -47,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_arguments(args: argparse.Namespace) -> None:
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise DstrainError(f"--nodes {args.nodes} --gpus-per-node {args.gpus_per_node}: both must be at least 1")
-    for flag in ("device_memory", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+    for flag in ("device_memory", "host_gib", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise DstrainError(f"--{flag.replace('_', '-')} {value:g}: must be positive")
@@ -69,13 +77,15 @@ def device_of(args: argparse.Namespace, recipe: Recipe) -> tuple[Device, Precisi
     changes: dict = {}
     if args.device_memory is not None:
         changes["memory_gib"] = args.device_memory
+    if args.host_gib is not None:
+        changes["host_memory_gib"] = args.host_gib
     if args.peak_tflops is not None:
         changes["peak_tflops"] = {"bf16": args.peak_tflops, "fp16": args.peak_tflops, "fp32": args.peak_tflops / 15}
     if args.intra_node_gbps is not None:
         changes["intra_node_gbps"] = args.intra_node_gbps
     if args.inter_node_gbps is not None:
         changes["inter_node_gbps"] = args.inter_node_gbps
-    if changes and args.device is None:
+    if set(changes) - {"host_memory_gib"} and args.device is None:
         changes["name"] = "custom"
     return dataclasses.replace(device, **changes), "bf16"
 
@@ -88,17 +98,7 @@ def main(args: argparse.Namespace) -> int:
         cluster = Cluster(device, args.nodes, args.gpus_per_node)
         found, fitting = plan(recipe, args.recipe, cluster, precision, args.top, torch_adam=args.calibrate)
     if not found:
-        with contextlib.redirect_stdout(sys.stderr):
-            nodes = smallest_fitting_nodes(recipe, args.recipe, cluster, precision)
-        fix = (
-            f"the fewest nodes on which one fits: {nodes} (--nodes {nodes}), or pick a device with more memory"
-            if nodes
-            else "none fits on up to 1024 such nodes either: pick a device with more memory"
-        )
-        raise DstrainError(
-            f"{args.recipe}: no layout dstrain accepts fits {args.nodes} x {args.gpus_per_node} devices of "
-            f"{device.memory_gib:.4g} GiB; {fix}"
-        )
+        raise DstrainError(fits_nowhere(recipe, args.recipe, cluster, precision))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(found[0].ds_config, indent=2) + "\n")
@@ -109,12 +109,29 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def fits_nowhere(recipe: Recipe, recipe_file: str, cluster: Cluster, precision: Precision) -> str:
+    """The one line when nothing fits: what would (more nodes, a shorter sequence)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        nodes = smallest_fitting_nodes(recipe, recipe_file, cluster, precision)
+        seq = longest_fitting_sequence(recipe, recipe_file, cluster, precision)
+    fixes = [f"{nodes} nodes (--nodes {nodes})"] if nodes else []
+    fixes += [f"data.seq_len={seq}"] if seq else []
+    fix = f"what fits: {' or '.join(fixes)}" if fixes else "none fits on up to 1024 nodes or at 1024 tokens either"
+    d = cluster.device
+    return (
+        f"{recipe_file}: no layout dstrain accepts fits {cluster.nodes} x {cluster.gpus_per_node} devices of "
+        f"{d.memory_gib:.4g} GiB with {d.host_memory_gib:.4g} GiB of host memory per node; {fix}, "
+        f"or pick a device with more memory"
+    )
+
+
 def summary(p: Planned) -> dict:
     return {
         "layout": p.layout.describe(),
         "micro_batch": p.strategy.micro_batch,
         "grad_accum": p.strategy.grad_accum,
         "memory_gib": (p.estimate.peak("device") + p.estimate.reserve) / GIB,
+        "host_gib_per_node": p.estimate.peak("cpu") * p.estimate.gpus_per_node / GIB,
         "step_s": p.prediction.step_s,
         "tokens_per_s": p.tokens_per_s,
         "mfu": p.mfu,
@@ -131,17 +148,19 @@ def print_plan(best: list[Planned], cluster: Cluster, total: int, out: Path | No
     d = cluster.device
     print(
         f"{total} layouts fit {cluster.nodes} x {cluster.gpus_per_node} {d.name} ({d.memory_gib:.4g} GiB, "
+        f"{d.host_memory_gib:.4g} GiB host per node, "
         f"{d.efficiency:.0%} of {max(d.peak_tflops.values()):.4g} TFLOP/s reached, "
         f"{d.intra_node_gbps:.4g}/{d.inter_node_gbps:.4g} Gbit/s "
         f"intra/inter-node); fastest first:"
     )
-    columns = f"{'micro':>5} {'accum':>5} {'GiB':>6} {'step s':>9} {'tokens/s':>10} {'MFU':>6}"
-    print(f"{'#':>2}  {'layout':<34} {columns}  bound")
+    columns = f"{'micro':>5} {'accum':>5} {'GiB':>6} {'host':>6} {'step s':>9} {'tokens/s':>10} {'MFU':>6}"
+    print(f"{'#':>2}  {'layout':<44} {columns}  bound")
     for i, p in enumerate(best, 1):
         mfu = f"{p.mfu:.1%}" if p.mfu is not None else "-"
         print(
-            f"{i:>2}  {p.layout.describe():<34} {p.strategy.micro_batch:>5} {p.strategy.grad_accum:>5} "
-            f"{(p.estimate.peak('device') + p.estimate.reserve) / GIB:>6.1f} {p.prediction.step_s:>9.4g} "
+            f"{i:>2}  {p.layout.describe():<44} {p.strategy.micro_batch:>5} {p.strategy.grad_accum:>5} "
+            f"{(p.estimate.peak('device') + p.estimate.reserve) / GIB:>6.1f} "
+            f"{p.estimate.peak('cpu') * cluster.gpus_per_node / GIB:>6.0f} {p.prediction.step_s:>9.4g} "
             f"{p.tokens_per_s:>10,.0f} {mfu:>6}  {p.prediction.bound}"
         )
     if out is not None:

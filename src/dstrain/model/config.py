@@ -153,7 +153,7 @@ class GPTConfig:
         None  # Llama 4's temperature tuning on blocks without RoPE: q times 1 + attn_temperature_scale *
         # ln(1 + floor((position + 1) / attn_temperature_floor)); None = off
     )
-    attn_temperature_scale: float = 0.1  # the strength of that tuning (Llama 4's attn_scale)
+    attn_temperature_scale: Annotated[float, Range(ge=0)] = 0.1  # the strength of that tuning (Llama 4's attn_scale)
     nope_layers: list[Annotated[int, Range(ge=0)]] = field(default_factory=list)  # blocks (0-based) without RoPE
     attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (GPT-OSS's sinks)
     rope_scaling: RopeScaling | None = None  # RoPE scaling (Llama 3.x: llama3); None = unscaled

@@ -152,6 +152,8 @@ def architecture_diff(ours: GPTConfig, theirs: GPTConfig) -> list[tuple[str, obj
     fields = [f.name for f in dataclasses.fields(ours) if f.name not in NOT_ARCHITECTURE]
     if ours.flavour != "llama" or theirs.flavour != "llama":
         fields.remove("rope_theta")  # gpt2 has no RoPE
+    if ours.flavour == theirs.flavour == "llama" and ours.max_seq_len >= theirs.max_seq_len:
+        fields.remove("max_seq_len")  # no position table: continued pretraining may extend the context (long context)
     if ours.n_moe_layers == ours.n_layer and theirs.n_moe_layers == theirs.n_layer:
         fields.remove("d_ff")  # no dense block uses it
     values = [(k, getattr(ours, resolved.get(k, k)), getattr(theirs, resolved.get(k, k))) for k in fields]

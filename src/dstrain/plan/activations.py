@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from dstrain.config import Recipe
+from dstrain.strategy.parallel import kv_replicas
 from dstrain.strategy.resolve import Strategy
 
 
@@ -22,7 +23,9 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     a = 4 if strategy.precision == "fp32" else 2
     seq = recipe.data.seq_len // strategy.sp_size  # a sequence-parallel rank's slice of each sample
     tokens = strategy.micro_batch * seq
-    h, kv, heads = m.d_model, m.kv_heads * m.head_dim, m.n_head
+    h, heads = m.d_model, m.n_head
+    # Under SP beyond the key/value heads, attention holds each rank's repeated key/value heads (train/sequence.py).
+    kv = m.kv_heads * kv_replicas(heads, m.kv_heads, strategy.sp_size) * m.head_dim
     q = m.n_head * m.head_dim  # d_model unless model.d_head decouples them (Qwen3)
     if m.flavour == "llama":
         norm = (a if fused_norms else 8) * h + 4  # the norm's input (fused) or fp32 input and output; rstd
@@ -70,7 +73,8 @@ def sp_exchange_bytes(recipe: Recipe, strategy: Strategy) -> int:
     context's exchange back is smaller); the tensors saved for the backward are counted in activation_bytes."""
     m, a = recipe.model, 4 if strategy.precision == "fp32" else 2
     tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
-    return 2 * a * tokens * (m.n_head * m.head_dim + 2 * m.kv_heads * m.head_dim)
+    kv = m.kv_heads * kv_replicas(m.n_head, m.kv_heads, strategy.sp_size)  # repeated beyond the key/value heads
+    return 2 * a * tokens * (m.n_head * m.head_dim + 2 * kv * m.head_dim)
 
 
 def mlp_inner(m) -> int:
@@ -86,3 +90,20 @@ def mlp_tile_bytes(recipe: Recipe, strategy: Strategy) -> int:
     tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
     tile = tokens // strategy.mlp_tiles
     return a * (2 * tile * mlp_inner(m) // strategy.tp_size + tokens * m.d_model)
+
+
+def host_checkpoint_bytes(recipe: Recipe, strategy: Strategy) -> int:
+    """Checkpointed block inputs held in pinned host memory (activation_checkpointing.cpu_checkpointing), per rank:
+    every block's but the last, which DeepSpeed keeps on the device for the backward's first recompute
+    (``_ActivationOffloadEngine(keep_last_count=1)``); a pipeline's first stage holds its in-flight micro-batches'."""
+    if not (strategy.activation_checkpointing and strategy.host_checkpoints):
+        return 0
+    m, a = recipe.model, 4 if strategy.precision == "fp32" else 2
+    tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
+    layers = math.ceil(m.n_layer / strategy.pp_stages)
+    in_flight = 1.0
+    if strategy.pp_stages > 1:
+        from dstrain.plan.pipe_schedules import held_stages
+
+        in_flight = held_stages(strategy.pipe_schedule, strategy.pp_stages, strategy.grad_accum)
+    return int((in_flight * layers - 1) * tokens * a * m.d_model)

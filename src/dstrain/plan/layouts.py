@@ -2,11 +2,13 @@
 dstrain.train runs (its refusals are the planner's), sized by the memory model, timed by the time model.
 
 Enumerated: ZeRO 0-3; CPU offload of the optimizer (stage 1-3) and of the parameters (stage 3); tensor-parallel,
-pipeline (1F1B and DualPipeV schedules), sequence-parallel and expert-parallel sizes (powers of two; TP and SP within
-a node, a planner policy: their per-block collectives across nodes never win); micro-batches (powers of two);
+pipeline (1F1B and DualPipeV schedules), sequence-parallel and expert-parallel sizes (powers of two; TP within a
+node, a planner policy: its per-block collectives across nodes never win); micro-batches (powers of two);
 activation checkpointing; the chunked loss (``tiling.loss`` "auto" against 1, where "auto" chunks at all) and the
-tiled MLP (``tiling.mlp`` 4, without a pipeline). The memory model counts what each lever frees, the time model
-what each recomputes; for each layout the largest micro-batch that fits is kept with the smaller ones.
+tiled MLP (``tiling.mlp`` 4, without a pipeline); activation checkpoints held on the host (``cpu_checkpointing``);
+SP up to the query heads, across nodes. The memory model counts what each lever frees (on the device, and on each
+node's host: ``Device.host_memory_gib``, ``plan --host-gib``), the time model what each recomputes and moves; for
+each layout the largest micro-batch that fits is kept with the smaller ones.
 Not enumerated: NVMe offload (it needs a path on the cluster's nodes), fp32 and fp16 where bf16 runs (bf16 is as
 exact here: dstrain sums its gradients in fp32).
 """
@@ -20,7 +22,7 @@ from pathlib import Path
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.plan.memory import estimate
-from dstrain.plan.memory_parts import Estimate
+from dstrain.plan.memory_parts import GIB, Estimate
 from dstrain.plan.time_model import Cluster, Prediction, layout_counts, predict
 from dstrain.precision import Precision
 from dstrain.strategy.ds_schema import validate_ds_config
@@ -47,6 +49,7 @@ class Layout:
     schedule: str = "1f1b"  # the pipeline's ("pipeline.schedule"): "1f1b" or "dualpipev"
     chunked_loss: bool = False  # "tiling.loss": "auto" (chunked where the logits are large), else 1 (whole)
     mlp_tiles: int = 1  # "tiling.mlp"
+    host_checkpoints: bool = False  # "activation_checkpointing.cpu_checkpointing": checkpoints held on the host
 
     def ds_config(self, precision: Precision, torch_adam: bool) -> dict:
         """This layout as a ds_config: the recipe's fields "auto", the strategy's set."""
@@ -91,8 +94,8 @@ class Layout:
             }
             if self.schedule != "1f1b":
                 config["pipeline"]["schedule"] = self.schedule
-        elif self.checkpointing:
-            config["activation_checkpointing"] = dict(CHECKPOINTING)
+        if self.checkpointing and (self.pp == 1 or self.host_checkpoints):
+            config["activation_checkpointing"] = dict(CHECKPOINTING, cpu_checkpointing=self.host_checkpoints)
         if self.sp > 1:
             config["sequence_parallel_size"] = self.sp
         config["tiling"] = {"loss": AUTO if self.chunked_loss else 1}
@@ -110,7 +113,7 @@ class Layout:
         if self.offload != "none":
             parts.append(f"offload {self.offload}")
         if self.checkpointing:
-            parts.append("act-ckpt")
+            parts.append("act-ckpt on host" if self.host_checkpoints else "act-ckpt")
         if self.chunked_loss:
             parts.append("chunked-loss")
         if self.mlp_tiles > 1:
@@ -139,17 +142,20 @@ def candidate_layouts(recipe: Recipe, cluster: Cluster) -> list[list[Layout]]:
     experts = recipe.model.moe.num_experts if recipe.model.moe else 1
     micros = powers_of_two(min(recipe.train.global_batch, 64))
     shapes, moe = [], recipe.model.moe is not None
+    # SP up to the query heads, across nodes too: long sequences need more ranks than a node has (beyond the key/value
+    # heads each rank repeats them: dstrain.train.sequence)
+    sizes_sp = [sp for sp in powers_of_two(min(world, recipe.model.n_head)) if recipe.model.n_head % sp == 0]
     for tp in powers_of_two(g):
-        for sp in powers_of_two(g):
+        for sp in sizes_sp:
             for pp in powers_of_two(min(world, recipe.model.n_layer)):
                 for ep in powers_of_two(experts):
                     if tp * sp * pp * ep > world:
                         continue
                     for zero in range(4):
                         for offload in ("none", "optimizer", "optimizer+params")[: 1 + (zero > 0) + (zero == 3)]:
-                            for ckpt in (False, True):
+                            for ckpt, host in ((False, False), (True, False), (True, True)):
                                 for sched in ("1f1b", "dualpipev") if pp > 1 else ("1f1b",):
-                                    shape = (zero, tp, pp, sp, ep, offload, ckpt, sched)
+                                    shape = (zero, tp, pp, sp, ep, offload, ckpt, sched, host)
                                     shapes += [
                                         _micro_batches(shape, micros, *levers) for levers in tiling_levers(pp, moe)
                                     ]
@@ -163,8 +169,8 @@ def tiling_levers(pp: int, moe: bool) -> list[tuple[bool, int]]:
 
 
 def _micro_batches(shape: tuple, micros: list[int], chunked: bool, mlp_tiles: int) -> list[Layout]:
-    zero, tp, pp, sp, ep, offload, ckpt, sched = shape
-    return [Layout(zero, m, tp, pp, sp, ep, offload, ckpt, sched, chunked, mlp_tiles) for m in micros]
+    zero, tp, pp, sp, ep, offload, ckpt, sched, host = shape
+    return [Layout(zero, m, tp, pp, sp, ep, offload, ckpt, sched, chunked, mlp_tiles, host) for m in micros]
 
 
 def plan(
@@ -186,7 +192,7 @@ def plan(
                 continue
             if layout.chunked_loss and strategy.loss_tiles == 1:
                 continue  # "auto" keeps this micro-batch's loss whole: the unchunked layout already weighs it
-            if not est.fits:
+            if not fits(est, cluster):
                 break  # a larger micro-batch needs more memory still
             found.append(_timed(recipe, layout, config, strategy, est, cluster, precision))
     # Equal predictions (compute-bound, communication hidden): fewer micro-batches first, since each costs engine
@@ -204,6 +210,24 @@ def plan(
     return kept, len(found)
 
 
+def fits(est: Estimate, cluster: Cluster) -> bool:
+    """The device's memory, and the host's of each node (offloaded state, checkpoints held on the host)."""
+    return est.fits and est.peak("cpu") * cluster.gpus_per_node <= cluster.device.host_memory_gib * GIB
+
+
+def longest_fitting_sequence(
+    recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: Precision
+) -> int | None:
+    """The longest data.seq_len, halving the recipe's, at which some layout fits ``cluster``; None below 1024."""
+    seq = recipe.data.seq_len // 2
+    while seq >= 1024:
+        shorter = replace(recipe, data=replace(recipe.data, seq_len=seq))
+        if fits_somewhere(shorter, recipe_file, cluster, precision):
+            return seq
+        seq //= 2
+    return None
+
+
 def fits_somewhere(recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: Precision) -> bool:
     """Whether any layout dstrain accepts fits ``cluster`` (the memory model only, its smallest micro-batch)."""
     world = cluster.nodes * cluster.gpus_per_node
@@ -215,7 +239,7 @@ def fits_somewhere(recipe: Recipe, recipe_file: str | Path, cluster: Cluster, pr
                 est = estimate(recipe, strategy, cluster.nodes, cluster.gpus_per_node, cluster.device.memory_gib)
             except DstrainError:
                 continue
-            if est.fits:
+            if fits(est, cluster):
                 return True
             break  # the smallest micro-batch this layout accepts does not fit: no larger one will
     return False

@@ -41,7 +41,12 @@ from typing import TYPE_CHECKING
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.model.config import num_params
-from dstrain.plan.activations import activation_bytes, mlp_tile_bytes, sp_exchange_bytes
+from dstrain.plan.activations import (
+    activation_bytes,
+    host_checkpoint_bytes,
+    mlp_tile_bytes,
+    sp_exchange_bytes,
+)
 from dstrain.plan.averaging_memory import averaging_parts
 from dstrain.plan.memory_parts import GIB, Estimate, Part
 from dstrain.plan.param_counts import MOE_FORMULA, ParamCounts, count_params, meta_shapes, moe_activation_bytes
@@ -105,7 +110,11 @@ def estimate(
 def activation_parts(recipe: Recipe, strategy: Strategy, fused_norms: bool) -> list[Part]:
     """Saved for the backward, the loss's logits (whole, or one tile of the chunked loss), a tiled MLP's tile."""
     saved, logits = activation_bytes(recipe, strategy, fused_norms)
-    parts = [Part("activations", "saved for backward", "device", saved, 0, "see module docstring")]
+    host = host_checkpoint_bytes(recipe, strategy)  # of the block inputs counted in `saved`
+    parts = [Part("activations", "saved for backward", "device", saved - host, 0, "see module docstring")]
+    if host:
+        name = "checkpointed block inputs, pinned on the host"
+        parts.append(Part("activations", name, "cpu", host, host, "(layers - 1)·a·T·d"))
     n = strategy.loss_tiles
     if n == 1:
         parts.append(Part("activations", "logits gradient (backward start)", "device", logits, 0, "8·T·V"))

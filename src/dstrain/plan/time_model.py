@@ -55,6 +55,7 @@ class Device:
     inter_node_gbps: float  # Gbit/s per device between nodes
     host_gbps: float  # Gbit/s between a device and its host memory (offload)
     cpu_adam_params_per_s: float  # DeepSpeed's CPU Adam: parameters updated per second for one device's share
+    host_memory_gib: float = 2048.0  # host memory of one node (a DGX H100 or A100 node: 2 TiB), for offloaded state
     micro_batch_overhead_s: float = 0.0  # fixed seconds of each micro-batch's forward + backward (launches, hooks)
     overlaps_communication: bool = True  # collectives on their own streams; False on a CPU (gloo runs them inline)
     # (engine kind, seconds per step, seconds per micro-batch) DeepSpeed's engine adds beyond the model's compute and
@@ -179,6 +180,7 @@ def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cl
         fraction = bubble_fraction(strategy.pipe_schedule, strategy.pp_stages, strategy.grad_accum)
         pred.bubble_s = pred.compute_s * fraction
     pred.offload_s = offload_seconds(strategy, counts, cluster.device)
+    pred.offload_s += host_checkpoint_seconds(recipe, strategy, cluster.device, pred.compute_s)
     engine_s = cluster.device.engine_seconds(engine_kind(strategy), strategy.grad_accum)
     pred.engine_s = engine_s + cluster.device.parallel_seconds(strategy)
     return pred
@@ -220,6 +222,15 @@ def offload_seconds(strategy: Strategy, counts: ParamCounts, device: Device) -> 
     if strategy.offload_param:
         seconds += 2 * strategy.grad_accum * counts.per_rank * b / (device.host_gbps * GBIT)
     return seconds
+
+
+def host_checkpoint_seconds(recipe: Recipe, strategy: Strategy, device: Device, compute_s: float) -> float:
+    """Checkpointed block inputs to the host in the forward and back in the backward (cpu_checkpointing): DeepSpeed
+    copies them on a side stream, so only what outlasts the compute shows (all of it where nothing overlaps)."""
+    from dstrain.plan.activations import host_checkpoint_bytes
+
+    moved = 2 * strategy.grad_accum * host_checkpoint_bytes(recipe, strategy) / (device.host_gbps * GBIT)
+    return max(0.0, moved - compute_s) if device.overlaps_communication else moved
 
 
 def traffic_table(recipe: Recipe, strategy: Strategy, counts: ParamCounts) -> list[Traffic]:

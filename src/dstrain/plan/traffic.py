@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from dstrain.config import Recipe
 from dstrain.plan.param_counts import ParamCounts
 from dstrain.precision import Precision
+from dstrain.strategy.parallel import kv_replicas
 from dstrain.strategy.resolve import Strategy
 
 # What each collective puts on the wire per rank, per logged byte, in a ring of n ranks (nccl-tests' bus bandwidth):
@@ -152,7 +153,8 @@ def model_parallel_traffic(recipe: Recipe, strategy: Strategy, imbalance: float 
         else:
             parts += [Traffic(op, "pp", strategy.pp_stages, g * act, what, False) for op in ("send", "recv")]
     if strategy.sp_size > 1:
-        qkvo = tokens * (2 * m.d_model + 2 * m.kv_heads * m.head_dim) * b
+        kv = m.kv_heads * kv_replicas(m.n_head, m.kv_heads, strategy.sp_size)  # repeated beyond the kv heads
+        qkvo = tokens * (2 * m.d_model + 2 * kv * m.head_dim) * b
         parts.append(
             Traffic("all_to_all_single", "sp", strategy.sp_size, g * m.n_layer * 2 * recompute * qkvo, "q, k, v", False)
         )

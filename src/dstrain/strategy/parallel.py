@@ -218,18 +218,27 @@ def check_sequence_parallel(
             f"{ds_file}: sequence_parallel_size with model.rope_scaling longrope is not supported: it picks its "
             f"factors by the batch's largest position, which each rank sees only in its slice; use a ZeRO config"
         )
-    for heads, key in [(model.n_head, "model.n_head"), (model.kv_heads, "model.n_kv_head")]:
-        if heads % size:
-            raise DstrainError(
-                f"{ds_file}: sequence_parallel_size={size} does not divide the {heads} heads of {recipe_file} "
-                f"({key}); each rank attends over whole heads: pick a size that divides them"
-            )
+    if model.n_head % size:  # beyond the key/value heads, each rank repeats them (dstrain.train.sequence)
+        fits = [n for n in range(2, model.n_head + 1) if model.n_head % n == 0]
+        raise DstrainError(
+            f"{ds_file}: sequence_parallel_size={size} does not divide the {model.n_head} query heads of "
+            f"{recipe_file} (model.n_head); each rank attends with whole heads: pick one of {fits}"
+        )
     if recipe.data.seq_len % size:
         raise DstrainError(
             f"{ds_file}: sequence_parallel_size={size} does not divide data.seq_len={recipe.data.seq_len} of "
             f"{recipe_file}; each rank holds an equal slice: pick a seq_len that is a multiple of {size}"
         )
     return size
+
+
+def kv_replicas(n_head: int, kv_heads: int, sp_size: int) -> int:
+    """How many copies of each key/value head SP exchanges: 1 where SP divides the key/value heads, else the fewest
+    r dividing the group (n_head / kv_heads query heads per key/value head) with kv_heads·r a multiple of SP, so that
+    rank i's n_head/sp query heads find their key/value heads among its kv_heads·r/sp (r = the group size, as many
+    as the query heads, always does: SP divides the query heads)."""
+    group = n_head // kv_heads
+    return next(r for r in range(1, group + 1) if group % r == 0 and kv_heads * r % sp_size == 0)
 
 
 def check_pipeline_accumulation(config: dict, ds_file: str, pp_stages: int, grad_accum: int) -> None:

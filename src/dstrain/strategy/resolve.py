@@ -115,6 +115,12 @@ class Strategy:
         interval = self.ds_config.get("pipeline", {}).get("activation_checkpoint_interval", 0)
         return "activation_checkpointing" in self.ds_config or (self.pp_stages > 1 and interval > 0)
 
+    @property
+    def host_checkpoints(self) -> bool:
+        """Each checkpointed block input is held in host memory (activation_checkpointing.cpu_checkpointing:
+        dstrain.train.host_checkpoints)."""
+        return bool(self.ds_config.get("activation_checkpointing", {}).get("cpu_checkpointing", False))
+
 
 def load_ds_config(path: str | Path) -> dict:
     path = Path(path)
@@ -166,6 +172,7 @@ def resolve(
     micro, grad_accum = _batch(config, recipe, recipe_file, ds_file, world_size, dp_size, pp_stages > 1 or sp_size > 1)
     parallel.check_pipeline_accumulation(config, ds_file, pp_stages, grad_accum)
     loss_tiles, mlp_tiles = check_tiling(config, recipe, ds_file, micro, sp_size, pp_stages)
+    _check_host_checkpoints(config, ds_file, pp_stages)
     _fill_recipe_values(config, recipe, recipe_file, ds_file)
     leftover = _find_auto(config)
     if leftover:
@@ -185,6 +192,19 @@ def resolve(
         loss_tiles=loss_tiles,
         mlp_tiles=mlp_tiles,
     )
+
+
+def _check_host_checkpoints(config: dict, ds_file: str, pp_stages: int) -> None:
+    """activation_checkpointing.cpu_checkpointing holds checkpoints on the host: there must be checkpoints."""
+    host = config.get("activation_checkpointing", {}).get("cpu_checkpointing", False)
+    if not isinstance(host, bool):
+        raise DstrainError(f"{ds_file}: activation_checkpointing.cpu_checkpointing={host!r}; use true or false")
+    if host and pp_stages > 1 and config["pipeline"].get("activation_checkpoint_interval", None) == 0:
+        raise DstrainError(
+            f"{ds_file}: activation_checkpointing.cpu_checkpointing holds activation checkpoints on the host, but "
+            f"pipeline.activation_checkpoint_interval=0 turns activation checkpointing off; set the interval to 1 or "
+            f"cpu_checkpointing to false"
+        )
 
 
 def _fill(section: dict, key: str, value: Any, owner: str, ds_file: str, recipe_file: str) -> None:

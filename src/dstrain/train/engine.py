@@ -211,12 +211,16 @@ def check_expert_groups(engine, strategy: Strategy) -> None:
 
 def configure_activation_checkpointing(engine, strategy: Strategy) -> None:
     """deepspeed.checkpointing reads its options (partition_activations, cpu_checkpointing, ...) from module
-    globals, set here from the ds_config's section. Partitioning splits each saved block input over the
+    globals, set here from the ds_config's section. cpu_checkpointing holds each block's input in host memory
+    (train/host_checkpoints.py). Partitioning splits each saved block input over the
     tensor-parallel group, which holds it replicated; without one there is nothing to partition over (a pipeline's
     grid is no such group, and DeepSpeed 0.19.8's configure() fails on it: it has no
     get_tensor_model_parallel_group)."""
     from deepspeed.runtime.activation_checkpointing import checkpointing
 
+    from dstrain.train import host_checkpoints
+
+    host_checkpoints.install()
     checkpointing.mpu = None  # configure() keeps a previous engine's grid when given none (DeepSpeed 0.19.8)
     section = strategy.ds_config.get("activation_checkpointing", {})  # none: a pipeline interval alone
     tensor_parallel = strategy.tp_size > 1
@@ -226,7 +230,7 @@ def configure_activation_checkpointing(engine, strategy: Strategy) -> None:
         engine.mpu if tensor_parallel else None,
         partition_activations=tensor_parallel and section.get("partition_activations", False),
         contiguous_checkpointing=tensor_parallel and section.get("contiguous_memory_optimization", False),
-        checkpoint_in_cpu=tensor_parallel and section.get("cpu_checkpointing", False),
+        checkpoint_in_cpu=section.get("cpu_checkpointing", False),  # on any layout: dstrain.train.host_checkpoints
         num_checkpoints=section.get("number_checkpoints"),
         synchronize=section.get("synchronize_checkpoint_boundary", False),
         profile=section.get("profile", False),

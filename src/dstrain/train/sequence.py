@@ -9,6 +9,12 @@ turns (B, L/sp, heads, d) into (B, L, heads/sp, d), the model's own ``CoreAttent
 sequence for its heads, and a second all-to-all turns the result back. The core gets the full sequence's position
 ids (all-gathered once per forward) for the document mask.
 
+SP beyond the key/value heads (Arctic Long Sequence Training's rule): SP must divide the query heads only. Where it
+does not divide the key/value heads, each rank repeats its slice's key/value heads (``kv_replicas``) before the
+all-to-all, so that every rank receives the key/value heads its query heads read; the backward of the repeat sums
+the replicas' gradients, which is the grouped-query gradient exactly (the same sum the core forms when it repeats
+the heads itself, in another order).
+
 The loss of a slice is its share of the sample's mean: sum of its tokens' losses / the tokens of the whole SP group
 (dstrain.train.forward.ModelForward._forward_loss).
 The shares add up to the full-sequence mean, and the gradient of the mean is the SUM over the SP group of each
@@ -20,6 +26,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from dstrain.model.config import GPTConfig
+from dstrain.strategy.parallel import kv_replicas
 
 
 def init_groups(sp_size: int):
@@ -65,12 +74,15 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         # (B, L, heads, d): scatter the heads (dim 2), gather the sequence (dim 1).
         self.exchange = DistributedAttention(core, group, scatter_idx=2, gather_idx=1)
-        self.config = core.config
+        self.config: GPTConfig = core.config  # type: ignore[assignment]
         self.positions = positions
+        self.replicas = kv_replicas(self.config.n_head, self.config.kv_heads, torch.distributed.get_world_size(group))
 
     def forward(self, q, k, v, position_ids):
         # Without doc masking the core attends causally over the gathered sequence, which is in order.
         full = self.positions(position_ids) if self.config.doc_masking and position_ids is not None else None
+        if self.replicas > 1:
+            k, v = k.repeat_interleave(self.replicas, dim=2), v.repeat_interleave(self.replicas, dim=2)
         return self.exchange(q, k, v, 0, None, full)
 
 
