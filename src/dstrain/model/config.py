@@ -15,6 +15,7 @@ FLAVOURS = ("gpt2", "llama")
 FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe"),
     *("smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"),
+    *("deepseek_v3", "deepseek_v2"),  # DeepSeek's latent attention and DeepSeekMoE (model.mla, model.moe)
 )
 
 
@@ -72,12 +73,52 @@ class MoEConfig:
         None  # GPT-OSS's clamped SwiGLU: gate clamped <= limit, up to +-limit, gate*sigmoid(alpha*gate)*(up+1)
     )
     swiglu_alpha: Annotated[float, Range(gt=0)] = 1.702  # the clamped SwiGLU's sigmoid slope (with swiglu_limit)
+    # --- DeepSeekMoE (DeepSeek-V2/V3, Moonlight, GLM-4.5): docs/moe.md; model/moe.py's deepseek_route ---
+    scoring: Literal["softmax", "sigmoid"] = (
+        "softmax"  # expert scores: softmax over experts, or each expert's sigmoid (DeepSeek-V3) plus a balancing bias
+    )
+    router_fp32: bool = False  # router logits computed in fp32 from fp32 weights and inputs (DeepSeek, GLM-4.5)
+    n_group: Annotated[int, Range(ge=1)] = 1  # expert groups; a token's experts come from its topk_group best groups
+    topk_group: Annotated[int, Range(ge=1)] = 1  # groups a token may route to (group-limited routing)
+    routed_scaling_factor: Annotated[float, Range(gt=0)] = 1.0  # the routed experts' weights multiplied by this
+    n_shared_experts: Annotated[int, Range(ge=0)] = 0  # experts every token runs through: one MLP this many wide
+    bias_update_rate: Annotated[float, Range(ge=0)] = (
+        0.0  # loss-free balancing (sigmoid scoring): after each step every expert's bias moves by this toward
+        # balanced load (DeepSeek-V3 section 2.1.2 uses 0.001); 0 = the bias stays as loaded
+    )
 
     def __post_init__(self) -> None:
+        if self.num_experts % self.n_group or self.topk_group > self.n_group:
+            raise DstrainError(
+                f"model.moe.n_group: {self.n_group} groups (topk_group {self.topk_group}) do not split "
+                f"num_experts={self.num_experts}; pick a divisor of num_experts and topk_group <= n_group"
+            )
+        if self.bias_update_rate and self.scoring != "sigmoid":
+            raise DstrainError("model.moe.bias_update_rate: the balancing bias needs scoring: sigmoid; set it to 0")
         if self.top_k > self.num_experts:
             raise DstrainError(
                 f"model.moe.top_k: {self.top_k} exceeds num_experts={self.num_experts}; set top_k <= num_experts"
             )
+
+
+@dataclass
+class MLAConfig:
+    """DeepSeek's multi-head latent attention (model.mla; DeepSeek-V2 section 2.1): keys and values from one low-rank
+    latent of kv_lora_rank per token, queries through one of q_lora_rank (or a plain projection), each head's query and
+    key a part without RoPE (qk_nope_head_dim) and a rotated part (qk_rope_head_dim, the key's shared by all heads),
+    values v_head_dim wide. RoPE (and its YaRN scaling) acts on the qk_rope_head_dim part only."""
+
+    kv_lora_rank: Annotated[int, Range(ge=1)]  # width of the compressed key/value latent (RMSNorm-ed)
+    q_lora_rank: Annotated[int, Range(ge=1)] | None = None  # width of the compressed query; None = plain q_proj
+    qk_nope_head_dim: Annotated[int, Range(ge=1)] = 128  # per head: query/key dimensions without RoPE
+    qk_rope_head_dim: Annotated[int, Range(ge=2)] = 64  # per head: query/key dimensions RoPE rotates
+    v_head_dim: Annotated[int, Range(ge=1)] = 128  # per head: value dimensions (o_proj takes n_head * v_head_dim)
+    rope_interleave: bool = True  # how the transformers checkpoint lays out the rotated rows (DeepSeek-V3: pairs);
+    # dstrain de-interleaves them on import and computes rotate_half RoPE (model/hf_deepseek.py)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass
@@ -143,6 +184,7 @@ class GPTConfig:
     nope_layers: list[Annotated[int, Range(ge=0)]] = field(default_factory=list)  # blocks (0-based) without RoPE
     attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (GPT-OSS's sinks)
     rope_scaling: RopeScaling | None = None  # RoPE scaling (Llama 3.x: llama3); None = unscaled
+    mla: MLAConfig | None = None  # multi-head latent attention in every block (DeepSeek-V2/V3); None = q/k/v heads
 
     @classmethod
     def from_dict(cls, fields: dict) -> GPTConfig:
@@ -150,6 +192,8 @@ class GPTConfig:
         values = dict(fields)
         if isinstance(values.get("moe"), dict):
             values["moe"] = MoEConfig(**values["moe"])
+        if isinstance(values.get("mla"), dict):
+            values["mla"] = MLAConfig(**values["mla"])
         if isinstance(values.get("rope_scaling"), dict):
             values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
         return cls(**values)
@@ -176,7 +220,9 @@ class GPTConfig:
         for key in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
                 raise bad(key, f"{getattr(self, key)!r} is not a positive integer", "set a positive integer")
-        if self.d_head is None and self.d_model % self.n_head:
+        if self.mla is not None and (self.flavour != "llama" or self.qk_norm or self.qkv_bias or self.n_kv_head):
+            raise bad("mla", "latent attention has its own heads, no n_kv_head, qk_norm nor qkv_bias", "remove them")
+        if self.mla is None and self.d_head is None and self.d_model % self.n_head:
             raise bad("n_head", f"{self.n_head} does not divide d_model={self.d_model}", "pick a divisor of d_model")
         if self.family is not None and self.family not in FAMILIES:
             raise bad("family", f"{self.family!r} is not a known family", f"use one of {', '.join(FAMILIES)}")
@@ -190,7 +236,7 @@ class GPTConfig:
             raise bad(
                 "n_kv_head", "grouped-query attention needs flavour 'llama'", "remove n_kv_head or set it to n_head"
             )
-        if self.flavour == "llama" and self.head_dim % 2:
+        if self.flavour == "llama" and self.mla is None and self.head_dim % 2:
             raise bad("n_head", f"RoPE needs an even head size, got {self.head_dim}", "change n_head or d_head")
         if self.d_ff is not None and self.d_ff <= 0:
             raise bad("d_ff", f"{self.d_ff} is not positive", "set a positive integer or remove it")
@@ -227,7 +273,9 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        """d_head with None resolved."""
+        """d_head with None resolved (with model.mla: the query/key head, nope and rope parts together)."""
+        if self.mla is not None:
+            return self.mla.qk_head_dim
         return self.d_model // self.n_head if self.d_head is None else self.d_head
 
     @property
@@ -240,6 +288,8 @@ class GPTConfig:
     @property
     def rotary_dim(self) -> int:
         """The dimensions of each head RoPE rotates (transformers: int(head_dim * partial_rotary_factor))."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property

@@ -20,6 +20,10 @@ dstrain.model.family_configs the configs (docs/published-models.md has the table
 |           |                      | logit_softcap (soft-capped scores and logits); layer_types alternating        |
 | gpt_oss   | GptOssForCausalLM    | attention_sinks, layer_types (alternating 128-token windows), qkv_bias,       |
 |           |                      | o_bias, moe: router_bias, expert_bias, swiglu_limit, swiglu_alpha (top-4)     |
+| deepseek_v3 | DeepseekV3ForCausalLM | mla (latent attention), rope_scaling yarn with mscale; moe: scoring sigmoid,|
+|           |                      | n_group, topk_group, routed_scaling_factor, n_shared_experts, dense_layers    |
+|           |                      | (first_k_dense_replace), router_fp32 (also Moonlight, Kimi K2)                |
+| deepseek_v2 | DeepseekV2ForCausalLM | mla; moe: scoring softmax, unnormalised, groups by topk_method, shared     |
 
 Qwen3-MoE's decoder_sparse_step is moe.every, its mlp_only_layers moe.dense_layers, moe_intermediate_size d_expert.
 """
@@ -45,9 +49,11 @@ CLASSES = {
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
     "gpt_oss": ("GptOssForCausalLM", "GptOssConfig"),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config"),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config"),
 }
 ARCHITECTURE_FAMILY = {architecture: family for family, (architecture, _) in CLASSES.items()}
-_LLAMA: dict[str, Any] = {"qkv_bias": False, "qk_norm": None, "norm_placement": "pre", "moe": False}
+_LLAMA: dict[str, Any] = {"qkv_bias": False, "qk_norm": None, "norm_placement": "pre", "moe": False, "mla": False}
 _GEMMA = _LLAMA | {"norm_placement": "sandwich", "norm_unit_offset": True, "scale_embeddings": True}
 _GEMMA |= {"mlp_activation": "gelu_tanh"}
 # The model.* features each family's class has fixed (an export to it must match them; a feature its class cannot
@@ -65,7 +71,10 @@ FIXED: dict[str, dict[str, Any]] = {
     "gemma2": _GEMMA,
     "gemma3": _GEMMA | {"qk_norm": "head"},
     "gpt_oss": _LLAMA | {"qkv_bias": True, "o_bias": True, "attention_sinks": True, "moe": True},
+    "deepseek_v3": _LLAMA | {"moe": True, "mla": True},
+    "deepseek_v2": _LLAMA | {"moe": True, "mla": True},
 }
+DEEPSEEK = {"deepseek_v3", "deepseek_v2"}  # latent attention; the layouts below (MLA_NAMES)
 WINDOW_EVERY_BLOCK = {"mistral", "mixtral", "phi3"}  # one sliding_window for every block (no layer_types in HF)
 WINDOW_PER_BLOCK = {"gemma2", "gemma3", "gpt_oss"}  # HF's layer_types and sliding_window
 SLIDING_KEY = {"qwen2", "qwen3", "qwen3_moe", "smollm3"}  # config has use_sliding_window (Qwen3-MoE: only false)
@@ -83,7 +92,7 @@ def check_exportable(config: GPTConfig, source: str) -> str:
     """The family's name, once config's features are what its transformers class computes."""
     family = config.resolved_family
     for key, value in FIXED[family].items():
-        ours = (config.moe is not None) if key == "moe" else getattr(config, key)
+        ours = (getattr(config, key) is not None) if key in ("moe", "mla") else getattr(config, key)
         if ours != value:
             raise DstrainError(
                 f"{source}: model.{key}={ours!r} has no counterpart in {CLASSES[family][0]} (model.family "
@@ -106,11 +115,10 @@ def block_names(config: GPTConfig, index: int) -> list[tuple[str, str]]:
         "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
         "sandwich": ("input_layernorm", "pre_feedforward_layernorm"),
     }[config.norm_placement]
-    names = [
-        ("attn_norm.weight", f"{post[0]}.weight"),
-        ("mlp_norm.weight", f"{post[1]}.weight"),
-        *((f"self_attn.{p}_proj.weight",) * 2 for p in "qkvo"),
-    ]
+    attention = [(f"self_attn.{p}_proj.weight",) * 2 for p in "qkvo"]
+    if config.mla is not None:
+        attention = [(f"self_attn.{name}.weight",) * 2 for name in mla_names(config)]
+    names = [("attn_norm.weight", f"{post[0]}.weight"), ("mlp_norm.weight", f"{post[1]}.weight"), *attention]
     if config.norm_placement == "sandwich":
         names += [("attn_post_norm.weight", "post_attention_layernorm.weight")]
         names += [("mlp_post_norm.weight", "post_feedforward_layernorm.weight")]
@@ -125,3 +133,13 @@ def block_names(config: GPTConfig, index: int) -> list[tuple[str, str]]:
     if not config.is_moe_block(index):
         names += [(f"mlp.{p}_proj.weight",) * 2 for p in ("gate", "up", "down")]
     return names
+
+
+# --- DeepSeek's latent attention (model/mla.py): its weights have transformers' names ---
+
+
+def mla_names(config: GPTConfig) -> list[str]:
+    """The modules of one latent attention whose weights convert one to one."""
+    assert config.mla is not None
+    query = ["q_proj"] if config.mla.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
+    return [*query, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]

@@ -17,6 +17,7 @@ import transformers
 from dstrain.errors import DstrainError
 from dstrain.model import families
 from dstrain.model.config import GPTConfig, MoEConfig, RopeScaling
+from dstrain.model.family_deepseek import deepseek_fields, deepseek_kwargs
 
 # Keys of every transformers config that do not change the function the model computes: bookkeeping, generation,
 # initialisation, and dropout and router noise (training-time only; dstrain trains without them, inference never
@@ -27,6 +28,7 @@ NEUTRAL = {
     "bos_token_id", "eos_token_id", "initializer_range", "attention_dropout", "resid_pdrop", "embd_pdrop",
     "output_router_logits", "router_jitter_noise",
 }  # fmt: skip
+NEUTRAL |= {"num_mtp_layers"}  # DeepSeek-V3's multi-token-prediction layers: transformers neither builds nor runs them
 # Keys a config's __post_init__ turns into others that are compared (layer_types, no_rope_layers, rope_parameters).
 DERIVED = {"max_window_layers", "no_rope_layer_interval", "original_max_position_embeddings"}
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> model.mlp_activation
@@ -151,6 +153,10 @@ def config_from_hf(hf: transformers.PretrainedConfig, family: str, source: str) 
     caps["logit_softcap"] = getattr(hf, "final_logit_softcapping", None)
     features = fixed | _rope_fields(hf, family, source) | _layer_fields(hf, family)
     features |= {"d_ff": hf.intermediate_size} | _moe_fields(hf, family) | caps
+    shape = dict(
+        n_kv_head=hf.num_key_value_heads or hf.num_attention_heads,
+        d_head=None if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim,
+    )
     try:
         config = GPTConfig(
             flavour="llama",
@@ -159,14 +165,12 @@ def config_from_hf(hf: transformers.PretrainedConfig, family: str, source: str) 
             max_seq_len=hf.max_position_embeddings,
             n_layer=hf.num_hidden_layers,
             n_head=hf.num_attention_heads,
-            n_kv_head=hf.num_key_value_heads or hf.num_attention_heads,
             d_model=hf.hidden_size,
-            d_head=None if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim,
             tie_embeddings=hf.tie_word_embeddings,
             norm_eps=hf.rms_norm_eps,
             init_std=hf.initializer_range,
             query_pre_attn_scalar=None if scalar is None or scalar == head_dim else float(scalar),
-            **features,
+            **(shape | features | deepseek_fields(hf, family)),
         )
     except DstrainError as e:
         raise DstrainError(f"{source}: {e}") from None
@@ -181,6 +185,8 @@ def _value(hf: transformers.PretrainedConfig, key: str) -> Any:
         return hf.hidden_size // hf.num_attention_heads
     if key == "num_key_value_heads" and value is None:
         return hf.num_attention_heads
+    if key in ("n_group", "topk_group") and getattr(hf, "topk_method", None) == "greedy":
+        return None  # DeepSeek-V2's greedy routing reads no groups
     if key == "rope_parameters" and value is not None:  # compared as what it computes: defaults filled in
         if "full_attention" in value:
             return {kind: read_rope(rope, "") for kind, rope in value.items()}
@@ -232,9 +238,9 @@ def hf_config(
     )
     kwargs["hidden_activation" if "hidden_activation" in class_fields else "hidden_act"] = activation
     kwargs |= {key: False for key in ("attention_bias", "mlp_bias", "use_sliding_window") if key in class_fields}
-    if family != "phi3":  # Phi-3's heads are hidden_size / num_attention_heads wide (not every class lists head_dim)
+    if family not in ("phi3", *families.DEEPSEEK):  # Phi-3's heads are hidden_size / num_attention_heads wide (not every class lists head_dim)
         kwargs["head_dim"] = config.head_dim
-    kwargs |= _layer_kwargs(config, family) | _moe_kwargs(config, family)
+    kwargs |= _layer_kwargs(config, family) | _moe_kwargs(config, family) | deepseek_kwargs(config, family)
     hf = getattr(transformers, config_class)(**kwargs)
     if check:
         again = config_from_hf(hf, family, "model")
@@ -315,6 +321,9 @@ def _architecture(config: GPTConfig) -> dict[str, Any]:
         del fields[key]
     if fields["moe"] is not None:
         del fields["moe"]["z_loss_coef"]  # a training choice transformers does not record
+        del fields["moe"]["bias_update_rate"]  # the same (DeepSeek's balancing rate)
+        if config.resolved_family in families.DEEPSEEK:  # their classes record no auxiliary-loss weight either
+            del fields["moe"]["aux_loss_coef"]
         fields["moe"]["d_expert"] = config.expert_dim
     fields |= dict(
         windows=[config.window(i) for i in range(config.n_layer)],
@@ -326,3 +335,4 @@ def _architecture(config: GPTConfig) -> dict[str, Any]:
         d_ff=config.expert_dim if config.moe is not None and config.family in (None, "gpt_oss") else config.ff_dim,
     )
     return fields
+
