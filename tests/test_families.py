@@ -45,6 +45,24 @@ SMALL = dict(
     initializer_range=0.2,
     rms_norm_eps=1e-6,
 )
+DEEPSEEK = dict(  # MLA and DeepSeekMoE at a small size: a dense first block, 4 groups of 2 experts, 2 shared
+    num_hidden_layers=3,
+    num_key_value_heads=4,  # latent attention: one key per head (transformers' configs say num_attention_heads)
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=12,
+    n_shared_experts=2,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    eos_token_id=None,  # the class's eos 1: a greedy run would stop where ours goes on
+)
+DEEPSEEK_YARN = YARN_ROPE | {"mscale": 0.9, "mscale_all_dim": 0.7}  # DeepSeek's attention-scale correction
 # family test id -> (transformers config class, what sets the family apart, at a small size)
 FAMILIES = {
     "llama3": (transformers.LlamaConfig, dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
@@ -113,6 +131,12 @@ FAMILIES = {
             rope_parameters=YARN_ROPE | {"truncate": False},
         ),
     ),
+    # DeepSeek's latent attention (q through a latent or not, v narrower than q/k, YaRN with mscale) and DeepSeekMoE
+    "deepseek_v3": (transformers.DeepseekV3Config, dict(DEEPSEEK, q_lora_rank=12, rope_parameters=DEEPSEEK_YARN)),
+    "deepseek_v2": (
+        transformers.DeepseekV2Config,
+        dict(DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5),
+    ),
 }
 
 
@@ -133,6 +157,9 @@ def build_hf(family: str) -> transformers.PreTrainedModel:
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.3 * torch.randn_like(p))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's balancing bias: it must steer the choice
+                buffer.add_(0.1 * torch.randn_like(buffer))
     return model
 
 
@@ -188,7 +215,9 @@ def test_exported_family_is_the_same_class_with_the_same_logits(imported, tmp_pa
     assert from_hf(tmp_path)[0] == config  # config.json -> the same model.* fields
 
 
-@pytest.mark.parametrize("family", ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize(
+    "family", ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v2"]
+)
 @torch.no_grad()
 def test_greedy_generation_equals_transformers_generate(family):
     """Past the windows (6 + 14 tokens > 16): transformers decodes with its cache (a sliding one on local layers),
@@ -219,6 +248,11 @@ def test_greedy_generation_equals_transformers_generate(family):
         ("gemma2", "logit_softcap", None),
         ("gpt_oss", "layer_types", None),
         ("gpt_oss", "moe", "unclamped"),
+        ("deepseek_v3", "rope_scaling", None),
+        ("deepseek_v3", "moe", "unbiased"),
+        ("deepseek_v3", "moe", "ungrouped"),
+        ("deepseek_v3", "moe", "unshared"),
+        ("deepseek_v2", "moe", "unscaled"),
     ],
 )
 @torch.no_grad()
@@ -229,12 +263,31 @@ def test_each_new_feature_is_computed(family, feature, without):
     ids = torch.randint(0, VOCAB, (1, LENGTH))
     if without == "unclamped":  # GPT-OSS's experts with a plain SwiGLU
         without = dataclasses.replace(config.moe, swiglu_limit=None)
+    states = [state, state]
+    if without in DEEPSEEK_MOE_OFF:  # one DeepSeekMoE feature off, the weights kept
+        without, states[1] = DEEPSEEK_MOE_OFF[without](config, state)
     logits = []
-    for variant in (config, dataclasses.replace(config, **{feature: without})):
+    for variant, weights in zip((config, dataclasses.replace(config, **{feature: without})), states, strict=True):
         model = GPT(variant).eval()
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict(weights, strict=True)
         logits.append(model(ids))
     assert max_diff(logits[0], hf(ids).logits) <= ATOL and max_diff(*logits) > 1e-3
+
+
+def _unbiased(config, state):
+    return config.moe, {k: torch.zeros_like(v) if "e_score" in k else v for k, v in state.items()}
+
+
+def _unshared(config, state):
+    return dataclasses.replace(config.moe, n_shared_experts=0), {k: v for k, v in state.items() if "shared" not in k}
+
+
+DEEPSEEK_MOE_OFF = {
+    "unbiased": _unbiased,
+    "ungrouped": lambda config, state: (dataclasses.replace(config.moe, n_group=1, topk_group=1), state),
+    "unshared": _unshared,
+    "unscaled": lambda config, state: (dataclasses.replace(config.moe, routed_scaling_factor=1.0), state),
+}
 
 
 @pytest.mark.parametrize("rope", [LLAMA3_ROPE, YARN_ROPE, LINEAR_ROPE], ids=lambda r: r["rope_type"])
