@@ -82,10 +82,7 @@ class MoEConfig:
     topk_group: Annotated[int, Range(ge=1)] = 1  # groups a token may route to (group-limited routing)
     routed_scaling_factor: Annotated[float, Range(gt=0)] = 1.0  # the routed experts' weights multiplied by this
     n_shared_experts: Annotated[int, Range(ge=0)] = 0  # experts every token runs through: one MLP this many wide
-    bias_update_rate: Annotated[float, Range(ge=0)] = (
-        0.0  # loss-free balancing (sigmoid scoring): after each step every expert's bias moves by this toward
-        # balanced load (DeepSeek-V3 section 2.1.2 uses 0.001); 0 = the bias stays as loaded
-    )
+    bias_update_rate: Annotated[float, Range(ge=0)] = 0.0  # loss-free balancing: train/balancing.py; 0 = off
 
     def __post_init__(self) -> None:
         if self.num_experts % self.n_group or self.topk_group > self.n_group:
@@ -119,6 +116,13 @@ class MLAConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def params(self, d: int, heads: int) -> int:
+        """Parameters of one latent attention: its projections and the latents' norms (model/mla.py)."""
+        q = self.q_lora_rank
+        query = d * heads * self.qk_head_dim if q is None else d * q + q + q * heads * self.qk_head_dim
+        kv = (d + 1 + heads * (self.qk_nope_head_dim + self.v_head_dim)) * self.kv_lora_rank + d * self.qk_rope_head_dim
+        return query + kv + heads * self.v_head_dim * d
 
 
 @dataclass
@@ -348,6 +352,8 @@ def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool
         attention += 2 * config.head_dim if config.qk_norm == "head" else q_out + kv_out
     if config.attention_sinks:
         attention += config.n_head
+    if config.mla is not None:
+        attention = config.mla.params(d, config.n_head)
     norm = 2 * d if config.flavour == "gpt2" else d
     block_norms = 4 * norm if config.norm_placement == "sandwich" else 2 * norm
     dense_block = attention + mlp_params(config, config.ff_dim) + block_norms
@@ -356,6 +362,8 @@ def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool
         experts = config.moe.top_k if active else config.moe.num_experts
         router = (d + config.moe.router_bias) * config.moe.num_experts
         moe_block = attention + block_norms + router + experts * mlp_params(config, config.expert_dim, expert=True)
+        shared = config.moe.n_shared_experts  # DeepSeekMoE: one MLP of all shared experts
+        moe_block += mlp_params(config, config.expert_dim * shared) if shared else 0
         total += config.n_moe_layers * moe_block
     embeddings = v * d + (config.max_seq_len * d if config.flavour == "gpt2" else 0)
     return total if exclude_embeddings else total + embeddings
@@ -387,4 +395,5 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> int:
         config.vocab_size * config.d_model if config.tied else 0
     )
     keys = sum(min(config.window(i) or seq_len, seq_len) for i in range(config.n_layer))  # keys per query, summed
-    return 6 * n + 12 * config.n_head * config.head_dim * keys
+    value_dim = config.head_dim if config.mla is None else config.mla.v_head_dim  # MLA: q.k and a.v differ in width
+    return 6 * n + 6 * config.n_head * (config.head_dim + value_dim) * keys

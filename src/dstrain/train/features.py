@@ -9,6 +9,7 @@ from __future__ import annotations
 from deepspeed.accelerator import get_accelerator
 
 from dstrain.train.averaging import WeightAverager
+from dstrain.train.balancing import LossFreeBalancing
 from dstrain.train.components import Component
 from dstrain.train.fatal_steps import FatalStepCheck
 from dstrain.train.mixture import MixtureShares
@@ -31,6 +32,7 @@ def assemble(trainer, tasks: list) -> list[Component]:
         WeightAverager.build(t.averaging, engine, trainer.tokens_per_step, strategy),
         SpikeRollback(trainer, SpikeGuard(t.spike_guard)) if t.spike_guard.enabled else Component(),
         FatalStepCheck(engine, t, strategy.precision, trainer.files.checkpoints),
+        LossFreeBalancing(engine.module, recipe.model, trainer.device),  # after a rollback could undo the step
         TaskScores(engine, trainer.evaluator, tasks) if tasks else Component(),
         MixtureShares(recipe, trainer.train_data, trainer.is_rank0),
         HangEvent(trainer),
