@@ -341,3 +341,37 @@ def test_a_feature_dstrain_does_not_compute_is_refused_on_every_path_that_reads_
     config, state = from_hf(build_hf("llama3"))
     with pytest.raises(DstrainError, match=r"model: nope_layers=\[1\] has no counterpart in LlamaForCausalLM"):
         to_hf(dataclasses.replace(config, nope_layers=[1]), state)  # export: what the class cannot express
+
+
+# DeepSeek's published sizes: (config.json values written out, total parameters, active per token without the
+# embedding), as their model cards round them.
+DEEPSEEK_V3_PUBLISHED = dict(  # https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json
+    flavour="llama",
+    family="deepseek_v3",
+    vocab_size=129280,
+    d_model=7168,
+    d_ff=18432,
+    n_layer=61,
+    n_head=128,
+    mla=dict(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    moe=dict(num_experts=256, top_k=8, d_expert=2048, n_shared_experts=1, dense_layers=[0, 1, 2], scoring="sigmoid"),
+)
+
+
+def test_deepseek_parameter_counts_equal_the_published_sizes():
+    """num_params (what estimate, plan and 6·N·T read) equals transformers' own model of the shipped V2-Lite recipe
+    on the meta device, and the model cards' sizes: V2-Lite 15.7B (2.4B active), V3 671B (37B active)."""
+    from dstrain.config import load_recipe
+    from dstrain.model.config import GPTConfig, num_params
+    from dstrain.model.family_configs import hf_config
+
+    lite = load_recipe(os.path.join(os.path.dirname(__file__), "..", "recipes", "continue-deepseek-v2-lite.yaml"))
+    with torch.device("meta"):
+        theirs = transformers.DeepseekV2ForCausalLM(hf_config(lite.model, None, None))
+    assert num_params(lite.model) == sum(p.numel() for p in theirs.parameters())
+    embedding = lite.model.vocab_size * lite.model.d_model
+    assert round(num_params(lite.model) / 1e9, 1) == 15.7
+    assert 2.4e9 <= num_params(lite.model, active=True) - embedding < 2.5e9  # "2.4B activated"
+    v3 = GPTConfig.from_dict(DEEPSEEK_V3_PUBLISHED)
+    assert round(num_params(v3) / 1e9) == 671
+    assert round((num_params(v3, active=True) - v3.vocab_size * v3.d_model) / 1e9) == 37
