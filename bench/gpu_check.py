@@ -179,6 +179,13 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
             "Sliding windows and sinks: FlexAttention (GPU) against the dense mask (CPU), speed against full attention",
         ),
         Part(
+            "latent_attention",
+            lambda c: features.latent_attention(c, steps),
+            tiny if dry else 3 * tiny + FLEX_COMPILE_S,
+            VERDICT + ["tokens_per_s", "mem_peak_gib"],
+            "DeepSeek's latent attention with doc masking: FlexAttention (GPU) against the dense mask (CPU), speed",
+        ),
+        Part(
             "sft_loss",
             lambda c: features.sft_loss(c, steps),
             CHAT_PREPARE_S + (1 if dry else 2) * tiny,

@@ -4,9 +4,9 @@ sequence parallelism; MLA + DeepSeekMoE (sigmoid scores, groups, a shared expert
 loss-free balancing bias moving every step) gives EP1's under EP2, bias included. AutoTP is refused by name."""
 
 import pytest
+from test_moe import run_all
 
 from ranks import run_ranks
-from test_moe import run_all
 from train_helpers import read_metrics, small_recipe, train_argv
 
 pytestmark = pytest.mark.distributed
@@ -73,6 +73,7 @@ def test_tensor_parallel_latent_attention_is_refused_by_name(tmp_path, corpus):
     from dstrain.config import load_recipe
     from dstrain.errors import DstrainError
     from dstrain.strategy.resolve import load_ds_config, resolve
+
     from train_helpers import ROOT
 
     recipe = load_recipe(small_recipe(tmp_path, corpus, name="mla", model=MLA_MODEL))

@@ -238,7 +238,10 @@ def hf_config(
     )
     kwargs["hidden_activation" if "hidden_activation" in class_fields else "hidden_act"] = activation
     kwargs |= {key: False for key in ("attention_bias", "mlp_bias", "use_sliding_window") if key in class_fields}
-    if family not in ("phi3", *families.DEEPSEEK):  # Phi-3's heads are hidden_size / num_attention_heads wide (not every class lists head_dim)
+    if family not in (
+        "phi3",
+        *families.DEEPSEEK,
+    ):  # Phi-3's heads are hidden_size / num_attention_heads wide (not every class lists head_dim)
         kwargs["head_dim"] = config.head_dim
     kwargs |= _layer_kwargs(config, family) | _moe_kwargs(config, family) | deepseek_kwargs(config, family)
     hf = getattr(transformers, config_class)(**kwargs)
@@ -335,4 +338,3 @@ def _architecture(config: GPTConfig) -> dict[str, Any]:
         d_ff=config.expert_dim if config.moe is not None and config.family in (None, "gpt_oss") else config.ff_dim,
     )
     return fields
-

@@ -39,7 +39,7 @@ from torch import nn
 from dstrain.model.config import GPTConfig
 from dstrain.model.doc_attention import doc_attention
 from dstrain.model.layers import Linear, apply_rope, normal_init
-from dstrain.model.mla import LatentAttention
+from dstrain.model.mla import LatentAttention, softmax_scale
 from dstrain.model.moe import MoEMLP, checkpointed_moe_block
 from dstrain.model.rope import rope_cos_sin
 
@@ -116,6 +116,8 @@ class CoreAttention(nn.Module):
         self.config = config
         self.window = config.window(index)
         self.scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+        if config.mla is not None:  # DeepSeek: qk_head_dim**-0.5, with YaRN's mscale correction (model/mla.py)
+            self.scale = softmax_scale(config)
         self.softcap = config.attn_softcap
 
     def forward(

@@ -38,7 +38,7 @@ def softmax_scale(config: GPTConfig) -> float:
 
 class LatentAttention(nn.Module):
     def __init__(self, config: GPTConfig, core: nn.Module) -> None:
-        """core: the block's CoreAttention (model/gpt.py), which this module scales for its own head size."""
+        """core: the block's CoreAttention (model/gpt.py), which scales by softmax_scale with model.mla."""
         super().__init__()
         assert config.mla is not None
         mla, d, std, heads = config.mla, config.d_model, config.init_std, config.n_head
@@ -54,7 +54,6 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), False, std)
         self.o_proj = Linear(heads * mla.v_head_dim, d, False, std / math.sqrt(2 * config.n_layer))
         self.core = core
-        core.scale = softmax_scale(config)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         batch, length, _ = x.shape

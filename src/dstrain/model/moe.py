@@ -97,6 +97,8 @@ class Router(nn.Module):
     micro-batch: a recompute in the backward overwrites them with the same values and counts nothing twice.
     """
 
+    e_score_correction_bias: torch.Tensor | None  # a buffer with sigmoid scoring (see __init__), else None
+
     def __init__(self, config: GPTConfig, wg: nn.Module) -> None:
         super().__init__()
         assert config.moe is not None
@@ -124,8 +126,8 @@ class Router(nn.Module):
         if used_token is not None or not sparse_routes or use_tutel:
             raise NotImplementedError("dstrain's Router serves MOELayer's sparse routes only")
         if self.moe.router_fp32:  # DeepSeek's router: F.linear in fp32
-            bias = None if self.wg.bias is None else self.wg.bias.float()
-            logits = F.linear(x.float(), self.wg.weight.float(), bias)
+            wg: nn.Linear = self.wg  # type: ignore[assignment]  # the Linear Block gives
+            logits = F.linear(x.float(), wg.weight.float(), None if wg.bias is None else wg.bias.float())
         else:
             logits = self.wg(x)  # in the model's dtype, as HF's router
         if self.deepseek:

@@ -18,13 +18,18 @@ from __future__ import annotations
 import torch
 
 from dstrain.model.config import GPTConfig
-from dstrain.model.moe import moe_routers
+from dstrain.model.moe import Router, moe_routers
 from dstrain.train.components import Component, StepOutcome
 
 
 def bias_step(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
     """The bias after one step of DeepSeek-V3's rule: each expert's moves by ``rate`` toward the mean load."""
     return bias + rate * torch.sign(load.mean() - load)
+
+
+def _bias(router: Router) -> torch.Tensor:
+    assert router.e_score_correction_bias is not None  # the routers this component holds: sigmoid scoring
+    return router.e_score_correction_bias
 
 
 class LossFreeBalancing(Component):
@@ -43,9 +48,9 @@ class LossFreeBalancing(Component):
         return bool(self.routers) and self.rate > 0
 
     def on_train_start(self) -> None:
-        """The fp32 copies start from the buffers as loaded (init_from, a checkpoint), unless the client state had them."""
+        """The fp32 copies start from the buffers as loaded (init_from, a checkpoint), or from the client state."""
         if not self.loaded:
-            self.biases = [r.e_score_correction_bias.detach().float().clone() for r in self.routers]
+            self.biases = [_bias(r).detach().float().clone() for r in self.routers]
 
     def on_phase(self, phase: str, step: int) -> None:
         if phase == "step":  # a step undone by a rollback left its loads here
@@ -66,7 +71,7 @@ class LossFreeBalancing(Component):
             load = self.loads[i, : router.num_experts].to(self.biases[i].device, torch.float32)
             self.biases[i] = bias_step(self.biases[i], load, self.rate)
             with torch.no_grad():
-                router.e_score_correction_bias.copy_(self.biases[i])
+                _bias(router).copy_(self.biases[i])
         self.loads.zero_()
         return False
 
@@ -76,8 +81,8 @@ class LossFreeBalancing(Component):
     def load_state_dict(self, state: dict | None) -> None:
         if state is None or not self.enabled:  # a run that saved none: the biases are the model's buffers
             return
-        self.biases = [b.to(r.e_score_correction_bias.device) for b, r in zip(state["biases"], self.routers)]
+        self.biases = [b.to(_bias(r).device) for b, r in zip(state["biases"], self.routers)]
         self.loaded = True
         for bias, router in zip(self.biases, self.routers, strict=True):
             with torch.no_grad():
-                router.e_score_correction_bias.copy_(bias)
+                _bias(router).copy_(bias)
