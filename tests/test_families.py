@@ -375,3 +375,19 @@ def test_deepseek_parameter_counts_equal_the_published_sizes():
     v3 = GPTConfig.from_dict(DEEPSEEK_V3_PUBLISHED)
     assert round(num_params(v3) / 1e9) == 671
     assert round((num_params(v3, active=True) - v3.vocab_size * v3.d_model) / 1e9) == 37
+
+
+@pytest.mark.parametrize(
+    "family, change, named",
+    [
+        ("deepseek_v3", dict(attention_bias=True), "attention_bias=True"),
+        ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob=True"),  # transformers' V2 router ignores it
+        ("deepseek_v2", dict(topk_method="noaux_tc"), "n_group=4"),  # V2's class computes no such routing
+    ],
+)
+def test_deepseek_features_dstrain_does_not_compute_are_refused_by_name(family, change, named):
+    from dstrain.model.family_configs import config_from_hf
+
+    config_class, features = FAMILIES[family]
+    with pytest.raises(DstrainError, match=f"x: {named} is not supported"):
+        config_from_hf(config_class(**(SMALL | features | change)), family, "x")

@@ -147,7 +147,7 @@ def config_from_hf(hf: transformers.PretrainedConfig, family: str, source: str) 
     if getattr(hf, "quantization_config", None):
         raise DstrainError(f"{source}: quantization_config is not supported; convert an unquantised checkpoint")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    fixed = {k: v for k, v in families.FIXED[family].items() if k != "moe"}
+    fixed = {k: v for k, v in families.FIXED[family].items() if k not in ("moe", "mla")}
     scalar = getattr(hf, "query_pre_attn_scalar", None)
     caps = {"attn_softcap": getattr(hf, "attn_logit_softcapping", None)}
     caps["logit_softcap"] = getattr(hf, "final_logit_softcapping", None)
