@@ -111,7 +111,7 @@ class MLAConfig:
     qk_rope_head_dim: Annotated[int, Range(ge=2)] = 64  # per head: query/key dimensions RoPE rotates
     v_head_dim: Annotated[int, Range(ge=1)] = 128  # per head: value dimensions (o_proj takes n_head * v_head_dim)
     rope_interleave: bool = True  # how the transformers checkpoint lays out the rotated rows (DeepSeek-V3: pairs);
-    # dstrain de-interleaves them on import and computes rotate_half RoPE (model/hf_deepseek.py)
+    # dstrain de-interleaves them on import and computes rotate_half RoPE (model/hf_mla.py)
 
     @property
     def qk_head_dim(self) -> int:

@@ -9,7 +9,8 @@ RoPE scaling (rope_scaling, model/rope.py), q/k/v biases (qkv_bias), q/k RMSNorm
 MoE routing options (moe.norm_topk_prob, moe.dense_layers). Per block: local attention within a window
 (layer_types, sliding_window), no RoPE (nope_layers), sinks (attention_sinks). Gemma's conventions (norm_unit_offset,
 scale_embeddings, mlp_activation gelu_tanh, query_pre_attn_scalar, rope_local_theta, Gemma 2's attn_softcap and
-logit_softcap) and Phi-3's partial rotary (partial_rotary_factor). model/families.py says which family uses which;
+logit_softcap), Phi-3's partial rotary (partial_rotary_factor) and DeepSeek's latent attention in place of q/k/v
+heads (model.mla: model/mla.py). model/families.py says which family uses which;
 docs/published-models.md explains them.
 
 Module tree (shared by both flavours, so a pipeline engine can cut the same blocks into stages):

@@ -164,7 +164,16 @@ def _moe_shape(moe) -> object:
     """The architecture of model.moe (its loss coefficients are training choices)."""
     if moe is None:
         return None
-    return (moe.num_experts, moe.top_k, moe.every, moe.d_expert, moe.norm_topk_prob, sorted(moe.dense_layers))
+    deepseek = (moe.scoring, moe.n_group, moe.topk_group, moe.routed_scaling_factor, moe.n_shared_experts)
+    return (
+        moe.num_experts,
+        moe.top_k,
+        moe.every,
+        moe.d_expert,
+        moe.norm_topk_prob,
+        sorted(moe.dense_layers),
+        *deepseek,
+    )
 
 
 # --- gpt2 ---
