@@ -67,3 +67,27 @@ def test_bias_moves_as_the_paper_says_with_the_load_of_every_rank():
             expected[layer] = paper_update(expected[layer], load, RATE)
             assert biases0[step][layer] == pytest.approx(expected[layer], abs=1e-6)
     assert any(b != 0 for b in biases0[-1][0])  # the rule acted
+
+
+def test_the_fp32_bias_is_kept_in_the_client_state_and_written_back_into_the_buffers():
+    """A resumed run's component takes the saved fp32 biases (not the buffers, which a bf16 engine rounds) and writes
+    them into its routers; a run that saved none starts from the buffers as loaded."""
+    from dstrain.model.config import GPTConfig, MoEConfig
+    from dstrain.model.gpt import GPT
+    from dstrain.train.balancing import LossFreeBalancing
+
+    moe = MoEConfig(num_experts=4, top_k=2, scoring="sigmoid", bias_update_rate=RATE)
+    config = GPTConfig(flavour="llama", vocab_size=64, n_layer=2, n_head=2, d_model=32, moe=moe)
+    saved = torch.tensor([0.125, -0.0625, 1e-4, 0.0])
+    model = GPT(config)
+    rule = LossFreeBalancing(model, config, "cpu")
+    rule.load_state_dict({"biases": [saved, -saved]})
+    rule.on_train_start()
+    assert [r.e_score_correction_bias.tolist() for r in rule.routers] == [saved.tolist(), (-saved).tolist()]
+    assert torch.equal(rule.state_dict()["biases"][1], -saved)
+    fresh = GPT(config)
+    fresh.blocks[0].mlp.router.e_score_correction_bias.fill_(0.5)  # as a checkpoint's module state left it
+    again = LossFreeBalancing(fresh, config, "cpu")
+    again.load_state_dict(None)
+    again.on_train_start()
+    assert again.state_dict()["biases"][0].tolist() == [0.5] * 4
