@@ -137,6 +137,17 @@ FAMILIES = {
         transformers.DeepseekV2Config,
         dict(DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5),
     ),
+    "glm4_moe": (  # GLM-4.5: DeepSeek-V3's MoE with GQA, q/k/v biases, q/k norms, half of each head rotated
+        transformers.Glm4MoeConfig,
+        dict(
+            {k: v for k, v in DEEPSEEK.items() if "lora" not in k and "head_dim" not in k},
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            use_qk_norm=True,
+            rope_parameters=PARTIAL_ROPE,
+        ),
+    ),
 }
 
 
@@ -216,7 +227,7 @@ def test_exported_family_is_the_same_class_with_the_same_logits(imported, tmp_pa
 
 
 @pytest.mark.parametrize(
-    "family", ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v2"]
+    "family", ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe"]
 )
 @torch.no_grad()
 def test_greedy_generation_equals_transformers_generate(family):

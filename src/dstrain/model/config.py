@@ -15,7 +15,7 @@ FLAVOURS = ("gpt2", "llama")
 FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe"),
     *("smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"),
-    *("deepseek_v3", "deepseek_v2"),  # DeepSeek's latent attention and DeepSeekMoE (model.mla, model.moe)
+    *("deepseek_v3", "deepseek_v2", "glm4_moe"),  # DeepSeekMoE (model.moe), with latent attention (model.mla)
 )
 
 

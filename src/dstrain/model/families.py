@@ -24,6 +24,8 @@ dstrain.model.family_configs the configs (docs/published-models.md has the table
 |           |                      | n_group, topk_group, routed_scaling_factor, n_shared_experts, dense_layers    |
 |           |                      | (first_k_dense_replace), router_fp32 (also Moonlight, Kimi K2)                |
 | deepseek_v2 | DeepseekV2ForCausalLM | mla; moe: scoring softmax, unnormalised, groups by topk_method, shared     |
+| glm4_moe  | Glm4MoeForCausalLM   | DeepSeek-V3's moe with GQA: qkv_bias (attention_bias), qk_norm head           |
+|           |                      | (use_qk_norm), partial_rotary_factor (GLM-4.5, 4.6)                           |
 
 Qwen3-MoE's decoder_sparse_step is moe.every, its mlp_only_layers moe.dense_layers, moe_intermediate_size d_expert.
 """
@@ -51,6 +53,7 @@ CLASSES = {
     "gpt_oss": ("GptOssForCausalLM", "GptOssConfig"),
     "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config"),
     "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config"),
+    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig"),
 }
 ARCHITECTURE_FAMILY = {architecture: family for family, (architecture, _) in CLASSES.items()}
 _LLAMA: dict[str, Any] = {"qkv_bias": False, "qk_norm": None, "norm_placement": "pre", "moe": False, "mla": False}
@@ -73,8 +76,10 @@ FIXED: dict[str, dict[str, Any]] = {
     "gpt_oss": _LLAMA | {"qkv_bias": True, "o_bias": True, "attention_sinks": True, "moe": True},
     "deepseek_v3": _LLAMA | {"moe": True, "mla": True},
     "deepseek_v2": _LLAMA | {"moe": True, "mla": True},
+    "glm4_moe": {"norm_placement": "pre", "moe": True, "mla": False},  # q/k/v biases and q/k norms optional
 }
-DEEPSEEK = {"deepseek_v3", "deepseek_v2"}  # latent attention; the layouts below (MLA_NAMES)
+DEEPSEEK = {"deepseek_v3", "deepseek_v2"}  # latent attention; its weights: mla_names below
+DEEPSEEK_MOE = DEEPSEEK | {"glm4_moe"}  # DeepSeekMoE, whose classes record no auxiliary-loss weight
 WINDOW_EVERY_BLOCK = {"mistral", "mixtral", "phi3"}  # one sliding_window for every block (no layer_types in HF)
 WINDOW_PER_BLOCK = {"gemma2", "gemma3", "gpt_oss"}  # HF's layer_types and sliding_window
 SLIDING_KEY = {"qwen2", "qwen3", "qwen3_moe", "smollm3"}  # config has use_sliding_window (Qwen3-MoE: only false)

@@ -39,7 +39,7 @@ def rope_parameters(config: GPTConfig, local: bool = False) -> dict[str, Any]:
     of the sliding_attention blocks where rope_local_theta gives them their own."""
     scaling = None if local and config.rope_local_theta is not None else config.rope_scaling
     theta = config.rope_local_theta if local and config.rope_local_theta is not None else config.rope_theta
-    partial = {"partial_rotary_factor": config.partial_rotary_factor} if config.family == "phi3" else {}
+    partial = {"partial_rotary_factor": config.partial_rotary_factor} if config.family in ("phi3", "glm4_moe") else {}
     if scaling is None:
         return {"rope_type": "default", "rope_theta": theta, **partial}
     keys = {"factor": scaling.factor, "original_max_position_embeddings": scaling.original_max_position_embeddings}
@@ -325,7 +325,7 @@ def _architecture(config: GPTConfig) -> dict[str, Any]:
     if fields["moe"] is not None:
         del fields["moe"]["z_loss_coef"]  # a training choice transformers does not record
         del fields["moe"]["bias_update_rate"]  # the same (DeepSeek's balancing rate)
-        if config.resolved_family in families.DEEPSEEK:  # their classes record no auxiliary-loss weight either
+        if config.resolved_family in families.DEEPSEEK_MOE:  # their classes record no auxiliary-loss weight either
             del fields["moe"]["aux_loss_coef"]
         fields["moe"]["d_expert"] = config.expert_dim
     fields |= dict(

@@ -14,7 +14,9 @@ from dstrain.model.config import GPTConfig, MLAConfig, MoEConfig
 
 
 def deepseek_fields(hf: transformers.PretrainedConfig, family: str) -> dict[str, Any]:
-    """model.mla and model.moe of a DeepseekV3Config or DeepseekV2Config."""
+    """model.mla and model.moe of a DeepseekV3Config or DeepseekV2Config; GLM-4.5's model.moe and attention."""
+    if family == "glm4_moe":
+        return glm4_moe_fields(hf)
     if family not in families.DEEPSEEK:
         return {}
     mla = MLAConfig(
@@ -47,19 +49,34 @@ def deepseek_fields(hf: transformers.PretrainedConfig, family: str) -> dict[str,
 
 def deepseek_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
     mla, moe = config.mla, config.moe
+    if family == "glm4_moe" and moe is not None:
+        glm = dict(attention_bias=config.qkv_bias, use_qk_norm=config.qk_norm == "head")
+        return _routing_kwargs(config, family) | glm
     if family not in families.DEEPSEEK or mla is None or moe is None:
         return {}
-    if moe.every != 1 or moe.dense_layers != list(range(len(moe.dense_layers))):
-        raise DstrainError(
-            f"model.moe: {families.CLASSES[family][0]} keeps only its first blocks dense (first_k_dense_replace); "
-            f"set every: 1 and dense_layers: [0, 1, ...]"
-        )
-    out = dict(
+    out = _routing_kwargs(config, family) | dict(
         kv_lora_rank=mla.kv_lora_rank,
         q_lora_rank=mla.q_lora_rank,
         qk_nope_head_dim=mla.qk_nope_head_dim,
         qk_rope_head_dim=mla.qk_rope_head_dim,
         v_head_dim=mla.v_head_dim,
+        attention_bias=False,
+    )
+    if family == "deepseek_v3":
+        return out | dict(rope_interleave=mla.rope_interleave)
+    return out | dict(topk_method="group_limited_greedy" if moe.n_group > 1 else "greedy", mlp_bias=False)
+
+
+def _routing_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
+    """DeepSeekMoE's keys, the same in DeepSeek-V2/V3's and GLM-4.5's configs."""
+    moe = config.moe
+    assert moe is not None
+    if moe.every != 1 or moe.dense_layers != list(range(len(moe.dense_layers))):
+        raise DstrainError(
+            f"model.moe: {families.CLASSES[family][0]} keeps only its first blocks dense (first_k_dense_replace); "
+            f"set every: 1 and dense_layers: [0, 1, ...]"
+        )
+    return dict(
         n_routed_experts=moe.num_experts,
         num_experts_per_tok=moe.top_k,
         moe_intermediate_size=config.expert_dim,
@@ -69,8 +86,24 @@ def deepseek_kwargs(config: GPTConfig, family: str) -> dict[str, Any]:
         topk_group=moe.topk_group,
         routed_scaling_factor=moe.routed_scaling_factor,
         n_shared_experts=moe.n_shared_experts,
-        attention_bias=False,
     )
-    if family == "deepseek_v3":
-        return out | dict(rope_interleave=mla.rope_interleave)
-    return out | dict(topk_method="group_limited_greedy" if moe.n_group > 1 else "greedy", mlp_bias=False)
+
+
+def glm4_moe_fields(hf: transformers.PretrainedConfig) -> dict[str, Any]:
+    """GLM-4.5's model.moe (DeepSeek-V3's router and shared experts) and its attention's biases and q/k norms."""
+    moe = MoEConfig(
+        num_experts=hf.n_routed_experts,
+        top_k=hf.num_experts_per_tok,
+        d_expert=hf.moe_intermediate_size,
+        dense_layers=list(range(min(hf.first_k_dense_replace or 0, hf.num_hidden_layers))),
+        scoring="sigmoid",
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        router_fp32=True,
+        n_group=hf.n_group or 1,
+        topk_group=hf.topk_group or 1,
+        routed_scaling_factor=hf.routed_scaling_factor,
+        n_shared_experts=hf.n_shared_experts,
+        aux_loss_coef=0.0,
+        bias_update_rate=0.001,
+    )
+    return dict(moe=moe, qkv_bias=bool(hf.attention_bias), qk_norm="head" if hf.use_qk_norm else None)
