@@ -371,7 +371,8 @@ DEEPSEEK_V3_PUBLISHED = dict(  # https://huggingface.co/deepseek-ai/DeepSeek-V3/
 
 def test_deepseek_parameter_counts_equal_the_published_sizes():
     """num_params (what estimate, plan and 6·N·T read) equals transformers' own model of the shipped V2-Lite recipe
-    on the meta device, and the model cards' sizes: V2-Lite 15.7B (2.4B active), V3 671B (37B active)."""
+    on the meta device, and the model cards' sizes: V2-Lite 15.7B (2.4B active), V3 671B (37B active), GLM-4.5-Air
+    106B (12B active)."""
     from dstrain.config import load_recipe
     from dstrain.model.config import GPTConfig, num_params
     from dstrain.model.family_configs import hf_config
@@ -383,6 +384,9 @@ def test_deepseek_parameter_counts_equal_the_published_sizes():
     embedding = lite.model.vocab_size * lite.model.d_model
     assert round(num_params(lite.model) / 1e9, 1) == 15.7
     assert 2.4e9 <= num_params(lite.model, active=True) - embedding < 2.5e9  # "2.4B activated"
+    air = load_recipe(os.path.join(os.path.dirname(__file__), "..", "recipes", "continue-glm-4.5-air.yaml")).model
+    assert int(num_params(air) / 1e9) == 106  # "106B total" (without its multi-token-prediction layer)
+    assert int((num_params(air, active=True) - air.vocab_size * air.d_model) / 1e9) == 12  # "12B active"
     v3 = GPTConfig.from_dict(DEEPSEEK_V3_PUBLISHED)
     assert round(num_params(v3) / 1e9) == 671
     assert round((num_params(v3, active=True) - v3.vocab_size * v3.d_model) / 1e9) == 37
