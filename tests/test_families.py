@@ -275,7 +275,7 @@ def test_each_new_feature_is_computed(family, feature, without):
     if without == "unclamped":  # GPT-OSS's experts with a plain SwiGLU
         without = dataclasses.replace(config.moe, swiglu_limit=None)
     states = [state, state]
-    if without in DEEPSEEK_MOE_OFF:  # one DeepSeekMoE feature off, the weights kept
+    if isinstance(without, str) and without in DEEPSEEK_MOE_OFF:  # one DeepSeekMoE feature off, weights kept
         without, states[1] = DEEPSEEK_MOE_OFF[without](config, state)
     logits = []
     for variant, weights in zip((config, dataclasses.replace(config, **{feature: without})), states, strict=True):
