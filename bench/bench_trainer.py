@@ -132,7 +132,7 @@ def main() -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from dstrain.data.dataset import build_dataset, build_valid_sets
-    from dstrain.model.config import flops_per_token
+    from dstrain.model.counts import flops_per_token
     from dstrain.train import distributed
 
     distributed.init()

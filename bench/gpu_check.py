@@ -56,7 +56,8 @@ HOST_ADAM_BYTES_PER_S = 4e9  # DeepSpeedCPUAdam over 16 bytes per parameter per 
 
 
 def flops_per_token(recipe: str, seq: int) -> tuple[float, int]:
-    from dstrain.model.config import GPTConfig, flops_per_token, num_params
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.counts import flops_per_token, num_params
 
     model = yaml.safe_load((ROOT / "recipes" / f"{recipe}.yaml").read_text())["model"]
     config = GPTConfig(**{"vocab_size": 4096, **model, "max_seq_len": seq})
@@ -177,6 +178,13 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
             tiny if dry else 3 * tiny + FLEX_COMPILE_S,
             VERDICT + ["tokens_per_s", "mem_peak_gib"],
             "Sliding windows and sinks: FlexAttention (GPU) against the dense mask (CPU), speed against full attention",
+        ),
+        Part(
+            "latent_attention",
+            lambda c: features.latent_attention(c, steps),
+            tiny if dry else 3 * tiny + FLEX_COMPILE_S,
+            VERDICT + ["tokens_per_s", "mem_peak_gib"],
+            "DeepSeek's latent attention with doc masking: FlexAttention (GPU) against the dense mask (CPU), speed",
         ),
         Part(
             "sft_loss",

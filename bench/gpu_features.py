@@ -4,6 +4,7 @@ own tolerance) and, on a GPU, the speed and peak memory it costs or saves.
 
 - loss_chunking: the loss whole (``tiling.loss`` 1) against chunked, on gpt2-125m at the speed part's micro-batch,
   where the default ("auto") already chunks: 12·T·V of the whole loss is 18.4 GiB at micro-batch 32;
+- latent_attention: DeepSeek's MLA with doc masking on the device against the CPU's dense mask, and its speed
 - moe_recompute: a mixture of experts with activation checkpointing against without (the router losses' gradient
   reaches the router through the checkpoint), then its speed on a GPU;
 - windowed_attention: sliding windows (3 local blocks, 1 global, as Gemma 3's pattern) with sinks (GPT-OSS) through
@@ -109,6 +110,32 @@ def chunked_attention(check: Check, steps: int) -> list[dict]:
     return [
         compare(check, "Llama 4's chunks: FlexAttention (GPU) vs dense mask (CPU)", chunked, dense, 1e-4, steps),
         _speed_row("tiny chunked (Llama 4)", chunked),
+    ]
+
+
+# DeepSeek's latent attention (model/mla.py) with doc masking: FlexAttention with v narrower than q and k
+LATENT = [
+    "model.n_kv_head=null",
+    "model.doc_masking=true",
+    "model.mla={kv_lora_rank: 32, q_lora_rank: 48, qk_nope_head_dim: 32, qk_rope_head_dim: 16, v_head_dim: 24}",
+]
+
+
+def latent_attention(check: Check, steps: int) -> list[dict]:
+    """tiny with LATENT on this device against the CPU's dense mask (fp32, 1e-4, as document masking), then its speed
+    and peak memory beside the plain attention's."""
+    import torch
+
+    config = _config(check, "mla-zero1", "zero1.json")
+    latent = check.train("mla-device", "tiny", config, LATENT, steps)
+    if not torch.cuda.is_available():
+        return [check.verdict("latent attention, this device", latent["rc"] == 0, f"{status(latent)}; no CUDA")]
+    dense = check.train("mla-cpu", "tiny", config, LATENT, steps, env=ON_CPU)
+    plain = check.train("mla-plain", "tiny", config, ["model.doc_masking=true"], steps)
+    return [
+        compare(check, "latent attention: FlexAttention (GPU) vs dense mask (CPU)", latent, dense, 1e-4, steps),
+        _speed_row("tiny latent attention", latent),
+        _speed_row("tiny GQA attention", plain),
     ]
 
 

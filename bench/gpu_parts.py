@@ -358,7 +358,7 @@ def flop_count(check: Check, recipes: list[str]) -> list[dict]:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.profiling.flops_profiler import get_model_profile
 
-    from dstrain.model.config import flops_per_token
+    from dstrain.model.counts import flops_per_token
     from dstrain.model.gpt import GPT
     from dstrain.recipe_file import load_recipe
 

@@ -65,7 +65,7 @@ def test_every_warning_a_run_prints_is_one_dstrain_line(tmp_path, capsys, monkey
     (tmp_path / "ops" / "cpu_adam" / "lock").touch()
     old = time.time() - engine.STALE_BUILD_LOCK_S - 60
     os.utime(tmp_path / "ops" / "cpu_adam" / "lock", (old, old))
-    monkeypatch.setattr("dstrain.model.config.num_params", lambda model: 2**30)  # 16 GiB a checkpoint
+    monkeypatch.setattr("dstrain.model.counts.num_params", lambda model: 2**30)  # 16 GiB a checkpoint
     monkeypatch.setattr(run_folder.shutil, "disk_usage", lambda path: SimpleNamespace(free=20 * 2**30))
     recipe = SimpleNamespace(model=None, train=SimpleNamespace(keep_last=2))
     console.start(False)

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from dstrain.errors import DstrainError
-from dstrain.model.config import GPTConfig, num_params
+from dstrain.model.config import GPTConfig
+from dstrain.model.counts import num_params
 from dstrain.plan.memory import estimate, estimate_file
 from dstrain.plan.memory_parts import GIB
 from dstrain.plan.param_counts import count_params

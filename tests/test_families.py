@@ -53,6 +53,24 @@ SMALL = dict(
     initializer_range=0.2,
     rms_norm_eps=1e-6,
 )
+DEEPSEEK = dict(  # MLA and DeepSeekMoE at a small size: a dense first block, 4 groups of 2 experts, 2 shared
+    num_hidden_layers=3,
+    num_key_value_heads=4,  # latent attention: one key per head (transformers' configs say num_attention_heads)
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=12,
+    n_shared_experts=2,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    eos_token_id=None,  # the class's eos 1: a greedy run would stop where ours goes on
+)
+DEEPSEEK_YARN = YARN_ROPE | {"mscale": 0.9, "mscale_all_dim": 0.7}  # DeepSeek's attention-scale correction
 # family test id -> (transformers config class, what sets the family apart, at a small size)
 FAMILIES = {
     "llama3": (transformers.LlamaConfig, dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
@@ -150,6 +168,23 @@ FAMILIES = {
             rope_parameters={"full_attention": YARN_ROPE, "sliding_attention": LOCAL_ROPE | {"rope_theta": 1e4}},
         ),
     ),
+    # DeepSeek's latent attention (q through a latent or not, v narrower than q/k, YaRN with mscale) and DeepSeekMoE
+    "deepseek_v3": (transformers.DeepseekV3Config, dict(DEEPSEEK, q_lora_rank=12, rope_parameters=DEEPSEEK_YARN)),
+    "deepseek_v2": (
+        transformers.DeepseekV2Config,
+        dict(DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5),
+    ),
+    "glm4_moe": (  # GLM-4.5: DeepSeek-V3's MoE with GQA, q/k/v biases, q/k norms, half of each head rotated
+        transformers.Glm4MoeConfig,
+        dict(
+            {k: v for k, v in DEEPSEEK.items() if "lora" not in k and "head_dim" not in k},
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            use_qk_norm=True,
+            rope_parameters=PARTIAL_ROPE,
+        ),
+    ),
 }
 
 
@@ -170,6 +205,9 @@ def build_hf(family: str) -> transformers.PreTrainedModel:
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.3 * torch.randn_like(p))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's balancing bias: it must steer the choice
+                buffer.add_(0.1 * torch.randn_like(buffer))
     return model
 
 
@@ -226,7 +264,9 @@ def test_exported_family_is_the_same_class_with_the_same_logits(imported, tmp_pa
 
 
 @pytest.mark.parametrize(
-    "family", ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3", "phi3-longrope", "llama4"]
+    "family",
+    ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3", "phi3-longrope", "llama4"]
+    + ["deepseek_v3", "deepseek_v2", "glm4_moe"],
 )
 @torch.no_grad()
 def test_greedy_generation_equals_transformers_generate(family):
@@ -264,6 +304,11 @@ def test_greedy_generation_equals_transformers_generate(family):
         ("llama4", "nope_layers", []),
         ("llama4", "qk_norm", None),
         ("llama4", "attn_temperature_floor", None),
+        ("deepseek_v3", "rope_scaling", None),
+        ("deepseek_v3", "moe", "unbiased"),
+        ("deepseek_v3", "moe", "ungrouped"),
+        ("deepseek_v3", "moe", "unshared"),
+        ("deepseek_v2", "moe", "unscaled"),
     ],
 )
 @torch.no_grad()
@@ -274,12 +319,31 @@ def test_each_new_feature_is_computed(family, feature, without):
     ids = torch.randint(0, VOCAB, (1, LENGTH))
     if without == "unclamped":  # GPT-OSS's experts with a plain SwiGLU
         without = dataclasses.replace(config.moe, swiglu_limit=None)
+    states = [state, state]
+    if isinstance(without, str) and without in DEEPSEEK_MOE_OFF:  # one DeepSeekMoE feature off, weights kept
+        without, states[1] = DEEPSEEK_MOE_OFF[without](config, state)
     logits = []
-    for variant in (config, dataclasses.replace(config, **{feature: without})):
+    for variant, weights in zip((config, dataclasses.replace(config, **{feature: without})), states, strict=True):
         model = GPT(variant).eval()
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict(weights, strict=True)
         logits.append(model(ids))
     assert max_diff(logits[0], hf(ids).logits) <= ATOL and max_diff(*logits) > 1e-3
+
+
+def _unbiased(config, state):
+    return config.moe, {k: torch.zeros_like(v) if "e_score" in k else v for k, v in state.items()}
+
+
+def _unshared(config, state):
+    return dataclasses.replace(config.moe, n_shared_experts=0), {k: v for k, v in state.items() if "shared" not in k}
+
+
+DEEPSEEK_MOE_OFF = {
+    "unbiased": _unbiased,
+    "ungrouped": lambda config, state: (dataclasses.replace(config.moe, n_group=1, topk_group=1), state),
+    "unshared": _unshared,
+    "unscaled": lambda config, state: (dataclasses.replace(config.moe, routed_scaling_factor=1.0), state),
+}
 
 
 @pytest.mark.parametrize("rope", [LLAMA3_ROPE, YARN_ROPE, LINEAR_ROPE], ids=lambda r: r["rope_type"])
@@ -385,3 +449,58 @@ def test_a_feature_dstrain_does_not_compute_is_refused_on_every_path_that_reads_
     config, state = from_hf(build_hf("llama3"))
     with pytest.raises(DstrainError, match=r"model: nope_layers=\[1\] has no counterpart in LlamaForCausalLM"):
         to_hf(dataclasses.replace(config, nope_layers=[1]), state)  # export: what the class cannot express
+
+
+# DeepSeek's published sizes: (config.json values written out, total parameters, active per token without the
+# embedding), as their model cards round them.
+DEEPSEEK_V3_PUBLISHED = dict(  # https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json
+    flavour="llama",
+    family="deepseek_v3",
+    vocab_size=129280,
+    d_model=7168,
+    d_ff=18432,
+    n_layer=61,
+    n_head=128,
+    mla=dict(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    moe=dict(num_experts=256, top_k=8, d_expert=2048, n_shared_experts=1, dense_layers=[0, 1, 2], scoring="sigmoid"),
+)
+
+
+def test_deepseek_parameter_counts_equal_the_published_sizes():
+    """num_params (what estimate, plan and 6·N·T read) equals transformers' own model of the shipped V2-Lite recipe
+    on the meta device, and the model cards' sizes: V2-Lite 15.7B (2.4B active), V3 671B (37B active), GLM-4.5-Air
+    106B (12B active)."""
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.counts import num_params
+    from dstrain.model.family_configs import hf_config
+    from dstrain.recipe_file import load_recipe
+
+    lite = load_recipe(os.path.join(os.path.dirname(__file__), "..", "recipes", "continue-deepseek-v2-lite.yaml"))
+    with torch.device("meta"):
+        theirs = transformers.DeepseekV2ForCausalLM(hf_config(lite.model, None, None))
+    assert num_params(lite.model) == sum(p.numel() for p in theirs.parameters())
+    embedding = lite.model.vocab_size * lite.model.d_model
+    assert round(num_params(lite.model) / 1e9, 1) == 15.7
+    assert 2.4e9 <= num_params(lite.model, active=True) - embedding < 2.5e9  # "2.4B activated"
+    air = load_recipe(os.path.join(os.path.dirname(__file__), "..", "recipes", "continue-glm-4.5-air.yaml")).model
+    assert int(num_params(air) / 1e9) == 106  # "106B total" (without its multi-token-prediction layer)
+    assert int((num_params(air, active=True) - air.vocab_size * air.d_model) / 1e9) == 12  # "12B active"
+    v3 = GPTConfig.from_dict(DEEPSEEK_V3_PUBLISHED)
+    assert round(num_params(v3) / 1e9) == 671
+    assert round((num_params(v3, active=True) - v3.vocab_size * v3.d_model) / 1e9) == 37
+
+
+@pytest.mark.parametrize(
+    "family, change, named",
+    [
+        ("deepseek_v3", dict(attention_bias=True), "attention_bias=True"),
+        ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob=True"),  # transformers' V2 router ignores it
+        ("deepseek_v2", dict(topk_method="noaux_tc"), "n_group=4"),  # V2's class computes no such routing
+    ],
+)
+def test_deepseek_features_dstrain_does_not_compute_are_refused_by_name(family, change, named):
+    from dstrain.model.family_configs import config_from_hf
+
+    config_class, features = FAMILIES[family]
+    with pytest.raises(DstrainError, match=f"x: {named} is not supported"):
+        config_from_hf(config_class(**(SMALL | features | change)), family, "x")

@@ -36,6 +36,7 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
         "memory_gpt2_125m",
         "moe_recompute",
         "windowed_attention",
+        "latent_attention",
         "sft_loss",
         "chunked_attention",
         "doctor",
@@ -56,6 +57,7 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
     assert [row["ok"] for row in parts["doc_masking"]["rows"]] == [True]
     assert [row["ok"] for row in parts["windowed_attention"]["rows"]] == [True]  # on a GPU: against the CPU, 1e-4
     assert [row["ok"] for row in parts["sft_loss"]["rows"]] == [True]  # on a GPU: against the CPU, 1e-4
+    assert [row["ok"] for row in parts["latent_attention"]["rows"]] == [True]  # on a GPU: against the CPU, 1e-4
     assert [row["ok"] for row in parts["chunked_attention"]["rows"]] == [True]  # on a GPU: against the CPU, 1e-4
     assert all(row["ok"] for row in parts["doctor"]["rows"]) and len(parts["doctor"]["rows"]) >= 4  # + zero2, twin
     (long,) = parts["long_context"]["rows"]  # host-held checkpoints, chunked loss, tiled MLP: memory vs estimate

@@ -54,7 +54,7 @@ def test_model_is_the_published_config_json():
     recipe's model: (same architecture, init and aux-loss weight); exported, the recipe writes it back."""
     import transformers
 
-    from dstrain.model.config import num_params
+    from dstrain.model.counts import num_params
     from dstrain.model.family_configs import config_from_hf, hf_config
     from dstrain.model.hf import architecture_diff
 

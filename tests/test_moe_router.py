@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dstrain.errors import DstrainError  # noqa: E402
-from dstrain.model.config import GPTConfig, MoEConfig, flops_per_token, num_params  # noqa: E402
+from dstrain.model.config import GPTConfig, MoEConfig  # noqa: E402
+from dstrain.model.counts import flops_per_token, num_params  # noqa: E402
 from dstrain.model.gpt import GPT  # noqa: E402
 from dstrain.model.moe import load_balancing_loss, route, z_loss  # noqa: E402
 
@@ -184,7 +185,7 @@ def test_a_moe_checkpoint_does_not_change_topology(tmp_path):
 
 
 def test_parameter_line_shows_total_and_active():
-    from dstrain.model.config import describe_params
+    from dstrain.model.counts import describe_params
 
     line = describe_params(CONFIG)
     assert f"{num_params(CONFIG) / 1e6:,.2f}M total" in line

@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import transformers  # noqa: E402
 
-from dstrain.model.config import num_params  # noqa: E402
+from dstrain.model.counts import num_params  # noqa: E402
 from dstrain.model.family_configs import config_from_hf  # noqa: E402
 from dstrain.model.hf import architecture_diff  # noqa: E402
 from dstrain.recipe_file import load_recipe  # noqa: E402

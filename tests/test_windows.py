@@ -83,7 +83,7 @@ def test_layer_kinds_are_checked_and_resolved():
 
 def test_a_local_block_costs_its_window_in_attention_flops():
     """flops_per_token (MFU, `dstrain plan`'s step times) counts a local block's L x W band, not the L x L square."""
-    from dstrain.model.config import flops_per_token
+    from dstrain.model.counts import flops_per_token
 
     kinds = ["sliding_attention", "full_attention", "sliding_attention"]
     local = GPTConfig(flavour="llama", n_layer=3, n_head=4, d_model=64, sliding_window=100, layer_types=kinds)
@@ -127,7 +127,7 @@ def test_flex_chunks_equal_the_dense_mask_forward_on_cpu(documents):
 
 def test_flops_count_a_chunked_block_over_its_chunk():
     """flops_per_token: a chunked block's queries see min(C, L) keys each, as a local block's see min(W, L)."""
-    from dstrain.model.config import flops_per_token, num_params
+    from dstrain.model.counts import flops_per_token, num_params
 
     kinds = ["chunked_attention", "full_attention"]
     config = GPTConfig(flavour="llama", n_layer=2, layer_types=kinds, attention_chunk=64, qk_norm="l2")

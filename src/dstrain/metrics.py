@@ -1,6 +1,6 @@
 """What a run reports while it trains: throughput, FLOPs, MFU, memory, written to metrics.jsonl and the console.
 
-FLOPs per token come from ``dstrain.model.config.flops_per_token`` (6N + 12·layers·d·seq:
+FLOPs per token come from ``dstrain.model.counts.flops_per_token`` (6N + 12·layers·d·seq:
 forward + backward of the dense weights, plus attention scores); TFLOP/s per device is
 that times tokens/s over the number of devices; tokens/s counts training time only (the
 ``IntervalClock`` pauses around evaluation and checkpoints). MFU divides by the device's

@@ -1,4 +1,4 @@
-"""The GPT's configuration and the arithmetic on it, without torch: a recipe, `dstrain estimate` and the
+"""The GPT's configuration, without torch: a recipe, `dstrain estimate` and the
 commands' argument checks read it without importing the model (dstrain.model.gpt builds it)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe"),
     *("smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"),
     *("olmo3", "llama4"),  # issue 50's families
+    *("deepseek_v3", "deepseek_v2", "glm4_moe"),  # DeepSeekMoE (model.moe), with latent attention (model.mla)
 )
 
 
@@ -76,12 +77,56 @@ class MoEConfig:
         None  # GPT-OSS's clamped SwiGLU: gate clamped <= limit, up to +-limit, gate*sigmoid(alpha*gate)*(up+1)
     )
     swiglu_alpha: Annotated[float, Range(gt=0)] = 1.702  # the clamped SwiGLU's sigmoid slope (with swiglu_limit)
+    # --- DeepSeekMoE (DeepSeek-V2/V3, Moonlight, GLM-4.5): docs/moe.md; model/moe.py's deepseek_route ---
+    scoring: Literal["softmax", "sigmoid"] = (
+        "softmax"  # expert scores: softmax over experts, or each expert's sigmoid (DeepSeek-V3) plus a balancing bias
+    )
+    router_fp32: bool = False  # router logits computed in fp32 from fp32 weights and inputs (DeepSeek, GLM-4.5)
+    n_group: Annotated[int, Range(ge=1)] = 1  # expert groups; a token's experts come from its topk_group best groups
+    topk_group: Annotated[int, Range(ge=1)] = 1  # groups a token may route to (group-limited routing)
+    routed_scaling_factor: Annotated[float, Range(gt=0)] = 1.0  # the routed experts' weights multiplied by this
+    n_shared_experts: Annotated[int, Range(ge=0)] = 0  # experts every token runs through: one MLP this many wide
+    bias_update_rate: Annotated[float, Range(ge=0)] = 0.0  # loss-free balancing: train/balancing.py; 0 = off
 
     def __post_init__(self) -> None:
+        if self.num_experts % self.n_group or self.topk_group > self.n_group:
+            raise DstrainError(
+                f"model.moe.n_group: {self.n_group} groups (topk_group {self.topk_group}) do not split "
+                f"num_experts={self.num_experts}; pick a divisor of num_experts and topk_group <= n_group"
+            )
+        if self.bias_update_rate and self.scoring != "sigmoid":
+            raise DstrainError("model.moe.bias_update_rate: the balancing bias needs scoring: sigmoid; set it to 0")
         if self.top_k > self.num_experts:
             raise DstrainError(
                 f"model.moe.top_k: {self.top_k} exceeds num_experts={self.num_experts}; set top_k <= num_experts"
             )
+
+
+@dataclass
+class MLAConfig:
+    """DeepSeek's multi-head latent attention (model.mla; DeepSeek-V2 section 2.1): keys and values from one low-rank
+    latent of kv_lora_rank per token, queries through one of q_lora_rank (or a plain projection), each head's query and
+    key a part without RoPE (qk_nope_head_dim) and a rotated part (qk_rope_head_dim, the key's shared by all heads),
+    values v_head_dim wide. RoPE (and its YaRN scaling) acts on the qk_rope_head_dim part only."""
+
+    kv_lora_rank: Annotated[int, Range(ge=1)]  # width of the compressed key/value latent (RMSNorm-ed)
+    q_lora_rank: Annotated[int, Range(ge=1)] | None = None  # width of the compressed query; None = plain q_proj
+    qk_nope_head_dim: Annotated[int, Range(ge=1)] = 128  # per head: query/key dimensions without RoPE
+    qk_rope_head_dim: Annotated[int, Range(ge=2)] = 64  # per head: query/key dimensions RoPE rotates
+    v_head_dim: Annotated[int, Range(ge=1)] = 128  # per head: value dimensions (o_proj takes n_head * v_head_dim)
+    rope_interleave: bool = True  # how the transformers checkpoint lays out the rotated rows (DeepSeek-V3: pairs);
+    # dstrain de-interleaves them on import and computes rotate_half RoPE (model/hf_mla.py)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def params(self, d: int, heads: int) -> int:
+        """Parameters of one latent attention: its projections and the latents' norms (model/mla.py)."""
+        q = self.q_lora_rank
+        query = d * heads * self.qk_head_dim if q is None else d * q + q + q * heads * self.qk_head_dim
+        kv = (d + 1 + heads * (self.qk_nope_head_dim + self.v_head_dim)) * self.kv_lora_rank + d * self.qk_rope_head_dim
+        return query + kv + heads * self.v_head_dim * d
 
 
 @dataclass
@@ -157,6 +202,7 @@ class GPTConfig:
     nope_layers: list[Annotated[int, Range(ge=0)]] = field(default_factory=list)  # blocks (0-based) without RoPE
     attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (GPT-OSS's sinks)
     rope_scaling: RopeScaling | None = None  # RoPE scaling (Llama 3.x: llama3); None = unscaled
+    mla: MLAConfig | None = None  # multi-head latent attention in every block (DeepSeek-V2/V3); None = q/k/v heads
 
     @classmethod
     def from_dict(cls, fields: dict) -> GPTConfig:
@@ -164,6 +210,8 @@ class GPTConfig:
         values = dict(fields)
         if isinstance(values.get("moe"), dict):
             values["moe"] = MoEConfig(**values["moe"])
+        if isinstance(values.get("mla"), dict):
+            values["mla"] = MLAConfig(**values["mla"])
         if isinstance(values.get("rope_scaling"), dict):
             values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
         return cls(**values)
@@ -190,7 +238,9 @@ class GPTConfig:
         for key in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
                 raise bad(key, f"{getattr(self, key)!r} is not a positive integer", "set a positive integer")
-        if self.d_head is None and self.d_model % self.n_head:
+        if self.mla is not None and (self.flavour != "llama" or self.qk_norm or self.qkv_bias or self.n_kv_head):
+            raise bad("mla", "latent attention has its own heads, no n_kv_head, qk_norm nor qkv_bias", "remove them")
+        if self.mla is None and self.d_head is None and self.d_model % self.n_head:
             raise bad("n_head", f"{self.n_head} does not divide d_model={self.d_model}", "pick a divisor of d_model")
         if self.family is not None and self.family not in FAMILIES:
             raise bad("family", f"{self.family!r} is not a known family", f"use one of {', '.join(FAMILIES)}")
@@ -204,7 +254,7 @@ class GPTConfig:
             raise bad(
                 "n_kv_head", "grouped-query attention needs flavour 'llama'", "remove n_kv_head or set it to n_head"
             )
-        if self.flavour == "llama" and self.head_dim % 2:
+        if self.flavour == "llama" and self.mla is None and self.head_dim % 2:
             raise bad("n_head", f"RoPE needs an even head size, got {self.head_dim}", "change n_head or d_head")
         if self.d_ff is not None and self.d_ff <= 0:
             raise bad("d_ff", f"{self.d_ff} is not positive", "set a positive integer or remove it")
@@ -251,7 +301,9 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        """d_head with None resolved."""
+        """d_head with None resolved (with model.mla: the query/key head, nope and rope parts together)."""
+        if self.mla is not None:
+            return self.mla.qk_head_dim
         return self.d_model // self.n_head if self.d_head is None else self.d_head
 
     @property
@@ -264,6 +316,8 @@ class GPTConfig:
     @property
     def rotary_dim(self) -> int:
         """The dimensions of each head RoPE rotates (transformers: int(head_dim * partial_rotary_factor))."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -289,77 +343,3 @@ class GPTConfig:
     def tied(self) -> bool:
         """tie_embeddings with None resolved to the flavour's default."""
         return self.flavour == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
-
-
-# --- arithmetic on the config (no model built) ---
-
-
-def mlp_params(config: GPTConfig, width: int, expert: bool = False) -> int:
-    """Parameters of one MLP of the flavour with hidden width `width` (an expert is one)."""
-    d = config.d_model
-    if config.flavour == "gpt2":
-        return d * width + width + width * d + d
-    biases = 2 * width + d if expert and config.moe is not None and config.moe.expert_bias else 0
-    return 3 * d * width + biases
-
-
-def num_params(config: GPTConfig, exclude_embeddings: bool = False, active: bool = False) -> int:
-    """Parameter count of GPT(config), a tied matrix counted once.
-
-    exclude_embeddings drops the token (and position) tables; an untied lm_head is still counted.
-    active counts, in each MoE layer, the router and the top_k experts a token runs through (not all experts).
-    """
-    d, v = config.d_model, config.vocab_size
-    q_out, kv_out = config.n_head * config.head_dim, config.kv_heads * config.head_dim
-    attention = d * q_out + 2 * d * kv_out + q_out * d
-    if config.flavour == "gpt2":
-        attention += q_out + 2 * kv_out + d
-    if config.qkv_bias:
-        attention += q_out + 2 * kv_out
-    if config.o_bias:
-        attention += d
-    if config.qk_norm in ("head", "projection"):  # l2 (Llama 4) has no weight
-        attention += 2 * config.head_dim if config.qk_norm == "head" else q_out + kv_out
-    if config.attention_sinks:
-        attention += config.n_head
-    norm = 2 * d if config.flavour == "gpt2" else d
-    block_norms = 4 * norm if config.norm_placement == "sandwich" else 2 * norm
-    dense_block = attention + mlp_params(config, config.ff_dim) + block_norms
-    total = (config.n_layer - config.n_moe_layers) * dense_block + norm + (0 if config.tied else v * d)
-    if config.moe is not None:
-        experts = config.moe.top_k if active else config.moe.num_experts
-        router = (d + config.moe.router_bias) * config.moe.num_experts
-        moe_block = attention + block_norms + router + experts * mlp_params(config, config.expert_dim, expert=True)
-        total += config.n_moe_layers * moe_block
-    embeddings = v * d + (config.max_seq_len * d if config.flavour == "gpt2" else 0)
-    return total if exclude_embeddings else total + embeddings
-
-
-def describe_params(config: GPTConfig) -> str:
-    """The parameter line a run starts with: total, and with MoE the active parameters per token."""
-    line = f"parameters: {num_params(config) / 1e6:,.2f}M"
-    if config.moe is None:
-        return line
-    return (
-        f"{line} total, {num_params(config, active=True) / 1e6:,.2f}M active per token "
-        f"(top {config.moe.top_k} of {config.moe.num_experts} experts in {config.n_moe_layers} MoE layers)"
-    )
-
-
-def flops_per_token(config: GPTConfig, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward): 6*N + 12*n_layer*n_head*head_dim*seq_len (head_dim*n_head is
-    d_model unless model.d_head decouples them).
-
-    N = the ACTIVE non-embedding parameters (with MoE: the router and the top_k experts of each MoE layer)
-    plus the vocab_size*d_model output projection, counted whether or not it is tied (the logits matmul
-    runs either way); the position table and embedding lookups cost no matmul FLOPs. The second term is
-    the attention scores and weighted sum (QK^T and AV), counted over the full L x L square as in
-    Kaplan et al. / PaLM, ignoring the causal half; a local block (model.layer_types, sliding_window W) over the
-    L x min(W, L) band its queries attend to, which FlexAttention's block mask lets the GPU skip to.
-    """
-    n = num_params(config, exclude_embeddings=True, active=True) + (
-        config.vocab_size * config.d_model if config.tied else 0
-    )
-    # keys per query, summed: a local block's window, a chunked block's chunk (Llama 4), else the whole sequence
-    keys = sum(min(config.window(i) or config.chunk(i) or seq_len, seq_len) for i in range(config.n_layer))
-    return 6 * n + 12 * config.n_head * config.head_dim * keys

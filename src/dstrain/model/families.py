@@ -25,6 +25,12 @@ dstrain.model.family_configs the configs (docs/published-models.md has the table
 | llama4    | Llama4ForCausalLM    | layer_types (chunked_attention on the RoPE blocks), attention_chunk,          |
 |           |                      | nope_layers (every 4th), qk_norm l2, attn_temperature_floor/_scale, d_head;   |
 |           |                      | RoPE on interleaved pairs in HF (q/k rows reordered); dense blocks only       |
+| deepseek_v3 | DeepseekV3ForCausalLM | mla (latent attention), rope_scaling yarn with mscale; moe: scoring sigmoid,|
+|           |                      | n_group, topk_group, routed_scaling_factor, n_shared_experts, dense_layers    |
+|           |                      | (first_k_dense_replace), router_fp32 (also Moonlight, Kimi K2)                |
+| deepseek_v2 | DeepseekV2ForCausalLM | mla; moe: scoring softmax, unnormalised, groups by topk_method, shared     |
+| glm4_moe  | Glm4MoeForCausalLM   | DeepSeek-V3's moe with GQA: qkv_bias (attention_bias), qk_norm head           |
+|           |                      | (use_qk_norm), partial_rotary_factor (GLM-4.5, 4.6)                           |
 
 Qwen3-MoE's decoder_sparse_step is moe.every, its mlp_only_layers moe.dense_layers, moe_intermediate_size d_expert.
 """
@@ -53,9 +59,12 @@ CLASSES = {
     # --- issue 50's families ---
     "olmo3": ("Olmo3ForCausalLM", "Olmo3Config"),
     "llama4": ("Llama4ForCausalLM", "Llama4TextConfig"),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config"),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config"),
+    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig"),
 }
 ARCHITECTURE_FAMILY = {architecture: family for family, (architecture, _) in CLASSES.items()}
-_LLAMA: dict[str, Any] = {"qkv_bias": False, "qk_norm": None, "norm_placement": "pre", "moe": False}
+_LLAMA: dict[str, Any] = {"qkv_bias": False, "qk_norm": None, "norm_placement": "pre", "moe": False, "mla": False}
 _GEMMA = _LLAMA | {"norm_placement": "sandwich", "norm_unit_offset": True, "scale_embeddings": True}
 _GEMMA |= {"mlp_activation": "gelu_tanh"}
 # The model.* features each family's class has fixed (an export to it must match them; a feature its class cannot
@@ -76,9 +85,14 @@ FIXED: dict[str, dict[str, Any]] = {
     # --- issue 50's families ---
     "olmo3": _LLAMA | {"qk_norm": "projection", "norm_placement": "post"},
     "llama4": {k: v for k, v in _LLAMA.items() if k != "qk_norm"},  # use_qk_norm: qk_norm l2 or none
+    "deepseek_v3": _LLAMA | {"moe": True, "mla": True},
+    "deepseek_v2": _LLAMA | {"moe": True, "mla": True},
+    "glm4_moe": {"norm_placement": "pre", "moe": True, "mla": False},  # q/k/v biases and q/k norms optional
 }
 FFN_PREFIX = {"llama4": "feed_forward"}  # HF's name of a decoder layer's MLP where it is not "mlp"
 INTERLEAVED_ROPE = {"llama4"}  # HF rotates pairs (2i, 2i+1) of each head: q/k rows reordered (dstrain.model.hf)
+DEEPSEEK = {"deepseek_v3", "deepseek_v2"}  # latent attention; its weights: mla_names below
+DEEPSEEK_MOE = DEEPSEEK | {"glm4_moe"}  # DeepSeekMoE, whose classes record no auxiliary-loss weight
 WINDOW_EVERY_BLOCK = {"mistral", "mixtral", "phi3"}  # one sliding_window for every block (no layer_types in HF)
 WINDOW_PER_BLOCK = {"gemma2", "gemma3", "gpt_oss", "olmo3"}  # HF's layer_types and sliding_window
 LOCAL_ROPE = {"gemma3", "olmo3"}  # one rope_parameters per layer type: the local blocks' unscaled (rope_local_theta)
@@ -97,7 +111,7 @@ def check_exportable(config: GPTConfig, source: str) -> str:
     """The family's name, once config's features are what its transformers class computes."""
     family = config.resolved_family
     for key, value in FIXED[family].items():
-        ours = (config.moe is not None) if key == "moe" else getattr(config, key)
+        ours = (getattr(config, key) is not None) if key in ("moe", "mla") else getattr(config, key)
         if ours != value:
             raise DstrainError(
                 f"{source}: model.{key}={ours!r} has no counterpart in {CLASSES[family][0]} (model.family "
@@ -120,11 +134,10 @@ def block_names(config: GPTConfig, index: int) -> list[tuple[str, str]]:
         "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
         "sandwich": ("input_layernorm", "pre_feedforward_layernorm"),
     }[config.norm_placement]
-    names = [
-        ("attn_norm.weight", f"{post[0]}.weight"),
-        ("mlp_norm.weight", f"{post[1]}.weight"),
-        *((f"self_attn.{p}_proj.weight",) * 2 for p in "qkvo"),
-    ]
+    attention = [(f"self_attn.{p}_proj.weight",) * 2 for p in "qkvo"]
+    if config.mla is not None:
+        attention = [(f"self_attn.{name}.weight",) * 2 for name in mla_names(config)]
+    names = [("attn_norm.weight", f"{post[0]}.weight"), ("mlp_norm.weight", f"{post[1]}.weight"), *attention]
     if config.norm_placement == "sandwich":
         names += [("attn_post_norm.weight", "post_attention_layernorm.weight")]
         names += [("mlp_post_norm.weight", "post_feedforward_layernorm.weight")]
@@ -140,3 +153,13 @@ def block_names(config: GPTConfig, index: int) -> list[tuple[str, str]]:
         ffn = FFN_PREFIX.get(config.resolved_family, "mlp")
         names += [(f"mlp.{p}_proj.weight", f"{ffn}.{p}_proj.weight") for p in ("gate", "up", "down")]
     return names
+
+
+# --- DeepSeek's latent attention (model/mla.py): its weights have transformers' names ---
+
+
+def mla_names(config: GPTConfig) -> list[str]:
+    """The modules of one latent attention whose weights convert one to one."""
+    assert config.mla is not None
+    query = ["q_proj"] if config.mla.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
+    return [*query, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]

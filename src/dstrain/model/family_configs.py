@@ -17,6 +17,7 @@ import transformers
 from dstrain.errors import DstrainError
 from dstrain.model import families
 from dstrain.model.config import GPTConfig, MoEConfig, RopeScaling
+from dstrain.model.family_deepseek import deepseek_fields, deepseek_kwargs
 from dstrain.model.family_llama4 import computes_nothing, llama4_fields, llama4_kwargs
 
 # Keys of every transformers config that do not change the function the model computes: bookkeeping, generation,
@@ -28,6 +29,7 @@ NEUTRAL = {
     "bos_token_id", "eos_token_id", "initializer_range", "attention_dropout", "resid_pdrop", "embd_pdrop",
     "output_router_logits", "router_jitter_noise",
 }  # fmt: skip
+NEUTRAL |= {"num_mtp_layers"}  # DeepSeek-V3's multi-token-prediction layers: transformers neither builds nor runs them
 # Keys a config's __post_init__ turns into others that are compared (layer_types, no_rope_layers, rope_parameters).
 DERIVED = {"max_window_layers", "no_rope_layer_interval", "original_max_position_embeddings"}
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> model.mlp_activation
@@ -38,7 +40,7 @@ def rope_parameters(config: GPTConfig, local: bool = False) -> dict[str, Any]:
     of the sliding_attention blocks where rope_local_theta gives them their own."""
     scaling = None if local and config.rope_local_theta is not None else config.rope_scaling
     theta = config.rope_local_theta if local and config.rope_local_theta is not None else config.rope_theta
-    partial = {"partial_rotary_factor": config.partial_rotary_factor} if config.family == "phi3" else {}
+    partial = {"partial_rotary_factor": config.partial_rotary_factor} if config.family in ("phi3", "glm4_moe") else {}
     if scaling is None:
         return {"rope_type": "default", "rope_theta": theta, **partial}
     keys: dict[str, Any] = {
@@ -159,13 +161,17 @@ def config_from_hf(hf: transformers.PretrainedConfig, family: str, source: str) 
     if getattr(hf, "quantization_config", None):
         raise DstrainError(f"{source}: quantization_config is not supported; convert an unquantised checkpoint")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    fixed = {k: v for k, v in families.FIXED[family].items() if k != "moe"}
+    fixed = {k: v for k, v in families.FIXED[family].items() if k not in ("moe", "mla")}
     scalar = getattr(hf, "query_pre_attn_scalar", None)
     caps = {"attn_softcap": getattr(hf, "attn_logit_softcapping", None)}
     caps["logit_softcap"] = getattr(hf, "final_logit_softcapping", None)
     features = fixed | _rope_fields(hf, family, source) | _layer_fields(hf, family)
     features |= {"d_ff": hf.intermediate_size} | _moe_fields(hf, family) | caps
     features |= llama4_fields(hf, source) if family == "llama4" else {}
+    shape = dict(
+        n_kv_head=hf.num_key_value_heads or hf.num_attention_heads,
+        d_head=None if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim,
+    )
     try:
         config = GPTConfig(
             flavour="llama",
@@ -174,14 +180,12 @@ def config_from_hf(hf: transformers.PretrainedConfig, family: str, source: str) 
             max_seq_len=hf.max_position_embeddings,
             n_layer=hf.num_hidden_layers,
             n_head=hf.num_attention_heads,
-            n_kv_head=hf.num_key_value_heads or hf.num_attention_heads,
             d_model=hf.hidden_size,
-            d_head=None if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim,
             tie_embeddings=hf.tie_word_embeddings,
             norm_eps=hf.rms_norm_eps,
             init_std=hf.initializer_range,
             query_pre_attn_scalar=None if scalar is None or scalar == head_dim else float(scalar),
-            **features,
+            **(shape | features | deepseek_fields(hf, family)),
         )
     except DstrainError as e:
         raise DstrainError(f"{source}: {e}") from None
@@ -198,6 +202,8 @@ def _value(hf: transformers.PretrainedConfig, key: str) -> Any:
         return hf.hidden_size // hf.num_attention_heads
     if key == "num_key_value_heads" and value is None:
         return hf.num_attention_heads
+    if key in ("n_group", "topk_group") and getattr(hf, "topk_method", None) == "greedy":
+        return None  # DeepSeek-V2's greedy routing reads no groups
     if key == "rope_parameters" and value is not None:  # compared as what it computes: defaults filled in
         if "full_attention" in value:
             return {kind: read_rope(rope, "", hf.max_position_embeddings) for kind, rope in value.items()}
@@ -249,9 +255,12 @@ def hf_config(
     )
     kwargs["hidden_activation" if "hidden_activation" in class_fields else "hidden_act"] = activation
     kwargs |= {key: False for key in ("attention_bias", "mlp_bias", "use_sliding_window") if key in class_fields}
-    if family != "phi3":  # Phi-3's heads are hidden_size / num_attention_heads wide (not every class lists head_dim)
+    if family not in (
+        "phi3",
+        *families.DEEPSEEK,
+    ):  # Phi-3's heads are hidden_size / num_attention_heads wide (not every class lists head_dim)
         kwargs["head_dim"] = config.head_dim
-    kwargs |= _layer_kwargs(config, family) | _moe_kwargs(config, family)
+    kwargs |= _layer_kwargs(config, family) | _moe_kwargs(config, family) | deepseek_kwargs(config, family)
     scaling = config.rope_scaling
     if "original_max_position_embeddings" in class_fields and scaling and scaling.original_max_position_embeddings:
         # Phi-3's config keeps it beside rope_parameters, and its own value wins there
@@ -340,6 +349,9 @@ def _architecture(config: GPTConfig) -> dict[str, Any]:
         del fields[key]
     if fields["moe"] is not None:
         del fields["moe"]["z_loss_coef"]  # a training choice transformers does not record
+        del fields["moe"]["bias_update_rate"]  # the same (DeepSeek's balancing rate)
+        if config.resolved_family in families.DEEPSEEK_MOE:  # their classes record no auxiliary-loss weight either
+            del fields["moe"]["aux_loss_coef"]
         fields["moe"]["d_expert"] = config.expert_dim
     fields |= dict(
         windows=[config.window(i) for i in range(config.n_layer)],

@@ -9,8 +9,9 @@ RoPE scaling (rope_scaling, model/rope.py), q/k/v biases (qkv_bias), q/k RMSNorm
 MoE routing options (moe.norm_topk_prob, moe.dense_layers). Per block: local attention within a window
 (layer_types, sliding_window), no RoPE (nope_layers), sinks (attention_sinks). Gemma's conventions (norm_unit_offset,
 scale_embeddings, mlp_activation gelu_tanh, query_pre_attn_scalar, rope_local_theta, Gemma 2's attn_softcap and
-logit_softcap) and Phi-3's partial rotary (partial_rotary_factor). Llama 4's chunks (attention_chunk), weightless q/k
-norm after RoPE (qk_norm l2) and temperature tuning (attn_temperature_floor). model/families.py says which uses which;
+logit_softcap), Phi-3's partial rotary (partial_rotary_factor), Llama 4's chunks (attention_chunk), weightless q/k
+norm after RoPE (qk_norm l2) and temperature tuning (attn_temperature_floor), and DeepSeek's latent attention in
+place of q/k/v heads (model.mla: model/mla.py). model/families.py says which family uses which;
 docs/published-models.md explains them.
 
 Module tree (shared by both flavours, so a pipeline engine can cut the same blocks into stages):
@@ -39,39 +40,14 @@ from torch import nn
 
 from dstrain.model.config import GPTConfig
 from dstrain.model.doc_attention import doc_attention, temperature_tuned
+from dstrain.model.layers import Linear, apply_rope, normal_init
+from dstrain.model.mla import LatentAttention, softmax_scale
 from dstrain.model.moe import MoEMLP, checkpointed_moe_block
 from dstrain.model.rope import rope_cos_sin
 
 StateDict = dict[str, torch.Tensor]  # a model's weights by parameter name
 
 # --- leaf modules that initialise their own parameters (see the module docstring) ---
-
-
-def normal_init(weight: torch.Tensor, std: float) -> None:
-    """weight ~ normal(0, std) drawn from torch's CPU generator, then copied: the same numbers on every device.
-
-    Under zero.Init the tensor is already on the accelerator, whose generator would draw other numbers, and ZeRO-3
-    would start from other weights than every other strategy (seen on an H100: 1.5e-3 apart at step 1).
-    """
-    if weight.is_meta:  # parameter counting builds the model on the meta device: nothing to draw
-        return
-    with torch.no_grad():
-        # device="cpu" is explicit: a `with torch.device(...)` block (and zero.Init) would otherwise place it there
-        weight.copy_(torch.empty(weight.shape, dtype=torch.float32, device="cpu").normal_(0.0, std))
-
-
-class Linear(nn.Linear):
-    """nn.Linear drawing weight ~ normal(0, std) and zero bias; std=None leaves the weight to be tied."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, std: float | None) -> None:
-        self.std = std  # read by reset_parameters, which nn.Linear.__init__ calls
-        super().__init__(in_features, out_features, bias=bias)
-
-    def reset_parameters(self) -> None:
-        if self.std is not None:
-            normal_init(self.weight, self.std)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -126,23 +102,6 @@ def make_norm(config: GPTConfig, width: int | None = None) -> nn.Module:
     return nn.RMSNorm(width or config.d_model, eps=config.norm_eps)
 
 
-# --- positions (the angles: model/rope.py) ---
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, L, head_dim); cos/sin: (B|1, L, rotary_dim): the first rotary_dim dimensions rotate."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    if cos.shape[-1] == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    turned, kept = x[..., : cos.shape[-1]], x[..., cos.shape[-1] :]
-    return torch.cat([turned * cos + rotate_half(turned) * sin, kept], dim=-1)
-
-
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x over its RMS along the last dimension, in fp32, no weight (transformers' Llama4TextL2Norm)."""
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
@@ -164,6 +123,8 @@ class CoreAttention(nn.Module):
         self.config = config
         self.window, self.chunk = config.window(index), config.chunk(index)
         self.scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+        if config.mla is not None:  # DeepSeek: qk_head_dim**-0.5, with YaRN's mscale correction (model/mla.py)
+            self.scale = softmax_scale(config)
         self.softcap = config.attn_softcap
         # Llama 4: the blocks without RoPE sharpen with position; counted over the whole (gathered) sequence
         self.temperature = None if config.uses_rope(index) else config.attn_temperature_floor
@@ -264,13 +225,19 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, index: int = 0, ep_size: int = 1, ep_rank: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(config)
-        self.self_attn = Attention(config, index)
+        self.self_attn: nn.Module
+        if config.mla is not None:  # DeepSeek's latent attention (model/mla.py) around the same core
+            self.self_attn = LatentAttention(config, CoreAttention(config, index))
+        else:
+            self.self_attn = Attention(config, index)
         self.mlp_norm = make_norm(config)
         self.mlp: nn.Module
         if config.moe is not None and config.is_moe_block(index):  # the router drawn first, then each expert
             wg = Linear(config.d_model, config.moe.num_experts, bias=config.moe.router_bias, std=config.init_std)
             experts: list[nn.Module] = [MLP(config, config.expert_dim, True) for _ in range(config.moe.num_experts)]
-            self.mlp = MoEMLP(config, wg, experts, ep_size, ep_rank)
+            shared = config.moe.n_shared_experts  # DeepSeekMoE: one MLP of all shared experts, beside the routed
+            shared_mlp = MLP(config, config.expert_dim * shared) if shared else None
+            self.mlp = MoEMLP(config, wg, experts, ep_size, ep_rank, shared_mlp)
         else:
             self.mlp = MLP(config)
         self.placement = config.norm_placement

@@ -23,6 +23,7 @@ from dstrain.errors import DstrainError
 from dstrain.model import families, family_configs
 from dstrain.model.config import GPTConfig
 from dstrain.model.gpt import StateDict
+from dstrain.model.hf_mla import permute_rope_rows
 from dstrain.model.hf_moe import experts_from_hf, experts_to_hf
 
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", **families.ARCHITECTURE_FAMILY}
@@ -165,7 +166,16 @@ def _moe_shape(moe) -> object:
     """The architecture of model.moe (its loss coefficients are training choices)."""
     if moe is None:
         return None
-    return (moe.num_experts, moe.top_k, moe.every, moe.d_expert, moe.norm_topk_prob, sorted(moe.dense_layers))
+    deepseek = (moe.scoring, moe.n_group, moe.topk_group, moe.routed_scaling_factor, moe.n_shared_experts)
+    return (
+        moe.num_experts,
+        moe.top_k,
+        moe.every,
+        moe.d_expert,
+        moe.norm_topk_prob,
+        sorted(moe.dense_layers),
+        *deepseek,
+    )
 
 
 # --- gpt2 ---
@@ -270,6 +280,7 @@ def _rows(config: GPTConfig, name: str) -> int:
 
 
 def _llama_to_hf(config: GPTConfig, sd: StateDict) -> StateDict:
+    sd = permute_rope_rows(config, sd, to_hf=True)  # DeepSeek's latent attention: pairs again (model/hf_mla.py)
     out = {"model.embed_tokens.weight": sd["embed.tok.weight"]}
     fused = families.FUSED.get(config.resolved_family, {})
     for i in range(config.n_layer):
@@ -311,7 +322,7 @@ def _llama_from_hf(config: GPTConfig, hf_state: StateDict, source: str) -> State
     out["lm_head.weight"] = out["embed.tok.weight"] if config.tied else take("lm_head.weight")
     take.discard("lm_head.weight")  # a tied head may or may not be listed
     take.check_all_used()
-    return out
+    return permute_rope_rows(config, out, to_hf=False)  # DeepSeek's latent attention: rotate_half layout
 
 
 def _interleaved_pairs(weight: torch.Tensor, head_dim: int, back: bool = False) -> torch.Tensor:

@@ -16,6 +16,7 @@ from dstrain.model.gpt import StateDict
 MOE_PREFIX = "mlp.moe.deepspeed_moe"
 ROUTER = f"{MOE_PREFIX}.gate.wg.weight"
 ROUTER_BIAS = f"{MOE_PREFIX}.gate.wg.bias"  # GPT-OSS (model.moe.router_bias)
+SCORE_BIAS = f"{MOE_PREFIX}.gate.e_score_correction_bias"  # DeepSeek-V3's balancing bias (model.moe.scoring sigmoid)
 
 
 def expert_name(block: int, expert: int, proj: str, param: str = "weight") -> str:
@@ -33,6 +34,8 @@ def experts_to_hf(config: GPTConfig, sd: StateDict, block: int, out: StateDict) 
         [torch.cat([sd[expert_name(block, e, "gate_proj")], sd[expert_name(block, e, "up_proj")]]) for e in experts]
     )
     out[f"{layer}.mlp.experts.down_proj"] = torch.stack([sd[expert_name(block, e, "down_proj")] for e in experts])
+    for ours, hf in deepseek_names(config, block):
+        out[hf] = sd[ours]
 
 
 def experts_from_hf(config: GPTConfig, take, block: int, out: StateDict) -> None:
@@ -47,6 +50,19 @@ def experts_from_hf(config: GPTConfig, take, block: int, out: StateDict) -> None
         out[expert_name(block, e, "gate_proj")] = gate_up[e, :ff]
         out[expert_name(block, e, "up_proj")] = gate_up[e, ff:]
         out[expert_name(block, e, "down_proj")] = down[e]
+    for ours, hf in deepseek_names(config, block):
+        out[ours] = take(hf)
+
+
+def deepseek_names(config: GPTConfig, block: int) -> list[tuple[str, str]]:
+    """(our name, HF name) of DeepSeekMoE's shared experts and balancing bias in block `block`."""
+    assert config.moe is not None
+    names = []
+    if config.moe.n_shared_experts:
+        names += [(f"mlp.shared_experts.{p}_proj.weight",) * 2 for p in ("gate", "up", "down")]
+    if config.moe.scoring == "sigmoid":
+        names += [(SCORE_BIAS, "mlp.gate.e_score_correction_bias")]
+    return [(f"blocks.{block}.{ours}", f"model.layers.{block}.{hf}") for ours, hf in names]
 
 
 # GPT-OSS stores each expert transposed, (in, out), its gate and up interleaved along the output: gate_up_proj

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dstrain.model.config import GPTConfig
+from dstrain.model.config import GPTConfig, MoEConfig
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,6 +44,34 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[tor
     probs = F.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     return probs, weights / weights.sum(dim=-1, keepdim=True) if normalize else weights, experts
+
+
+def deepseek_route(
+    logits: torch.Tensor, moe: MoEConfig, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeekMoE's routing of fp32 (tokens, experts) logits: (scores normalised to sum to 1, weights, experts).
+
+    As transformers' DeepseekV3TopkRouter (scoring sigmoid: each expert's sigmoid, the balancing bias added for the
+    choice only, a group scored by its two best experts, the chosen scores renormalised with norm_topk_prob) and
+    DeepseekV2TopkRouter (scoring softmax: a group scored by its best expert, no renormalisation); both multiply the
+    weights by routed_scaling_factor. Group-limited: only experts of the topk_group best of n_group groups are chosen.
+    """
+    sigmoid = moe.scoring == "sigmoid"
+    scores = logits.sigmoid() if sigmoid else F.softmax(logits, dim=-1)
+    choice = scores + bias if bias is not None else scores
+    if moe.n_group > 1:
+        grouped = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if sigmoid else grouped.max(dim=-1).values
+        chosen = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, chosen, 1).bool()
+        keep = keep.unsqueeze(-1).expand_as(grouped).reshape(choice.shape)
+        choice = choice.masked_fill(~keep, float("-inf") if sigmoid else 0.0)
+    experts = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, experts)
+    if sigmoid and moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    probs = scores / scores.sum(dim=-1, keepdim=True) if sigmoid else scores
+    return probs, weights * moe.routed_scaling_factor, experts
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -69,12 +97,21 @@ class Router(nn.Module):
     micro-batch: a recompute in the backward overwrites them with the same values and counts nothing twice.
     """
 
+    e_score_correction_bias: torch.Tensor | None  # a buffer with sigmoid scoring (see __init__), else None
+
     def __init__(self, config: GPTConfig, wg: nn.Module) -> None:
         super().__init__()
         assert config.moe is not None
+        self.moe = config.moe
         self.top_k, self.num_experts = config.moe.top_k, config.moe.num_experts
         self.normalize = config.moe.norm_topk_prob
         self.wg = wg  # d_model -> num_experts logits, without bias
+        # DeepSeek's router (deepseek_route) for everything Mixtral's does not compute
+        moe = config.moe
+        self.deepseek = moe.scoring == "sigmoid" or moe.n_group > 1 or moe.routed_scaling_factor != 1.0
+        # The loss-free balancing bias of sigmoid scoring (train/balancing.py moves it), fp32 as in transformers.
+        bias = torch.zeros(self.num_experts, dtype=torch.float32) if moe.scoring == "sigmoid" else None
+        self.register_buffer("e_score_correction_bias", bias)
         self.ep_group = None  # set by DeepSpeed (MOELayer._set_ep_group) once the engine made the groups
         self.aux_loss = self.z_loss = torch.zeros(())
         # Tokens per expert of the last training forward; not a buffer, which a bf16 engine would round.
@@ -88,8 +125,16 @@ class Router(nn.Module):
         experts, slots (position in the expert's buffer) and weights are (top_k, tokens)."""
         if used_token is not None or not sparse_routes or use_tutel:
             raise NotImplementedError("dstrain's Router serves MOELayer's sparse routes only")
-        logits = self.wg(x)  # in the model's dtype, as HF's router
-        probs, weights, experts = route(logits, self.top_k, self.normalize)
+        if self.moe.router_fp32:  # DeepSeek's router: F.linear in fp32
+            wg: nn.Linear = self.wg  # type: ignore[assignment]  # the Linear Block gives
+            logits = F.linear(x.float(), wg.weight.float(), None if wg.bias is None else wg.bias.float())
+        else:
+            logits = self.wg(x)  # in the model's dtype, as HF's router
+        if self.deepseek:
+            bias = self.e_score_correction_bias
+            probs, weights, experts = deepseek_route(logits.float(), self.moe, None if bias is None else bias.float())
+        else:
+            probs, weights, experts = route(logits, self.top_k, self.normalize)
         self.aux_loss, self.z_loss = load_balancing_loss(probs, experts), z_loss(logits)
         routes = experts.t().reshape(-1)  # first choices of all tokens, then second choices, ...
         one_hot = F.one_hot(routes, self.num_experts)
@@ -115,10 +160,17 @@ class MoEMLP(nn.Module):
     """The MLP of an MoE block: num_experts experts of the flavour's MLP, top_k of them per token."""
 
     def __init__(
-        self, config: GPTConfig, wg: nn.Module, drawn: list[nn.Module], ep_size: int = 1, ep_rank: int = 0
+        self,
+        config: GPTConfig,
+        wg: nn.Module,
+        drawn: list[nn.Module],
+        ep_size: int = 1,
+        ep_rank: int = 0,
+        shared: nn.Module | None = None,
     ) -> None:
         """``wg``: the router's projection; ``drawn``: every expert (the flavour's MLP), drawn in order after it,
-        so that expert e starts the same under any expert-parallel layout; this rank keeps its share."""
+        so that expert e starts the same under any expert-parallel layout; this rank keeps its share. ``shared``:
+        DeepSeekMoE's shared experts (one MLP every token runs through, beside the routed ones), or None."""
         super().__init__()
         from deepspeed.moe.layer import MoE
 
@@ -133,13 +185,15 @@ class MoEMLP(nn.Module):
         experts = self.moe.deepspeed_moe.experts.deepspeed_experts
         for index, expert in enumerate(experts):
             expert.load_state_dict(drawn[ep_rank * local + index].state_dict())
+        self.shared_experts = shared
 
     @property
     def router(self) -> Router:
         return self.moe.deepspeed_moe.gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.moe(x)[0]
+        routed = self.moe(x)[0]
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
 
 def checkpointed_moe_block(checkpoint_fn, block: nn.Module, *args: torch.Tensor) -> torch.Tensor:

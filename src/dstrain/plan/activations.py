@@ -30,6 +30,8 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     if m.flavour == "llama":
         norm = (a if fused_norms else 8) * h + 4  # the norm's input (fused) or fp32 input and output; rstd
         inner = 2 * q + 2 * kv + mlp_inner(m) * (strategy.mlp_tiles == 1)  # q, k, v, attention output; the MLP's
+        if m.mla is not None:
+            inner += latent_attention_inner(m) - 2 * q - 2 * kv
         if m.qk_norm is not None:  # the q and k norms keep theirs too, with an rstd per head (or per token)
             rstd = 4 * (heads + m.kv_heads if m.qk_norm in ("head", "l2") else 2)  # l2: Llama 4's, per head
             inner += ((a if fused_norms else 8) * (q + kv) + rstd) // a
@@ -38,7 +40,7 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
         inner = 2 * h + 2 * kv + mlp_inner(m) * (strategy.mlp_tiles == 1)  # q, k, v, attention output; the MLP's
     norms = 4 if m.norm_placement == "sandwich" else 2  # Gemma 3 norms each output again (and keeps its input)
     # Attention keeps q, k, v, its output and a log-sum-exp per query (flash and FlexAttention): linear in the
-    # sequence, so a local block's window saves FLOPs (model.config.flops_per_token), not activation memory.
+    # sequence, so a local block's window saves FLOPs (model.counts.flops_per_token), not activation memory.
     per_token = norms * norm + a * (2 * h + inner / t) + 4 * heads / t  # + the linears' inputs, log-sum-exp
     block = tokens * per_token + (2 * seq * m.head_dim * a if m.flavour == "llama" else 0)  # RoPE cos, sin
     offset = 4 * h if m.norm_unit_offset else 0  # Gemma's norm keeps 1 + weight, in fp32
@@ -73,8 +75,20 @@ def sp_exchange_bytes(recipe: Recipe, strategy: Strategy) -> int:
     context's exchange back is smaller); the tensors saved for the backward are counted in activation_bytes."""
     m, a = recipe.model, 4 if strategy.precision == "fp32" else 2
     tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
+    if m.mla is not None:  # q and k qk_head_dim wide per head, v v_head_dim (no key/value heads to repeat)
+        return 2 * a * tokens * m.n_head * (2 * m.mla.qk_head_dim + m.mla.v_head_dim)
     kv = m.kv_heads * kv_replicas(m.n_head, m.kv_heads, strategy.sp_size)  # repeated beyond the key/value heads
     return 2 * a * tokens * (m.n_head * m.head_dim + 2 * kv * m.head_dim)
+
+
+def latent_attention_inner(m) -> int:
+    """Elements a token's latent attention (model.mla) saves: the query latent and its norm's output, the key/value
+    latent with the shared rope key and its norm's output, then per head q and k (qk_head_dim), v and the output
+    (v_head_dim): the compressed projections add little, the heads' q/k/v are what MLA saves like any attention."""
+    mla = m.mla
+    query_latent = 2 * mla.q_lora_rank if mla.q_lora_rank is not None else 0
+    latent = 2 * mla.kv_lora_rank + mla.qk_rope_head_dim
+    return query_latent + latent + m.n_head * (2 * mla.qk_head_dim + 2 * mla.v_head_dim)
 
 
 def mlp_inner(m) -> int:

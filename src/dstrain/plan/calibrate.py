@@ -90,7 +90,7 @@ def calibrated_device(recipe: Recipe, ranks: int, engines: bool = False) -> Devi
 
 def bare_device(recipe: Recipe, ranks: int) -> Device:
     """This machine as the time model's Device from the bare model's forward and backward and a gloo all-reduce."""
-    from dstrain.model.config import flops_per_token
+    from dstrain.model.counts import flops_per_token
 
     threads = max(1, (os.cpu_count() or 1) // ranks)
     small, large = 1, 4

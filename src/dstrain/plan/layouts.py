@@ -274,7 +274,7 @@ def _timed(
     cluster: Cluster,
     precision: Precision,
 ) -> Planned:
-    from dstrain.model.config import flops_per_token
+    from dstrain.model.counts import flops_per_token
 
     pred = predict(recipe, strategy, layout_counts(recipe, strategy), cluster)
     tokens_per_s = recipe.train.global_batch * recipe.data.seq_len / pred.step_s

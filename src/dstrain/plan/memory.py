@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
-from dstrain.model.config import num_params
+from dstrain.model.counts import num_params
 from dstrain.plan.activations import (
     activation_bytes,
     host_checkpoint_bytes,

@@ -10,7 +10,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 
-from dstrain.model.config import GPTConfig, num_params
+from dstrain.model.config import GPTConfig
+from dstrain.model.counts import num_params
 from dstrain.precision import Precision
 
 EXPERTS = ".deepspeed_experts."  # in the names of expert parameters (DeepSpeed's MoE layer)
@@ -18,20 +19,22 @@ EXPERTS = ".deepspeed_experts."  # in the names of expert parameters (DeepSpeed'
 TP_SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-MOE_FORMULA = "n_moe·k·T·(4·h + 4·f_e)·a − n_moe·T·4·f·a"  # n_moe: 1 under activation checkpointing
+MOE_FORMULA = "n_moe·k·T·(4·h + 4·f_e)·a + n_moe·T·4·s·f_e·a − n_moe·T·4·f·a"  # n_moe: 1 under checkpointing
 
 
 def moe_activation_bytes(model: GPTConfig, tokens: int, precision: Precision, checkpointing: bool = False) -> int:
     """What a rank's MoE layers save for backward beyond the dense model's MLPs (counted in memory.activation_bytes):
     each of the k·T routed copies of a token passes through DeepSpeed's dispatch buffer and the expert's output,
     both before and after their all-to-all (4·h), and through an expert of width f_e (gate, up, silu(gate), product:
-    4·f_e, llama); the dense MLP's 4·f per token is not there. Balanced routing; dropless dispatch pads every
+    4·f_e, llama), and every token through DeepSeekMoE's s shared experts (one MLP 4·s·f_e wide); the dense MLP's
+    4·f per token is not there. Balanced routing; dropless dispatch pads every
     expert's buffer to the busiest expert's count, which can add up to the whole buffer again. With activation
     checkpointing only the block being recomputed holds them (its input is counted with the dense model's)."""
     assert model.moe is not None
     a = 4 if precision == "fp32" else 2
     routed = tokens * model.moe.top_k
-    extra = routed * (4 * model.d_model + 4 * model.expert_dim) * a - tokens * 4 * model.ff_dim * a
+    shared = tokens * 4 * model.moe.n_shared_experts * model.expert_dim * a
+    extra = routed * (4 * model.d_model + 4 * model.expert_dim) * a + shared - tokens * 4 * model.ff_dim * a
     return max(0, (1 if checkpointing else model.n_moe_layers) * extra)
 
 

@@ -2,7 +2,7 @@
 
 Stated assumptions (each replaceable, each named in the plan's output):
 
-- Compute: the trainer's FLOPs per token (dstrain.model.config.flops_per_token, 6N + 12·layers·d·seq) times the
+- Compute: the trainer's FLOPs per token (dstrain.model.counts.flops_per_token, 6N + 12·layers·d·seq) times the
   tokens a rank processes, over ``Device.efficiency`` x peak, scaled by T / (T + half_tokens) for a micro-batch of T
   tokens per rank (small matmuls run below the device's best rate), plus a fixed cost per micro-batch
   (``Device.micro_batch_overhead_s``); +1/3 of the FLOPs with activation checkpointing (the forward runs
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from dstrain.config import Recipe
 from dstrain.devices import datasheet_peaks
-from dstrain.model.config import flops_per_token
+from dstrain.model.counts import flops_per_token
 from dstrain.plan.bubble import bubble_fraction
 from dstrain.plan.param_counts import ParamCounts, count_params
 from dstrain.plan.traffic import Traffic, dtype_bytes, step_traffic
@@ -207,7 +207,7 @@ def expert_share(recipe: Recipe, strategy: Strategy, counts: ParamCounts) -> int
     moe = recipe.model.moe
     if moe is None:
         return 0
-    from dstrain.model.config import mlp_params
+    from dstrain.model.counts import mlp_params
 
     per_layer = mlp_params(recipe.model, recipe.model.expert_dim) * moe.num_experts // strategy.ep_size
     return per_layer * recipe.model.n_moe_layers

@@ -154,6 +154,14 @@ def check_tensor_parallel(tp: dict, recipe: Recipe, recipe_file, ds_file: str, p
             f"{ds_file}: tensor_parallel with model.attention_sinks is not supported: AutoTP splits the heads and "
             f"leaves each head's sink whole; use a ZeRO or expert-parallel config"
         )
+    if model.mla is not None:
+        # The latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms must stay whole on every rank while
+        # q_b_proj/q_proj and kv_b_proj split by heads: AutoTP's llama preset names none of them.
+        raise DstrainError(
+            f"{ds_file}: tensor_parallel with model.mla is not supported: AutoTP does not know which of the latent "
+            f"attention's projections (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj) split; use a ZeRO, "
+            f"sequence-parallel or expert-parallel config"
+        )
     if model.kv_heads % size:
         raise DstrainError(
             f"{ds_file}: tensor_parallel.autotp_size={size} does not divide the {model.kv_heads} key/value heads of "

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from dstrain.train import (
     averaging,
+    balancing,
     early_stop,
     fatal_steps,
     hf_export,
@@ -31,6 +32,7 @@ BUILDERS: tuple[Callable[[RunHandle], Component | None], ...] = (
     averaging.build,  # EMA / last-N of the weights (train.averaging)
     spike_rollback.build,  # the spike guard and its rollback (train.spike_guard)
     fatal_steps.build,  # fp16 overflow runs, a non-finite loss
+    balancing.build,  # DeepSeek-V3's loss-free balancing: the routers' bias after each step that stands
     task_eval.build,  # downstream tasks at each evaluation (train.tasks)
     mixture.build,  # the data mixture's stages and shares
     watchdog.build_hang_event,  # the previous launch's hang, as an event

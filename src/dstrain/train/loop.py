@@ -29,7 +29,7 @@ from dstrain.devices import device_peak
 from dstrain.errors import DstrainError
 from dstrain.metrics import IntervalClock, MetricsLog, largest_peak_memory_of_all_ranks
 from dstrain.metrics_records import evaluation_summary, perplexity
-from dstrain.model.config import describe_params, flops_per_token
+from dstrain.model.counts import describe_params, flops_per_token
 from dstrain.run_dir import RunDir
 from dstrain.train import features
 from dstrain.train.components import Components, Progress, StepOutcome, StepSums, Verdict

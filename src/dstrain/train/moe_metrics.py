@@ -2,8 +2,9 @@
 
 Per log interval: moe_aux_loss and moe_z_loss (means over micro-batches, ranks and MoE layers, before their
 coefficients), and per MoE layer i the share of routed tokens each expert received: moe_layer<i>_share_min,
-_share_max and _share_entropy (nats; ln(num_experts) is perfectly balanced). Dispatch is dropless: no token is
-ever dropped, so there is no dropped-token count.
+_share_max and _share_entropy (nats; ln(num_experts) is perfectly balanced); with sigmoid scoring (DeepSeek-V3) the
+spread of its balancing bias, moe_layer<i>_bias_min and _bias_max (train/balancing.py moves it). Dispatch is
+dropless: no token is ever dropped, so there is no dropped-token count.
 """
 
 from __future__ import annotations
@@ -73,4 +74,10 @@ class MoEMeter(Component):
             record[f"moe_layer{layer}_share_min"] = share.min().item()
             record[f"moe_layer{layer}_share_max"] = share.max().item()
             record[f"moe_layer{layer}_share_entropy"] = entropy
+            bias = router.e_score_correction_bias
+            if bias is not None:  # the same on every rank: no collective
+                record[f"moe_layer{layer}_bias_min"], record[f"moe_layer{layer}_bias_max"] = (
+                    bias.min().item(),
+                    bias.max().item(),
+                )
         return record

@@ -57,7 +57,7 @@ def move_previous_run(files: RunDir) -> Path | None:
 
 def check_disk(run_dir: Path, recipe: Recipe) -> None:
     """Fail now, not at the first checkpoint hours from now, if run_dir cannot hold one."""
-    from dstrain.model.config import num_params
+    from dstrain.model.counts import num_params
 
     try:
         probe = run_dir / ".write-test"
