@@ -12,11 +12,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from test_families import FAMILIES, SMALL, build_hf, hf_class_name  # noqa: E402
 
 from dstrain.errors import DstrainError  # noqa: E402
 from dstrain.model.gpt import GPT  # noqa: E402
 from dstrain.model.hf import from_hf  # noqa: E402
+
+from family_fixtures import FAMILIES, SMALL, build_hf, hf_class_name  # noqa: E402
 
 
 def published_qwen3(folder, corpus) -> transformers.PreTrainedModel:
