@@ -50,7 +50,6 @@ class StepRunner:
         self.device = engine.device
         self.doc_masking, self.loss_tiles = recipe.model.doc_masking, strategy.loss_tiles
         self.sft = recipe.data.sft  # only --chat data has labels it does not learn (dstrain.data.dataset.collate)
-        self.tied_head = recipe.model.tied  # the chunked loss holds a tied head's reduction (dstrain.train.tiling)
         self.logit_softcap = recipe.model.logit_softcap  # the chunked pipeline head's (model.gpt.Head applies it)
         self.pipeline = is_pipeline(engine)
         self.sp_size = strategy.sp_size
@@ -69,7 +68,7 @@ class StepRunner:
         runner.engine, runner.device, runner.doc_masking, runner.loss_tiles = module, device, doc_masking, 1
         runner.progress, runner.hooks, runner.components = Progress(), StepHooks(), Component()
         runner.pipeline, runner.sp_size, runner.sp_group, runner.sp_rank = False, 1, None, 0
-        runner.divisor, runner.tied_head = None, False  # evaluation's mean; the loss is whole (loss_tiles 1)
+        runner.divisor = None  # evaluation's mean; the loss is whole (loss_tiles 1)
         return runner
 
     def to_device(self, samples: list[int], data) -> dict:
@@ -154,8 +153,7 @@ class StepRunner:
         labels, tiles = batch["labels"], self.loss_tiles
         if tiles > 1:
             hidden = self.engine(batch["input_ids"], position_ids, head=False)
-            head = self.engine.module.lm_head
-            losses = tiling.tiled_loss_sum(head, head.weight, hidden, labels, tiles, self.tied_head)
+            losses = tiling.tiled_loss_sum(self.engine.module.lm_head, hidden, labels, tiles)
         else:
             losses = token_loss_sum(self.engine(batch["input_ids"], position_ids), labels)
         if self.divisor is not None:
