@@ -49,7 +49,7 @@ def forward_backward(
 
 
 @pytest.mark.parametrize(
-    "flavour, masked, softcap",  # untied and tied heads; Gemma 2's logit soft cap (llama only) at 0.1, below most logits
+    "flavour, masked, softcap",  # untied and tied heads; Gemma 2's logit soft cap (llama only) at 0.1, under most
     [("llama", False, None), ("llama", True, None), ("gpt2", False, None), ("gpt2", True, None), ("llama", True, 0.1)],
 )
 def test_tiled_loss_and_mlp_give_the_same_loss_and_gradients(flavour, masked, softcap):

@@ -6,7 +6,7 @@ pipeline (1F1B and DualPipeV schedules), sequence-parallel and expert-parallel s
 a node, a planner policy: their per-block collectives across nodes never win); micro-batches (powers of two);
 activation checkpointing; the chunked loss (``tiling.loss`` "auto" against 1, where "auto" chunks at all) and the
 tiled MLP (``tiling.mlp`` 4, without a pipeline). The memory model counts what each lever frees, the time model
-what each recomputes; for each layout the largest micro-batch that fits is kept with the smaller ones.
+what each recomputes (the tiled MLP; the chunked loss recomputes nothing); for each layout the largest micro-batch that fits is kept with the smaller ones.
 Not enumerated: NVMe offload (it needs a path on the cluster's nodes), fp32 and fp16 where bf16 runs (bf16 is as
 exact here: dstrain sums its gradients in fp32).
 """
@@ -190,8 +190,9 @@ def plan(
                 break  # a larger micro-batch needs more memory still
             found.append(_timed(recipe, layout, config, strategy, est, cluster, precision))
     # Equal predictions (compute-bound, communication hidden): fewer micro-batches first, since each costs engine
-    # time the model does not see (measured on 2 CPU ranks: ~1 s per ZeRO-3 micro-batch, BENCHMARKS.md).
-    found.sort(key=lambda p: (float(f"{p.prediction.step_s:.6g}"), p.strategy.grad_accum))
+    # time the model does not see (measured on 2 CPU ranks: ~1 s per ZeRO-3 micro-batch, BENCHMARKS.md); then the
+    # lower peak (the chunked loss, which costs no time: dstrain.model.chunked_loss, over the whole one).
+    found.sort(key=lambda p: (float(f"{p.prediction.step_s:.6g}"), p.strategy.grad_accum, p.estimate.peak()))
     kept = []
     for planned in found:
         try:
