@@ -128,7 +128,7 @@ def plan_parts(dry: bool) -> list[Part]:
             lambda c: features.loss_chunking(c, precision_steps, None if dry else SPEED_125M),
             2 * tiny + (0 if dry else speed_s(dry, (*SPEED_125M[:3], ["eager"]), speed_steps)),
             VERDICT + SPEED[:2] + SPEED[4:8],
-            "The loss chunked against whole (tiny, fp32), then gpt2-125m with the loss whole",
+            "The fused chunked loss against whole (tiny, fp32), then gpt2-125m with the loss whole (speed, memory)",
         ),
         Part(
             "speed_gpt_1_3b",

@@ -4,8 +4,8 @@ dstrain.train runs (its refusals are the planner's), sized by the memory model, 
 Enumerated: ZeRO 0-3; CPU offload of the optimizer (stage 1-3) and of the parameters (stage 3); tensor-parallel,
 pipeline (1F1B and DualPipeV schedules), sequence-parallel and expert-parallel sizes (powers of two; TP and SP within
 a node, a planner policy: their per-block collectives across nodes never win); micro-batches (powers of two);
-activation checkpointing; the chunked loss (``tiling.loss`` "auto" against 1, where "auto" chunks at all) and the
-tiled MLP (``tiling.mlp`` 4, without a pipeline). The memory model counts what each lever frees, the time model
+activation checkpointing; the chunked loss (``tiling.loss``: the fewest chunks of at most 1 GiB where the whole
+loss's logits exceed that, dstrain.strategy.tiling.auto_loss_tiles, against 1) and the tiled MLP (``tiling.mlp`` 4, without a pipeline). The memory model counts what each lever frees, the time model
 what each recomputes (the tiled MLP; the chunked loss recomputes nothing); for each layout the largest micro-batch that fits is kept with the smaller ones.
 Not enumerated: NVMe offload (it needs a path on the cluster's nodes), fp32 and fp16 where bf16 runs (bf16 is as
 exact here: dstrain sums its gradients in fp32).
@@ -25,6 +25,7 @@ from dstrain.strategy.memory import estimate
 from dstrain.strategy.memory_parts import Estimate
 from dstrain.strategy.precision import Precision
 from dstrain.strategy.resolve import AUTO, Strategy, resolve
+from dstrain.strategy.tiling import LOSS_TILE_BYTES, auto_loss_tiles
 
 # AutoTP's split of dstrain's projections (the layer_specs of ds_configs/tp2_zero1.json).
 TP_SPECS = [
@@ -178,14 +179,18 @@ def plan(
     for shape in candidate_layouts(recipe, cluster):
         for layout in shape:
             config = layout.ds_config(precision, torch_adam)
+            if layout.chunked_loss:  # written as a count: chunked wherever the logits exceed one chunk
+                seq, vocab = recipe.data.seq_len // layout.sp, recipe.model.vocab_size
+                chunks = auto_loss_tiles(layout.micro, seq, vocab, above=LOSS_TILE_BYTES)
+                if chunks == 1:
+                    continue  # the whole loss is one chunk: the unchunked layout already weighs it
+                config["tiling"]["loss"] = chunks
             try:
                 name = f"plan:{layout.describe()}"
                 strategy = resolve(recipe, recipe_file, config, name, world, check_device=False, validate=False)
                 est = estimate(recipe, strategy, cluster.nodes, cluster.gpus_per_node, device.memory_gib)
             except DstrainError:  # refused by dstrain.train's own checks
                 continue
-            if layout.chunked_loss and strategy.loss_tiles == 1:
-                continue  # "auto" keeps this micro-batch's loss whole: the unchunked layout already weighs it
             if not est.fits:
                 break  # a larger micro-batch needs more memory still
             found.append(_timed(recipe, layout, config, strategy, est, cluster, precision))
