@@ -115,3 +115,71 @@ def test_plan_weighs_the_chunked_loss_at_no_extra_compute():
     counts = count_params(recipe.model)
     times = [predict(recipe, s, counts, cluster) for s in (whole, chunked)]
     assert times[1].compute_s == times[0].compute_s and times[1].step_s == times[0].step_s
+
+
+def test_the_shipped_qwen25_layout_is_the_planners_and_chunks_its_loss():
+    """dstrain plan for continue-qwen2.5-0.5b on 1 x 8 H100 writes what ds_configs/planned ships: the loss chunked
+    (the whole loss's 18.55 GiB of logits' gradient, at no time cost, buy micro-batch 16 where the whole loss stopped
+    at 4)."""
+    import json
+
+    recipe_file = ROOT / "recipes" / "continue-qwen2.5-0.5b.yaml"
+    kept, _ = plan(load_recipe(recipe_file), recipe_file, Cluster(H100, 1, 8), "bf16", top=1)
+    shipped = json.loads((ROOT / "ds_configs" / "planned" / "continue-qwen2.5-0.5b-1x8-h100.json").read_text())
+    assert kept[0].ds_config == shipped
+    assert shipped["tiling"]["loss"] == 128 and shipped["train_micro_batch_size_per_gpu"] == 16
+
+
+def tied_head_steps(stage: int, tiles: int) -> list[tuple[float, float]]:
+    """Rank target: 3 steps of a tied gpt2 under ZeRO ``stage`` on this rank's share of a fixed batch, the loss whole
+    (tiles 1) or chunked: (loss, pre-clip gradient norm) per step."""
+    import deepspeed
+    import torch
+
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.gpt import GPT, lm_loss
+    from dstrain.train import distributed, tiling
+
+    distributed.init()
+    config = GPTConfig(flavour="gpt2", vocab_size=128, max_seq_len=16, n_layer=1, n_head=2, d_model=32)
+    ds = {
+        "train_batch_size": 4,
+        "gradient_accumulation_steps": 2,  # 1/2 reaches the head's gradient too
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+    }
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=ds, enabled=stage == 3):  # without a config: fp16 parameters
+        model = GPT(config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    rank, out = torch.distributed.get_rank(), []
+    for step in range(3):
+        for micro in range(2):
+            ids = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(10 * step + micro))
+            inputs, labels = ids[rank::2, :-1], ids[rank::2, 1:].clone()
+            labels[:, :3] = -100  # SFT's prompt tokens
+            if tiles > 1:
+                loss = tiling.mean_loss(engine.module.lm_head, engine(inputs, head=False), labels, tiles)
+            else:
+                loss = lm_loss(engine(inputs), labels)
+            engine.backward(loss)
+            engine.step()
+        out.append((loss.item(), float(engine.get_global_grad_norm())))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_chunked_loss_with_a_tied_head_gives_the_whole_losses_under_zero(stage):
+    """A head tied to the embedding under ZeRO-2 and ZeRO-3 (2 gloo ranks, fp32, gradient accumulation 2, masked
+    labels): the fused chunked loss forms the head's gradient in its forward and returns it once in the backward, so
+    ZeRO reduces the tied weight's summed gradient once (DeepSpeed's tiled compute needed a hold on its reduction)
+    and ZeRO-3 gathers the weight for the head's forward; losses and pre-clip norms within 1e-6 of the whole loss."""
+    from ranks import run_ranks
+
+    whole = run_ranks(2, tied_head_steps, stage, 1)
+    chunked = run_ranks(2, tied_head_steps, stage, 4)
+    for rank_whole, rank_chunked in zip(whole, chunked):
+        for (loss, norm), (c_loss, c_norm) in zip(rank_whole, rank_chunked):
+            assert abs(c_loss - loss) <= 1e-6 * loss and abs(c_norm - norm) <= 1e-6 * norm, (rank_whole, rank_chunked)

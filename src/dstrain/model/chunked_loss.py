@@ -42,7 +42,7 @@ def chunked_loss_sum(
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return FusedLinearCrossEntropy.apply(hidden, weight, labels, chunks, cap)
     rows, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    total = hidden.new_zeros((), dtype=torch.float32)
     with torch.no_grad():
         for h, y in zip(rows.tensor_split(chunks), targets.tensor_split(chunks)):
             scores = soft_cap(F.linear(h, weight), cap).float()
@@ -67,8 +67,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         rows, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         grad_rows = torch.empty_like(rows) if hidden.requires_grad else None
         # fp32 accumulation, one rounding to the weight's dtype at the end, as one whole matmul would do
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_weight = weight.new_zeros(weight.shape, dtype=torch.float32)
+        total = hidden.new_zeros((), dtype=torch.float32)
         start = 0
         for h, y in zip(rows.tensor_split(chunks), targets.tensor_split(chunks)):
             loss, grad_logits = _chunk_loss_and_grad(h, weight, y, cap)
