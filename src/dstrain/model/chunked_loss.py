@@ -63,7 +63,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunks: int, cap: float | None):  # type: ignore[override]
+    def forward(ctx, hidden, weight, labels, chunks: int, cap: float | None):
         rows, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         grad_rows = torch.empty_like(rows) if hidden.requires_grad else None
         # fp32 accumulation, one rounding to the weight's dtype at the end, as one whole matmul would do
@@ -87,7 +87,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
+    def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
         # In place: the forward's gradients are used once (no retain_graph), and this keeps no second copy of them.
         if grad_hidden is not None:
@@ -115,6 +115,6 @@ def _chunk_loss_and_grad(
     grad[rows, labels.clamp(min=0)] -= 1.0
     grad.mul_(counted.unsqueeze(1).to(grad.dtype))  # rows not learned give no gradient
     grad = grad.to(logits.dtype)  # where autograd casts the fp32 loss's gradient back (a copy in bf16)
-    if tanh is not None:  # autograd's order: x cap, x (1 - tanh^2), / cap
+    if tanh is not None and cap is not None:  # autograd's order: x cap, x (1 - tanh^2), / cap
         grad.mul_(cap).mul_(tanh.square_().neg_().add_(1.0)).div_(cap)
     return loss, grad

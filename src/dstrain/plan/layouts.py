@@ -5,8 +5,10 @@ Enumerated: ZeRO 0-3; CPU offload of the optimizer (stage 1-3) and of the parame
 pipeline (1F1B and DualPipeV schedules), sequence-parallel and expert-parallel sizes (powers of two; TP and SP within
 a node, a planner policy: their per-block collectives across nodes never win); micro-batches (powers of two);
 activation checkpointing; the chunked loss (``tiling.loss``: the fewest chunks of at most 1 GiB where the whole
-loss's logits exceed that, dstrain.strategy.tiling.auto_loss_tiles, against 1) and the tiled MLP (``tiling.mlp`` 4, without a pipeline). The memory model counts what each lever frees, the time model
-what each recomputes (the tiled MLP; the chunked loss recomputes nothing); for each layout the largest micro-batch that fits is kept with the smaller ones.
+loss's logits exceed that, dstrain.strategy.tiling.auto_loss_tiles, against 1) and the tiled MLP (``tiling.mlp`` 4,
+without a pipeline). The memory model counts what each lever frees, the time model what each recomputes (the tiled
+MLP; the chunked loss recomputes nothing); for each layout the largest micro-batch that fits is kept with the
+smaller ones.
 Not enumerated: NVMe offload (it needs a path on the cluster's nodes), fp32 and fp16 where bf16 runs (bf16 is as
 exact here: dstrain sums its gradients in fp32).
 """
