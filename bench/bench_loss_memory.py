@@ -69,16 +69,14 @@ def child(recipe_file: str, ds_file: str) -> dict:
         ids = torch.randint(0, recipe.model.vocab_size, (strategy.micro_batch, recipe.data.seq_len + 1))
         inputs, labels = ids[:, :-1], ids[:, 1:]
         if strategy.loss_tiles > 1:
-            head = engine.module.lm_head
-            hidden = engine(inputs, head=False)
-            loss = tiling.mean_loss(head, head.weight, hidden, labels, strategy.loss_tiles)
+            loss = tiling.mean_loss(engine.module.lm_head, engine(inputs, head=False), labels, strategy.loss_tiles)
         else:
             loss = lm_loss(engine(inputs), labels)
         engine.backward(loss)
         engine.step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
     est = estimate(recipe, strategy, 1, 1, fused_norms=False)  # torch's composite RMSNorm on a CPU
-    logits = sum(p.backward for p in est.parts if p.name.startswith("logits"))
+    logits = sum(p.backward for p in est.parts if "logits" in p.name)
     return {"tiles": strategy.loss_tiles, "measured": peak, "estimate": est.peak(), "logits": logits}
 
 

@@ -36,10 +36,7 @@ def step(config: GPTConfig, ids: torch.Tensor, loss_tiles: int, mlp_tiles: int):
 
     def forward_backward():
         if loss_tiles > 1:
-            head = model.lm_head
-            loss = (
-                tiling.tiled_loss_sum(head, head.weight, model(inputs, head=False), labels, loss_tiles) / labels.numel()
-            )
+            loss = tiling.tiled_loss_sum(model.lm_head, model(inputs, head=False), labels, loss_tiles) / labels.numel()
         else:
             loss = token_loss_sum(model(inputs), labels) / labels.numel()
         loss.backward()

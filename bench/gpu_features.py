@@ -2,8 +2,10 @@
 each changes on a GPU path, against the same run without it. Each part: a correctness verdict (fp32, the features'
 own tolerance) and, on a GPU, the speed and peak memory it costs or saves.
 
-- loss_chunking: the loss whole (``tiling.loss`` 1) against chunked, on gpt2-125m at the speed part's micro-batch,
-  where the default ("auto") already chunks: 12·T·V of the whole loss is 18.4 GiB at micro-batch 32;
+- loss_chunking: the loss whole (``tiling.loss`` 1) against chunked (fused linear cross-entropy: the head's
+  gradients formed in the loss's forward, model/chunked_loss.py), on gpt2-125m at the speed part's micro-batch, where
+  the default ("auto") already chunks: 12·T·V of the whole loss is 18.4 GiB at micro-batch 32. Expected: the chunked
+  rows (the speed part's) at least as fast as the whole loss's, with less peak memory;
 - latent_attention: DeepSeek's MLA with doc masking on the device against the CPU's dense mask, and its speed
 - moe_recompute: a mixture of experts with activation checkpointing against without (the router losses' gradient
   reaches the router through the checkpoint), then its speed on a GPU;
@@ -49,7 +51,7 @@ def _config(check: Check, name: str, base: str, **sections) -> object:
 
 def loss_chunking(check: Check, steps: int, speed_plan: tuple | None) -> list[dict]:
     """Chunked against whole on tiny (fp32, 1e-6 relative), then gpt2-125m's speed and memory with the loss whole
-    beside the speed part's rows (chunked by default)."""
+    beside the speed part's rows (chunked by default, fused: no recompute of the head)."""
     whole = check.train("loss-whole", "tiny", _config(check, "loss-whole", "zero1.json", tiling={"loss": 1}), [], steps)
     chunked = check.train(
         "loss-chunked", "tiny", _config(check, "loss-chunked", "zero1.json", tiling={"loss": 4}), [], steps

@@ -228,11 +228,11 @@ def saved_tensor_bytes(
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if tiles[0] == 1:
             lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-        else:  # SequenceTiledCompute keeps the hidden states and labels on its ctx, out of the hooks' sight
+        else:  # the fused chunked loss saves its gradients of the hidden states and the head (counted apart)
             hidden, labels = model(tokens[:, :-1], head=False), tokens[:, 1:]
-            tiling.mean_loss(model.lm_head, model.lm_head.weight, hidden, labels, tiles[0])
-            for kept in (hidden, labels):
-                saved[kept.untyped_storage().data_ptr()] = kept.untyped_storage().nbytes()
+            gradients = tiling.tiled_loss_sum(model.lm_head, hidden, labels, tiles[0]).grad_fn.saved_tensors
+            for kept in gradients:  # in the formula's loss part (fused_loss_bytes), not in "saved for backward"
+                saved.pop(kept.untyped_storage().data_ptr())
     return sum(saved.values())
 
 

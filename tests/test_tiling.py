@@ -12,12 +12,20 @@ from dstrain.train import tiling
 
 
 def forward_backward(
-    flavour: str, seq: int, loss_tiles: int, mlp_tiles: int, measure: bool = False, masked: bool = False
+    flavour: str,
+    seq: int,
+    loss_tiles: int,
+    mlp_tiles: int,
+    measure: bool = False,
+    masked: bool = False,
+    softcap: float | None = None,
 ):
     """(loss, gradients by name, peak tensor bytes or None) of one step of a fresh seeded model; ``masked``: a third
-    of the labels -100 (SFT's prompt tokens), including a whole tile's."""
+    of the labels -100 (SFT's prompt tokens), including a whole tile's; ``softcap``: model.logit_softcap."""
     torch.manual_seed(0)
-    config = GPTConfig(flavour=flavour, vocab_size=512, max_seq_len=seq, n_layer=2, n_head=4, d_model=64)
+    config = GPTConfig(
+        flavour=flavour, vocab_size=512, max_seq_len=seq, n_layer=2, n_head=4, d_model=64, logit_softcap=softcap
+    )
     model = GPT(config)
     if mlp_tiles > 1:
         tiling.tile_mlps(model, mlp_tiles)
@@ -30,8 +38,7 @@ def forward_backward(
 
     def step():
         if loss_tiles > 1:
-            hidden, head = model(inputs, head=False), model.lm_head
-            loss = tiling.mean_loss(head, head.weight, hidden, labels, loss_tiles, shared=config.tied)
+            loss = tiling.mean_loss(model.lm_head, model(inputs, head=False), labels, loss_tiles)
         else:
             loss = lm_loss(model(inputs), labels)
         (loss * 0.5).backward()  # a factor after the loss (1 / accumulation steps) reaches every gradient
@@ -41,15 +48,21 @@ def forward_backward(
     return losses[0], {n: p.grad for n, p in model.named_parameters()}, peak
 
 
-@pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("flavour", ["llama", "gpt2"])  # untied and tied heads
-def test_tiled_loss_and_mlp_give_the_same_loss_and_gradients(flavour, masked):
-    loss, grads, _ = forward_backward(flavour, 96, 1, 1, masked=masked)
+@pytest.mark.parametrize(
+    "flavour, masked, softcap",  # untied and tied heads; Gemma 2's logit soft cap (llama only) at 0.1, under most
+    [("llama", False, None), ("llama", True, None), ("gpt2", False, None), ("gpt2", True, None), ("llama", True, 0.1)],
+)
+def test_tiled_loss_and_mlp_give_the_same_loss_and_gradients(flavour, masked, softcap):
+    """The chunked loss (head gradients formed in its forward, model/chunked_loss.py) and the tiled MLP against the
+    whole loss: losses and every gradient within 1e-6 (fp32), a factor after the loss (0.5) reaching both."""
+    loss, grads, _ = forward_backward(flavour, 96, 1, 1, masked=masked, softcap=softcap)
     for loss_tiles, mlp_tiles in [(4, 1), (1, 3), (8, 4)]:
-        tiled_loss, tiled_grads, _ = forward_backward(flavour, 96, loss_tiles, mlp_tiles, masked=masked)
+        tiled_loss, tiled_grads, _ = forward_backward(flavour, 96, loss_tiles, mlp_tiles, False, masked, softcap)
         assert abs(tiled_loss - loss) <= 1e-6 * loss
         for name, grad in grads.items():
-            assert (tiled_grads[name] - grad).abs().max() <= 1e-6 * grad.abs().max(), name
+            # + 1e-10: gpt2's key bias has a zero gradient in exact arithmetic (softmax ignores a shift of every
+            # score of a query); what it holds is rounding noise near 1e-12, which no summation order keeps.
+            assert (tiled_grads[name] - grad).abs().max() <= 1e-6 * grad.abs().max() + 1e-10, name
 
 
 def test_tiling_lowers_the_peak_tensor_memory():

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dstrain.model.chunked_loss import chunked_loss_sum, soft_cap
 from dstrain.model.config import GPTConfig
 from dstrain.model.doc_attention import doc_attention, temperature_tuned
 from dstrain.model.layers import Linear, apply_rope, normal_init
@@ -50,11 +51,6 @@ StateDict = dict[str, torch.Tensor]  # a model's weights by parameter name
 # --- leaf modules that initialise their own parameters (see the module docstring) ---
 
 
-def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """cap * tanh(logits / cap) (model.logit_softcap, Gemma 2); logits unchanged when cap is None."""
-    return logits if cap is None else torch.tanh(logits / cap) * cap
-
-
 class Head(Linear):
     """lm_head: d_model -> vocab_size without bias, its logits soft-capped where model.logit_softcap says, so that
     every caller (GPT.forward, the tiled loss, the pipeline's last stage) gets the same logits."""
@@ -63,7 +59,11 @@ class Head(Linear):
         super().__init__(config.d_model, config.vocab_size, bias=False, std=std)
         self.cap = config.logit_softcap
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, chunks: int = 1) -> torch.Tensor:
+        """The logits; given labels, the sum of their token losses instead, ``chunks`` chunks of the tokens at a time
+        (model/chunked_loss.py), inside this forward so that ZeRO-3 gathers the weight around it."""
+        if labels is not None:
+            return chunked_loss_sum(x, self.weight, labels, chunks, self.cap)
         return soft_cap(super().forward(x), self.cap)
 
 
@@ -299,7 +299,7 @@ class GPT(nn.Module):
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, head: bool = True
     ) -> torch.Tensor:
         """input_ids, position_ids: (B, L) int64 -> logits (B, L, vocab_size); head=False: the final norm's output
-        (B, L, d_model), for a loss that applies lm_head itself (tile by tile: dstrain.train.tiling).
+        (B, L, d_model), for a loss that applies lm_head itself (chunk by chunk: model/chunked_loss.py).
 
         position_ids restart at 0 at each document start; None means 0..L-1 (one document).
         """

@@ -16,8 +16,10 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     (strategy.pipe_schedules counts them). ``fused_norms``: torch's RMSNorm on a GPU is one fused kernel that keeps
     its input and an fp32 rstd per row; on a CPU (False) its composite path keeps fp32 copies of input and output.
 
-    Tiling (dstrain.strategy.tiling): a chunked loss saves no log-probabilities; its backward holds one tile's three
-    fp32 T x V tensors (12·T·V/n) and the hidden states' gradient. A tiled MLP saves only its input (the norm's
+    Tiling (dstrain.strategy.tiling): a chunked loss saves no log-probabilities, no head input and no labels; it
+    forms the head's gradients in its forward (dstrain.model.chunked_loss), and at its last chunk holds that chunk's
+    logits, fp32 scores and gradient (at most 12·T·V/n), the hidden states' gradient and the head weight's (fp32 sum and
+    its copy in the model's dtype): fused_loss_bytes. A tiled MLP saves only its input (the norm's
     output, counted already): its intermediates exist for one tile of one block in the backward (mlp_tile_bytes)."""
     m, t = recipe.model, strategy.tp_size
     a = 4 if strategy.precision == "fp32" else 2
@@ -55,9 +57,9 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     if strategy.loss_tiles == 1:
         head = tokens * (norm + a * h + 4 * m.vocab_size + 8)  # final norm, lm_head input, fp32 log-probs, labels
         logits_grad = tokens * 8 * m.vocab_size
-    else:  # one tile's three fp32 T x V tensors, and the gradient of the hidden states the tiles fill
-        head = tokens * (norm + a * h + 8)
-        logits_grad = tokens // strategy.loss_tiles * 12 * m.vocab_size + tokens * a * h
+    else:  # the fused chunked loss keeps gradients, not its input: the final norm's saved tensors only
+        head = tokens * norm
+        logits_grad = fused_loss_bytes(m, tokens, strategy.loss_tiles, a)
     head += offset
     ids = tokens * 8
     if strategy.pp_stages == 1:
@@ -68,6 +70,14 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     if strategy.pipe_schedule == "dualpipev":  # rank 0 holds the first and the last stage
         return int(in_flight * stage + head + ids), logits_grad
     return int(max(in_flight * stage + ids, stage + head)), logits_grad  # first stage vs. last stage (the head)
+
+
+def fused_loss_bytes(m, tokens: int, chunks: int, a: int) -> int:
+    """The fused chunked loss's peak, at its last chunk (dstrain.model.chunked_loss): the chunk's logits, fp32 scores
+    and gradient (12·(T/n)·V bounds them, soft cap included), the hidden states' gradient (a·T·d) and the head
+    weight's, summed in fp32 and cast to the model's dtype (4 + a)·V·d (4·V·d in fp32, where the cast is the sum)."""
+    head_grad = (4 + (a if a != 4 else 0)) * m.vocab_size * m.d_model
+    return tokens // chunks * 12 * m.vocab_size + tokens * a * m.d_model + head_grad
 
 
 def sp_exchange_bytes(recipe: Recipe, strategy: Strategy) -> int:

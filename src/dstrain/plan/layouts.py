@@ -3,12 +3,14 @@ dstrain.train runs (its refusals are the planner's), sized by the memory model, 
 
 Enumerated: ZeRO 0-3; CPU offload of the optimizer (stage 1-3) and of the parameters (stage 3); tensor-parallel,
 pipeline (1F1B and DualPipeV schedules), sequence-parallel and expert-parallel sizes (powers of two; TP within a
-node, a planner policy: its per-block collectives across nodes never win); micro-batches (powers of two);
-activation checkpointing; the chunked loss (``tiling.loss`` "auto" against 1, where "auto" chunks at all) and the
-tiled MLP (``tiling.mlp`` 4, without a pipeline); activation checkpoints held on the host (``cpu_checkpointing``);
-SP up to the query heads, across nodes. The memory model counts what each lever frees (on the device, and on each
-node's host: ``Device.host_memory_gib``, ``plan --host-gib``), the time model what each recomputes and moves; for
-each layout the largest micro-batch that fits is kept with the smaller ones.
+node, a planner policy: its per-block collectives across nodes never win; SP up to the query heads, across
+nodes); micro-batches (powers of two); activation checkpointing, on the device or held on the host
+(``cpu_checkpointing``); the chunked loss (``tiling.loss``: the fewest chunks of at most 1 GiB where the whole
+loss's logits exceed that, dstrain.strategy.tiling.auto_loss_tiles, against 1) and the tiled MLP (``tiling.mlp`` 4,
+without a pipeline). The memory model counts what each lever frees (on the device, and on each node's host:
+``Device.host_memory_gib``, ``plan --host-gib``), the time model what each recomputes and moves (the tiled MLP;
+the chunked loss recomputes nothing); for each layout the largest micro-batch that fits is kept with the
+smaller ones.
 Not enumerated: NVMe offload (it needs a path on the cluster's nodes), fp32 and fp16 where bf16 runs (bf16 is as
 exact here: dstrain sums its gradients in fp32).
 """
@@ -27,6 +29,7 @@ from dstrain.plan.time_model import Cluster, Prediction, layout_counts, predict
 from dstrain.precision import Precision
 from dstrain.strategy.ds_schema import validate_ds_config
 from dstrain.strategy.resolve import AUTO, Strategy, resolve
+from dstrain.strategy.tiling import LOSS_TILE_BYTES, auto_loss_tiles
 
 # AutoTP's split of dstrain's projections (the layer_specs of ds_configs/tp2_zero1.json).
 TP_SPECS = [
@@ -184,6 +187,12 @@ def plan(
     for shape in candidate_layouts(recipe, cluster):
         for layout in shape:
             config = layout.ds_config(precision, torch_adam)
+            if layout.chunked_loss:  # written as a count: chunked wherever the logits exceed one chunk
+                seq, vocab = recipe.data.seq_len // layout.sp, recipe.model.vocab_size
+                chunks = auto_loss_tiles(layout.micro, seq, vocab, above=LOSS_TILE_BYTES)
+                if chunks == 1:
+                    continue  # the whole loss is one chunk: the unchunked layout already weighs it
+                config["tiling"]["loss"] = chunks
             try:
                 name = f"plan:{layout.describe()}"
                 strategy = resolve(recipe, recipe_file, config, name, world, check_device=False, validate=False)
@@ -196,8 +205,9 @@ def plan(
                 break  # a larger micro-batch needs more memory still
             found.append(_timed(recipe, layout, config, strategy, est, cluster, precision))
     # Equal predictions (compute-bound, communication hidden): fewer micro-batches first, since each costs engine
-    # time the model does not see (measured on 2 CPU ranks: ~1 s per ZeRO-3 micro-batch, BENCHMARKS.md).
-    found.sort(key=lambda p: (float(f"{p.prediction.step_s:.6g}"), p.strategy.grad_accum))
+    # time the model does not see (measured on 2 CPU ranks: ~1 s per ZeRO-3 micro-batch, BENCHMARKS.md); then the
+    # lower peak (the chunked loss, which costs no time: dstrain.model.chunked_loss, over the whole one).
+    found.sort(key=lambda p: (float(f"{p.prediction.step_s:.6g}"), p.strategy.grad_accum, p.estimate.peak()))
     kept = []
     for planned in found:
         try:

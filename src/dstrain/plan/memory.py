@@ -119,8 +119,8 @@ def activation_parts(recipe: Recipe, strategy: Strategy, fused_norms: bool) -> l
     if n == 1:
         parts.append(Part("activations", "logits gradient (backward start)", "device", logits, 0, "8·T·V"))
     else:
-        name = f"logits of 1 of {n} loss tiles (backward)"
-        parts.append(Part("activations", name, "device", logits, 0, "12·(T/n)·V + a·T·d"))
+        name = f"chunked loss: 1 of {n} chunks' logits, head gradients (forward end)"
+        parts.append(Part("activations", name, "device", logits, 0, "12·(T/n)·V + a·T·d + (4 + a)·V·d"))
     if strategy.mlp_tiles > 1:
         name = f"MLP: 1 of {strategy.mlp_tiles} tiles recomputed (backward)"
         tile = mlp_tile_bytes(recipe, strategy)

@@ -7,7 +7,8 @@ Stated assumptions (each replaceable, each named in the plan's output):
   tokens per rank (small matmuls run below the device's best rate), plus a fixed cost per micro-batch
   (``Device.micro_batch_overhead_s``); +1/3 of the FLOPs with activation checkpointing (the forward runs
   twice); under tensor parallelism the replicated output head is computed on every TP rank; tiling's recompute
-  (tiling_recompute_flops: the chunked loss's head forward, the tiled MLPs' forward).
+  (tiling_recompute_flops: the tiled MLPs' forward; the chunked loss recomputes nothing, it forms the head's
+  gradients in its forward: dstrain.model.chunked_loss).
   ``dstrain plan --calibrate`` measures the rate and the fixed cost on this machine instead.
 - Communication: the bytes of dstrain.plan.traffic (checked against DeepSpeed's comms logger) over the
   bandwidth of the group that carries them: intra-node when the group's ranks share a node, inter-node otherwise.
@@ -142,10 +143,10 @@ class Cluster:
 
 
 def tiling_recompute_flops(m, strategy: Strategy) -> float:
-    """FLOPs per token (over the world, like flops_per_token) that tiling adds: a chunked loss runs the head's
-    forward again in the backward (2·d·V, on every TP rank: the head is not sharded), a tiled MLP each MLP's forward
-    (2·d·f per matrix)."""
-    flops = 2.0 * m.d_model * m.vocab_size * strategy.tp_size if strategy.loss_tiles > 1 else 0.0
+    """FLOPs per token (over the world, like flops_per_token) that tiling adds: a tiled MLP runs each MLP's forward
+    again (2·d·f per matrix). The chunked loss adds none: it runs the head's matmuls once, forming its gradients in
+    the forward (dstrain.model.chunked_loss), where DeepSpeed's tiled compute ran the head's forward twice."""
+    flops = 0.0
     if strategy.mlp_tiles > 1:
         matrices = 3 if m.flavour == "llama" else 2
         flops += 2.0 * matrices * m.d_model * m.ff_dim * (m.n_layer - m.n_moe_layers)

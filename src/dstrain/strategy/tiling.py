@@ -6,10 +6,11 @@ loss holds three fp32 (tokens x vocabulary) tensors at the start of its backward
 nll_loss's gradient and log_softmax's), 12·T·V bytes per rank. When that exceeds ``AUTO_CHUNK_ABOVE`` (8 GiB, a
 tenth of an 80 GiB device), "auto" cuts each rank's slice of the sequence into the fewest equal tiles whose working
 set fits ``LOSS_TILE_BYTES`` (1 GiB); below it the loss runs whole (1 tile). Bytes, not a share of the device, so
-that ``dstrain estimate``, ``dstrain plan`` and the run resolve the same count wherever they run. What chunking
-costs is the head's forward run again, tile by tile, in the backward (2·d·V FLOPs a token, dstrain.plan.time_model
-counts it: 7% of Qwen2.5-0.5B's compute, under 1% of a 7B model's); ``dstrain plan`` weighs both and writes 1 or
-"auto", whichever is faster among the layouts that fit.
+that ``dstrain estimate`` and the run resolve the same count wherever they run. Chunking costs no FLOPs (the head's
+gradients are formed in the loss's forward, dstrain.model.chunked_loss), but it holds the head's gradient in fp32
+from the loss's forward on ((4 + a)·V·d), which a small loss need not pay; ``dstrain plan`` weighs both, and
+writes 1 or the count of chunks (chunking wherever the logits exceed one chunk) for the faster, then the smaller,
+of the layouts that fit.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ def logits_bytes(micro_batch: int, seq_per_rank: int, vocab_size: int) -> int:
     return LOGITS_WORKING_SET * micro_batch * seq_per_rank * vocab_size
 
 
-def auto_loss_tiles(micro_batch: int, seq_per_rank: int, vocab_size: int) -> int:
-    """1 (whole) up to AUTO_CHUNK_ABOVE, else the fewest tiles dividing ``seq_per_rank`` whose working set fits
-    LOSS_TILE_BYTES."""
+def auto_loss_tiles(micro_batch: int, seq_per_rank: int, vocab_size: int, above: int = AUTO_CHUNK_ABOVE) -> int:
+    """1 (whole) up to ``above`` bytes of the whole loss's working set, else the fewest tiles dividing
+    ``seq_per_rank`` whose working set fits LOSS_TILE_BYTES. dstrain plan passes LOSS_TILE_BYTES (dstrain.plan.layouts:
+    it chunks wherever the logits exceed one chunk and the memory model finds the peak lower)."""
     whole = logits_bytes(micro_batch, seq_per_rank, vocab_size)
-    if whole <= AUTO_CHUNK_ABOVE:
+    if whole <= above:
         return 1
     needed = math.ceil(whole / LOSS_TILE_BYTES)
     return next(n for n in range(max(needed, 1), seq_per_rank + 1) if seq_per_rank % n == 0)

@@ -78,7 +78,7 @@ def chunked_loss(device) -> dict:
     hidden = torch.randn(2, 64, 32, generator=generator).to(device).requires_grad_()
     labels = torch.randint(0, 256, (2, 64), generator=generator).to(device)
     values = []
-    whole = (lambda: tiled_loss_sum(head, head.weight, hidden, labels, 4), lambda: token_loss_sum(head(hidden), labels))
+    whole = (lambda: tiled_loss_sum(head, hidden, labels, 4), lambda: token_loss_sum(head(hidden), labels))
     for compute in whole:  # the tiled compute accumulates into .grad itself: backward(), not autograd.grad
         hidden.grad = head.weight.grad = None
         loss = compute()

@@ -36,8 +36,7 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
         if strategy.loss_tiles > 1:
             from dstrain.train import tiling
 
-            shared = recipe.model.tied and strategy.pipe_schedule == "dualpipev"  # rank 0 holds both ends
-            head_loss = tiling.pipeline_loss(strategy.loss_tiles, shared, recipe.model.logit_softcap)
+            head_loss = tiling.pipeline_loss(strategy.loss_tiles, recipe.model.logit_softcap)
         # The ds_config's activation_checkpointing section alone means every block, as for the plain model.
         interval = pipeline.get("activation_checkpoint_interval", 0) or int(strategy.activation_checkpointing)
         return build_pipeline(

@@ -26,7 +26,6 @@ class ModelForward:
         progress: Progress,
         hooks: StepHooks,
         loss_tiles: int = 1,
-        tied_head: bool = False,
         logit_softcap: float | None = None,
         micro_batch: int = 1,
         pipe_repeats: int = 1,
@@ -41,7 +40,7 @@ class ModelForward:
             progress,
             hooks,
         )
-        self.loss_tiles, self.tied_head, self.logit_softcap = loss_tiles, tied_head, logit_softcap
+        self.loss_tiles, self.logit_softcap = loss_tiles, logit_softcap
         self.pipeline = is_pipeline(engine)
         self.sp_size, self.sp_group, self.sp_rank = 1, None, 0  # sequence parallelism: of_engine sets them
         self.micro_batch = self.pipe_batch_size = micro_batch
@@ -58,7 +57,6 @@ class ModelForward:
             progress,
             hooks,
             loss_tiles=strategy.loss_tiles,
-            tied_head=recipe.model.tied,  # the chunked loss holds a tied head's reduction (dstrain.train.tiling)
             logit_softcap=recipe.model.logit_softcap,  # the chunked pipeline head's (model.gpt.Head applies it)
             micro_batch=strategy.micro_batch,
             pipe_repeats=2 * strategy.pp_stages if strategy.pipe_schedule == "dualpipev" else 1,
@@ -105,7 +103,7 @@ class ModelForward:
         if tiles > 1:
             hidden = self.engine(batch["input_ids"], position_ids, head=False)
             head = self.engine.module.lm_head
-            losses = tiling.tiled_loss_sum(head, head.weight, hidden, labels, tiles, self.tied_head)
+            losses = tiling.tiled_loss_sum(head, hidden, labels, tiles)
         else:
             losses = token_loss_sum(self.engine(batch["input_ids"], position_ids), labels)
         if self.divisor is not None:
