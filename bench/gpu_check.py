@@ -4,7 +4,8 @@
     .venv/bin/python bench/gpu_check.py OUT --dry-run      (CPU, toy sizes: the same code paths, for CI)
 
 The parts run in a fixed priority order (bench/gpu_plan.py, with their estimates). The plan (each part and its
-estimated seconds) is printed before the first part starts; a part whose estimate no longer fits what is left of --budget-s is skipped, saying so;
+estimated seconds) is printed before the first part starts; a part whose estimate no longer fits what is left of
+--budget-s is skipped, saying so;
 --skip-done FILE (the gpu_check.json of an earlier loan) skips the parts it measured and carries their figures
 over, so two or three short loans add up to the whole table. After every part OUT/gpu_check.json (every figure),
 OUT/gpu_check.md (the tables) and OUT/logs.tar.gz are rewritten: a command cut off at its limit still returns
