@@ -120,10 +120,11 @@ def test_long_samples_pack_documents_each_attending_within_its_own(tiny_corpus, 
     """At 4096 tokens a sample of the tiny corpus holds several whole documents, or a slice of one longer than it:
     the position ids restart after every EOS (and at the sample's start), and the document mask built from them (the
     one Ulysses builds on the gathered sequence) lets a token attend to the earlier tokens of its own document only."""
-    from dstrain.data.dataset import build_dataset, collate, read_manifest
+    from dstrain.data.dataset import build_dataset, collate
+    from dstrain.data.manifest import read_manifest
     from dstrain.model.doc_attention import doc_causal_mask
 
-    seq, eos = 4096, read_manifest(tiny_corpus)["eos_id"]
+    seq, eos = 4096, read_manifest(tiny_corpus).eos_id
     ds = build_dataset([(str(tiny_corpus), 1.0)], "train", seq, 0, None, 0.1, cache_dir=tmp_path)
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     documents_per_sample = []
