@@ -137,6 +137,11 @@ def evaluate(args: argparse.Namespace) -> dict:
     evals = _evaluator(model, device, micro).sources(sets, args.samples)
     if any(e.tokens == 0 for e in evals):
         raise DstrainError(f"the {args.split} split holds no samples to evaluate")
+    return _result(args, evals)
+
+
+def _result(args: argparse.Namespace, evals: list) -> dict:
+    """The whole evaluation's loss, perplexity and tokens, and each source's where there are several."""
     losses = [e.loss for e in evals]
     tokens = sum(e.tokens for e in evals)
     result = {"model": str(args.model), "split": args.split, **evaluation_summary(losses), "tokens": tokens}
