@@ -17,6 +17,8 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="dstrain-hf-d
 import pytest  # noqa: E402
 
 from data_fixtures import tiny_corpus  # noqa: E402,F401  (a session fixture, shared by every test module)
+from slurm_cluster import slurm_cluster  # noqa: E402,F401  (one cluster for the whole run)
+from slurm_jobs import one_node_two_tasks, work  # noqa: E402,F401  (shared by the Slurm test modules)
 
 
 @pytest.fixture(scope="session")

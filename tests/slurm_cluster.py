@@ -33,8 +33,6 @@ from pathlib import Path
 
 import pytest
 
-from dstrain.train.distributed import free_port
-
 NODES = ("dsnode1", "dsnode2")
 HOSTS_FILE = Path("/etc/hosts")
 HOSTS_MARK = "# dstrain slurm test node"
@@ -293,6 +291,8 @@ class SlurmCluster:
         self._wait_for(self.munge_socket.exists, 20, "munged's socket")
 
     def _write_conf(self) -> None:
+        from dstrain.train.distributed import free_port  # DeepSpeed's import, only where a cluster starts
+
         b = self.base
         layout = node_layout()
         node_lines = "\n".join(
