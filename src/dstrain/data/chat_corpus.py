@@ -102,11 +102,36 @@ def write_chat_corpus(path: str | os.PathLike, max_examples: int | None = None) 
     return count
 
 
+def write_pair_corpus(path: str | os.PathLike, max_examples: int | None = None) -> int:
+    """Preference pairs of the conversations' first exchanges (TRL's explicit-prompt format): the prompt is the turns
+    before the first answer, chosen the real answer, rejected the next conversation's (another subject's) answer;
+    written as jsonl, returns how many. Deterministic, as the conversations are."""
+    first = [(m[: next(i for i, x in enumerate(m) if x["role"] == "assistant")], m) for m in
+             stdlib_conversations(max_examples)]  # fmt: skip
+    answers = [messages[len(prompt)] for prompt, messages in first]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for k, (prompt, _) in enumerate(first):
+            chosen, rejected = answers[k], answers[(k + 1) % len(answers)]
+            if chosen["content"] == rejected["content"]:
+                continue
+            f.write(json.dumps({"prompt": prompt, "chosen": [chosen], "rejected": [rejected]}, ensure_ascii=False))
+            f.write("\n")
+            count += 1
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dstrain.data.chat_corpus", description=__doc__.split("\n")[0])
     parser.add_argument("out", help="output .jsonl file")
     parser.add_argument("--max-examples", type=int, default=None, help="stop after this many conversations")
+    parser.add_argument("--pairs", action="store_true", help="write preference pairs: the real answer chosen, the "
+                        "next conversation's rejected")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.pairs:
+        print(f"wrote {write_pair_corpus(args.out, args.max_examples):,} preference pairs to {args.out}")
+        return 0
     print(f"wrote {write_chat_corpus(args.out, args.max_examples):,} conversations to {args.out}")
     return 0
 

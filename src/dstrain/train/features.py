@@ -12,6 +12,7 @@ from dstrain.train.averaging import WeightAverager
 from dstrain.train.components import Component
 from dstrain.train.fatal_steps import FatalStepCheck
 from dstrain.train.mixture import MixtureShares
+from dstrain.train.preference_steps import PreferenceMetrics, reference_pass
 from dstrain.train.moe_metrics import MoEMeter
 from dstrain.train.spike_guard import SpikeGuard
 from dstrain.train.spike_rollback import SpikeRollback
@@ -34,4 +35,5 @@ def assemble(trainer, tasks: list) -> list[Component]:
         TaskScores(engine, trainer.evaluator, tasks) if tasks else Component(),
         MixtureShares(recipe, trainer.train_data, trainer.is_rank0),
         HangEvent(trainer),
+        PreferenceMetrics(trainer.steps, reference_pass(trainer)) if recipe.preference else Component(),
     ]

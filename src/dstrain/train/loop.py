@@ -35,6 +35,7 @@ from dstrain.train import features
 from dstrain.train.components import Components, Progress, StepOutcome, StepSums
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank
 from dstrain.train.evaluator import Evaluator
+from dstrain.train.preference_steps import PreferenceSteps
 from dstrain.train.steps import StepHooks, StepRunner
 from dstrain.train.stop import StopSignal
 
@@ -74,7 +75,8 @@ class Trainer:
         self.saves = BackgroundSaves(engine, self.files.checkpoints, recipe.train.keep_last, self.identity)
         self.hooks = hooks or StepHooks()
         self.components = Components([])  # the steps' view of them, filled below
-        self.steps = StepRunner(recipe, strategy, engine, self.progress, self.hooks, self.components)
+        runner = PreferenceSteps if recipe.preference is not None else StepRunner  # a recipe's preference: objective
+        self.steps = runner(recipe, strategy, engine, self.progress, self.hooks, self.components)
         self.evaluator = Evaluator(
             self.steps, self.dp_rank, strategy.dp_size, strategy.micro_batch, recipe.model.max_seq_len
         )
