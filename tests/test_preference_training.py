@@ -84,7 +84,7 @@ def curves(run_dir) -> tuple[list[float], list[float]]:
 @pytest.mark.parametrize("run", ["r1_accum2", "r2_zero0", "r2_zero2", "r2_zero3"])
 def test_accumulation_rank_count_and_zero_stage_give_the_same_dpo_losses_and_grad_norms(pair_runs, run):
     losses, norms = curves(pair_runs["r1_accum1"])
-    assert len(losses) == STEPS and len(set(losses)) == STEPS  # the loss moves
+    assert len(losses) == STEPS and losses[-1] != losses[0]  # the loss moves (step 1 runs at lr 0)
     other = curves(pair_runs[run])
     np.testing.assert_allclose(other[0], losses, rtol=RTOL)
     np.testing.assert_allclose(other[1], norms, rtol=RTOL)

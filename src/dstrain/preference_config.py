@@ -1,4 +1,4 @@
-"""The preference objective's settings (a recipe's ``preference:`` section once the trainer takes pairs; the losses
+"""The preference objective's settings (a recipe's ``preference:`` section; the losses
 are dstrain.train.preference's, each formula in docs/preference-tuning.md). No torch."""
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from dstrain.train.averaging import WeightAverager
 from dstrain.train.components import Component
 from dstrain.train.fatal_steps import FatalStepCheck
 from dstrain.train.mixture import MixtureShares
-from dstrain.train.preference_steps import PreferenceMetrics, reference_pass
 from dstrain.train.moe_metrics import MoEMeter
+from dstrain.train.preference_steps import PreferenceMetrics, reference_pass
 from dstrain.train.spike_guard import SpikeGuard
 from dstrain.train.spike_rollback import SpikeRollback
 from dstrain.train.task_eval import TaskScores

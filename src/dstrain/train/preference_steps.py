@@ -41,8 +41,8 @@ class PreferenceSteps(StepRunner):
         self.reference: torch.Tensor | None = None  # (pairs, 4) float64, set by reference_pass before step 1
         self.reference_file = ""  # where they are kept
         self.counts: PairCounts | None = None  # during a train step: the global batch's pairs and chosen tokens
-        self.sums = {"train": torch.zeros(len(METRICS) + 1, dtype=torch.float64), "valid": None}
-        self.sums["valid"] = torch.zeros_like(self.sums["train"])
+        # per split, since its last record: METRICS' sums over this rank's pairs, and their count
+        self.sums = {split: torch.zeros(len(METRICS) + 1, dtype=torch.float64) for split in ("train", "valid")}
         self.last_eval: torch.Tensor | None = None  # the last evaluation micro-batch's metric sums and pairs
 
     def _count_learned(self, micro_batches: list[dict]) -> None:
@@ -84,8 +84,8 @@ class PreferenceSteps(StepRunner):
         ref = self.reference[pairs]
         if torch.isnan(ref[:, :2]).any():
             raise DstrainError(
-                f"{self.reference_file}: no reference score for pair {int(pairs[torch.isnan(ref[:, 0])][0])}; delete it "
-                f"and its .json to score the pairs again"
+                f"{self.reference_file}: no reference score for pair {int(pairs[torch.isnan(ref[:, 0])][0])}; "
+                f"delete it and its .json to score the pairs again"
             )
         ref = ref.to(logits.device, logps.chosen.dtype)
         return dataclasses.replace(logps, ref_chosen=ref[:, 0], ref_rejected=ref[:, 1])
@@ -131,8 +131,9 @@ class PreferenceMetrics(Component):
         saved = (state or {}).get("reference_key")
         if saved != self.reference_key:
             raise DstrainError(
-                f"the checkpoint's run was scored against another reference (scores {saved}, now {self.reference_key}): "
-                f"init_from or the data changed since it started; restore them or start a new run_dir"
+                f"the checkpoint's run was scored against another reference (scores {saved}, now "
+                f"{self.reference_key}): init_from or the data changed since it started; restore them or start a new "
+                f"run_dir"
             )
 
 
@@ -158,8 +159,10 @@ def reference_pass(trainer) -> str | None:
         model = GPT(dataclasses.replace(config, doc_masking=True))
         model.load_state_dict(state, strict=True)
         model.to(trainer.device).eval()
-        sets = [build_dataset([(folder, 1.0)], split, d.seq_len, recipe.seed, None, d.valid_fraction, overlong=d.overlong)
-                for split in ("train", "valid")]  # fmt: skip
+        sets = [
+            build_dataset([(folder, 1.0)], split, d.seq_len, recipe.seed, None, d.valid_fraction, overlong=d.overlong)
+            for split in ("train", "valid")
+        ]
         forward = lambda batch: model(batch["input_ids"], batch["position_ids"])  # noqa: E731
         # every rank a share of its own (a plain model: no collective in its forwards), one all-reduce adds them
         return score_pairs(forward, sets, int(manifest["documents"]) // 2, trainer.strategy.micro_batch,
