@@ -15,7 +15,16 @@ from dstrain.data.chat_corpus import write_pair_corpus
 from dstrain.data.prepare import prepare
 
 from ranks import run_ranks
-from train_helpers import ROOT, ds_config, read_metrics, small_recipe, train_and_signal_at, train_argv, train_each
+from train_helpers import (
+    ROOT,
+    ds_config,
+    read_events,
+    read_metrics,
+    small_recipe,
+    train_and_signal_at,
+    train_argv,
+    train_each,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -106,6 +115,6 @@ def test_the_first_step_with_the_policy_as_reference_gives_ln2_and_the_records_h
 
 
 def test_a_stopped_and_resumed_dpo_run_is_the_uninterrupted_one(pair_runs):
-    assert any(r.get("event") == "resume" for r in read_metrics(pair_runs["resumed"]))
+    assert any(r.get("event") == "resume" for r in read_events(pair_runs["resumed"]))
     whole, resumed = curves(pair_runs["r1_accum1"]), curves(pair_runs["resumed"])
     assert resumed[0][-2:] == whole[0][-2:] and resumed[1][-2:] == whole[1][-2:]  # bitwise: same ranks, same order

@@ -104,20 +104,21 @@ def write_chat_corpus(path: str | os.PathLike, max_examples: int | None = None) 
 
 def write_pair_corpus(path: str | os.PathLike, max_examples: int | None = None) -> int:
     """Preference pairs of the conversations' first exchanges (TRL's explicit-prompt format): the prompt is the turns
-    before the first answer, chosen the real answer, rejected the next conversation's (another subject's) answer;
-    written as jsonl, returns how many. Deterministic, as the conversations are."""
-    first = [(m[: next(i for i, x in enumerate(m) if x["role"] == "assistant")], m) for m in
-             stdlib_conversations(max_examples)]  # fmt: skip
-    answers = [messages[len(prompt)] for prompt, messages in first]
+    before the first answer, chosen the real answer, rejected the next conversation with a follow-up's second answer
+    (another subject's; never a chosen answer, so no pair's training pushes down another's chosen one); written as
+    jsonl, returns how many. Deterministic, as the conversations are."""
+    conversations = list(stdlib_conversations(max_examples))
+    firsts = [next(i for i, x in enumerate(m) if x["role"] == "assistant") for m in conversations]
+    seconds = [m[-1] for m, i in zip(conversations, firsts) if len(m) > i + 1]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     count = 0
     with open(path, "w", encoding="utf-8") as f:
-        for k, (prompt, _) in enumerate(first):
-            chosen, rejected = answers[k], answers[(k + 1) % len(answers)]
+        for k, (messages, i) in enumerate(zip(conversations, firsts)):
+            chosen, rejected = messages[i], seconds[k % len(seconds)]
             if chosen["content"] == rejected["content"]:
                 continue
-            f.write(json.dumps({"prompt": prompt, "chosen": [chosen], "rejected": [rejected]}, ensure_ascii=False))
-            f.write("\n")
+            row = {"prompt": messages[:i], "chosen": [chosen], "rejected": [rejected]}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
             count += 1
     return count
 
