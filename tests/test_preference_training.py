@@ -5,6 +5,7 @@ reward metrics are in the train and valid records."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -18,7 +19,6 @@ from ranks import run_ranks
 from train_helpers import (
     ROOT,
     ds_config,
-    read_events,
     read_metrics,
     small_recipe,
     train_and_signal_at,
@@ -115,6 +115,7 @@ def test_the_first_step_with_the_policy_as_reference_gives_ln2_and_the_records_h
 
 
 def test_a_stopped_and_resumed_dpo_run_is_the_uninterrupted_one(pair_runs):
-    assert any(r.get("event") == "resume" for r in read_events(pair_runs["resumed"]))
+    lines = (pair_runs["resumed"] / "metrics.jsonl").read_text().splitlines()
+    assert any(json.loads(line).get("event") == "resume" for line in lines)
     whole, resumed = curves(pair_runs["r1_accum1"]), curves(pair_runs["resumed"])
     assert resumed[0][-2:] == whole[0][-2:] and resumed[1][-2:] == whole[1][-2:]  # bitwise: same ranks, same order
