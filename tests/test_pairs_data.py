@@ -125,8 +125,9 @@ def test_bad_pairs_are_refused_in_one_line_before_any_shard(tmp_path, rows, frag
     assert not list((tmp_path / "pairs").glob("shard_*"))
 
 
-def test_a_pair_folder_is_refused_by_training_and_by_eval_without_a_reference(tmp_path, capsys):
-    """Pairs train only under a preference objective: an SFT recipe would learn the rejected answers too."""
+def test_a_pair_folder_is_refused_by_training_and_by_eval_without_a_reference(tmp_path, capsys, corpus):
+    """Pairs train only under a preference objective (an SFT recipe would learn the rejected answers too), and the
+    preference objective only on pairs, with a reference where its loss needs one."""
     import yaml
 
     from dstrain.commands.cli import main as cli
@@ -144,6 +145,16 @@ def test_a_pair_folder_is_refused_by_training_and_by_eval_without_a_reference(tm
     with pytest.raises(DstrainError, match=re.escape(f"{path}: data.sources {out} holds preference pairs")) as error:
         fingerprint_of_checked_data(load_recipe(path), str(path), [read_manifest(out)])
     assert "\n" not in str(error.value)
+    # the reverse: preference: over a text folder; and a preference loss with a reference but no init_from
+    text = {**data, "sources": [{"path": str(corpus)}], "sft": False}
+    path.write_text(yaml.safe_dump({"name": "x", "model": model, "data": text, "train": {"steps": 1, "global_batch": 2},
+                                    "preference": {"beta": 0.1}}))  # fmt: skip
+    with pytest.raises(DstrainError, match=re.escape(f"{path}: preference: is set but data.sources is not one pair")):
+        fingerprint_of_checked_data(load_recipe(path), str(path), [read_manifest(corpus)])
+    path.write_text(yaml.safe_dump({"name": "x", "model": model, "data": data, "train": {"steps": 1, "global_batch": 2},
+                                    "preference": {"loss": "ipo"}}))  # fmt: skip
+    with pytest.raises(DstrainError, match=re.escape(f"{path}: preference.loss ipo needs a reference model")):
+        fingerprint_of_checked_data(load_recipe(path), str(path), [read_manifest(out)])
     hf = tmp_path / "hf"
     from transformers import LlamaConfig, LlamaForCausalLM
 

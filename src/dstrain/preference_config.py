@@ -1,5 +1,5 @@
-"""The preference objective's settings (a recipe's ``preference:`` section once the trainer takes pairs; the losses
-are dstrain.train.preference's, each formula in docs/preference-tuning.md). No torch."""
+"""The preference objective's settings, a recipe's ``preference:`` section (the losses are dstrain.train.preference's,
+each formula in docs/preference-tuning.md). No torch."""
 
 from __future__ import annotations
 

@@ -102,11 +102,37 @@ def write_chat_corpus(path: str | os.PathLike, max_examples: int | None = None) 
     return count
 
 
+def write_pair_corpus(path: str | os.PathLike, max_examples: int | None = None) -> int:
+    """Preference pairs of the conversations' first exchanges (TRL's explicit-prompt format): the prompt is the turns
+    before the first answer, chosen the real answer, rejected the next conversation with a follow-up's second answer
+    (another subject's; never a chosen answer, so no pair's training pushes down another's chosen one); written as
+    jsonl, returns how many. Deterministic, as the conversations are."""
+    conversations = list(stdlib_conversations(max_examples))
+    firsts = [next(i for i, x in enumerate(m) if x["role"] == "assistant") for m in conversations]
+    seconds = [m[-1] for m, i in zip(conversations, firsts) if len(m) > i + 1]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for k, (messages, i) in enumerate(zip(conversations, firsts)):
+            chosen, rejected = messages[i], seconds[k % len(seconds)]
+            if chosen["content"] == rejected["content"]:
+                continue
+            row = {"prompt": messages[:i], "chosen": [chosen], "rejected": [rejected]}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dstrain.data.chat_corpus", description=__doc__.split("\n")[0])
     parser.add_argument("out", help="output .jsonl file")
     parser.add_argument("--max-examples", type=int, default=None, help="stop after this many conversations")
+    parser.add_argument("--pairs", action="store_true", help="write preference pairs: the real answer chosen, the "
+                        "next conversation's rejected")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.pairs:
+        print(f"wrote {write_pair_corpus(args.out, args.max_examples):,} preference pairs to {args.out}")
+        return 0
     print(f"wrote {write_chat_corpus(args.out, args.max_examples):,} conversations to {args.out}")
     return 0
 

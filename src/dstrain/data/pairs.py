@@ -16,12 +16,16 @@ text, no common prefix at all).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dstrain.data.chat import ChatEncoder, ExampleError, check_messages, encode_prompt_completion
 from dstrain.data.manifest import Manifest
 from dstrain.errors import DstrainError
+
+if TYPE_CHECKING:
+    from dstrain.config import Recipe
 
 
 def implicit_prompt(chosen, rejected) -> tuple:
@@ -118,13 +122,27 @@ def is_pair_folder(manifest: Manifest) -> bool:
     return manifest.pairs is not None
 
 
-def refuse_pair_sources(folders: list[str], manifests: list[Manifest], where: str) -> None:
-    """Pairs train only under a preference objective, which this version's trainer does not have yet: a pair folder
-    under any recipe (it would learn the rejected answers as SFT does) is refused in one line."""
-    for folder, manifest in zip(folders, manifests):
-        if is_pair_folder(manifest):
-            raise DstrainError(
-                f"{where}{folder} holds preference pairs (chosen/rejected), which train only under a preference "
-                f"objective (docs/preference-tuning.md); an SFT recipe would learn the rejected answers too: train on "
-                f"the chosen conversations alone (prepared without 'rejected')"
-            )
+def check_pair_sources(recipe: Recipe, manifests: list[Manifest], where: str) -> None:
+    """Pairs train only under the preference objective, and it only on pairs: a pair folder under a recipe without
+    ``preference:`` (it would learn the rejected answers as SFT does), a ``preference:`` recipe whose sources are not
+    one pair folder, and one with no reference (init_from) for a loss that needs one are refused in one line."""
+    folders = [s.path for s in recipe.data.sources]
+    pairs = [folder for folder, manifest in zip(folders, manifests) if is_pair_folder(manifest)]
+    if pairs and recipe.preference is None:
+        raise DstrainError(
+            f"{where}data.sources {pairs[0]} holds preference pairs (chosen/rejected), which train only under a "
+            f"preference objective: add a `preference:` section (docs/preference-tuning.md); an SFT recipe would "
+            f"learn the rejected answers too"
+        )
+    if recipe.preference is None:
+        return
+    if len(folders) != 1 or not pairs:
+        raise DstrainError(
+            f"{where}preference: is set but data.sources is not one pair folder ({', '.join(folders)}); prepare "
+            f"chosen/rejected pairs with `dstrain prepare --chat` and name that folder alone, or remove preference:"
+        )
+    if recipe.init_from is None and recipe.preference.loss != "simpo":
+        raise DstrainError(
+            f"{where}preference.loss {recipe.preference.loss} needs a reference model: set init_from (the model "
+            f"the pairs' rewards are measured against), or use preference.loss: simpo (reference-free)"
+        )

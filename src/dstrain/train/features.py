@@ -18,6 +18,7 @@ from dstrain.train import (
     hf_export,
     mixture,
     moe_metrics,
+    preference_steps,
     restart_event,
     spike_rollback,
     task_eval,
@@ -39,6 +40,7 @@ BUILDERS: tuple[Callable[[RunHandle], Component | None], ...] = (
     early_stop.build,  # early stopping on the valid loss (train.early_stop)
     hf_export.build,  # each published checkpoint as a Hugging Face folder (train.export_every)
     restart_event.build,  # slurm/train.sbatch's relaunch after a failed step, as an event
+    preference_steps.build,  # a preference: recipe's reference scores (before step 1) and reward metrics
 )
 
 

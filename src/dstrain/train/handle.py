@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from dstrain.strategy.resolve import Strategy
     from dstrain.train.components import Components, Progress
     from dstrain.train.evaluator import Evaluator
+    from dstrain.train.forward import ModelForward
 
 
 class RunHandle(Protocol):
@@ -31,6 +32,7 @@ class RunHandle(Protocol):
     train_data: Any  # the train stream's dataset (dstrain.data.dataset)
     log: MetricsLog  # metrics.jsonl and the dashboards
     evaluator: Evaluator  # valid losses and task scores, through the engine of any strategy
+    forward: ModelForward  # the model's forward that training and evaluation share (its loss, its sums)
     components: Components  # every component, for a hook one of them starts (a rollback's on_phase)
 
     def restore(self, tag: str) -> ClientState:

@@ -36,6 +36,8 @@ from dstrain.train.components import Components, Progress, StepOutcome, StepSums
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank
 from dstrain.train.evaluator import Evaluator
 from dstrain.train.forward import ModelForward
+from dstrain.train.preference_forward import PreferenceForward
+from dstrain.train.preference_steps import PreferenceStep
 from dstrain.train.step_hooks import StepHooks
 from dstrain.train.steps import TrainStep
 from dstrain.train.stop import StopSignal
@@ -74,8 +76,10 @@ class Trainer:
         self.saves = BackgroundSaves(engine, self.files.checkpoints, recipe.train.keep_last, self.identity)
         self.hooks = hooks or StepHooks()
         self.components = Components([])  # the steps' view of them, filled below
-        self.forward = ModelForward.of_engine(recipe, strategy, engine, self.progress, self.hooks)
-        self.steps = TrainStep(recipe, strategy, engine, self.forward, self.components)
+        # a recipe's preference: objective has its own loss and step (dstrain.train.preference_steps)
+        forward, step = (PreferenceForward, PreferenceStep) if recipe.preference else (ModelForward, TrainStep)
+        self.forward = forward.of_engine(recipe, strategy, engine, self.progress, self.hooks)
+        self.steps = step(recipe, strategy, engine, self.forward, self.components)
         self.evaluator = Evaluator(
             self.forward, self.dp_rank, strategy.dp_size, strategy.micro_batch, recipe.model.max_seq_len
         )

@@ -213,9 +213,9 @@ def check_data_tokenizer(recipe: Recipe, recipe_file: str, manifests: list[Manif
 def check_chat_sources(recipe: Recipe, manifests: list[Manifest], recipe_file: str) -> None:
     """An SFT recipe (data.sft) has a --chat source; a pretraining one none (it would learn every prompt token); a
     --chat source, packed whole, is read with document masking."""
-    from dstrain.data.pairs import refuse_pair_sources
+    from dstrain.data.pairs import check_pair_sources
 
-    refuse_pair_sources([s.path for s in recipe.data.sources], manifests, f"{recipe_file}: data.sources ")
+    check_pair_sources(recipe, manifests, f"{recipe_file}: ")
     chat = [s.path for s, m in zip(recipe.data.sources, manifests) if m.chat is not None]
     if recipe.data.sft and not chat:
         raise DstrainError(
