@@ -119,3 +119,22 @@ def test_a_stopped_and_resumed_dpo_run_is_the_uninterrupted_one(pair_runs):
     assert any(json.loads(line).get("event") == "resume" for line in lines)
     whole, resumed = curves(pair_runs["r1_accum1"]), curves(pair_runs["resumed"])
     assert resumed[0][-2:] == whole[0][-2:] and resumed[1][-2:] == whole[1][-2:]  # bitwise: same ranks, same order
+
+
+def test_a_chunked_loss_is_refused_with_a_preference_recipe_and_auto_keeps_it_whole():
+    """The completions' log-probs take whole logits: "auto" resolves to 1 (so the estimate counts them whole), and an
+    explicit chunk count is one line naming the key."""
+    from types import SimpleNamespace
+
+    from dstrain.errors import DstrainError
+    from dstrain.strategy.tiling import check_tiling
+
+    model = SimpleNamespace(vocab_size=151936, moe=None)
+    recipe = SimpleNamespace(preference=object(), data=SimpleNamespace(seq_len=4096), model=model)
+    config: dict = {"tiling": {"loss": "auto"}}
+    assert check_tiling(config, recipe, "x.json", 8, 1, 1) == (1, 1) and config["tiling"]["loss"] == 1
+    with pytest.raises(DstrainError, match=r"^x.json: tiling.loss=8 with the recipe's preference: section") as error:
+        check_tiling({"tiling": {"loss": 8}}, recipe, "x.json", 8, 1, 1)
+    assert "\n" not in str(error.value)
+    recipe.preference = None  # the same data under SFT chunks by "auto"
+    assert check_tiling({"tiling": {"loss": "auto"}}, recipe, "x.json", 8, 1, 1)[0] > 1

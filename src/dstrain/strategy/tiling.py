@@ -52,8 +52,13 @@ def check_tiling(
         raise DstrainError(f'{ds_file}: unknown key "tiling.{unknown[0]}"; the tiling section takes "loss" and "mlp"')
     seq = recipe.data.seq_len // sp_size  # each sequence-parallel rank tiles its own slice
     loss = section.get("loss", "auto")
+    if recipe.preference is not None and loss not in ("auto", 1):  # the completions' log-probs take whole logits
+        raise DstrainError(  # (train/preference_forward.py); the estimate and the planner count them whole
+            f"{ds_file}: tiling.loss={loss!r} with the recipe's preference: section is not supported (the completions' "
+            f"log-probs are taken from whole logits); remove tiling.loss or set it to 1"
+        )
     if loss == "auto":
-        loss = auto_loss_tiles(micro_batch, seq, recipe.model.vocab_size)
+        loss = 1 if recipe.preference is not None else auto_loss_tiles(micro_batch, seq, recipe.model.vocab_size)
         if "tiling" in config:
             config["tiling"]["loss"] = loss
     tiles = [loss, section.get("mlp", 1)]

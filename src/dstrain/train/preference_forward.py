@@ -6,7 +6,8 @@ In a train step each micro-batch's loss is its share of the mean over the global
 mean over its chosen tokens), dstrain.train.preference.loss_share, multiplied by dp x accumulation, which DeepSpeed's
 backward and data-parallel average divide out again; in evaluation it is the mean over the micro-batch's own pairs,
 and the valid loss the pair-weighted mean. Sequence and pipeline parallelism are refused in one line (each needs its
-own gather of the completions' log-probs); a chunked loss (ds_config tiling.loss) is computed whole here.
+own gather of the completions' log-probs); the logits are whole (a ds_config's tiling.loss is refused
+with preference:, strategy/tiling.py, so the estimate and the planner count them whole).
 """
 
 from __future__ import annotations
