@@ -138,11 +138,12 @@ def test_prepare_frames_documents_as_the_tokenizers_family(tmp_path, corpus):
         verify_tokenizer(read_manifest(qwen), qwen, tmp_path / "llama3-tokenizer", flag="init_from's tokenizer")
 
 
-# The recipes at real size that start from a published (or exported) model: continued pretraining, and its SFT.
+# The recipes at real size that start from a published (or exported) model: continued pretraining, its SFT and DPO.
 CONTINUE_RECIPES = sorted(
     [
         *(Path(__file__).resolve().parents[1] / "recipes").glob("continue-*.yaml"),
         *(Path(__file__).resolve().parents[1] / "recipes").glob("sft-qwen3-*.yaml"),
+        *(Path(__file__).resolve().parents[1] / "recipes").glob("dpo-qwen3-*.yaml"),
     ]
 )
 
