@@ -69,23 +69,27 @@ def attention(device) -> dict:
 
 
 def chunked_loss(device) -> dict:
-    """The chunked loss (train/tiling.py, 4 tiles) against the whole one: the loss sum and both gradients."""
+    """The chunked loss (model/chunked_loss.py, 4 chunks, the head's gradients formed in its forward) against the
+    whole one: the loss sum and both gradients."""
+    from dstrain.model.chunked_loss import chunked_loss_sum
     from dstrain.model.gpt import token_loss_sum
-    from dstrain.train.tiling import tiled_loss_sum
 
     generator = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(32, 256, bias=False).to(device)
     hidden = torch.randn(2, 64, 32, generator=generator).to(device).requires_grad_()
     labels = torch.randint(0, 256, (2, 64), generator=generator).to(device)
     values = []
-    whole = (lambda: tiled_loss_sum(head, hidden, labels, 4), lambda: token_loss_sum(head(hidden), labels))
-    for compute in whole:  # the tiled compute accumulates into .grad itself: backward(), not autograd.grad
+    whole = (
+        lambda: chunked_loss_sum(hidden, head.weight, labels, 4, None),
+        lambda: token_loss_sum(head(hidden), labels),
+    )
+    for compute in whole:
         hidden.grad = head.weight.grad = None
         loss = compute()
         loss.backward()
         values.append((loss.detach(), hidden.grad, head.weight.grad))
     errors = [relative(a, b) for a, b in zip(*values)]
-    return result("chunked loss", max(errors), KERNEL_RTOL, "4 tiles vs whole logits: loss sum, d hidden, d head")
+    return result("chunked loss", max(errors), KERNEL_RTOL, "4 chunks vs whole logits: loss sum, d hidden, d head")
 
 
 def bandwidths(device) -> list[dict]:
