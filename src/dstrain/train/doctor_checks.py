@@ -45,7 +45,11 @@ def fused_optimizer(device) -> dict:
         param.grad = grad.clone().to(device)
         make([param], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1).step()
         updates.append((param.detach() - weight.to(device)).cpu())
-    return result("fused optimizer", relative(*updates), KERNEL_RTOL, f"{kind.__name__} vs torch.optim.AdamW, one step")
+    # DeepSpeedCPUAdam's vectorised step differs from torch's by 1.7e-4 of the largest update on this project's CPUs
+    # (AVX-512 with FP16, as its Muon path; dstrain's fp32 CPU configs train with torch's AdamW, torch_adam: true),
+    # so a CPU is held to 1e-3: a wrong step (a missing bias correction, a doubled decay) is off by 1e-1 and more.
+    tolerance = 1e-3 if device.type == "cpu" else KERNEL_RTOL
+    return result("fused optimizer", relative(*updates), tolerance, f"{kind.__name__} vs torch.optim.AdamW, one step")
 
 
 def attention(device) -> dict:
