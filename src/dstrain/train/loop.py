@@ -35,11 +35,8 @@ from dstrain.train import features
 from dstrain.train.components import Components, Progress, StepOutcome, StepSums, Verdict
 from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank
 from dstrain.train.evaluator import Evaluator
-from dstrain.train.forward import ModelForward
-from dstrain.train.preference_forward import PreferenceForward
-from dstrain.train.preference_steps import PreferenceStep
+from dstrain.train.objectives import forward_and_step
 from dstrain.train.step_hooks import StepHooks
-from dstrain.train.steps import TrainStep
 from dstrain.train.stop import StopSignal
 
 
@@ -76,8 +73,7 @@ class Trainer:
         self.saves = BackgroundSaves(engine, self.files.checkpoints, recipe.train.keep_last, self.identity)
         self.hooks = hooks or StepHooks()
         self.components = Components([])  # the steps' view of them, filled below
-        # a recipe's preference: objective has its own loss and step (dstrain.train.preference_steps)
-        forward, step = (PreferenceForward, PreferenceStep) if recipe.preference else (ModelForward, TrainStep)
+        forward, step = forward_and_step(recipe)
         self.forward = forward.of_engine(recipe, strategy, engine, self.progress, self.hooks)
         self.steps = step(recipe, strategy, engine, self.forward, self.components)
         self.evaluator = Evaluator(
