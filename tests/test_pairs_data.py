@@ -231,10 +231,10 @@ def test_reference_scores_are_each_side_alone_kept_reused_and_checked(tmp_path):
     key, parts = scores_key(weights_hash(model.state_dict()), read_manifest(out).hash, 320, "truncate")
     calls = []
 
-    def compute():
+    def compute(partial):
         calls.append(1)
         forward = lambda batch: model(batch["input_ids"], batch["position_ids"])  # noqa: E731
-        return score_pairs(forward, sets, len(rows), 3, 0, 1, torch.device("cpu"))
+        return score_pairs(forward, sets, len(rows), 3, 0, 1, torch.device("cpu"), partial)
 
     scores = reference_scores(out, key, parts, compute)
     assert scores.shape == (len(rows), 4) and not np.isnan(scores).any()  # every pair of both splits, once
@@ -257,6 +257,47 @@ def test_reference_scores_are_each_side_alone_kept_reused_and_checked(tmp_path):
     with pytest.raises(DstrainError, match=re.escape(f"{npy}: the reference scores differ")) as error:
         reference_scores(out, key, parts, compute)
     assert "\n" not in str(error.value) and len(calls) == 1
+
+
+def test_an_interrupted_reference_pass_goes_on_where_it_stopped_to_the_same_scores(tmp_path):
+    """Lost after 3 of its micro-batches, the pass keeps what it scored; the next pass scores only the rest, and its
+    scores are the uninterrupted pass's bit for bit; the partial files are gone once the scores are kept."""
+    import torch
+
+    from dstrain.data.dataset import build_dataset
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.gpt import GPT
+    from dstrain.train.reference_scores import reference_scores, score_pairs
+
+    rows = conversational_rows(implicit=True) * 3 + text_rows(implicit=False) * 3
+    out, _, _ = prepared_pairs(tmp_path, rows)
+    sets = [build_dataset([(str(out), 1.0)], split, 320, 7, None, 0.2) for split in ("train", "valid")]
+    config = GPTConfig(flavour="llama", vocab_size=-(-read_manifest(out).vocab_size // 64) * 64, max_seq_len=320,
+                       n_layer=2, n_head=4, n_kv_head=2, d_model=64, doc_masking=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    forwards, lost = [], False
+
+    def forward(batch):
+        if len(forwards) == 3 and lost:
+            raise RuntimeError("the node was lost")
+        forwards.append(batch["input_ids"].shape[0])
+        return model(batch["input_ids"], batch["position_ids"])
+
+    def compute(partial):
+        return score_pairs(forward, sets, len(rows), 1, 0, 1, torch.device("cpu"), partial, save_every_s=0)
+
+    whole = score_pairs(forward, sets, len(rows), 1, 0, 1, torch.device("cpu"))
+    batches, forwards, lost = len(forwards), [], True
+    assert batches > 4
+    with pytest.raises(RuntimeError, match="the node was lost"):
+        reference_scores(out, "key", {}, compute)
+    assert [p.name for p in (out / "reference_scores").iterdir()] == [".key.partial-0-of-1.npz"]
+    forwards, lost = [], False
+    resumed = reference_scores(out, "key", {}, compute)
+    assert len(forwards) == batches - 3  # the rest only
+    assert np.array_equal(resumed, whole, equal_nan=True) and not np.isnan(resumed).all()
+    assert sorted(p.name for p in (out / "reference_scores").iterdir()) == ["key.json", "key.npy"]
 
 
 def test_two_tasks_and_their_merge_make_the_one_process_pair_folder(tmp_path):

@@ -1,12 +1,14 @@
 """The trainer's preference step on CPU ranks (gloo, fp32), issue 46: the step's loss is the mean over the global
-batch's pairs whatever the accumulation, rank count or ZeRO stage (losses and pre-clip gradient norms); the first
-step, the policy its own reference, gives ln 2 for sigmoid; a stopped and resumed run is the uninterrupted one; the
-reward metrics are in the train and valid records."""
+batch's pairs whatever the accumulation, rank count, ZeRO stage, AutoTP or Ulysses SP (losses and pre-clip gradient
+norms); the first
+step, the policy its own reference, gives ln 2 for sigmoid; a stopped and resumed run is the uninterrupted one, also
+when its reference pass was lost midway; the reward metrics are in the train and valid records."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -62,14 +64,50 @@ def pair_runs(tmp_path_factory, corpus):
         "r2_zero0": ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=4),
         "r2_zero2": ds_config(tmp, "zero2", train_micro_batch_size_per_gpu=4),
         "r2_zero3": ds_config(tmp, "zero3", train_micro_batch_size_per_gpu=4),
+        "r2_tp2": ds_config(tmp, "tp2_zero1", train_micro_batch_size_per_gpu=4),
+        "r2_sp2": ds_config(tmp, "sp2_zero1", train_micro_batch_size_per_gpu=4),
     }
-    runs = {name: tmp / name for name in [*one, *two, "resumed"]}
+    runs = {name: tmp / name for name in [*one, *two, "resumed", "reference_lost"]}
     assert run_ranks(1, train_each, [train_argv(recipe, c, runs[n]) for n, c in one.items()]) == [[0, 0]]
-    assert run_ranks(2, train_each, [train_argv(recipe, c, runs[n]) for n, c in two.items()]) == [[0] * 3] * 2
+    assert run_ranks(2, train_each, [train_argv(recipe, c, runs[n]) for n, c in two.items()]) == [[0] * 5] * 2
     resumed = train_argv(recipe, one["r1_accum1"], runs["resumed"])
     run_ranks(1, train_and_signal_at, resumed, 2)  # stops after step 2 (a checkpoint), then resumes
     assert run_ranks(1, train_each, [resumed]) == [[0]]
+    # the same run on a copy of the pairs without their kept scores, its reference pass lost after 2 micro-batches
+    fresh = tmp / "pairs-unscored"
+    shutil.copytree(pairs, fresh, ignore=shutil.ignore_patterns("reference_scores"))
+    unscored = tmp / "dpo-unscored.yaml"
+    unscored.write_text(recipe.read_text().replace(str(pairs), str(fresh)))
+    lost = train_argv(unscored, one["r1_accum1"], runs["reference_lost"])
+    assert run_ranks(1, train_with_reference_pass_lost, lost, 2) == ["lost"]
+    assert any(p.name.endswith(".npz") for p in (fresh / "reference_scores").iterdir())
+    assert run_ranks(1, train_each, [lost]) == [[0]]
     return runs
+
+
+def train_with_reference_pass_lost(argv: list[str], after: int) -> str:
+    """Rank target: train, the reference pass keeping its progress after each micro-batch and failing after
+    ``after`` of them."""
+    import dstrain.train.reference_scores as reference_scores
+    from dstrain.train.run import main
+
+    score_pairs, forwards = reference_scores.score_pairs, []
+
+    def failing(forward, *args, **kwargs):
+        def forward_until_lost(batch):
+            if len(forwards) == after:
+                raise RuntimeError("the node was lost")
+            forwards.append(1)
+            return forward(batch)
+
+        return score_pairs(forward_until_lost, *args, **kwargs, save_every_s=0)
+
+    reference_scores.score_pairs = failing
+    try:
+        main(argv)
+    except RuntimeError as error:
+        return "lost" if str(error) == "the node was lost" else repr(error)
+    return "not lost"
 
 
 def _save_reference(folder, pairs) -> None:
@@ -90,8 +128,8 @@ def curves(run_dir) -> tuple[list[float], list[float]]:
     return [r["loss"] for r in records], [r["grad_norm"] for r in records]
 
 
-@pytest.mark.parametrize("run", ["r1_accum2", "r2_zero0", "r2_zero2", "r2_zero3"])
-def test_accumulation_rank_count_and_zero_stage_give_the_same_dpo_losses_and_grad_norms(pair_runs, run):
+@pytest.mark.parametrize("run", ["r1_accum2", "r2_zero0", "r2_zero2", "r2_zero3", "r2_tp2", "r2_sp2"])
+def test_accumulation_rank_count_zero_stage_tp_and_sp_give_the_same_dpo_losses_and_grad_norms(pair_runs, run):
     losses, norms = curves(pair_runs["r1_accum1"])
     assert len(losses) == STEPS and losses[-1] != losses[0]  # the loss moves (step 1 runs at lr 0)
     other = curves(pair_runs[run])
@@ -119,6 +157,11 @@ def test_a_stopped_and_resumed_dpo_run_is_the_uninterrupted_one(pair_runs):
     assert any(json.loads(line).get("event") == "resume" for line in lines)
     whole, resumed = curves(pair_runs["r1_accum1"]), curves(pair_runs["resumed"])
     assert resumed[0][-2:] == whole[0][-2:] and resumed[1][-2:] == whole[1][-2:]  # bitwise: same ranks, same order
+
+
+def test_a_run_whose_reference_pass_was_lost_goes_on_to_the_uninterrupted_run(pair_runs):
+    whole, resumed = curves(pair_runs["r1_accum1"]), curves(pair_runs["reference_lost"])
+    assert resumed == whole  # bitwise: the resumed pass's scores are the uninterrupted pass's
 
 
 def test_a_chunked_loss_is_refused_with_a_preference_recipe_and_auto_keeps_it_whole():

@@ -56,9 +56,9 @@ def evaluate_pairs(args: argparse.Namespace) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     micro, pairs = args.micro_batch or DEFAULT_MICRO_BATCH, manifest.documents // 2
 
-    def scores_of(model_config, model_state, datasets) -> np.ndarray:
+    def scores_of(model_config, model_state, datasets, partial=None) -> np.ndarray:
         forward = _forward(dataclasses.replace(model_config, doc_masking=True), model_state, device)
-        return score_pairs(forward, datasets, pairs, micro, rank, world, device)
+        return score_pairs(forward, datasets, pairs, micro, rank, world, device, partial)
 
     policy = scores_of(config, state, [sets[args.split]])
     reference = np.zeros_like(policy)
@@ -66,7 +66,7 @@ def evaluate_pairs(args: argparse.Namespace) -> dict:
         ref_config, ref_state, _ = load_model_source(args.reference)
         key, parts = scores_key(weights_hash(ref_state), manifest.hash, seq_len, overlong)
         reference = reference_scores(
-            args.data, key, parts, lambda: scores_of(ref_config, ref_state, list(sets.values()))
+            args.data, key, parts, lambda partial: scores_of(ref_config, ref_state, list(sets.values()), partial)
         )
     met = ~np.isnan(policy[:, 0])
     if not met.any():

@@ -107,11 +107,12 @@ def metrics_of(sums: torch.Tensor, pairs: float) -> dict[str, float]:
     return {name: float(value) / max(pairs, 1.0) for name, value in zip(METRICS, sums.tolist())}
 
 
-def completion_logps(logits: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor) -> PairLogps:
-    """The policy's side of PairLogps of a micro-batch of packed pairs (dstrain.data.pair_packing): each pair's chosen
-    and rejected completion log-prob sums over its learned labels, and their counts; ``documents``: each label's piece
-    in its sample (-1: padding). The reference's fields are zeros, filled from the stored reference scores."""
-    batch, width = labels.shape[0], max(int(documents.max()) + 1, 2)
+def piece_sums(logits: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor, width: int) -> torch.Tensor:
+    """(3, batch, width): each piece's log-prob sum over its learned labels, their count, and its tokens present, of
+    a micro-batch of packed pairs (dstrain.data.pair_packing); ``documents``: each label's piece in its sample (-1:
+    padding), ``width``: more than its largest piece index. A sequence-parallel rank's slice gives its share: the
+    SP group's pieces add up to the whole sample's."""
+    batch = labels.shape[0]
     token_logps = -F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="none"
     )  # 0 where ignored
@@ -123,9 +124,26 @@ def completion_logps(logits: torch.Tensor, labels: torch.Tensor, documents: torc
         0, pieces[learned], token_logps.new_ones(int(learned.sum()))
     )
     present = token_logps.new_zeros(batch * width).index_add(0, pieces[inside], token_logps.new_ones(int(inside.sum())))
-    sums, counts, present = sums.view(batch, width), counts.view(batch, width), present.view(batch, width)
+    return torch.stack([sums, counts, present]).view(3, batch, width)
+
+
+def pair_logps_of(pieces: torch.Tensor) -> PairLogps:
+    """The policy's side of PairLogps from ``piece_sums``: pieces 2k and 2k + 1 of a sample are a pair's chosen and
+    rejected completions. The reference's fields are zeros, filled from the stored reference scores."""
+    sums, counts, present = pieces
     pairs = present[:, 0::2] > 0  # a pair is in a sample where its chosen piece is
     zeros = sums[:, 0::2][pairs].detach() * 0
     return PairLogps(
         sums[:, 0::2][pairs], sums[:, 1::2][pairs], zeros, zeros, counts[:, 0::2][pairs], counts[:, 1::2][pairs]
     )
+
+
+def piece_width(documents: torch.Tensor) -> int:
+    """``piece_sums``' width for a micro-batch's (whole) ``documents``."""
+    return max(int(documents.max()) + 1, 2)
+
+
+def completion_logps(logits: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor) -> PairLogps:
+    """Each pair's chosen and rejected completion log-prob sums over its learned labels, and their counts, of a
+    micro-batch of whole samples (``piece_sums``, ``pair_logps_of``)."""
+    return pair_logps_of(piece_sums(logits, labels, documents, piece_width(documents)))

@@ -5,8 +5,11 @@ reward metrics' sums of the pairs it met; dstrain.train.preference_steps' step s
 In a train step each micro-batch's loss is its share of the mean over the global batch's pairs (and the RPO term's
 mean over its chosen tokens), dstrain.train.preference.loss_share, multiplied by dp x accumulation, which DeepSpeed's
 backward and data-parallel average divide out again; in evaluation it is the mean over the micro-batch's own pairs,
-and the valid loss the pair-weighted mean. Sequence and pipeline parallelism are refused in one line (each needs its
-own gather of the completions' log-probs); the logits are whole (a ds_config's tiling.loss is refused
+and the valid loss the pair-weighted mean. Under sequence parallelism each rank of an SP group sums its slice's
+log-probs per completion, and one all-reduce adds the slices up, the gradient flowing through this rank's own slice
+only: every rank of the group then holds the pairs' whole loss, and DeepSpeed's sum of the group's gradients is the
+whole gradient (dstrain.train.sequence's module doc). Pipeline parallelism is refused in one line (its last stage
+would need the pairs' reference scores and counts); the logits are whole (a ds_config's tiling.loss is refused
 with preference:, strategy/tiling.py, so the estimate and the planner count them whole).
 """
 
@@ -18,8 +21,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from dstrain.errors import DstrainError
+from dstrain.train import sequence
 from dstrain.train.forward import ModelForward
-from dstrain.train.preference import METRICS, PairCounts, PairLogps, completion_logps, loss_share, metric_sums
+from dstrain.train.preference import (
+    METRICS,
+    PairCounts,
+    PairLogps,
+    completion_logps,
+    loss_share,
+    metric_sums,
+    pair_logps_of,
+    piece_sums,
+    piece_width,
+)
 
 if TYPE_CHECKING:
     from dstrain.preference_config import PreferenceConfig
@@ -47,29 +61,44 @@ class PreferenceForward(ModelForward):
     def of_engine(cls, recipe, strategy, engine, progress: Progress, hooks: StepHooks) -> PreferenceForward:
         forward = super().of_engine(recipe, strategy, engine, progress, hooks)
         assert isinstance(forward, PreferenceForward) and recipe.preference is not None
-        if forward.sp_size > 1 or forward.pipeline:
+        if forward.pipeline:
             raise DstrainError(
-                f"preference: is not available under {'sequence' if forward.sp_size > 1 else 'pipeline'} "
-                f"parallelism (docs/preference-tuning.md); use a ZeRO or AutoTP ds_config"
+                "preference: is not available under pipeline parallelism (docs/preference-tuning.md); use a ZeRO, "
+                "AutoTP or sequence-parallel ds_config"
             )
         forward.preference = recipe.preference
         forward.shares = strategy.dp_size * strategy.grad_accum
         return forward
 
     def _forward_loss(self, batch: dict) -> torch.Tensor:
-        logits = self.engine(batch["input_ids"], batch["position_ids"])
-        logps = self.pair_logps(logits, batch)
+        logps = self.pair_logps(batch)
         sums = torch.cat([metric_sums(self.preference, logps).cpu(), torch.tensor([float(logps.chosen.numel())])])
         if self.counts is not None:
             self.sums["train"] += sums
-            return loss_share(self.preference, logps, self.counts) * self.shares
+            share = loss_share(self.preference, logps, self.counts) * self.shares
+            # every SP rank holds the whole share: its value counts 1/sp of it, as the LM loss's slices do (the
+            # step's loss adds the group's up), its gradient all of it through this rank's slice (module doc)
+            return share if self.sp_group is None else share + share.detach() * (1 / self.sp_size - 1)
         self.last_eval = sums
         own = PairCounts(float(logps.chosen.numel()), float(logps.chosen_tokens.sum()))
         return loss_share(self.preference, logps, own)  # the mean over this micro-batch's pairs
 
-    def pair_logps(self, logits: torch.Tensor, batch: dict) -> PairLogps:
+    def policy_logps(self, batch: dict) -> PairLogps:
+        """The policy's log-prob sums of the batch's pairs; under SP the group's slices added up (module doc)."""
+        if self.sp_group is None:
+            logits = self.engine(batch["input_ids"], batch["position_ids"])
+            return completion_logps(logits, batch["labels"], batch["documents"])
+        width = piece_width(batch["documents"])
+        part = sequence.shard(batch, self.sp_rank, self.sp_size, doc_masking=True)
+        pieces = piece_sums(self.engine(part["input_ids"], part["position_ids"]), part["labels"], part["documents"],
+                            width)  # fmt: skip
+        whole = pieces.detach().clone()
+        torch.distributed.all_reduce(whole, group=self.sp_group)
+        return pair_logps_of(pieces + (whole - pieces.detach()))
+
+    def pair_logps(self, batch: dict) -> PairLogps:
         """The policy's log-prob sums of the batch's pairs, with the reference's from the kept scores."""
-        logps = completion_logps(logits, batch["labels"], batch["documents"])
+        logps = self.policy_logps(batch)
         if self.reference is None:  # simpo: no reference
             return logps
         pairs = batch["pair_ids"][batch["pair_ids"] >= 0].cpu()
@@ -79,7 +108,7 @@ class PreferenceForward(ModelForward):
                 f"{self.reference_file}: no reference score for pair {int(pairs[torch.isnan(ref[:, 0])][0])}; "
                 f"delete it and its .json to score the pairs again"
             )
-        ref = ref.to(logits.device, logps.chosen.dtype)
+        ref = ref.to(logps.chosen.device, logps.chosen.dtype)
         return dataclasses.replace(logps, ref_chosen=ref[:, 0], ref_rejected=ref[:, 1])
 
     def eval_sums(self, loss: float, tokens: int) -> torch.Tensor:

@@ -8,14 +8,15 @@ pairs and chosen tokens of every rank's micro-batches, and the forward takes eac
 
 The reference's scores (dstrain.train.reference_scores) come from a plain model loaded from init_from on every rank,
 each scoring a share of the pairs, kept beside the shards and reused by every later run (and resume) on the same
-weights, data and packing; the key is kept in the checkpoint, and a resume whose init_from or data gives another key
-is refused in one line.
+weights, data and packing (an interrupted pass goes on where it stopped); the key is kept in the checkpoint, and a
+resume whose init_from or data gives another key is refused in one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -115,7 +116,7 @@ def reference_pass(run: RunHandle, forward: PreferenceForward) -> str | None:
     config, state, _ = load_model_source(recipe.init_from)
     key, parts = scores_key(weights_hash(state), manifest.hash, d.seq_len, d.overlong)
 
-    def compute() -> np.ndarray:
+    def compute(partial: Path) -> np.ndarray:
         model = GPT(dataclasses.replace(config, doc_masking=True))
         model.load_state_dict(state, strict=True)
         model.to(run.device).eval()
@@ -126,7 +127,7 @@ def reference_pass(run: RunHandle, forward: PreferenceForward) -> str | None:
         logits = lambda batch: model(batch["input_ids"], batch["position_ids"])  # noqa: E731
         # every rank a share of its own (a plain model: no collective in its forwards), one all-reduce adds them
         return score_pairs(logits, sets, manifest.documents // 2, run.strategy.micro_batch, run.rank, run.world,
-                           run.device)  # fmt: skip
+                           run.device, partial)  # fmt: skip
 
     forward.reference = torch.from_numpy(reference_scores(folder, key, parts, compute))
     forward.reference_file = f"{folder}/reference_scores/{key}.npy"

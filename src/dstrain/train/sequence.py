@@ -96,18 +96,21 @@ def apply(model: nn.Module, group) -> None:
 
 
 def shard(batch: dict, sp_rank: int, sp_size: int, doc_masking: bool) -> dict:
-    """This rank's contiguous slice of every sample. position_ids are the full sequence's: the dataset's (document
-    starts) with doc masking, else 0..L-1, which is what the model assumes when it is given none."""
+    """This rank's contiguous slice of every sample's tokens. position_ids are the full sequence's: the dataset's
+    (document starts) with doc masking, else 0..L-1, which is what the model assumes when it is given none."""
     length = batch["input_ids"].shape[1]
     part = length // sp_size
     window = slice(sp_rank * part, (sp_rank + 1) * part)
     positions = batch["position_ids"] if doc_masking else torch.arange(length, device=batch["input_ids"].device)
     positions = positions.expand_as(batch["input_ids"]) if positions.dim() == 1 else positions
-    return {
+    part = {
         "input_ids": batch["input_ids"][:, window].contiguous(),
         "labels": batch["labels"][:, window].contiguous(),
         "position_ids": positions[:, window].contiguous(),
     }
+    if "documents" in batch:  # pairs: each label's piece (dstrain.data.pair_packing)
+        part["documents"] = batch["documents"][:, window].contiguous()
+    return part
 
 
 def backward_factor(zero_stage: int, sp_size: int) -> float:
