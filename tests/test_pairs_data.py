@@ -219,6 +219,7 @@ def test_reference_scores_are_each_side_alone_kept_reused_and_checked(tmp_path):
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT
     from dstrain.model.hf import to_hf_model
+    from dstrain.train.preference import completion_logps
     from dstrain.train.reference_scores import reference_scores, score_pairs, scores_key, weights_hash
 
     rows = conversational_rows(implicit=True) * 2 + text_rows(implicit=False) * 2
@@ -231,9 +232,11 @@ def test_reference_scores_are_each_side_alone_kept_reused_and_checked(tmp_path):
     key, parts = scores_key(weights_hash(model.state_dict()), read_manifest(out).hash, 320, "truncate")
     calls = []
 
+    def forward(batch):
+        return completion_logps(model(batch["input_ids"], batch["position_ids"]), batch["labels"], batch["documents"])
+
     def compute(partial):
         calls.append(1)
-        forward = lambda batch: model(batch["input_ids"], batch["position_ids"])  # noqa: E731
         return score_pairs(forward, sets, len(rows), 3, 0, 1, torch.device("cpu"), partial)
 
     scores = reference_scores(out, key, parts, compute)
@@ -267,6 +270,7 @@ def test_an_interrupted_reference_pass_goes_on_where_it_stopped_to_the_same_scor
     from dstrain.data.dataset import build_dataset
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT
+    from dstrain.train.preference import completion_logps
     from dstrain.train.reference_scores import reference_scores, score_pairs
 
     rows = conversational_rows(implicit=True) * 3 + text_rows(implicit=False) * 3
@@ -282,7 +286,7 @@ def test_an_interrupted_reference_pass_goes_on_where_it_stopped_to_the_same_scor
         if len(forwards) == 3 and lost:
             raise RuntimeError("the node was lost")
         forwards.append(batch["input_ids"].shape[0])
-        return model(batch["input_ids"], batch["position_ids"])
+        return completion_logps(model(batch["input_ids"], batch["position_ids"]), batch["labels"], batch["documents"])
 
     def compute(partial):
         return score_pairs(forward, sets, len(rows), 1, 0, 1, torch.device("cpu"), partial, save_every_s=0)
@@ -292,7 +296,7 @@ def test_an_interrupted_reference_pass_goes_on_where_it_stopped_to_the_same_scor
     assert batches > 4
     with pytest.raises(RuntimeError, match="the node was lost"):
         reference_scores(out, "key", {}, compute)
-    assert [p.name for p in (out / "reference_scores").iterdir()] == [".key.partial-0-of-1.npz"]
+    assert [p.name for p in (out / "reference_scores").iterdir()] == [".key.partial-1x1.npz"]
     forwards, lost = [], False
     resumed = reference_scores(out, "key", {}, compute)
     assert len(forwards) == batches - 3  # the rest only

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -68,19 +69,26 @@ def pair_runs(tmp_path_factory, corpus):
         "r2_sp2": ds_config(tmp, "sp2_zero1", train_micro_batch_size_per_gpu=4),
     }
     runs = {name: tmp / name for name in [*one, *two, "resumed", "reference_lost"]}
+
+    def unscored(name: str) -> Path:
+        """The recipe on its own copy of the pairs, without kept scores: the run scores the reference itself."""
+        copy = tmp / f"pairs-{name}"
+        shutil.copytree(pairs, copy, ignore=shutil.ignore_patterns("reference_scores"))
+        path = tmp / f"dpo-{name}.yaml"
+        path.write_text(recipe.read_text().replace(str(pairs), str(copy)))
+        return path
+
     assert run_ranks(1, train_each, [train_argv(recipe, c, runs[n]) for n, c in one.items()]) == [[0, 0]]
-    assert run_ranks(2, train_each, [train_argv(recipe, c, runs[n]) for n, c in two.items()]) == [[0] * 5] * 2
+    # each 2-rank strategy scores the reference under itself
+    two_runs = [train_argv(unscored(n), c, runs[n]) for n, c in two.items()]
+    assert run_ranks(2, train_each, two_runs) == [[0] * len(two)] * 2
     resumed = train_argv(recipe, one["r1_accum1"], runs["resumed"])
     run_ranks(1, train_and_signal_at, resumed, 2)  # stops after step 2 (a checkpoint), then resumes
     assert run_ranks(1, train_each, [resumed]) == [[0]]
-    # the same run on a copy of the pairs without their kept scores, its reference pass lost after 2 micro-batches
-    fresh = tmp / "pairs-unscored"
-    shutil.copytree(pairs, fresh, ignore=shutil.ignore_patterns("reference_scores"))
-    unscored = tmp / "dpo-unscored.yaml"
-    unscored.write_text(recipe.read_text().replace(str(pairs), str(fresh)))
-    lost = train_argv(unscored, one["r1_accum1"], runs["reference_lost"])
+    # the same run with its reference pass lost after 2 micro-batches, then started again
+    lost = train_argv(unscored("reference_lost"), one["r1_accum1"], runs["reference_lost"])
     assert run_ranks(1, train_with_reference_pass_lost, lost, 2) == ["lost"]
-    assert any(p.name.endswith(".npz") for p in (fresh / "reference_scores").iterdir())
+    assert any(p.name.endswith(".npz") for p in (tmp / "pairs-reference_lost" / "reference_scores").iterdir())
     assert run_ranks(1, train_each, [lost]) == [[0]]
     return runs
 
@@ -135,6 +143,33 @@ def test_accumulation_rank_count_zero_stage_tp_and_sp_give_the_same_dpo_losses_a
     other = curves(pair_runs[run])
     np.testing.assert_allclose(other[0], losses, rtol=RTOL)
     np.testing.assert_allclose(other[1], norms, rtol=RTOL)
+
+
+@pytest.mark.parametrize("run", ["r2_zero0", "r2_zero3", "r2_tp2", "r2_sp2"])
+def test_each_strategy_scores_the_reference_as_one_rank_does(pair_runs, run):
+    """The reference pass runs through the run's own engine (ZeRO-3's gathered weights, AutoTP's split projections,
+    SP's slices): the kept scores equal one plain rank's (fp32, reordered sums: 1e-5)."""
+    tmp = pair_runs[run].parent
+    one, other = kept_scores(tmp / "pairs"), kept_scores(tmp / f"pairs-{run}")
+    assert one.shape == other.shape and not np.isnan(one[:, 0]).all()
+    np.testing.assert_allclose(other, one, rtol=RTOL)
+
+
+def test_a_resumed_run_whose_reference_scores_are_gone_is_refused(pair_runs):
+    """Past step 0 the engine no longer holds init_from: the kept scores are the only reference, never scored anew
+    from the policy."""
+    tmp = pair_runs["reference_lost"].parent
+    shutil.rmtree(tmp / "pairs-reference_lost" / "reference_scores")
+    config = ds_config(tmp, "zero0", train_micro_batch_size_per_gpu=8)
+    argv = train_argv(tmp / "dpo-reference_lost.yaml", config, pair_runs["reference_lost"])
+    assert run_ranks(1, train_each, [argv]) == [[2]]
+    assert not (tmp / "pairs-reference_lost" / "reference_scores").exists()
+
+
+def kept_scores(folder: Path) -> np.ndarray:
+    """The one reference scores file kept in a pair folder."""
+    (npy,) = (folder / "reference_scores").glob("*.npy")
+    return np.load(npy)
 
 
 def test_the_first_step_with_the_policy_as_reference_gives_ln2_and_the_records_hold_the_rewards(pair_runs):

@@ -81,9 +81,13 @@ def evaluate_pairs(args: argparse.Namespace) -> dict:
 
 
 def _forward(config, state, device):
+    """A plain model's PairLogps of a micro-batch."""
     from dstrain.model.gpt import GPT
+    from dstrain.train.preference import completion_logps
 
     model = GPT(config)
     model.load_state_dict(state, strict=True)
     model.to(device).eval()
-    return lambda batch: model(batch["input_ids"], batch["position_ids"])
+    return lambda batch: completion_logps(
+        model(batch["input_ids"], batch["position_ids"]), batch["labels"], batch["documents"]
+    )

@@ -25,6 +25,7 @@ class RunHandle(Protocol):
     files: RunDir  # the run folder
     rank: int
     world: int
+    dp_rank: int  # this rank's data-parallel replica (its TP, PP and SP partners share it)
     is_rank0: bool
     device: torch.device
     progress: Progress  # the step and samples consumed

@@ -6,21 +6,22 @@ The step's loss is the mean over the global batch's pairs (and the RPO term the 
 SFT step's is over its learned tokens (dstrain.train.steps): one all-reduce before the step's forwards counts the
 pairs and chosen tokens of every rank's micro-batches, and the forward takes each micro-batch's share of them.
 
-The reference's scores (dstrain.train.reference_scores) come from a plain model loaded from init_from on every rank,
-each scoring a share of the pairs, kept beside the shards and reused by every later run (and resume) on the same
-weights, data and packing (an interrupted pass goes on where it stopped); the key is kept in the checkpoint, and a
-resume whose init_from or data gives another key is refused in one line.
+The reference's scores (dstrain.train.reference_scores) come, in a fresh run, from the engine itself before step 1:
+init_from's weights under the run's own strategy, each data-parallel replica scoring a share of the pairs. They are
+kept beside the shards and reused by every later run (and resume) on the same weights, data and packing (an
+interrupted pass goes on where it stopped); the key is kept in the checkpoint, and a resume whose init_from or data
+gives another key is refused in one line.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dstrain.data.dataset import build_dataset
 from dstrain.errors import DstrainError
 from dstrain.train.components import Component, Progress
 from dstrain.train.forward import ModelForward
@@ -58,12 +59,19 @@ class PreferenceStep(TrainStep):
 
 
 class PreferenceMetrics(Component):
-    """The reward metrics in the train and valid records, and the reference's key in the checkpoint."""
+    """The reward metrics in the train and valid records, the reference's scores before step 1, and their key in the
+    checkpoint."""
 
     state_key = "preference"
 
-    def __init__(self, forward: PreferenceForward, reference_key: str | None) -> None:
-        self.forward, self.reference_key = forward, reference_key
+    def __init__(self, run: RunHandle, forward: PreferenceForward, reference: tuple[str, dict] | None) -> None:
+        """``reference``: the key of the reference's scores and what it was made of (None for simpo)."""
+        self.run, self.forward, self.reference = run, forward, reference
+        self.reference_key = None if reference is None else reference[0]
+
+    def on_train_start(self) -> None:
+        if self.reference is not None:
+            reference_pass(self.run, self.forward, *self.reference)
 
     def on_phase(self, phase: str, step: int) -> None:
         if phase == "eval":
@@ -89,46 +97,62 @@ class PreferenceMetrics(Component):
 
 
 def build(run: RunHandle) -> PreferenceMetrics | None:
-    """None without ``preference:``; else the reference scored (or its kept scores read) before step 1."""
+    """None without ``preference:``; else the metrics, with the key of the reference's scores (None for simpo)."""
     if run.recipe.preference is None:
         return None
     forward = run.forward
-    assert isinstance(forward, PreferenceForward)  # the trainer builds it for preference: (dstrain.train.loop)
-    return PreferenceMetrics(forward, reference_pass(run, forward))
+    assert isinstance(forward, PreferenceForward)  # the trainer builds it for preference: (dstrain.train.objectives)
+    return PreferenceMetrics(run, forward, None if forward.preference.loss == "simpo" else reference_key(run))
 
 
-def reference_pass(run: RunHandle, forward: PreferenceForward) -> str | None:
-    """Before step 1: the reference's (init_from's) scores of every pair, kept or computed, set on ``forward``;
-    their key (None for simpo)."""
+def reference_key(run: RunHandle) -> tuple[str, dict]:
+    """The key of the reference's (init_from's) scores of the run's pairs and its parts: rank 0 hashes the weights,
+    once."""
     from dstrain.checkpoint.consolidate import load_model_source
-    from dstrain.data.dataset import build_dataset
     from dstrain.data.manifest import read_manifest
-    from dstrain.model.gpt import GPT
-    from dstrain.train.reference_scores import reference_scores, score_pairs, scores_key, weights_hash
+    from dstrain.train.reference_scores import scores_key, weights_hash
 
-    recipe = run.recipe
-    if forward.preference.loss == "simpo":
-        return None
-    assert recipe.init_from is not None  # preflight's check_pair_sources refused a reference loss without it
-    d = recipe.data
+    assert run.recipe.init_from is not None  # preflight's check_pair_sources refused a reference loss without it
+    d = run.recipe.data
+    key: list = [None]
+    if run.is_rank0:
+        weights = weights_hash(load_model_source(run.recipe.init_from)[1])
+        key[0] = scores_key(weights, read_manifest(d.sources[0].path).hash, d.seq_len, d.overlong)
+    torch.distributed.broadcast_object_list(key, src=0)
+    return key[0]
+
+
+def reference_pass(run: RunHandle, forward: PreferenceForward, key: str, parts: dict) -> None:
+    """Before step 1: the reference's scores of every pair set on ``forward``, kept or computed. A fresh run's engine
+    holds init_from's weights: the policy at step 0 is the reference, and it scores the pairs under the run's own
+    strategy (ZeRO 0-3, AutoTP, SP; no second model). A resumed run's engine holds no longer: its scores must be
+    kept."""
+    from dstrain.data.manifest import read_manifest
+    from dstrain.train.reference_scores import load_scores, reference_scores, score_pairs
+
+    d = run.recipe.data
     folder = d.sources[0].path
-    manifest = read_manifest(folder)
-    config, state, _ = load_model_source(recipe.init_from)
-    key, parts = scores_key(weights_hash(state), manifest.hash, d.seq_len, d.overlong)
+    forward.reference_file = f"{folder}/reference_scores/{key}.npy"
+    if run.progress.step > 0 and load_scores(folder, key) is None:
+        raise DstrainError(
+            f"{forward.reference_file}: the reference scores this run was trained against are gone; restore them, or "
+            f"score them again with `dstrain eval {run.files.root} --data {folder} --reference {run.recipe.init_from}`"
+        )
 
     def compute(partial: Path) -> np.ndarray:
-        model = GPT(dataclasses.replace(config, doc_masking=True))
-        model.load_state_dict(state, strict=True)
-        model.to(run.device).eval()
         sets = [
-            build_dataset([(folder, 1.0)], split, d.seq_len, recipe.seed, None, d.valid_fraction, overlong=d.overlong)
+            build_dataset([(folder, 1.0)], split, d.seq_len, run.recipe.seed, None, d.valid_fraction,
+                          overlong=d.overlong)
             for split in ("train", "valid")
-        ]
-        logits = lambda batch: model(batch["input_ids"], batch["position_ids"])  # noqa: E731
-        # every rank a share of its own (a plain model: no collective in its forwards), one all-reduce adds them
-        return score_pairs(logits, sets, manifest.documents // 2, run.strategy.micro_batch, run.rank, run.world,
-                           run.device, partial)  # fmt: skip
+        ]  # fmt: skip
+        ranks = [0] * run.world  # the data-parallel rank of each rank: one rank of each replica keeps its rows
+        torch.distributed.all_gather_object(ranks, run.dp_rank)
+        run.engine.eval()
+        try:
+            return score_pairs(forward.policy_logps, sets, read_manifest(folder).documents // 2,
+                               run.strategy.micro_batch, run.dp_rank, run.strategy.dp_size, run.device, partial,
+                               adds=ranks.index(run.dp_rank) == run.rank)  # fmt: skip
+        finally:
+            run.engine.train()
 
     forward.reference = torch.from_numpy(reference_scores(folder, key, parts, compute))
-    forward.reference_file = f"{folder}/reference_scores/{key}.npy"
-    return key

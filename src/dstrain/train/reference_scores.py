@@ -10,11 +10,11 @@ neighbours change nothing else). Any later run on the same inputs reuses the fil
 match is refused in one line. Scoring reads each split's samples once, each data-parallel replica every
 ``replicas``-th, and adds the replicas' rows up (float64) with one all-reduce.
 
-An interrupted pass resumes: every SAVE_EVERY_S each rank keeps what it has scored so far and how far it got
-(``.<key>.partial-<replica>-of-<replicas>.npz``, written atomically), and a later pass under the same number of
-replicas goes on from there. Each pair's row is written by exactly one micro-batch, so the resumed scores are the
-uninterrupted ones bit for bit. The partial files are removed once the scores are kept; under another number of
-replicas the pass starts over.
+An interrupted pass resumes: every SAVE_EVERY_S the ranks add up the rows they have scored so far and rank 0 keeps
+them with how far the replicas got (``.<key>.partial-<replicas>x<micro>.npz``, written atomically), and a later pass
+of the same layout goes on from there. Each pair's row is written by exactly one micro-batch, so the resumed scores
+are the uninterrupted ones bit for bit. The partial file is removed once the scores are kept; under another number
+of replicas or micro-batch size the pass starts over.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from dstrain.errors import DstrainError
+from dstrain.train.preference import PairLogps
 
 SCORES_DIR = "reference_scores"
 SAVE_EVERY_S = 60.0  # how much scoring an interrupted reference pass can lose, per rank
@@ -86,61 +87,93 @@ def store_scores(folder: str | os.PathLike, key: str, parts: dict, scores: np.nd
     write_json_atomic(directory / f"{key}.json", record)
 
 
-def _partial_file(partial: Path, replica: int, replicas: int) -> Path:
-    return partial.with_name(f"{partial.name}-{replica}-of-{replicas}.npz")
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _resume(partial: Path | None, num_pairs: int, replica: int, replicas: int) -> tuple[torch.Tensor, int]:
-    """(the row sums kept by an interrupted pass of this replica, the micro-batches it had scored)."""
-    sums = torch.zeros(num_pairs, 5, dtype=torch.float64)  # chosen, rejected, their tokens, times met
-    if partial is None or not _partial_file(partial, replica, replicas).is_file():
-        return sums, 0
-    with np.load(_partial_file(partial, replica, replicas), allow_pickle=False) as kept:
-        if kept["sums"].shape != tuple(sums.shape):
-            return sums, 0
-        return torch.from_numpy(kept["sums"]), int(kept["batches"])
+def _rank0() -> bool:
+    return not _distributed() or torch.distributed.get_rank() == 0
 
 
-def _keep_partial(partial: Path, sums: torch.Tensor, batches: int, replica: int, replicas: int) -> None:
-    path = _partial_file(partial, replica, replicas)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}.npz")
-    np.savez(tmp, sums=sums.cpu().numpy(), batches=np.int64(batches))
-    os.replace(tmp, path)
+def _partial_file(partial: Path, replicas: int, micro: int) -> Path:
+    return partial.with_name(f"{partial.name}-{replicas}x{micro}.npz")
+
+
+def _resume(partial: Path | None, num_pairs: int, replicas: int, micro: int, device) -> tuple[torch.Tensor, int]:
+    """(this rank's starting row sums, the micro-batches every replica had scored): rank 0 holds the kept rows of an
+    interrupted pass of this layout, the other ranks none."""
+    sums = torch.zeros(num_pairs, 5, dtype=torch.float64, device=device)  # chosen, rejected, their tokens, times
+    done = torch.zeros(1, dtype=torch.float64, device=device)
+    path = None if partial is None else _partial_file(partial, replicas, micro)
+    if path is not None and _rank0() and path.is_file():
+        with np.load(path, allow_pickle=False) as kept:
+            if kept["sums"].shape == tuple(sums.shape):
+                sums.copy_(torch.from_numpy(kept["sums"]))
+                done += float(kept["batches"])
+    if path is not None and _distributed():
+        torch.distributed.all_reduce(done)  # rank 0's count, to every rank
+    return sums, int(done.item())
+
+
+def _keep_progress(partial: Path, sums: torch.Tensor, batches: int, replicas: int, micro: int) -> None:
+    """Every rank's rows so far added up, and the count of micro-batches each replica has scored, written by rank 0
+    atomically: a collective, and so a point every rank has reached."""
+    rows = sums.clone()
+    if _distributed():
+        torch.distributed.all_reduce(rows)
+    if _rank0():
+        path = _partial_file(partial, replicas, micro)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}.npz")
+        np.savez(tmp, sums=rows.cpu().numpy(), batches=np.int64(batches))
+        os.replace(tmp, path)
+
+
+def _due(last_kept: float, save_every_s: float, device) -> bool:
+    """Whether rank 0 says it is time to keep the progress (one scalar all-reduce: every rank decides alike)."""
+    due = torch.tensor([float(time.monotonic() - last_kept >= save_every_s)], device=device)
+    if _distributed():
+        torch.distributed.all_reduce(due, op=torch.distributed.ReduceOp.MAX)
+    return bool(due.item())
 
 
 @torch.no_grad()
 def score_pairs(
-    forward: Callable[[dict], torch.Tensor], datasets: list, num_pairs: int, micro: int, replica: int, replicas: int,
-    device: torch.device, partial: Path | None = None, save_every_s: float = SAVE_EVERY_S,
+    logps_of: Callable[[dict], PairLogps], datasets: list, num_pairs: int, micro: int, replica: int, replicas: int,
+    device: torch.device, partial: Path | None = None, save_every_s: float = SAVE_EVERY_S, adds: bool = True,
 ) -> np.ndarray:  # fmt: skip
     """(num_pairs, 4): chosen and rejected completion log-prob sums and their learned tokens, of every pair in
-    ``datasets`` (pair folders' PackedDatasets of one epoch: each pair once), ``forward(batch)`` giving the logits;
-    NaN for a pair never met (in another split, or a dropped overlong one). ``partial``: where this pass keeps its
-    progress and resumes an interrupted one from (module doc). A collective where torch.distributed is initialised."""
+    ``datasets`` (pair folders' PackedDatasets of one epoch: each pair once), ``logps_of(batch)`` giving a
+    micro-batch's PairLogps; NaN for a pair never met (in another split, or a dropped overlong one). Replica r of
+    ``replicas`` takes every replicas-th sample; every replica runs as many forwards (the last ones of a shorter share
+    score a filler sample and keep nothing), so that a forward that is a collective (ZeRO-3, TP, SP) meets its
+    partners. ``adds``: whether this rank's rows count (one rank of each replica). ``partial``: where this pass keeps
+    its progress and resumes an interrupted one from (module doc). A collective where torch.distributed is
+    initialised."""
     from dstrain.data.dataset import collate
-    from dstrain.train.preference import completion_logps
 
-    kept, done = _resume(partial, num_pairs, replica, replicas)
-    sums, batches, last_kept = kept.to(device), 0, time.monotonic()
+    sums, done = _resume(partial, num_pairs, replicas, micro, device)
+    batches, last_kept = 0, time.monotonic()
     for data in datasets:
         mine = list(range(replica, len(data), replicas))
-        for start in range(0, len(mine), micro):
+        for start in range(0, -(-len(data) // replicas), micro):
             batches += 1
             if batches <= done:
                 continue
-            batch = collate([data[i] for i in mine[start : start + micro]])
+            samples = mine[start : start + micro]
+            batch = collate([data[i] for i in samples or [0]])
             batch = {k: v.to(device) for k, v in batch.items()}
-            logps = completion_logps(forward(batch), batch["labels"], batch["documents"])
-            pairs = batch["pair_ids"][batch["pair_ids"] >= 0]
-            rows = torch.stack(
-                [logps.chosen, logps.rejected, logps.chosen_tokens, logps.rejected_tokens,
-                 torch.ones_like(logps.chosen)], 1
-            ).double()  # fmt: skip
-            sums.index_add_(0, pairs, rows)
-            if partial is not None and time.monotonic() - last_kept >= save_every_s:
-                _keep_partial(partial, sums, batches, replica, replicas)
+            logps = logps_of(batch)
+            if samples and adds:
+                pairs = batch["pair_ids"][batch["pair_ids"] >= 0]
+                rows = torch.stack(
+                    [logps.chosen, logps.rejected, logps.chosen_tokens, logps.rejected_tokens,
+                     torch.ones_like(logps.chosen)], 1
+                ).double()  # fmt: skip
+                sums.index_add_(0, pairs, rows)
+            if partial is not None and _due(last_kept, save_every_s, device):
+                _keep_progress(partial, sums, batches, replicas, micro)
                 last_kept = time.monotonic()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if _distributed():
         torch.distributed.all_reduce(sums)
     scores = sums[:, :4].cpu().numpy()
     scores[sums[:, 4].cpu().numpy() == 0] = np.nan
@@ -158,10 +191,7 @@ def reference_scores(
     directory = Path(folder) / SCORES_DIR
     directory.mkdir(exist_ok=True)
     scores = compute(directory / f".{key}.partial")
-    if (
-        not (torch.distributed.is_available() and torch.distributed.is_initialized())
-        or torch.distributed.get_rank() == 0
-    ):  # every rank is past compute's all-reduce: no partial file is written any more
+    if _rank0():  # every rank is past compute's all-reduce: no partial file is written any more
         store_scores(folder, key, parts, scores)
         for path in directory.glob(f".{key}.partial-*"):
             path.unlink(missing_ok=True)
