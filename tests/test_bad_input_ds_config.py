@@ -210,6 +210,10 @@ CASES = {
         lambda t, c: (small_recipe(t, c, model={"moe": {"num_experts": 4}}), ROOT / "ds_configs/zero3.json", []),
         ["ZeRO-3 cannot train", "model.moe", "ZeRO stage 0-2 only", "DeepSpeed/issues/2870", "offload_optimizer"],
     ),
+    "pipeline stages with a preference recipe": (
+        lambda t, c: (small_recipe(t, c, preference={"loss": "simpo"}), ROOT / "ds_configs/pp2_zero1.json", []),
+        ["pp2_zero1.json: pipeline parallelism does not run a recipe's preference: section", "sequence-parallel"],
+    ),
     "expert parallelism without experts": (
         lambda t, c: (small_recipe(t, c), ROOT / "ds_configs/ep2_zero1.json", []),
         ["expert_parallel needs model.moe"],

@@ -238,6 +238,11 @@ def _parallel_sizes(
             f"{ds_file}: pipeline parallelism works with ZeRO stage 0 or 1, not {stage}; "
             f"set zero_optimization.stage to 1"
         )
+    if pp_stages > 1 and recipe.preference is not None:  # the last stage would need the pairs' reference scores
+        raise DstrainError(
+            f"{ds_file}: pipeline parallelism does not run a recipe's preference: section (docs/preference-tuning.md);"
+            f" use a ZeRO, AutoTP or sequence-parallel ds_config"
+        )
     if pp_stages > 1:
         parallel.check_pipeline(config["pipeline"], ds_file, recipe.model.n_layer, recipe_file)
     if tp_size > 1:

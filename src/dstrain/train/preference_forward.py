@@ -8,9 +8,10 @@ backward and data-parallel average divide out again; in evaluation it is the mea
 and the valid loss the pair-weighted mean. Under sequence parallelism each rank of an SP group sums its slice's
 log-probs per completion, and one all-reduce adds the slices up, the gradient flowing through this rank's own slice
 only: every rank of the group then holds the pairs' whole loss, and DeepSpeed's sum of the group's gradients is the
-whole gradient (dstrain.train.sequence's module doc). Pipeline parallelism is refused in one line (its last stage
-would need the pairs' reference scores and counts); the logits are whole (a ds_config's tiling.loss is refused
-with preference:, strategy/tiling.py, so the estimate and the planner count them whole).
+whole gradient (dstrain.train.sequence's module doc). Pipeline parallelism is refused in one line by
+dstrain.strategy.resolve (its last stage would need the pairs' reference scores and counts); the logits are whole
+(a ds_config's tiling.loss is refused with preference:, strategy/tiling.py, so the estimate and the planner count
+them whole).
 """
 
 from __future__ import annotations
@@ -61,11 +62,7 @@ class PreferenceForward(ModelForward):
     def of_engine(cls, recipe, strategy, engine, progress: Progress, hooks: StepHooks) -> PreferenceForward:
         forward = super().of_engine(recipe, strategy, engine, progress, hooks)
         assert isinstance(forward, PreferenceForward) and recipe.preference is not None
-        if forward.pipeline:
-            raise DstrainError(
-                "preference: is not available under pipeline parallelism (docs/preference-tuning.md); use a ZeRO, "
-                "AutoTP or sequence-parallel ds_config"
-            )
+        assert not forward.pipeline  # strategy.resolve refused it
         forward.preference = recipe.preference
         forward.shares = strategy.dp_size * strategy.grad_accum
         return forward
