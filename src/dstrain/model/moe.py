@@ -84,6 +84,17 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Ten
     return (tokens_per_expert * probs.mean(dim=0)).sum() * num_experts
 
 
+def sequence_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (§2.1.2, eq. 17-20) without its alpha, averaged over the packed
+    samples: per sample of seq_len tokens sum_i f_i * P_i, with f_i = E/(top_k * seq_len) * the sample's choices of
+    expert i and P_i the sample's mean normalised score of i. probs: (samples * seq_len, E), row-major by sample.
+    Equals 1 when routing is balanced. As DeepSeek-V2's published MoEGate with seq_aux."""
+    num_experts, top_k = probs.shape[-1], experts.shape[-1]
+    chosen = F.one_hot(experts, num_experts).float().sum(dim=1).view(-1, seq_len, num_experts)
+    f = chosen.sum(dim=1) * (num_experts / (top_k * seq_len))  # (samples, E)
+    return (f * probs.view(-1, seq_len, num_experts).mean(dim=1)).sum(dim=-1).mean()
+
+
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2 (keeps the logits small)."""
     return torch.logsumexp(logits.float(), dim=-1).square().mean()
@@ -116,6 +127,7 @@ class Router(nn.Module):
         self.aux_loss = self.z_loss = torch.zeros(())
         # Tokens per expert of the last training forward; not a buffer, which a bf16 engine would round.
         self.counts: torch.Tensor | None = None
+        self.seq_len: int | None = None  # tokens per packed sample of the coming forward (set by MoEMLP)
 
     def _set_ep_group(self, ep_group) -> None:
         self.ep_group = ep_group
@@ -135,7 +147,11 @@ class Router(nn.Module):
             probs, weights, experts = deepseek_route(logits.float(), self.moe, None if bias is None else bias.float())
         else:
             probs, weights, experts = route(logits, self.top_k, self.normalize)
-        self.aux_loss, self.z_loss = load_balancing_loss(probs, experts), z_loss(logits)
+        if self.moe.aux_loss_kind == "sequence":
+            self.aux_loss = sequence_balancing_loss(probs, experts, self.seq_len or x.shape[0])
+        else:
+            self.aux_loss = load_balancing_loss(probs, experts)
+        self.z_loss = z_loss(logits)
         routes = experts.t().reshape(-1)  # first choices of all tokens, then second choices, ...
         one_hot = F.one_hot(routes, self.num_experts)
         slots = ((one_hot.cumsum(dim=0) - 1) * one_hot).sum(dim=-1).view(self.top_k, -1)
@@ -192,6 +208,7 @@ class MoEMLP(nn.Module):
         return self.moe.deepspeed_moe.gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.router.seq_len = x.shape[-2] if x.dim() > 2 else None  # the samples of (batch, seq, d_model)
         routed = self.moe(x)[0]
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
