@@ -65,9 +65,9 @@ class MoEConfig:
     aux_loss_coef: Annotated[float, Range(ge=0)] = (
         0.01  # weight of the load-balancing loss (HF Mixtral's router_aux_loss_coef), mean over MoE layers
     )
-    aux_loss_kind: Literal["batch", "sequence"] = (
-        "batch"  # batch: Mixtral's loss over the micro-batch's tokens; sequence: DeepSeek-V3's per packed sample  # (eq. 17-20, N_r/(K_r T) * sum_i count_i * P_i per sample, averaged; docs/moe.md "Router losses")
-    )
+    # batch: Mixtral's load-balancing loss over the micro-batch's tokens; sequence: DeepSeek-V3's (eq. 17-20), per
+    # packed sample N_r/(K_r T) * sum_i count_i * P_i, averaged over the samples (docs/moe.md "Router losses")
+    aux_loss_kind: Literal["batch", "sequence"] = "batch"
     z_loss_coef: Annotated[float, Range(ge=0)] = 0.001  # weight of the router z-loss mean(logsumexp(logits)^2)
     norm_topk_prob: bool = True  # renormalise the top_k probabilities to sum to 1 (Mixtral yes; Qwen3-MoE's flag)
     dense_layers: list[Annotated[int, Range(ge=0)]] = field(
