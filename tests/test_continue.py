@@ -232,7 +232,7 @@ def test_every_family_continues_training_from_init_from_and_exports_to_its_class
 
     families = ["llama3", "mistral", "qwen2", "qwen3", "olmo2", "qwen3_moe", "mixtral"]
     families += ["smollm3", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3", "phi3-longrope", "llama4"]
-    families += ["deepseek_v3", "glm4_moe"]  # MLA + DeepSeekMoE; DeepSeekMoE with GQA and partial RoPE
+    families += ["deepseek_v3", "glm4_moe", "llama4_moe"]  # MLA + DeepSeekMoE; with GQA; Llama 4's experts
     argvs, runs = [], {}
     for family in families:
         config_class, features = FAMILIES[family]
@@ -241,7 +241,7 @@ def test_every_family_continues_training_from_init_from_and_exports_to_its_class
         published = tmp_path / f"{family}-published"
         getattr(transformers, hf_class_name(config_class))(hf_config).save_pretrained(published)
         recipe = yaml_without_model(small_recipe(tmp_path, corpus, name=family), tmp_path, init_from=str(published))
-        moe = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe")
+        moe = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "llama4_moe")
         ds = "ep2_zero1" if family in moe else "zero1"
         runs[family] = tmp_path / f"{family}-run"
         argvs.append(
