@@ -72,8 +72,12 @@ def _llama4_moe(hf: transformers.PretrainedConfig, source: str) -> MoEConfig | N
 def llama4_kwargs(config: GPTConfig) -> dict[str, Any]:
     """The Llama4TextConfig keys of config's Llama 4 features."""
     floor, moe = config.attn_temperature_floor, config.moe
-    experts = {} if moe is None else dict(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k)
-    experts |= {} if moe is None else dict(router_aux_loss_coef=moe.aux_loss_coef, interleave_moe_layer_step=moe.every)
+    experts: dict[str, Any] = {}
+    if moe is not None:
+        experts = dict(
+            num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k, interleave_moe_layer_step=moe.every
+        )
+        experts["router_aux_loss_coef"] = moe.aux_loss_coef
     return experts | dict(
         intermediate_size=config.expert_dim if moe is not None else config.ff_dim,
         intermediate_size_mlp=config.ff_dim,
