@@ -8,7 +8,8 @@ own tolerance) and, on a GPU, the speed and peak memory it costs or saves.
   rows (the speed part's) at least as fast as the whole loss's, with less peak memory;
 - latent_attention: DeepSeek's MLA with doc masking on the device against the CPU's dense mask, and its speed
 - moe_recompute: a mixture of experts with activation checkpointing against without (the router losses' gradient
-  reaches the router through the checkpoint), then its speed on a GPU;
+  reaches the router through the checkpoint), Mixtral's router and Llama 4's (input scaling, a shared expert) with
+  the sequence-wise balancing loss, then its speed on a GPU;
 - windowed_attention: sliding windows (3 local blocks, 1 global, as Gemma 3's pattern) with sinks (GPT-OSS) through
   FlexAttention's block mask on a GPU against the dense mask on the CPU, then its speed against full attention;
 - sft_loss: instruction tuning's masked loss (scripts/demo-sft's conversations) on a GPU against the CPU;
@@ -45,6 +46,14 @@ CHUNKED = [
 ]
 
 
+LLAMA4_MOE = [
+    "model.moe.top_k=1",
+    "model.moe.input_scaling=true",
+    "model.moe.n_shared_experts=1",
+    "model.moe.aux_loss_kind=sequence",
+]
+
+
 def _config(check: Check, name: str, base: str, **sections) -> object:
     return check.config_file(name, json.loads((CONFIGS / base).read_text()) | sections)
 
@@ -72,6 +81,12 @@ def moe_recompute(check: Check, steps: int, on_gpu: bool) -> list[dict]:
         for name, path in (("plain", plain), ("recompute", recompute))
     }
     rows = [compare(check, "MoE recompute vs not", runs["recompute"], runs["plain"], 1e-6, steps)]
+    llama4 = {  # Llama 4's experts (input scaled by the score before the dispatch) and the sequence-wise loss
+        name: check.train(f"moe-llama4-{name}", "tiny-moe", path, LLAMA4_MOE, steps)
+        for name, path in (("plain", plain), ("recompute", recompute))
+    }
+    name = "Llama 4 MoE, sequence-wise loss: recompute vs not"
+    rows.append(compare(check, name, llama4["recompute"], llama4["plain"], 1e-6, steps))
     if on_gpu:
         for name, base, sections in (
             ("plain-bf16", "zero1_bf16.json", {}),

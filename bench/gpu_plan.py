@@ -144,9 +144,10 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
         Part(
             "moe_recompute",
             lambda c: features.moe_recompute(c, steps, not dry),
-            (2 if dry else 4) * tiny,
+            (4 if dry else 6) * tiny,
             VERDICT + ["tokens_per_s", "mem_peak_gib"],
-            "A mixture of experts with activation checkpointing against without (tiny-moe, fp32; bf16 speed)",
+            "A mixture of experts with activation checkpointing against without (tiny-moe, fp32, Mixtral's and Llama "
+            "4's routers; bf16 speed)",
         ),
         Part(
             "windowed_attention",

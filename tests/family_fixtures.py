@@ -150,6 +150,23 @@ FAMILIES = {
             rope_parameters=LLAMA3_ROPE,
         ),
     ),
+    "llama4_moe": (  # Llama 4's experts in blocks 1 and 3 (interleave_moe_layer_step 2): top-1, input scaled, shared
+        transformers.Llama4TextConfig,
+        dict(
+            num_hidden_layers=4,
+            head_dim=8,
+            intermediate_size=24,
+            intermediate_size_mlp=40,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=16,
+            floor_scale=8,
+            attn_scale=0.5,
+            pad_token_id=None,
+            rope_parameters=LLAMA3_ROPE,
+        ),
+    ),
     "olmo3": (  # 3 local : 1 global; YaRN on the global blocks only, the local ones unscaled with the same base
         transformers.Olmo3Config,
         dict(

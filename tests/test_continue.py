@@ -223,7 +223,8 @@ def test_init_from_under_expert_parallelism_loads_each_ranks_experts():
 @pytest.mark.distributed
 def test_every_family_continues_training_from_init_from_and_exports_to_its_class(tmp_path, corpus):
     """Each family published (weights only: the run keeps the data's tokenizer), trained 3 steps from init_from by a
-    recipe without model: on 2 ranks (ZeRO-1; EP2 for the MoE families), then exported: its own class, weights moved."""
+    recipe without model: on 2 ranks (ZeRO-1; EP2 for the MoE families, DeepSeek-V3's and GLM-4.5's included), then
+    exported: its own class, weights moved."""
     from dstrain.commands.cli import main as cli
 
     from ranks import run_ranks
@@ -231,6 +232,7 @@ def test_every_family_continues_training_from_init_from_and_exports_to_its_class
 
     families = ["llama3", "mistral", "qwen2", "qwen3", "olmo2", "qwen3_moe", "mixtral"]
     families += ["smollm3", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3", "phi3-longrope", "llama4"]
+    families += ["deepseek_v3", "glm4_moe", "llama4_moe"]  # MLA + DeepSeekMoE; with GQA; Llama 4's experts
     argvs, runs = [], {}
     for family in families:
         config_class, features = FAMILIES[family]
@@ -239,7 +241,8 @@ def test_every_family_continues_training_from_init_from_and_exports_to_its_class
         published = tmp_path / f"{family}-published"
         getattr(transformers, hf_class_name(config_class))(hf_config).save_pretrained(published)
         recipe = yaml_without_model(small_recipe(tmp_path, corpus, name=family), tmp_path, init_from=str(published))
-        ds = "ep2_zero1" if family in ("qwen3_moe", "mixtral", "gpt_oss") else "zero1"
+        moe = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "llama4_moe")
+        ds = "ep2_zero1" if family in moe else "zero1"
         runs[family] = tmp_path / f"{family}-run"
         argvs.append(
             [

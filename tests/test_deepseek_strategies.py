@@ -1,7 +1,8 @@
 """DeepSeek's architecture under every strategy it takes (2 gloo ranks, fp32, 10 steps each): latent attention (MLA,
 with doc masking) gives ZeRO-1's losses and pre-clip gradient norms under ZeRO-3, two pipeline stages and Ulysses
 sequence parallelism; MLA + DeepSeekMoE (sigmoid scores, groups, a shared expert, a dense first block, the
-loss-free balancing bias moving every step) gives EP1's under EP2, bias included. AutoTP is refused by name."""
+loss-free balancing bias moving every step) gives EP1's under EP2, bias included, and so does GLM-4.5's form (the
+same MoE with grouped-query attention, q/k/v biases, q/k norms and partial RoPE). AutoTP is refused by name."""
 
 import pytest
 from test_moe import run_all
@@ -29,6 +30,9 @@ DEEPSEEK_MOE = {
 }
 MLA_LAYOUTS = {"mla_zero1": "zero1", "mla_zero3": "zero3", "mla_pp2": "pp2_zero1", "mla_sp2": "sp2_zero1"}
 MOE_LAYOUTS = {"deepseek_ep1": "zero1", "deepseek_ep2": "ep2_zero1"}
+# GLM-4.5's form: DeepSeek's router with grouped-query attention, q/k/v biases, q/k norms, half of each head rotated
+GLM_MODEL = {"family": "glm4_moe", "qkv_bias": True, "qk_norm": "head", "partial_rotary_factor": 0.5}
+GLM_LAYOUTS = {"glm_ep1": "zero1", "glm_ep2": "ep2_zero1"}
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +40,11 @@ def runs(tmp_path_factory, corpus):
     tmp = tmp_path_factory.mktemp("deepseek")
     mla = small_recipe(tmp, corpus, name="mla", model=MLA_MODEL)
     deepseek = small_recipe(tmp, corpus, name="deepseek", model={**MLA_MODEL, "moe": DEEPSEEK_MOE})
-    d = {name: tmp / name for name in [*MLA_LAYOUTS, *MOE_LAYOUTS]}
+    glm = small_recipe(tmp, corpus, name="glm", model={**GLM_MODEL, "moe": DEEPSEEK_MOE})
+    d = {name: tmp / name for name in [*MLA_LAYOUTS, *MOE_LAYOUTS, *GLM_LAYOUTS]}
     calls = [("train", [train_argv(mla, config, d[name])]) for name, config in MLA_LAYOUTS.items()]
     calls += [("train", [train_argv(deepseek, config, d[name])]) for name, config in MOE_LAYOUTS.items()]
+    calls += [("train", [train_argv(glm, config, d[name])]) for name, config in GLM_LAYOUTS.items()]
     assert run_ranks(2, run_all, calls) == [[0] * len(calls)] * 2
     return d
 
@@ -49,13 +55,19 @@ def train_records(run_dir) -> list[dict]:
 
 @pytest.mark.parametrize(
     "run, reference",
-    [("mla_zero3", "mla_zero1"), ("mla_pp2", "mla_zero1"), ("mla_sp2", "mla_zero1"), ("deepseek_ep2", "deepseek_ep1")],
+    [
+        ("mla_zero3", "mla_zero1"),
+        ("mla_pp2", "mla_zero1"),
+        ("mla_sp2", "mla_zero1"),
+        ("deepseek_ep2", "deepseek_ep1"),
+        ("glm_ep2", "glm_ep1"),
+    ],
 )
 def test_latent_attention_and_deepseek_moe_give_the_same_losses_and_gradients(runs, run, reference):
     ours, theirs = train_records(runs[run]), train_records(runs[reference])
     assert len(ours) == len(theirs) == 10
     keys = ["loss"] if run == "mla_pp2" else ["loss", "grad_norm"]  # DeepSpeed's pipeline engine reports none
-    if run.startswith("deepseek"):
+    if run.startswith(("deepseek", "glm")):
         keys += ["moe_layer1_bias_min", "moe_layer1_bias_max", "moe_layer1_share_max"]
     for key in keys:
         assert [r[key] for r in ours] == pytest.approx([r[key] for r in theirs], rel=RTOL), key

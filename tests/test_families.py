@@ -79,7 +79,7 @@ def test_exported_family_is_the_same_class_with_the_same_logits(imported, tmp_pa
 @pytest.mark.parametrize(
     "family",
     ["mistral", "smollm3", "phi3", "gemma2", "gemma3", "gpt_oss", "olmo3", "phi3-longrope", "llama4"]
-    + ["deepseek_v3", "deepseek_v2", "glm4_moe"],
+    + ["deepseek_v3", "deepseek_v2", "glm4_moe", "llama4_moe"],
 )
 @torch.no_grad()
 def test_greedy_generation_equals_transformers_generate(family):
@@ -122,6 +122,8 @@ def test_greedy_generation_equals_transformers_generate(family):
         ("deepseek_v3", "moe", "ungrouped"),
         ("deepseek_v3", "moe", "unshared"),
         ("deepseek_v2", "moe", "unscaled"),
+        ("llama4_moe", "moe", "output_scaled"),  # the score weighing the expert's output instead of its input
+        ("llama4_moe", "moe", "unshared"),
     ],
 )
 @torch.no_grad()
@@ -156,4 +158,5 @@ DEEPSEEK_MOE_OFF = {
     "ungrouped": lambda config, state: (dataclasses.replace(config.moe, n_group=1, topk_group=1), state),
     "unshared": _unshared,
     "unscaled": lambda config, state: (dataclasses.replace(config.moe, routed_scaling_factor=1.0), state),
+    "output_scaled": lambda config, state: (dataclasses.replace(config.moe, input_scaling=False), state),
 }

@@ -78,23 +78,27 @@ def test_longrope_takes_the_short_factors_within_the_original_length():
         assert max_diff(other(ids), hf(ids).logits) > 1e-3
 
 
-def test_llama4_moe_is_refused_on_every_path_that_reads_a_model(tmp_path, capsys):
-    """Llama 4's MoE (sigmoid-scaled expert inputs beside a shared expert) is not computed: a config with MoE layers
-    (Scout: every block) is refused by name whether imported, continued, evaluated or sampled from."""
+def test_llama4_moe_beyond_top_1_is_refused_on_every_path_that_reads_a_model(tmp_path, capsys):
+    """Llama 4's MoE is computed top-1 (its published models; the score scales the one chosen expert's input): a
+    config routing each token to 2 experts is refused by name whether imported, continued, evaluated or sampled from;
+    the same config top-1 reads."""
     from dstrain.checkpoint.consolidate import load_model_source
     from dstrain.commands.cli import main as cli
     from dstrain.model.hf import architecture_from_hf
 
-    config_class, features = FAMILIES["llama4"]
+    config_class, features = FAMILIES["llama4_moe"]
     torch.manual_seed(0)
-    transformers.Llama4ForCausalLM(config_class(**(SMALL | features | dict(moe_layers=[1])))).save_pretrained(tmp_path)
+    top_2 = config_class(**(SMALL | features | dict(num_experts_per_tok=2)))
+    transformers.Llama4ForCausalLM(top_2).save_pretrained(tmp_path)
     for read in (from_hf, architecture_from_hf, load_model_source):
-        with pytest.raises(DstrainError, match=r"config.json: moe_layers=\[1\] is not supported: Llama 4's mixture"):
+        with pytest.raises(DstrainError, match=r"config.json: num_experts_per_tok=2 is not supported: dstrain"):
             read(tmp_path)
     capsys.readouterr()
     assert cli(["generate", str(tmp_path), "--prompt", "a"]) == 2
     assert cli(["eval", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.count("moe_layers=[1] is not supported") == 2
+    assert capsys.readouterr().err.count("num_experts_per_tok=2 is not supported") == 2
+    top_1 = from_hf(transformers.Llama4ForCausalLM(config_class(**(SMALL | features))))[0]
+    assert top_1.moe is not None and top_1.moe.input_scaling and top_1.n_moe_layers == 2
 
 
 def test_unsupported_family_features_are_named():

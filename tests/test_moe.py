@@ -1,7 +1,7 @@
 """Mixture of experts on CPU ranks (gloo, fp32): expert parallelism from the ds_config never changes the math
-(losses, router losses and pre-clip gradient norms of EP1 and EP2 agree under ZeRO-1 and ZeRO-2), nor does
-activation checkpointing (the router losses keep their gradient through the recompute), the run resumes exactly, and
-the checkpoint exports to a MixtralForCausalLM with our logits."""
+(losses, router losses and pre-clip gradient norms of EP1 and EP2 agree under ZeRO-1 and ZeRO-2, with Mixtral's,
+Qwen3-MoE's and Llama 4's routers), nor does activation checkpointing (the router losses keep their gradient through
+the recompute), the run resumes exactly, and the checkpoint exports to a MixtralForCausalLM with our logits."""
 
 import json
 import math
@@ -29,6 +29,13 @@ QWEN3_MOE = {
     "d_head": 32,
     "moe": {**MOE, "norm_topk_prob": False, "dense_layers": [0]},
 }
+# Llama 4's: top-1, the sigmoid score scaling the chosen expert's input, a shared expert; l2 q/k norm, block 1 NoPE
+LLAMA4_MOE = {
+    "family": "llama4",
+    "qk_norm": "l2",
+    "nope_layers": [1],
+    "moe": {"num_experts": 4, "top_k": 1, "input_scaling": True, "n_shared_experts": 1},
+}
 
 
 def run_all(calls: list) -> list:
@@ -53,6 +60,7 @@ def runs(tmp_path_factory, corpus):
     tmp = tmp_path_factory.mktemp("moe")
     recipe = small_recipe(tmp, corpus, name="moe", model={"moe": MOE})
     qwen3_moe = small_recipe(tmp, corpus, name="qwen3_moe", model=QWEN3_MOE)
+    llama4_moe = small_recipe(tmp, corpus, name="llama4_moe", model=LLAMA4_MOE)
     zero2 = ds_config(tmp, "zero2")
     ep2_zero2 = ds_config(tmp, "zero2", expert_parallel={"enabled": True, "autoep_size": 2})
     configs = {
@@ -64,9 +72,11 @@ def runs(tmp_path_factory, corpus):
         "ep2_zero1_recompute": ds_config(tmp, "ep2_zero1", activation_checkpointing=CHECKPOINTING),
         "shipped_layout": shipped_layout_in_fp32(tmp),
     }
-    d = {name: tmp / name for name in [*configs, "ep2_resumed", "qwen3_moe_zero1", "qwen3_moe_ep2_zero1"]}
+    families = {f"{family}_{n}": (path, n) for family, path in (("qwen3_moe", qwen3_moe), ("llama4_moe", llama4_moe))
+                for n in ("zero1", "ep2_zero1")}  # fmt: skip
+    d = {name: tmp / name for name in [*configs, "ep2_resumed", *families]}
     calls = [("train", [train_argv(recipe, config, d[name])]) for name, config in configs.items()]
-    calls += [("train", [train_argv(qwen3_moe, configs[n], d[f"qwen3_moe_{n}"])]) for n in ("zero1", "ep2_zero1")]
+    calls += [("train", [train_argv(path, configs[n], d[name])]) for name, (path, n) in families.items()]
     resumed = train_argv(recipe, configs["ep2_zero1"], d["ep2_resumed"], "train.checkpoint_interval=3")
     calls += [
         ("train_and_signal_at", [resumed, 4]),
@@ -94,6 +104,7 @@ def train_records(run_dir) -> list[dict]:
         ("zero2", "zero1"),
         ("ep2_dp4", "zero1_dp4"),
         ("qwen3_moe_ep2_zero1", "qwen3_moe_zero1"),
+        ("llama4_moe_ep2_zero1", "llama4_moe_zero1"),
         ("shipped_layout", "ep2_zero1"),  # DeepSpeed takes the planner's MoE layout, CPU Adam and recompute
     ],
 )

@@ -1,6 +1,7 @@
-"""Issue 50's shipped continue-recipes at real size, on one process: each recipe's model: is its published config.json
-as transformers reads it (imported through dstrain's family table, no architecture field differs), its parameter
-count is the published size, and its ds_config is the layout `dstrain plan` picks on the fewest 8 x 80 GiB nodes."""
+"""Issue 50's shipped continue-recipes at real size (OLMo 3, Phi-4-mini, Llama 4 Scout), on one process: each
+recipe's model: is its published config.json as transformers reads it (imported through dstrain's family table, no
+architecture field differs), its parameter count is the published size, and its ds_config is the layout `dstrain
+plan` picks on the fewest 8 x 80 GiB nodes."""
 
 from __future__ import annotations
 
@@ -67,10 +68,56 @@ PHI4_MINI = dict(
     tie_word_embeddings=True,
     pad_token_id=None,
 )
+# https://huggingface.co/meta-llama/Llama-4-Scout-17B-16E/blob/main/config.json: text_config and vision_config
+# (the architecture keys, from memory); no_rope_layers is left to its default (every 4th block without RoPE)
+SCOUT_TEXT = dict(
+    hidden_size=5120,
+    intermediate_size=8192,
+    intermediate_size_mlp=16384,
+    num_hidden_layers=48,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    head_dim=128,
+    num_local_experts=16,
+    num_experts_per_tok=1,
+    interleave_moe_layer_step=1,
+    attention_chunk_size=8192,
+    use_qk_norm=True,
+    attn_temperature_tuning=True,
+    floor_scale=8192,
+    attn_scale=0.1,
+    vocab_size=202048,
+    max_position_embeddings=10485760,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 16.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+    },
+    router_aux_loss_coef=0.001,
+    tie_word_embeddings=False,
+)
+SCOUT_VISION = dict(
+    hidden_size=1408,
+    intermediate_size=5632,
+    num_hidden_layers=34,
+    num_attention_heads=16,
+    image_size=336,
+    patch_size=14,
+    projector_input_dim=4096,
+    projector_output_dim=4096,
+    vision_output_dim=4096,
+    pixel_shuffle_ratio=0.5,
+)
 # recipe -> (transformers config of the published config.json, family, published size in billions, rounded)
 PUBLISHED = {
     "continue-olmo3-7b": (lambda: transformers.Olmo3Config(**OLMO3_7B), "olmo3", 7.3),
     "continue-phi4-mini": (lambda: transformers.Phi3Config(**PHI4_MINI), "phi3", 3.8),
+    # the text model: 107.8B of the card's 109B (the rest is the vision encoder and projector, counted below)
+    "continue-llama4-scout": (lambda: transformers.Llama4TextConfig(**SCOUT_TEXT), "llama4", 107.8),
 }
 
 
@@ -85,6 +132,25 @@ def test_recipe_model_is_the_published_config_json_and_size(name):
         ours.long_factor, ours.short_factor = theirs.rope_scaling.long_factor, theirs.rope_scaling.short_factor
     assert architecture_diff(recipe.model, theirs) == []
     assert round(num_params(recipe.model) / 1e9, 1) == billions
+
+
+def test_llama4_scout_is_the_published_109b_with_17b_active():
+    """The text model's count is transformers' Llama4ForCausalLM's (on the meta device); with Scout's vision encoder
+    and projector it is the card's "109B total"; a token runs through 17B ("17B active": one routed expert and the
+    shared one in each of the 48 blocks, attention and the embeddings)."""
+    import torch
+
+    model = load_recipe(ROOT / "recipes" / "continue-llama4-scout.yaml").model
+    text = transformers.Llama4TextConfig(**SCOUT_TEXT)
+    with torch.device("meta"):
+        theirs = transformers.Llama4ForCausalLM(text)
+        whole = transformers.Llama4ForConditionalGeneration(
+            transformers.Llama4Config(text_config=SCOUT_TEXT, vision_config=SCOUT_VISION)
+        )
+    assert num_params(model) == sum(p.numel() for p in theirs.parameters())
+    assert round(sum(p.numel() for p in whole.parameters()) / 1e9) == 109
+    assert round(num_params(model, active=True) / 1e9) == 17
+    assert model.n_moe_layers == 48 and model.moe is not None and model.moe.input_scaling
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))

@@ -65,6 +65,9 @@ class MoEConfig:
     aux_loss_coef: Annotated[float, Range(ge=0)] = (
         0.01  # weight of the load-balancing loss (HF Mixtral's router_aux_loss_coef), mean over MoE layers
     )
+    # batch: Mixtral's load-balancing loss over the micro-batch's tokens; sequence: DeepSeek-V3's (eq. 17-20), per
+    # packed sample N_r/(K_r T) * sum_i count_i * P_i, averaged over the samples (docs/moe.md "Router losses")
+    aux_loss_kind: Literal["batch", "sequence"] = "batch"
     z_loss_coef: Annotated[float, Range(ge=0)] = 0.001  # weight of the router z-loss mean(logsumexp(logits)^2)
     norm_topk_prob: bool = True  # renormalise the top_k probabilities to sum to 1 (Mixtral yes; Qwen3-MoE's flag)
     dense_layers: list[Annotated[int, Range(ge=0)]] = field(
@@ -87,6 +90,8 @@ class MoEConfig:
     routed_scaling_factor: Annotated[float, Range(gt=0)] = 1.0  # the routed experts' weights multiplied by this
     n_shared_experts: Annotated[int, Range(ge=0)] = 0  # experts every token runs through: one MLP this many wide
     bias_update_rate: Annotated[float, Range(ge=0)] = 0.0  # loss-free balancing: train/balancing.py; 0 = off
+    # --- Llama 4's experts (transformers' Llama4TextMoe; model/moe.py's llama4_route) ---
+    input_scaling: bool = False  # the chosen expert's sigmoid(logit) scales its input, not its output (top_k 1)
 
     def __post_init__(self) -> None:
         if self.num_experts % self.n_group or self.topk_group > self.n_group:
@@ -96,6 +101,11 @@ class MoEConfig:
             )
         if self.bias_update_rate and self.scoring != "sigmoid":
             raise DstrainError("model.moe.bias_update_rate: the balancing bias needs scoring: sigmoid; set it to 0")
+        if self.input_scaling and (self.top_k != 1 or self.scoring != "softmax" or self.n_group > 1):
+            raise DstrainError(
+                "model.moe.input_scaling: Llama 4's routing is top-1 by the raw logits (top_k: 1, scoring: softmax, "
+                "n_group: 1); set those or remove input_scaling"
+            )
         if self.top_k > self.num_experts:
             raise DstrainError(
                 f"model.moe.top_k: {self.top_k} exceeds num_experts={self.num_experts}; set top_k <= num_experts"

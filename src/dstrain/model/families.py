@@ -84,7 +84,7 @@ FIXED: dict[str, dict[str, Any]] = {
     "gpt_oss": _LLAMA | {"qkv_bias": True, "o_bias": True, "attention_sinks": True, "moe": True},
     # --- issue 50's families ---
     "olmo3": _LLAMA | {"qk_norm": "projection", "norm_placement": "post"},
-    "llama4": {k: v for k, v in _LLAMA.items() if k != "qk_norm"},  # use_qk_norm: qk_norm l2 or none
+    "llama4": {k: v for k, v in _LLAMA.items() if k not in ("qk_norm", "moe")},  # qk_norm l2 or none; moe_layers
     "deepseek_v3": _LLAMA | {"moe": True, "mla": True},
     "deepseek_v2": _LLAMA | {"moe": True, "mla": True},
     "glm4_moe": {"norm_placement": "pre", "moe": True, "mla": False},  # q/k/v biases and q/k norms optional

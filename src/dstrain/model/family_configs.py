@@ -350,6 +350,7 @@ def _architecture(config: GPTConfig) -> dict[str, Any]:
     if fields["moe"] is not None:
         del fields["moe"]["z_loss_coef"]  # a training choice transformers does not record
         del fields["moe"]["bias_update_rate"]  # the same (DeepSeek's balancing rate)
+        del fields["moe"]["aux_loss_kind"]  # the same (batch- or sequence-wise balancing loss)
         if config.resolved_family in families.DEEPSEEK_MOE:  # their classes record no auxiliary-loss weight either
             del fields["moe"]["aux_loss_coef"]
         fields["moe"]["d_expert"] = config.expert_dim

@@ -1,4 +1,5 @@
-"""The expert weights of an MoE block between our names and transformers' (Mixtral, Qwen3-MoE, GPT-OSS).
+"""The expert weights of an MoE block between our names and transformers' (Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek,
+GLM-4.5, Llama 4).
 
 transformers stores each MoE layer's experts as two stacked tensors: experts.gate_up_proj (E, 2*ff, d) = [gate; up]
 per expert, experts.down_proj (E, d, ff); the router is mlp.gate.weight (E, d). Our names are DeepSpeed MoE's
@@ -29,6 +30,8 @@ def experts_to_hf(config: GPTConfig, sd: StateDict, block: int, out: StateDict) 
     layer, experts = f"model.layers.{block}", range(config.moe.num_experts)
     if config.family == "gpt_oss":
         return _gpt_oss_to_hf(config, sd, block, out)
+    if config.family == "llama4":
+        return _llama4_to_hf(config, sd, block, out)
     out[f"{layer}.mlp.gate.weight"] = sd[f"blocks.{block}.{ROUTER}"]
     out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
         [torch.cat([sd[expert_name(block, e, "gate_proj")], sd[expert_name(block, e, "up_proj")]]) for e in experts]
@@ -44,6 +47,8 @@ def experts_from_hf(config: GPTConfig, take, block: int, out: StateDict) -> None
     layer, ff = f"model.layers.{block}", config.expert_dim
     if config.family == "gpt_oss":
         return _gpt_oss_from_hf(config, take, block, out)
+    if config.family == "llama4":
+        return _llama4_from_hf(config, take, block, out)
     out[f"blocks.{block}.{ROUTER}"] = take(f"{layer}.mlp.gate.weight")
     gate_up, down = take(f"{layer}.mlp.experts.gate_up_proj"), take(f"{layer}.mlp.experts.down_proj")
     for e in range(config.moe.num_experts):
@@ -100,6 +105,36 @@ def _gpt_oss_from_hf(config: GPTConfig, take, block: int, out: StateDict) -> Non
             out[expert_name(block, e, proj, "bias")] = gate_up_bias[e, start::2].contiguous()
         out[expert_name(block, e, "down_proj")] = down[e].t().contiguous()
         out[expert_name(block, e, "down_proj", "bias")] = down_bias[e]
+
+
+# Llama 4 stores its experts transposed too, (in, out) as GPT-OSS, but its gate and up side by side: gate_up_proj
+# (E, d, 2*ff) = [gate | up] along the output, down_proj (E, ff, d); its router is feed_forward.router, its shared
+# expert feed_forward.shared_expert (an MLP of the experts' width).
+
+
+def _llama4_to_hf(config: GPTConfig, sd: StateDict, block: int, out: StateDict) -> None:
+    assert config.moe is not None
+    layer, experts = f"model.layers.{block}.feed_forward", range(config.moe.num_experts)
+    out[f"{layer}.router.weight"] = sd[f"blocks.{block}.{ROUTER}"]
+    out[f"{layer}.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([sd[expert_name(block, e, "gate_proj")], sd[expert_name(block, e, "up_proj")]]).t() for e in experts]
+    )
+    out[f"{layer}.experts.down_proj"] = torch.stack([sd[expert_name(block, e, "down_proj")].t() for e in experts])
+    for p in ("gate", "up", "down"):
+        out[f"{layer}.shared_expert.{p}_proj.weight"] = sd[f"blocks.{block}.mlp.shared_experts.{p}_proj.weight"]
+
+
+def _llama4_from_hf(config: GPTConfig, take, block: int, out: StateDict) -> None:
+    assert config.moe is not None
+    layer, ff = f"model.layers.{block}.feed_forward", config.expert_dim
+    out[f"blocks.{block}.{ROUTER}"] = take(f"{layer}.router.weight")
+    gate_up, down = take(f"{layer}.experts.gate_up_proj"), take(f"{layer}.experts.down_proj")
+    for e in range(config.moe.num_experts):
+        out[expert_name(block, e, "gate_proj")] = gate_up[e, :, :ff].t().contiguous()
+        out[expert_name(block, e, "up_proj")] = gate_up[e, :, ff:].t().contiguous()
+        out[expert_name(block, e, "down_proj")] = down[e].t().contiguous()
+    for p in ("gate", "up", "down"):
+        out[f"blocks.{block}.mlp.shared_experts.{p}_proj.weight"] = take(f"{layer}.shared_expert.{p}_proj.weight")
 
 
 def local_experts(state: StateDict, config: GPTConfig, ep_size: int, ep_rank: int) -> StateDict:

@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP: Mixtral's router in DeepSpeed's MoE layer.
+"""The mixture-of-experts MLP: Mixtral's, DeepSeek's and Llama 4's routers in DeepSpeed's MoE layer.
 
     MoEMLP.moe          deepspeed.moe.layer.MoE (the engine finds it: expert parameter groups, expert checkpoints)
       .deepspeed_moe.gate     Router (wg: the router matrix), replacing DeepSpeed's TopKGate
@@ -74,6 +74,14 @@ def deepseek_route(
     return probs, weights * moe.routed_scaling_factor, experts
 
 
+def llama4_route(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Llama 4's top-1 routing of (tokens, experts) logits: (softmax probabilities in fp32 for the balancing loss,
+    the chosen expert's sigmoid score in fp32, the chosen expert), as transformers' Llama4Router: top-1 of the raw
+    logits, sigmoid in fp32. The score scales the expert's input (MoEMLP.forward), not its output."""
+    top, experts = torch.topk(logits, 1, dim=-1)
+    return F.softmax(logits.float(), dim=-1), top.float().sigmoid(), experts
+
+
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """HF Mixtral's load_balancing_loss_func for one layer: E * sum_e f_e * P_e, with f_e the share of tokens routed
     to expert e (each of its top_k choices counts; sums to top_k) and P_e the mean router probability of e.
@@ -82,6 +90,17 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Ten
     chosen = F.one_hot(experts, num_experts).float()  # (tokens, top_k, E)
     tokens_per_expert = chosen.mean(dim=0)  # (top_k, E)
     return (tokens_per_expert * probs.mean(dim=0)).sum() * num_experts
+
+
+def sequence_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (§2.1.2, eq. 17-20) without its alpha, averaged over the packed
+    samples: per sample of seq_len tokens sum_i f_i * P_i, with f_i = E/(top_k * seq_len) * the sample's choices of
+    expert i and P_i the sample's mean normalised score of i. probs: (samples * seq_len, E), row-major by sample.
+    Equals 1 when routing is balanced. As DeepSeek-V2's published MoEGate with seq_aux."""
+    num_experts, top_k = probs.shape[-1], experts.shape[-1]
+    chosen = F.one_hot(experts, num_experts).float().sum(dim=1).view(-1, seq_len, num_experts)
+    f = chosen.sum(dim=1) * (num_experts / (top_k * seq_len))  # (samples, E)
+    return (f * probs.view(-1, seq_len, num_experts).mean(dim=1)).sum(dim=-1).mean()
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -116,6 +135,28 @@ class Router(nn.Module):
         self.aux_loss = self.z_loss = torch.zeros(())
         # Tokens per expert of the last training forward; not a buffer, which a bf16 engine would round.
         self.counts: torch.Tensor | None = None
+        self.seq_len: int | None = None  # tokens per packed sample of the coming forward (set by MoEMLP)
+        self.planned: tuple[torch.Tensor, ...] | None = None  # Llama 4's routes of the coming forward (scale_input)
+
+    def routes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits, probabilities, weights, experts) of the tokens x: (tokens, d_model)."""
+        if self.moe.router_fp32:  # DeepSeek's router: F.linear in fp32
+            wg: nn.Linear = self.wg  # type: ignore[assignment]  # the Linear Block gives
+            logits = F.linear(x.float(), wg.weight.float(), None if wg.bias is None else wg.bias.float())
+        else:
+            logits = self.wg(x)  # in the model's dtype, as HF's router
+        if self.moe.input_scaling:
+            return logits, *llama4_route(logits)
+        if self.deepseek:
+            bias = self.e_score_correction_bias
+            return logits, *deepseek_route(logits.float(), self.moe, None if bias is None else bias.float())
+        return logits, *route(logits, self.top_k, self.normalize)
+
+    def scale_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Llama 4: x (tokens, d_model) scaled by each token's chosen expert's score; the routes kept for the
+        forward that MOELayer runs next on the scaled tokens (they are the unscaled tokens' routes)."""
+        self.planned = self.routes(x)
+        return x * self.planned[2].to(x.dtype)
 
     def _set_ep_group(self, ep_group) -> None:
         self.ep_group = ep_group
@@ -125,17 +166,16 @@ class Router(nn.Module):
         experts, slots (position in the expert's buffer) and weights are (top_k, tokens)."""
         if used_token is not None or not sparse_routes or use_tutel:
             raise NotImplementedError("dstrain's Router serves MOELayer's sparse routes only")
-        if self.moe.router_fp32:  # DeepSeek's router: F.linear in fp32
-            wg: nn.Linear = self.wg  # type: ignore[assignment]  # the Linear Block gives
-            logits = F.linear(x.float(), wg.weight.float(), None if wg.bias is None else wg.bias.float())
+        if self.planned is not None:  # Llama 4: routed before the input was scaled; each output taken whole
+            logits, probs, weights, experts = self.planned
+            weights, self.planned = torch.ones_like(weights), None
         else:
-            logits = self.wg(x)  # in the model's dtype, as HF's router
-        if self.deepseek:
-            bias = self.e_score_correction_bias
-            probs, weights, experts = deepseek_route(logits.float(), self.moe, None if bias is None else bias.float())
+            logits, probs, weights, experts = self.routes(x)
+        if self.moe.aux_loss_kind == "sequence":
+            self.aux_loss = sequence_balancing_loss(probs, experts, self.seq_len or x.shape[0])
         else:
-            probs, weights, experts = route(logits, self.top_k, self.normalize)
-        self.aux_loss, self.z_loss = load_balancing_loss(probs, experts), z_loss(logits)
+            self.aux_loss = load_balancing_loss(probs, experts)
+        self.z_loss = z_loss(logits)
         routes = experts.t().reshape(-1)  # first choices of all tokens, then second choices, ...
         one_hot = F.one_hot(routes, self.num_experts)
         slots = ((one_hot.cumsum(dim=0) - 1) * one_hot).sum(dim=-1).view(self.top_k, -1)
@@ -192,7 +232,11 @@ class MoEMLP(nn.Module):
         return self.moe.deepspeed_moe.gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = self.moe(x)[0]
+        self.router.seq_len = x.shape[-2] if x.dim() > 2 else None  # the samples of (batch, seq, d_model)
+        if self.router.moe.input_scaling:
+            routed = self.moe(self.router.scale_input(x.reshape(-1, x.shape[-1])).view_as(x))[0]
+        else:
+            routed = self.moe(x)[0]
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
 
