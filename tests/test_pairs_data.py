@@ -209,14 +209,27 @@ def test_packed_pairs_give_each_completions_log_prob_sum_alone(tmp_path):
     assert len(expected) == 2 * ours.chosen.numel() and ours.chosen.numel() >= 8
 
 
+def scoring_setup(out):
+    """Both splits of a pair folder at 320 tokens, and a random 2-block Llama to score them."""
+    import torch
+
+    from dstrain.data.dataset import build_dataset
+    from dstrain.model.config import GPTConfig
+    from dstrain.model.gpt import GPT
+
+    sets = [build_dataset([(str(out), 1.0)], split, 320, 7, None, 0.2) for split in ("train", "valid")]
+    config = GPTConfig(flavour="llama", vocab_size=-(-read_manifest(out).vocab_size // 64) * 64, max_seq_len=320,
+                       n_layer=2, n_head=4, n_kv_head=2, d_model=64, doc_masking=True)  # fmt: skip
+    torch.manual_seed(0)
+    return sets, GPT(config).eval()
+
+
 def test_reference_scores_are_each_side_alone_kept_reused_and_checked(tmp_path):
     """The reference pass over both splits scores every pair once, equal to transformers' forward of each side alone
     (fp32, 1e-5); kept beside the shards under a key of the weights, the data and the packing; reused (not
     computed again); other weights make another key; a changed file is refused in one line."""
     import torch
 
-    from dstrain.data.dataset import build_dataset
-    from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT
     from dstrain.model.hf import to_hf_model
     from dstrain.train.preference import completion_logps
@@ -224,11 +237,8 @@ def test_reference_scores_are_each_side_alone_kept_reused_and_checked(tmp_path):
 
     rows = conversational_rows(implicit=True) * 2 + text_rows(implicit=False) * 2
     out, docs, masks = prepared_pairs(tmp_path, rows)
-    sets = [build_dataset([(str(out), 1.0)], split, 320, 7, None, 0.2) for split in ("train", "valid")]
-    config = GPTConfig(flavour="llama", vocab_size=-(-read_manifest(out).vocab_size // 64) * 64, max_seq_len=320,
-                       n_layer=2, n_head=4, n_kv_head=2, d_model=64, doc_masking=True)  # fmt: skip
-    torch.manual_seed(0)
-    model = GPT(config).eval()
+    sets, model = scoring_setup(out)
+    config = model.config
     key, parts = scores_key(weights_hash(model.state_dict()), read_manifest(out).hash, 320, "truncate")
     calls = []
 
@@ -267,19 +277,12 @@ def test_an_interrupted_reference_pass_goes_on_where_it_stopped_to_the_same_scor
     scores are the uninterrupted pass's bit for bit; the partial files are gone once the scores are kept."""
     import torch
 
-    from dstrain.data.dataset import build_dataset
-    from dstrain.model.config import GPTConfig
-    from dstrain.model.gpt import GPT
     from dstrain.train.preference import completion_logps
     from dstrain.train.reference_scores import reference_scores, score_pairs
 
     rows = conversational_rows(implicit=True) * 3 + text_rows(implicit=False) * 3
     out, _, _ = prepared_pairs(tmp_path, rows)
-    sets = [build_dataset([(str(out), 1.0)], split, 320, 7, None, 0.2) for split in ("train", "valid")]
-    config = GPTConfig(flavour="llama", vocab_size=-(-read_manifest(out).vocab_size // 64) * 64, max_seq_len=320,
-                       n_layer=2, n_head=4, n_kv_head=2, d_model=64, doc_masking=True)  # fmt: skip
-    torch.manual_seed(0)
-    model = GPT(config).eval()
+    sets, model = scoring_setup(out)
     forwards, lost = [], False
 
     def forward(batch):
