@@ -105,7 +105,7 @@ def optimizer_refusal(stage: int, precision: Precision, offload: bool) -> str | 
 
 def layout_refusal(recipe: Recipe, precision: Precision, sizes: tuple[int, int, int, int]) -> str | None:
     """Why a model-parallel layout would not give ZeRO-0's Muon. Sequence parallelism (fp32) does: each rank's
-    gradient is the data-parallel one (tests/test_muon.py)."""
+    gradient is the data-parallel one (tests/test_muon.py); so does expert parallelism (fp32)."""
     tp_size, pp_stages, sp_size, ep_size = sizes
     if precision == "bf16" and (tp_size * pp_stages * sp_size * ep_size > 1 or recipe.model.moe is not None):
         return "DeepSpeed's bf16 Muon takes dense data parallelism only (no TP, PP, SP, MoE)"
@@ -115,6 +115,7 @@ def layout_refusal(recipe: Recipe, precision: Precision, sizes: tuple[int, int, 
         return "DeepSpeed picks Muon's matrices by name, and a pipeline's layer names would put the embedding in"
     if tp_size > 1:
         return "tensor parallelism shards the matrices, and Newton-Schulz on a shard is not Newton-Schulz on the whole"
-    if ep_size > 1 or recipe.model.moe is not None:
-        return "DeepSpeed's Muon orthogonalises expert matrices on their own path, not proven here"
+    # model.moe in fp32 at ZeRO-0/1/2, EP1 or EP2 (ZeRO-3 and pipelines are refused for MoE by parallel.py): each
+    # routed expert of DeepSpeed's classic MoE layer is its own 2-D matrix, and Muon orthogonalises it alone, on the
+    # gradient averaged over the expert-data-parallel group (tests/test_muon_moe.py).
     return None
