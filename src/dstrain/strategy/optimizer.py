@@ -20,6 +20,12 @@ ACCEPTED = (
     "with reduce_scatter: false"
 )
 
+# bf16 ZeRO-1 is DeepSpeed's BF16_Optimizer, whose constructor raises "BF16 Muon currently requires FP32 accumulation,
+# dense DP and eager execution" when the model has MoE layers (deepspeed/runtime/bf16_optimizer.py; canary:
+# tests/test_muon_moe.py::test_deepspeeds_bf16_optimizer_refuses_muon_with_moe_layers); bf16 ZeRO-2 is refused for
+# every Muon model (optimizer_refusal). Where it ends, zero1_bf16 with model.moe can be proven as the dense one was.
+MUON_MOE_IN_BF16 = "DeepSpeed 0.19.8's bf16 optimizer refuses Muon with MoE layers: Muon with model.moe trains in fp32"
+
 
 def fill_optimizer(config: dict, recipe: Recipe, recipe_file: str, ds_file: str, fill: Callable) -> None:
     """The optimizer's type and hyper-parameters from the recipe; ``fill(section, key, value, owner)`` sets a value
@@ -107,7 +113,9 @@ def layout_refusal(recipe: Recipe, precision: Precision, sizes: tuple[int, int, 
     """Why a model-parallel layout would not give ZeRO-0's Muon. Sequence parallelism (fp32) does: each rank's
     gradient is the data-parallel one (tests/test_muon.py); so does expert parallelism (fp32)."""
     tp_size, pp_stages, sp_size, ep_size = sizes
-    if precision == "bf16" and (tp_size * pp_stages * sp_size * ep_size > 1 or recipe.model.moe is not None):
+    if precision == "bf16" and recipe.model.moe is not None:
+        return MUON_MOE_IN_BF16
+    if precision == "bf16" and tp_size * pp_stages * sp_size * ep_size > 1:
         return "DeepSpeed's bf16 Muon takes dense data parallelism only (no TP, PP, SP, MoE)"
     if pp_stages > 1:
         # deepspeed.set_optimizer_flags picks Muon's parameters by name ("embed", "lm_head"), which a
