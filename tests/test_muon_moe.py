@@ -14,12 +14,12 @@ expert's own gradient; the training runs hold EP1, EP2, ZeRO-0/1/2 and accumulat
 pre-clip norms and weights."""
 
 import json
-import math
 
 import pytest
 import torch
 import yaml
 from test_deepseek_strategies import DEEPSEEK_MOE, MLA_MODEL
+from test_muon import reference_orthogonalise  # fp64 Newton-Schulz on one matrix, with Muon's aspect-ratio scale
 
 from ranks import run_ranks
 from train_helpers import ROOT, read_metrics, small_recipe, train_argv, train_each
@@ -88,27 +88,12 @@ def test_muon_with_deepseek_moe_gives_the_same_losses_norms_and_weights(runs, la
 # --- each expert's update: Newton-Schulz on its own gradient ---------------------------------------------------
 
 
-def newton_schulz(update: torch.Tensor) -> torch.Tensor:
-    """Keller Jordan's quintic Newton-Schulz (5 steps, 3.4445, -4.7750, 2.0315) in fp64 on one matrix, scaled by
-    sqrt(max(1, rows / cols)), as tests/test_muon.py::reference_orthogonalise."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = update.double()
-    tall = x.size(0) > x.size(1)
-    x = x.T if tall else x
-    x = x / (x.norm() + 1e-7)
-    for _ in range(5):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    x = x.T if tall else x
-    return x * math.sqrt(max(1.0, update.size(0) / update.size(1)))
-
-
 def first_muon_update(grad: torch.Tensor) -> torch.Tensor:
     """Muon's first update from a zero momentum: the momentum (1 - BETA) * grad, Nesterov's blend of it with the
     gradient, Newton-Schulz. The blend only scales the gradient, which Newton-Schulz normalises away, but for the 1e-7
     it adds to the norm: on a small expert gradient that is a visible part of it."""
     grad = grad.double()
-    return newton_schulz(grad.lerp((1 - BETA) * grad, BETA))
+    return reference_orthogonalise(grad.lerp((1 - BETA) * grad, BETA))
 
 
 BETA = 0.95
