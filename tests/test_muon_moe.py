@@ -248,6 +248,10 @@ def test_the_layouts_muon_with_moe_stays_refused_under(tmp_path, base, changes, 
     with pytest.raises(DstrainError) as e:
         resolve(load_recipe(tmp_path / "probe.yaml"), tmp_path / "probe.yaml", load_ds_config(path), path, 2)
     assert "\n" not in str(e.value) and fragment in str(e.value), str(e.value)
+    if "ZeRO-3" not in fragment:  # refused by the MoE check, before Muon's
+        assert str(e.value).endswith(
+            "use ds_configs/zero0.json, zero1.json, zero2.json or ep2_zero1.json (fp32: tests/test_muon_moe.py)"
+        )
 
 
 @pytest.mark.deepspeed_defect(

@@ -19,6 +19,7 @@ ACCEPTED = (
     "ds_configs/zero0.json, zero1.json, zero2.json, sp2_zero1.json, zero1_bf16.json, or zero3.json or zero3_bf16.json "
     "with reduce_scatter: false"
 )
+ACCEPTED_WITH_MOE = "ds_configs/zero0.json, zero1.json, zero2.json or ep2_zero1.json (fp32: tests/test_muon_moe.py)"
 
 # bf16 ZeRO-1 is DeepSpeed's BF16_Optimizer, whose constructor raises "BF16 Muon currently requires FP32 accumulation,
 # dense DP and eager execution" when the model has MoE layers (deepspeed/runtime/bf16_optimizer.py; canary:
@@ -76,7 +77,8 @@ def check_muon(
     if stage == 3 and sizes[2] > 1:  # resolve's sequence-parallel check needs reduce_scatter on, DeepSpeed's Muon off
         reason = "sequence parallelism with ZeRO-3 needs reduce_scatter, which DeepSpeed 0.19.8's ZeRO-3 Muon refuses"
     if reason:
-        raise DstrainError(f"{ds_file}: optim.kind=muon is refused: {reason}; use {ACCEPTED}")
+        accepted = ACCEPTED if recipe.model.moe is None else ACCEPTED_WITH_MOE
+        raise DstrainError(f"{ds_file}: optim.kind=muon is refused: {reason}; use {accepted}")
     if stage == 3 and zero.get("reduce_scatter", True):  # DeepSpeed 0.19.8 raises at init otherwise (stage3.py)
         raise DstrainError(
             f"{ds_file}: optim.kind=muon under ZeRO-3 needs zero_optimization.reduce_scatter: false (DeepSpeed 0.19.8 "
