@@ -112,13 +112,44 @@ SCOUT_VISION = dict(
     vision_output_dim=4096,
     pixel_shuffle_ratio=0.5,
 )
+# https://huggingface.co/moonshotai/Moonlight-16B-A3B/blob/main/config.json (the architecture keys, from memory)
+MOONLIGHT = dict(
+    hidden_size=2048,
+    intermediate_size=11264,
+    moe_intermediate_size=1408,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.446,
+    vocab_size=163840,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=50000.0,
+    rope_scaling=None,
+    tie_word_embeddings=False,
+)
 # recipe -> (transformers config of the published config.json, family, published size in billions, rounded)
 PUBLISHED = {
     "continue-olmo3-7b": (lambda: transformers.Olmo3Config(**OLMO3_7B), "olmo3", 7.3),
     "continue-phi4-mini": (lambda: transformers.Phi3Config(**PHI4_MINI), "phi3", 3.8),
     # the text model: 107.8B of the card's 109B (the rest is the vision encoder and projector, counted below)
     "continue-llama4-scout": (lambda: transformers.Llama4TextConfig(**SCOUT_TEXT), "llama4", 107.8),
+    "continue-moonlight-16b-a3b": (lambda: transformers.DeepseekV3Config(**MOONLIGHT), "deepseek_v3", 16.0),
 }
+# Muon with model.moe trains in fp32 only (strategy/optimizer.py::MUON_MOE_IN_BF16): planned with --precision fp32
+PRECISION = {"continue-moonlight-16b-a3b": "fp32"}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -161,8 +192,22 @@ def test_shipped_ds_config_is_what_the_planner_picks_on_one_node(name):
 
     path = ROOT / "recipes" / f"{name}.yaml"
     shipped = json.loads((ROOT / "ds_configs" / "planned" / f"{name}-1x8-h100.json").read_text())
-    found, fitting = plan(load_recipe(path), path, Cluster(DEVICES["h100-sxm"], 1, 8), "bf16", top=1)
+    cluster = Cluster(DEVICES["h100-sxm"], 1, 8)
+    found, fitting = plan(load_recipe(path), path, cluster, PRECISION.get(name, "bf16"), top=1)
     assert fitting > 0 and found[0].ds_config == shipped, found[0].layout.describe()
+
+
+def test_moonlight_is_16b_with_3b_active_and_its_muon_recipe_is_refused_in_bf16_in_one_line(capsys):
+    """ "Moonlight-16B-A3B": 15.96B parameters, 2.91B active per token with the embedding (the model card's 16B and
+    3B); `dstrain plan` without --precision names why no bf16 layout exists and what to plan instead."""
+    from dstrain.commands.cli import main as cli
+
+    model = load_recipe(ROOT / "recipes" / "continue-moonlight-16b-a3b.yaml").model
+    assert round(num_params(model) / 1e9) == 16 and round(num_params(model, active=True) / 1e9) == 3
+    recipe = str(ROOT / "recipes" / "continue-moonlight-16b-a3b.yaml")
+    assert cli(["plan", "--recipe", recipe, "--nodes", "1", "--gpus-per-node", "8"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith("Muon with model.moe trains in fp32; plan it with --precision fp32"), error
 
 
 def test_longrope_factors_come_from_init_from_and_are_required(tmp_path):

@@ -21,6 +21,7 @@ from dstrain.plan.memory_parts import GIB
 from dstrain.plan.time_model import DEVICES, Cluster, Device
 from dstrain.precision import Precision
 from dstrain.recipe_file import load_recipe_to_size
+from dstrain.strategy.optimizer import MUON_MOE_IN_BF16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="plan for this machine: time the recipe's forward+backward and a gloo all-reduce first (seconds)",
     )
+    parser.add_argument(
+        "--precision",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="the precision to train in (default: bf16 on a device, fp32 with --calibrate); Muon with model.moe "
+        "trains in fp32 only",
+    )
     parser.add_argument("--top", type=int, default=5, help="layouts to show (default: 5)")
     parser.add_argument("--out", type=Path, default=None, help="write the fastest layout's ds_config here")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -61,6 +69,8 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise DstrainError(f"--{flag.replace('_', '-')} {value:g}: must be positive")
     if args.top < 1:
         raise DstrainError(f"--top {args.top}: show at least 1 layout")
+    if args.calibrate and args.precision == "bf16":
+        raise DstrainError("--calibrate measures this machine's fp32 speed; drop --precision bf16")
     if args.calibrate and args.device:
         raise DstrainError("--calibrate measures this machine; drop --device (or drop --calibrate to plan for it)")
     if args.out is not None and args.out.exists():
@@ -87,7 +97,7 @@ def device_of(args: argparse.Namespace, recipe: Recipe) -> tuple[Device, Precisi
         changes["inter_node_gbps"] = args.inter_node_gbps
     if set(changes) - {"host_memory_gib"} and args.device is None:
         changes["name"] = "custom"
-    return dataclasses.replace(device, **changes), "bf16"
+    return dataclasses.replace(device, **changes), args.precision or "bf16"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -110,7 +120,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def fits_nowhere(recipe: Recipe, recipe_file: str, cluster: Cluster, precision: Precision) -> str:
-    """The one line when nothing fits: what would (more nodes, a shorter sequence)."""
+    """The one line when nothing fits: what would (more nodes, a shorter sequence, fp32 for Muon with MoE)."""
+    if precision == "bf16" and recipe.optim.kind == "muon" and recipe.model.moe is not None:
+        return f"{recipe_file}: no layout dstrain accepts in bf16: {MUON_MOE_IN_BF16}; plan it with --precision fp32"
     with contextlib.redirect_stdout(sys.stderr):
         nodes = smallest_fitting_nodes(recipe, recipe_file, cluster, precision)
         seq = longest_fitting_sequence(recipe, recipe_file, cluster, precision)

@@ -19,6 +19,13 @@ ACCEPTED = (
     "ds_configs/zero0.json, zero1.json, zero2.json, sp2_zero1.json, zero1_bf16.json, or zero3.json or zero3_bf16.json "
     "with reduce_scatter: false"
 )
+ACCEPTED_WITH_MOE = "ds_configs/zero0.json, zero1.json, zero2.json or ep2_zero1.json (fp32: tests/test_muon_moe.py)"
+
+# bf16 ZeRO-1 is DeepSpeed's BF16_Optimizer, whose constructor raises "BF16 Muon currently requires FP32 accumulation,
+# dense DP and eager execution" when the model has MoE layers (deepspeed/runtime/bf16_optimizer.py; canary:
+# tests/test_muon_moe.py::test_deepspeeds_bf16_optimizer_refuses_muon_with_moe_layers); bf16 ZeRO-2 is refused for
+# every Muon model (optimizer_refusal). Where it ends, zero1_bf16 with model.moe can be proven as the dense one was.
+MUON_MOE_IN_BF16 = "DeepSpeed 0.19.8's bf16 optimizer refuses Muon with MoE layers: Muon with model.moe trains in fp32"
 
 
 def fill_optimizer(config: dict, recipe: Recipe, recipe_file: str, ds_file: str, fill: Callable) -> None:
@@ -70,7 +77,8 @@ def check_muon(
     if stage == 3 and sizes[2] > 1:  # resolve's sequence-parallel check needs reduce_scatter on, DeepSpeed's Muon off
         reason = "sequence parallelism with ZeRO-3 needs reduce_scatter, which DeepSpeed 0.19.8's ZeRO-3 Muon refuses"
     if reason:
-        raise DstrainError(f"{ds_file}: optim.kind=muon is refused: {reason}; use {ACCEPTED}")
+        accepted = ACCEPTED if recipe.model.moe is None else ACCEPTED_WITH_MOE
+        raise DstrainError(f"{ds_file}: optim.kind=muon is refused: {reason}; use {accepted}")
     if stage == 3 and zero.get("reduce_scatter", True):  # DeepSpeed 0.19.8 raises at init otherwise (stage3.py)
         raise DstrainError(
             f"{ds_file}: optim.kind=muon under ZeRO-3 needs zero_optimization.reduce_scatter: false (DeepSpeed 0.19.8 "
@@ -105,9 +113,11 @@ def optimizer_refusal(stage: int, precision: Precision, offload: bool) -> str | 
 
 def layout_refusal(recipe: Recipe, precision: Precision, sizes: tuple[int, int, int, int]) -> str | None:
     """Why a model-parallel layout would not give ZeRO-0's Muon. Sequence parallelism (fp32) does: each rank's
-    gradient is the data-parallel one (tests/test_muon.py)."""
+    gradient is the data-parallel one (tests/test_muon.py); so does expert parallelism (fp32)."""
     tp_size, pp_stages, sp_size, ep_size = sizes
-    if precision == "bf16" and (tp_size * pp_stages * sp_size * ep_size > 1 or recipe.model.moe is not None):
+    if precision == "bf16" and recipe.model.moe is not None:
+        return MUON_MOE_IN_BF16
+    if precision == "bf16" and tp_size * pp_stages * sp_size * ep_size > 1:
         return "DeepSpeed's bf16 Muon takes dense data parallelism only (no TP, PP, SP, MoE)"
     if pp_stages > 1:
         # deepspeed.set_optimizer_flags picks Muon's parameters by name ("embed", "lm_head"), which a
@@ -115,6 +125,7 @@ def layout_refusal(recipe: Recipe, precision: Precision, sizes: tuple[int, int, 
         return "DeepSpeed picks Muon's matrices by name, and a pipeline's layer names would put the embedding in"
     if tp_size > 1:
         return "tensor parallelism shards the matrices, and Newton-Schulz on a shard is not Newton-Schulz on the whole"
-    if ep_size > 1 or recipe.model.moe is not None:
-        return "DeepSpeed's Muon orthogonalises expert matrices on their own path, not proven here"
+    # model.moe in fp32 at ZeRO-0/1/2, EP1 or EP2 (ZeRO-3 and pipelines are refused for MoE by parallel.py): each
+    # routed expert of DeepSpeed's classic MoE layer is its own 2-D matrix, and Muon orthogonalises it alone, on the
+    # gradient averaged over the expert-data-parallel group (tests/test_muon_moe.py).
     return None

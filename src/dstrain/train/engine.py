@@ -271,12 +271,14 @@ def apply_recipe_to_optimizer(engine, recipe: Recipe) -> None:
 def decays(group: dict, index: int) -> bool:
     """Whether a parameter group of the engine's optimizer takes weight decay: param_groups' "decay" flag; DeepSpeed's
     Muon split (engine._muon_param_groups) drops it but names each half after param_groups' group ("decay-muon-params",
-    "no_decay-adam-params"); ZeRO-3 partial offload's backup AdamW (DeepSpeed 0.19.8, stage3.py) builds its first
-    group afresh from the first (decayed) group, without the flag: the first group decays."""
+    "no_decay-adam-params"), and a Muon group always decays; ZeRO-3 partial offload's backup AdamW (DeepSpeed 0.19.8,
+    stage3.py) builds its first group afresh from the first (decayed) group, without the flag: the first group
+    decays."""
     if "decay" in group:
         return bool(group["decay"])
-    if "use_muon" in group:
-        return str(group.get("name", "")).startswith("decay-")
+    if "use_muon" in group:  # Muon's half holds matrices only, all from the decayed group; MoE renames its expert
+        # groups after their expert-parallel group ("ep_size_2"), dropping "decay-"
+        return bool(group["use_muon"]) or str(group.get("name", "")).startswith("decay-")
     return index == 0
 
 

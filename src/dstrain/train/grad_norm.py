@@ -26,6 +26,7 @@ from __future__ import annotations
 import types
 
 import torch
+from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.utils import get_norm_dtype
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
@@ -52,15 +53,35 @@ def global_grad_norm(engine) -> torch.Tensor:
     # tiny recipe's ZeRO-0 norm 1e-5 away from ZeRO-1/2/3's over the very same gradients.
     dtype = get_norm_dtype()
     squares = torch.zeros((), dtype=dtype, device=engine.device)
+    experts: dict[str, torch.Tensor] = {}  # expert-parallel group name -> this rank's experts' squares
     for param in engine.module.parameters():
         if param.grad is None or getattr(param, "ds_pipe_replicated", False):
             continue
         if counts_replicated or is_model_parallel_parameter(param):
-            squares += torch.linalg.vector_norm(param.grad.detach().to(dtype)).to(squares.device) ** 2
+            square = torch.linalg.vector_norm(param.grad.detach().to(dtype)).to(squares.device) ** 2
+            if is_moe_param(param):
+                experts[param.group_name] = experts.get(param.group_name, 0) + square
+            else:
+                squares += square
+    squares += expert_squares(experts)
     squares = squares.float()  # fp32 from here, as ZeRO's sum (stage_1_and_2.get_grad_norm_direct)
     if mpu is not None:
         torch.distributed.all_reduce(squares, group=mpu.get_model_parallel_group())
     return squares.sqrt()
+
+
+def expert_squares(experts: dict[str, torch.Tensor]) -> torch.Tensor | float:
+    """The squares of every expert's gradient: each rank of an expert-parallel group holds other experts (EP2:
+    half of each MoE layer's), summed over the group; without it a ZeRO-0 rank clipped by the norm of its own
+    experts only, and the replicas of the dense weights were clipped by different norms."""
+    from deepspeed.utils import groups
+
+    total: torch.Tensor | float = 0.0
+    for name in sorted(experts):  # the same order of all-reduces on every rank
+        square = experts[name]
+        torch.distributed.all_reduce(square, group=groups._get_expert_parallel_group(name))
+        total = total + square
+    return total
 
 
 def install(engine) -> None:
