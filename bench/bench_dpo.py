@@ -13,14 +13,17 @@
   median), alternating too.
 
     OMP_NUM_THREADS=1 python bench/bench_dpo.py [--part loss|trainer|all] [--seq 1024] [--batch 4] [--repeats 9]
-        [--blocks 3] [--steps 8] [--pairs 240]
+        [--blocks 3] [--steps 8] [--pairs 240 | --pair-folder DIR] [--seq-len 128] [--d-model 128] [--layers 4]
+        [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -102,13 +105,20 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=3, help="trainer part: blocks of each side")
     parser.add_argument("--steps", type=int, default=8, help="trainer part: steps a block (the first 2 warm up)")
     parser.add_argument("--pairs", type=int, default=240, help="trainer part: conversations the pairs come from")
+    parser.add_argument("--pair-folder", type=Path, default=None, help="trainer part: a prepared pair folder instead")
+    parser.add_argument("--seq-len", type=int, default=128, help="trainer part: tokens a sample (dpo-tiny's 128)")
+    parser.add_argument("--d-model", type=int, default=128, help="trainer part: the model's width (tiny's 128)")
+    parser.add_argument("--layers", type=int, default=4, help="trainer part: the model's blocks (tiny's 4)")
+    parser.add_argument("--json", type=Path, default=None, help="trainer part: write its figures here")
     args = parser.parse_args()
     if args.part in ("loss", "all"):
         loss_part(args)
     if args.part in ("trainer", "all"):
         from bench_dpo_trainer import trainer_part
 
-        trainer_part(args)
+        figures = trainer_part(args)
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

@@ -55,21 +55,21 @@ def reference_folder(tmp: Path, pairs: Path, n_layer: int = 4, d_model: int = 12
     return tmp / "reference"
 
 
-def dpo_recipe(pairs: Path, reference: Path, run_dir: Path, steps: int, ds_file: Path, micro: int, world: int = 1):
-    """(recipe, strategy): recipes/dpo-tiny.yaml on ``pairs`` from ``reference``, ``steps`` steps, no checkpoint or
-    evaluation inside them."""
+def dpo_recipe(pairs: Path, reference: Path, run_dir: Path, steps: int, ds_file: Path, micro: int, seq: int = 128):
+    """(recipe, strategy): recipes/dpo-tiny.yaml on ``pairs`` from ``reference``, ``steps`` steps of ``seq``-token
+    samples, no checkpoint or evaluation inside them; a world of one."""
     from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     overrides = [
         f"init_from={reference}", f"data.sources=[{{path: {pairs}}}]", f"run_dir={run_dir}", f"train.steps={steps}",
         "train.log_interval=1", f"train.eval_interval={steps + 1}", f"train.checkpoint_interval={steps + 1}",
-        "schedule.warmup_steps=1",
+        "schedule.warmup_steps=1", f"data.seq_len={seq}",
     ]  # fmt: skip
     recipe = load_recipe(ROOT / "recipes" / "dpo-tiny.yaml", overrides)
     raw = load_ds_config(ds_file)
     raw["train_micro_batch_size_per_gpu"] = micro
-    return recipe, resolve(recipe, "recipe", raw, ds_file, world)
+    return recipe, resolve(recipe, "recipe", raw, ds_file, 1)
 
 
 def as_sft(recipe):
@@ -94,8 +94,10 @@ def trainer(recipe, strategy, run_dir: Path):
     train_step = built.train_step
 
     def timed(batches):
+        synchronize()
         start = time.perf_counter(), time.process_time()
         loss = train_step(batches)
+        synchronize()
         built.step_seconds.append((time.perf_counter() - start[0], time.process_time() - start[1]))
         return loss
 
@@ -115,9 +117,18 @@ def timed_block(recipe, strategy, run_dir: Path, reference: bool = False) -> tup
     if not reference:
         return step, None
     shutil.rmtree(Path(recipe.data.sources[0].path) / "reference_scores")
+    synchronize()
     start = time.perf_counter(), time.process_time()
     reference_pass(built, built.forward)
+    synchronize()
     return step, Seconds(time.perf_counter() - start[0], time.process_time() - start[1])
+
+
+def synchronize() -> None:
+    """Wait for the device's queued work (a GPU's kernels run behind the host)."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().synchronize()
 
 
 def epoch_steps(recipe) -> float:
@@ -130,17 +141,18 @@ def epoch_steps(recipe) -> float:
     return len(one) / recipe.train.global_batch
 
 
-def trainer_part(args) -> None:
+def trainer_part(args) -> dict:
+    """Prints the figures and returns them (bench_dpo.py --json writes them: the GPU check's preference part)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from dstrain.train import distributed
 
     distributed.init()
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
-        pairs = pair_folder(tmp, max_pairs=args.pairs)
-        reference = reference_folder(tmp, pairs)
+        pairs = args.pair_folder or pair_folder(tmp, max_pairs=args.pairs)
+        reference = reference_folder(tmp, pairs, args.layers, args.d_model)
         config = ROOT / "ds_configs" / "zero1.json"
-        recipe, strategy = dpo_recipe(pairs, reference, tmp / "run", args.steps, config, micro=8)
+        recipe, strategy = dpo_recipe(pairs, reference, tmp / "run", args.steps, config, 8, args.seq_len)
         steps = epoch_steps(recipe)
         sft, dpo, passes = [], [], []
         for block in range(args.blocks):  # SFT, DPO and its reference pass, SFT, ...: background load hits all alike
@@ -148,17 +160,27 @@ def trainer_part(args) -> None:
             step, seconds = timed_block(recipe, strategy, tmp / f"dpo{block}", reference=True)
             dpo.append(step)
             passes.append(seconds)
-        tokens = recipe.train.global_batch * recipe.data.seq_len
-        print(f"dpo-tiny (llama, 4 blocks, d_model 128), {recipe.train.global_batch} x {recipe.data.seq_len} tokens "
-              f"a step ({tokens}), ZeRO-1 fp32, micro-batch 8 x accumulation 2, one CPU rank; median of "
-              f"{args.blocks} blocks of {args.steps - WARMUP} steps (range)")  # fmt: skip
-        for clock in ("wall", "cpu"):
-            ratios = [getattr(d, clock) / getattr(s, clock) for d, s in zip(dpo, sft)]
-            epochs = [steps * getattr(d, clock) for d in dpo]
-            per_epoch = [getattr(p, clock) / e for p, e in zip(passes, epochs)]
-            print(f"{clock:>4}: SFT step {statistics.median(getattr(s, clock) for s in sft) * 1e3:.1f} ms, DPO step "
-                  f"{statistics.median(getattr(d, clock) for d in dpo) * 1e3:.1f} ms: DPO / SFT "
-                  f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}; target <= 1.05); reference "
-                  f"pass {statistics.median(getattr(p, clock) for p in passes):.2f} s, epoch "
-                  f"{statistics.median(epochs):.2f} s ({steps:.1f} steps x the block's DPO step): reference / epoch "
-                  f"{statistics.median(per_epoch):.3f} ({min(per_epoch):.3f}-{max(per_epoch):.3f})")  # fmt: skip
+    tokens = recipe.train.global_batch * recipe.data.seq_len
+    print(f"dpo-tiny's recipe on a llama of {args.layers} blocks, d_model {args.d_model}: "
+          f"{recipe.train.global_batch} x {recipe.data.seq_len} tokens a step ({tokens}), ZeRO-1 fp32, micro-batch 8, "
+          f"one rank; median of {args.blocks} blocks of {args.steps - WARMUP} steps (range)")  # fmt: skip
+    figures: dict = {"tokens_per_step": tokens, "epoch_steps": steps}
+    for clock in ("wall", "cpu"):
+        ratios = [getattr(d, clock) / getattr(s, clock) for d, s in zip(dpo, sft)]
+        epochs = [steps * getattr(d, clock) for d in dpo]
+        per_epoch = [getattr(p, clock) / e for p, e in zip(passes, epochs)]
+        figures[clock] = {
+            "sft_step_s": statistics.median(getattr(s, clock) for s in sft),
+            "dpo_step_s": statistics.median(getattr(d, clock) for d in dpo),
+            "dpo_over_sft": statistics.median(ratios),
+            "reference_pass_s": statistics.median(getattr(p, clock) for p in passes),
+            "epoch_s": statistics.median(epochs),
+            "reference_over_epoch": statistics.median(per_epoch),
+        }
+        f = figures[clock]
+        print(f"{clock:>4}: SFT step {f['sft_step_s'] * 1e3:.1f} ms, DPO step {f['dpo_step_s'] * 1e3:.1f} ms: DPO / "
+              f"SFT {f['dpo_over_sft']:.3f} ({min(ratios):.3f}-{max(ratios):.3f}; target <= 1.05); reference pass "
+              f"{f['reference_pass_s']:.2f} s, epoch {f['epoch_s']:.2f} s ({steps:.1f} steps x the block's DPO step): "
+              f"reference / epoch {f['reference_over_epoch']:.3f} "
+              f"({min(per_epoch):.3f}-{max(per_epoch):.3f})")  # fmt: skip
+    return figures
