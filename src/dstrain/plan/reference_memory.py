@@ -47,8 +47,9 @@ def forward_bytes(recipe: Recipe, micro_batch: int) -> int:
 
 def at_rest(parts: list[Part], zero_stage: int) -> None:
     """Set each training part's ``reference``: what the built engine holds between steps (its ``step`` bytes) for
-    parameters, optimizer states (DeepSpeed's ZeRO-1/2/3 allocate the moments when built) and a weight average,
-    and ZeRO-3's gradient partition (one flat buffer allocated when built); the rest is allocated by a step."""
+    parameters, optimizer states (DeepSpeed's ZeRO-1/2/3 allocate the moments when built; ZeRO-0's torch AdamW at
+    its first step, so there they are an upper bound) and a weight average, and ZeRO-3's gradient partition (one
+    flat buffer allocated when built); the rest is allocated by a step."""
     for part in parts:
         held = part.group in HELD_AT_REST
         held |= zero_stage == 3 and part.group == "gradients" and "partition" in part.name and "copy" not in part.name
