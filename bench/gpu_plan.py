@@ -186,7 +186,7 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
         Part(
             "preference_step",
             lambda c: features.preference_step(c, steps, dry),
-            CHAT_PREPARE_S + (3 if dry else 4) * tiny,  # two runs, then the bench's blocks (three engines each)
+            CHAT_PREPARE_S + (5 if dry else 4) * tiny,  # two runs, then the bench (its engines, reference passes)
             VERDICT + ["dpo_over_sft", "reference_over_epoch"],
             "Preference tuning (DPO): ZeRO-2 against ZeRO-0 on the device; the DPO step over the SFT step",
         ),
