@@ -1,19 +1,29 @@
-"""The preference loss's cost on the step: one forward + backward of the tiny model over the same packed micro-batch
-of pairs, with the SFT loss (token_loss_sum over the learned tokens) and with the DPO loss (dstrain.train.preference:
-each completion's log-prob sum from the packed forward, against stored reference scores, so no second model).
-CPU, fp32; the ratio DPO ÷ SFT of the median of ``--repeats`` interleaved timings.
+"""The preference step's cost, side by side in one run (CPU, fp32, a world of one), in two parts:
 
-    python bench/bench_dpo.py [--seq 1024] [--batch 4] [--repeats 9]
+- ``loss``: one forward + backward of the tiny model over the same packed micro-batch of pairs, with the SFT loss
+  (token_loss_sum over the learned tokens) and with the DPO loss (dstrain.train.preference: each completion's
+  log-prob sum from the packed forward, against stored reference scores, so no second model); the ratio DPO ÷ SFT
+  of the median of ``--repeats`` interleaved timings.
+- ``trainer``: dstrain's Trainer on a real pair folder (the stdlib pairs of dstrain.data.chat_corpus, prepared with
+  role-lines.jinja) under recipes/dpo-tiny.yaml, its model a random tiny Llama saved as init_from: Trainer.fit's
+  train_step with ``preference:`` (the preference step: its pair-count all-reduce, the log-prob sums, the loss)
+  against the same recipe without it (the SFT step on the same samples, both completions learned), in alternating
+  blocks; and the DPO trainer's reference pass before step 1 (dstrain.train.preference_steps.reference_pass: the
+  engine's no-grad forwards, its kept scores deleted first so that it computes them) against one epoch of training
+  on the same pairs (the train split's steps x the DPO step's median).
 
-What it does not measure (not built yet): the trainer's preference step (its pair-count all-reduce) and the
-reference pass.
+    OMP_NUM_THREADS=1 python bench/bench_dpo.py [--part loss|trainer|all] [--seq 1024] [--batch 4] [--repeats 9]
+        [--blocks 3] [--steps 8] [--pairs 240 | --pair-folder DIR] [--seq-len 128] [--d-model 128] [--layers 4]
+        [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -54,12 +64,7 @@ def timed(model: GPT, batch: dict, loss_of) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
+def loss_part(args: argparse.Namespace) -> None:
     config = GPTConfig(flavour="llama", vocab_size=4096, max_seq_len=args.seq, n_layer=4, n_head=4, n_kv_head=2,
                        d_model=128, doc_masking=True)  # fmt: skip
     torch.manual_seed(0)
@@ -89,6 +94,31 @@ def main() -> None:
     print(f"tiny (llama, d_model 128, vocab 4096), {args.batch} x {args.seq} tokens, {pairs} pairs, fp32, CPU")
     print(f"SFT step {sft_s * 1e3:.1f} ms, DPO step {dpo_s * 1e3:.1f} ms (median of {args.repeats})")
     print(f"DPO / SFT: {dpo_s / sft_s:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("loss", "trainer", "all"), default="all")
+    parser.add_argument("--seq", type=int, default=1024, help="loss part: tokens a sample")
+    parser.add_argument("--batch", type=int, default=4, help="loss part: samples")
+    parser.add_argument("--repeats", type=int, default=9, help="loss part: timings of each")
+    parser.add_argument("--blocks", type=int, default=3, help="trainer part: blocks of each side")
+    parser.add_argument("--steps", type=int, default=8, help="trainer part: steps a block (the first 2 warm up)")
+    parser.add_argument("--pairs", type=int, default=240, help="trainer part: conversations the pairs come from")
+    parser.add_argument("--pair-folder", type=Path, default=None, help="trainer part: a prepared pair folder instead")
+    parser.add_argument("--seq-len", type=int, default=128, help="trainer part: tokens a sample (dpo-tiny's 128)")
+    parser.add_argument("--d-model", type=int, default=128, help="trainer part: the model's width (tiny's 128)")
+    parser.add_argument("--layers", type=int, default=4, help="trainer part: the model's blocks (tiny's 4)")
+    parser.add_argument("--json", type=Path, default=None, help="trainer part: write its figures here")
+    args = parser.parse_args()
+    if args.part in ("loss", "all"):
+        loss_part(args)
+    if args.part in ("trainer", "all"):
+        from bench_dpo_trainer import trainer_part
+
+        figures = trainer_part(args)
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ own tolerance) and, on a GPU, the speed and peak memory it costs or saves.
 - chunked_attention: Llama 4's attention (issue 50: 32-token chunks on 3 blocks, a block without RoPE with temperature
   tuning, the weightless q/k norm) through FlexAttention's block mask on a GPU against the dense mask on the CPU.
 - doctor: `dstrain doctor` on tiny, every shipped strategy the GPUs can run against ZeRO-0, and the kernel checks.
+- preference_step: the DPO step (recipes/dpo-tiny.yaml on the stdlib pairs, a random tiny init_from) under ZeRO-2
+  against ZeRO-0 on the device (fp32, 1e-5: losses and pre-clip grad norms), then bench/bench_dpo.py's trainer part
+  on it: the DPO step over the SFT step through the Trainer on the same pairs (target <= 1.05), and the reference
+  pass over one epoch of training.
 - long_context: a 131,072-token step of a 1B llama (llama-1b-32k's model) with the long-context levers (activation
   checkpoints held on the host, the chunked loss, the tiled MLP; sequence parallelism over the loan's devices, none
   on a world of one), its peak device memory against `dstrain estimate`'s.
@@ -27,6 +31,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from gpu_parts import CONFIGS, ROOT, Check, compare, peak_gib, speed, status
 
@@ -254,3 +259,50 @@ def doctor(check: Check, dry: bool) -> list[dict]:
         for c in report["checks"]
     ]
     return rows
+
+
+# bench/bench_dpo.py's trainer part: a dry run's toy size, and on a GPU a model large enough to outweigh the launches
+DRY_DPO_BENCH = ["--blocks", "1", "--steps", "3", "--seq-len", "64"]
+DPO_BENCH = ["--blocks", "2", "--steps", "10", "--seq-len", "512", "--d-model", "512", "--layers", "8"]
+
+
+def _pair_folder(check: Check, conversations: int) -> Path:
+    """The stdlib pairs (dstrain.data.chat_corpus --pairs) prepared with the demo corpus's tokenizer, role-lines."""
+    pairs = check.work / "pydocs-pairs"
+    if not (pairs / "manifest.json").exists():
+        raw = check.work / "pydocs-pairs.jsonl"
+        corpus = [sys.executable, "-m", "dstrain.data.chat_corpus", str(raw), "--pairs"]
+        subprocess.run([*corpus, "--max-examples", str(conversations)], env=check.env, check=True, capture_output=True)
+        template = ROOT / "recipes" / "chat_templates" / "role-lines.jinja"
+        prepare = ["prepare", "--dataset", str(raw), "--tokenizer", str(check.data / "tokenizer"), "--chat"]
+        prepare += ["--chat-template", str(template), "--out", str(pairs)]
+        subprocess.run([sys.executable, "-m", "dstrain", *prepare], env=check.env, check=True, capture_output=True)
+    return pairs
+
+
+def preference_step(check: Check, steps: int, dry: bool) -> list[dict]:
+    """ZeRO-2 against ZeRO-0 on this device (fp32, 1e-5), then the DPO step over the SFT step and the reference pass
+    over an epoch (bench/bench_dpo.py, wall clock: its ratio is reported against the target, not judged)."""
+    from bench_dpo_trainer import reference_folder
+
+    pairs = _pair_folder(check, 40 if dry else 400)
+    tuning = [f"init_from={reference_folder(check.work, pairs)}", f"data.sources=[{{path: {pairs}}}]"]
+    runs = {
+        stage: check.train(f"dpo-{stage}", "dpo-tiny", _config(check, f"dpo-{stage}", f"{stage}.json"), tuning, steps)
+        for stage in ("zero0", "zero2")
+    }
+    rows = [compare(check, "DPO step: ZeRO-2 vs ZeRO-0, this device", runs["zero2"], runs["zero0"], 1e-5, steps)]
+    figures = check.work / "bench-dpo.json"
+    command = [sys.executable, str(ROOT / "bench" / "bench_dpo.py"), "--part", "trainer", "--pair-folder", str(pairs)]
+    command += ["--json", str(figures), *(DRY_DPO_BENCH if dry else DPO_BENCH)]
+    done = subprocess.run(command, env=check.env, capture_output=True, text=True)
+    (check.work / "logs" / "bench-dpo.log").write_text(" ".join(command) + "\n\n" + done.stdout + done.stderr)
+    if done.returncode != 0:
+        return rows + [check.verdict("DPO step / SFT step (Trainer)", False, f"exit {done.returncode}")]
+    wall = json.loads(figures.read_text())["wall"]
+    detail = (
+        f"DPO {wall['dpo_step_s'] * 1e3:.1f} ms / SFT {wall['sft_step_s'] * 1e3:.1f} ms a step "
+        f"(target <= 1.05); reference pass {wall['reference_pass_s']:.2f} s / epoch {wall['epoch_s']:.2f} s"
+    )
+    ratios = {key: round(wall[key], 3) for key in ("dpo_over_sft", "reference_over_epoch")}
+    return rows + [check.verdict("DPO step / SFT step, reference pass / epoch (Trainer)", True, detail, **ratios)]

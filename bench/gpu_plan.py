@@ -185,6 +185,13 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
             "`dstrain doctor`: every shipped strategy against ZeRO-0 on tiny, the kernels and the collectives",
         ),
         Part(
+            "preference_step",
+            lambda c: features.preference_step(c, steps, dry),
+            CHAT_PREPARE_S + (5 if dry else 4) * tiny,  # two runs, then the bench (its engines, reference passes)
+            VERDICT + ["dpo_over_sft", "reference_over_epoch"],
+            "Preference tuning (DPO): ZeRO-2 against ZeRO-0 on the device; the DPO step over the SFT step",
+        ),
+        Part(
             "long_context",
             lambda c: features.long_context(c, steps, dry),
             tiny if dry else run_s(dry, "llama-1b-32k", 131072, 1, features.LONG_CONTEXT_STEPS) * 2,  # x2: recompute

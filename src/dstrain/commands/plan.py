@@ -18,6 +18,7 @@ from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.plan.layouts import Planned, longest_fitting_sequence, plan, smallest_fitting_nodes
 from dstrain.plan.memory_parts import GIB
+from dstrain.plan.reference_memory import has_reference_pass, reference_seconds_per_token
 from dstrain.plan.time_model import DEVICES, Cluster, Device
 from dstrain.precision import Precision
 from dstrain.recipe_file import load_recipe_to_size
@@ -116,7 +117,23 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps([summary(p) for p in found], indent=2))
     else:
         print_plan(found, cluster, fitting, args.out)
+        if has_reference_pass(recipe):
+            print(reference_line(recipe, found[0], cluster))
     return 0
+
+
+def reference_line(recipe: Recipe, best: Planned, cluster: Cluster) -> str:
+    """The fastest layout's reference pass (dstrain.plan.reference_memory): its memory and its time beside an
+    epoch of training on the same pairs (forward FLOPs at the training precision's rate)."""
+    world, tokens = cluster.nodes * cluster.gpus_per_node, best.strategy.micro_batch * recipe.data.seq_len
+    per_token = reference_seconds_per_token(recipe, world, cluster.device.rate(best.strategy.precision, tokens))
+    train_per_token = best.prediction.step_s / (recipe.train.global_batch * recipe.data.seq_len)
+    est = best.estimate
+    return (
+        f"reference pass before step 1 (layout 1): {est.total('device', 'reference') / GIB:.1f} GiB per device "
+        f"(the engine's no-grad forwards), {per_token * 1e6:.3g} s per million tokens of pairs, forward only: "
+        f"{per_token / train_per_token:.2g} x an epoch of training on them"
+    )
 
 
 def fits_nowhere(recipe: Recipe, recipe_file: str, cluster: Cluster, precision: Precision) -> str:
@@ -143,6 +160,7 @@ def summary(p: Planned) -> dict:
         "micro_batch": p.strategy.micro_batch,
         "grad_accum": p.strategy.grad_accum,
         "memory_gib": (p.estimate.peak("device") + p.estimate.reserve) / GIB,
+        "reference_pass_gib": p.estimate.total("device", "reference") / GIB if p.estimate.reference_pass else None,
         "host_gib_per_node": p.estimate.peak("cpu") * p.estimate.gpus_per_node / GIB,
         "step_s": p.prediction.step_s,
         "tokens_per_s": p.tokens_per_s,

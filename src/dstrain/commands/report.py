@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dstrain.plan.memory_parts import GIB
+from dstrain.plan.memory_parts import GIB, PHASES
 from dstrain.precision import Precision
 
 if TYPE_CHECKING:
@@ -249,6 +249,13 @@ def print_estimate(est: Estimate, suggestion: Estimate | None) -> None:
         f"{verdict}: peak {gib(est.peak())} ({est.peak_phase}) + {gib(est.reserve)} reserve "
         f"against {gib(est.device_memory)} per device"
     )
+    if est.reference_pass:
+        console.print(
+            f"reference pass (before step 1, beside the built engine; dstrain.plan.reference_memory): "
+            f"{gib(est.total('device', 'reference'))} per device against training's "
+            f"{gib(max(est.total('device', phase) for phase in PHASES))}: init_from whole in fp32 on every rank "
+            f"and one no-grad forward of {est.micro_batch} samples"
+        )
     if est.peak("cpu"):
         console.print(f"CPU memory per node ({est.gpus_per_node} ranks): {gib(est.peak('cpu') * est.gpus_per_node)}")
     if est.peak("nvme"):
@@ -276,13 +283,16 @@ def memory_table(est: Estimate):
     from rich.table import Table
 
     table = Table(title="memory per rank", title_justify="left")
-    for name in ["group", "component", "where", "backward", "optimizer step", "formula"]:
-        table.add_column(name, justify="right" if name in ("backward", "optimizer step") else "left")
+    phases = {"backward": "backward", "step": "optimizer step", "reference": "reference pass"}
+    shown = [phases[phase] for phase in est.phases]
+    for name in ["group", "component", "where", *shown, "formula"]:
+        table.add_column(name, justify="right" if name in shown else "left")
     for part in est.parts:
-        if part.backward or part.step:
-            table.add_row(part.group, part.name, part.where, gib(part.backward), gib(part.step), part.formula)
+        sizes = [getattr(part, phase) for phase in est.phases]
+        if any(sizes):
+            table.add_row(part.group, part.name, part.where, *map(gib, sizes), part.formula)
     for where in ("device", "cpu", "nvme"):
         if est.peak(where):
-            backward, step = gib(est.total(where, "backward")), gib(est.total(where, "step"))
-            table.add_row(f"[bold]total {where}[/]", "", where, backward, step, "", end_section=where == "device")
+            totals = [gib(est.total(where, phase)) for phase in est.phases]
+            table.add_row(f"[bold]total {where}[/]", "", where, *totals, "", end_section=where == "device")
     return table

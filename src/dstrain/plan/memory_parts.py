@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from dstrain.precision import Precision
 
 GIB = 2**30
-PHASES = ("backward", "step")
+PHASES = ("backward", "step")  # of a training step; a preference recipe's estimate adds "reference" (before step 1)
 
 
 @dataclass
@@ -20,6 +20,7 @@ class Part:
     backward: int  # bytes per rank during the last backward of a step
     step: int  # bytes per rank during the optimizer step
     formula: str
+    reference: int = 0  # bytes per rank during a preference recipe's reference pass, before step 1 (reference_memory)
 
 
 @dataclass
@@ -46,16 +47,21 @@ class Estimate:
     ep_size: int = 1  # expert-parallel size: each rank holds 1/ep_size of every MoE layer's experts
     params_active: int | None = None  # MoE: parameters a token runs through (router and top_k experts per layer)
     sp_size: int = 1  # sequence-parallel degree
+    reference_pass: bool = False  # a preference recipe's reference pass before step 1 is a phase (Part.reference)
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return PHASES + (("reference",) if self.reference_pass else ())
 
     def total(self, where: str, phase: str, groups: tuple[str, ...] | None = None) -> int:
         return sum(getattr(p, phase) for p in self.parts if p.where == where and (groups is None or p.group in groups))
 
     def peak(self, where: str = "device") -> int:
-        return max(self.total(where, phase) for phase in PHASES)
+        return max(self.total(where, phase) for phase in self.phases)
 
     @property
     def peak_phase(self) -> str:
-        return max(PHASES, key=lambda phase: self.total("device", phase))
+        return max(self.phases, key=lambda phase: self.total("device", phase))
 
     def model_states(self, phase: str | None = None) -> int:
         """Parameters, gradients and optimizer states of one rank, wherever they live (peak over phases)."""
@@ -77,4 +83,7 @@ class Estimate:
             nvme_per_node=self.peak("nvme") * self.gpus_per_node,
             model_states=self.model_states(),
         )
+        if self.reference_pass:
+            data.update(reference_device=self.total("device", "reference"))
+            data.update(reference_cpu=self.total("cpu", "reference"))
         return data
