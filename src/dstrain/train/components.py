@@ -71,7 +71,8 @@ class Component:
         """Once, before the first step (after a resume)."""
 
     def on_phase(self, phase: str, step: int) -> None:
-        """The trainer begins ``phase`` ("step", "eval", "checkpoint", "rollback", "end") at optimizer step ``step``."""
+        """The trainer begins ``phase`` ("step", "eval", "checkpoint", "rollback", "end"; "reference": a micro-batch
+        of a preference recipe's reference pass) at optimizer step ``step``."""
 
     def on_mark(self, where: str) -> None:
         """A point inside a step: forward, backward, optimizer step, the step's all-reduce."""

@@ -26,7 +26,7 @@ from dstrain.errors import DstrainError
 from dstrain.train.components import Component, Progress
 from dstrain.train.forward import ModelForward
 from dstrain.train.handle import RunHandle
-from dstrain.train.preference import PairCounts
+from dstrain.train.preference import PairCounts, PairLogps
 from dstrain.train.preference_forward import PreferenceForward
 from dstrain.train.steps import TrainStep
 
@@ -147,9 +147,14 @@ def reference_pass(run: RunHandle, forward: PreferenceForward, key: str, parts: 
         ]  # fmt: skip
         ranks = [0] * run.world  # the data-parallel rank of each rank: one rank of each replica keeps its rows
         torch.distributed.all_gather_object(ranks, run.dp_rank)
+
+        def scored(batch: dict) -> PairLogps:
+            run.components.on_phase("reference", 0)  # each micro-batch a phase of its own: the hang watchdog's bound
+            return forward.policy_logps(batch)
+
         run.engine.eval()
         try:
-            return score_pairs(forward.policy_logps, sets, read_manifest(folder).documents // 2,
+            return score_pairs(scored, sets, read_manifest(folder).documents // 2,
                                run.strategy.micro_batch, run.dp_rank, run.strategy.dp_size, run.device, partial,
                                adds=ranks.index(run.dp_rank) == run.rank)  # fmt: skip
         finally:
