@@ -67,7 +67,10 @@ class PreferenceMetrics(Component):
     def __init__(self, run: RunHandle, forward: PreferenceForward, reference: tuple[str, dict] | None) -> None:
         """``reference``: the key of the reference's scores and what it was made of (None for simpo)."""
         self.run, self.forward, self.reference = run, forward, reference
-        self.reference_key = None if reference is None else reference[0]
+
+    @property
+    def reference_key(self) -> str | None:
+        return None if self.reference is None else self.reference[0]
 
     def on_train_start(self) -> None:
         if self.reference is not None:
