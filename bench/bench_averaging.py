@@ -32,7 +32,7 @@ def train(args: argparse.Namespace, run_dir: Path) -> list[dict]:
         *(f"train.averaging.last_n={args.last_n}", f"train.averaging.last_n_every={args.last_n_every}"),
         f"train.averaging.start_step={args.start_step}",
     ]
-    from dstrain.train.distributed import free_port
+    from dstrain.train.process.distributed import free_port
 
     env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     env["MASTER_PORT"] = str(free_port())

@@ -30,7 +30,7 @@ SHORTEN = {"tiny": ["model.vocab_size=4096", "data.seq_len=128"], "gpt2-125m": [
 def build(name: str):
     from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
-    from dstrain.train.engine import build_engine, build_model
+    from dstrain.train.engine.build import build_engine, build_model
 
     recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", [*SHORTEN[name], "train.global_batch=1"])
     config = ROOT / "ds_configs" / "zero1.json"
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     distributed.init()
     for name in args.recipes:

@@ -1,14 +1,16 @@
 """The preference step's cost, side by side in one run (CPU, fp32, a world of one), in two parts:
 
 - ``loss``: one forward + backward of the tiny model over the same packed micro-batch of pairs, with the SFT loss
-  (token_loss_sum over the learned tokens) and with the DPO loss (dstrain.train.preference: each completion's
+  (token_loss_sum over the learned tokens) and with the DPO loss (dstrain.train.objectives.preference.losses: each
+  completion's
   log-prob sum from the packed forward, against stored reference scores, so no second model); the ratio DPO ÷ SFT
   of the median of ``--repeats`` interleaved timings.
 - ``trainer``: dstrain's Trainer on a real pair folder (the stdlib pairs of dstrain.data.chat_corpus, prepared with
   role-lines.jinja) under recipes/dpo-tiny.yaml, its model a random tiny Llama saved as init_from: Trainer.fit's
   train_step with ``preference:`` (the preference step: its pair-count all-reduce, the log-prob sums, the loss)
   against the same recipe without it (the SFT step on the same samples, both completions learned), in alternating
-  blocks; and the DPO trainer's reference pass before step 1 (dstrain.train.preference_steps.reference_pass: the
+  blocks; and the DPO trainer's reference pass before step 1 (dstrain.train.objectives.preference.steps.reference_pass:
+  the
   engine's no-grad forwards, its kept scores deleted first so that it computes them) against one epoch of training
   on the same pairs (the train split's steps x the DPO step's median).
 
@@ -33,7 +35,7 @@ from dstrain.data.pair_packing import pair_sample
 from dstrain.model.config import GPTConfig
 from dstrain.model.gpt import GPT, token_loss_sum
 from dstrain.preference_config import PreferenceConfig
-from dstrain.train.preference import PairCounts, PairLogps, completion_logps, loss_share
+from dstrain.train.objectives.preference.losses import PairCounts, PairLogps, completion_logps, loss_share
 
 
 def packed_pairs(seq: int, batch: int, vocab: int, seed: int = 1) -> dict:

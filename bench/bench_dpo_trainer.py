@@ -46,7 +46,7 @@ def reference_folder(tmp: Path, pairs: Path, n_layer: int = 4, d_model: int = 12
     from dstrain.data.manifest import read_manifest
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT
-    from dstrain.model.hf import to_hf_model
+    from dstrain.model.hf.convert import to_hf_model
 
     vocab = -(-read_manifest(pairs).vocab_size // 64) * 64
     config = GPTConfig(flavour="llama", n_layer=n_layer, n_head=4, n_kv_head=2, d_model=d_model, vocab_size=vocab)
@@ -82,7 +82,7 @@ def trainer(recipe, strategy, run_dir: Path):
     """A Trainer as dstrain.train.run builds one (the reference pass, if any, runs here), with a list its train
     steps' (wall, CPU) seconds are appended to: on a shared machine the process's CPU time is what load moves least."""
     from dstrain.run_dir import RunDir
-    from dstrain.train.engine import build_engine, build_model
+    from dstrain.train.engine.build import build_engine, build_model
     from dstrain.train.loop import Trainer
     from dstrain.train.run import training_data
 
@@ -108,7 +108,7 @@ def trainer(recipe, strategy, run_dir: Path):
 def timed_block(recipe, strategy, run_dir: Path, reference: bool = False) -> tuple[Seconds, Seconds | None]:
     """The median (wall, CPU) seconds of Trainer.fit's train_step past the warm-up; with ``reference``, also those of
     its reference pass before step 1, with no kept scores (deleted first: it computes them and keeps them again)."""
-    from dstrain.train.preference_steps import PreferenceMetrics
+    from dstrain.train.objectives.preference.steps import PreferenceMetrics
 
     if reference:
         shutil.rmtree(Path(recipe.data.sources[0].path) / "reference_scores", ignore_errors=True)
@@ -156,7 +156,7 @@ def epoch_steps(recipe) -> float:
 def trainer_part(args) -> dict:
     """Prints the figures and returns them (bench_dpo.py --json writes them: the GPU check's preference part)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     distributed.init()
     with tempfile.TemporaryDirectory() as name:

@@ -19,7 +19,7 @@ import torch
 from dstrain.metrics import peak_tensor_bytes
 from dstrain.model.config import GPTConfig
 from dstrain.model.gpt import GPT, token_loss_sum
-from dstrain.train import tiling
+from dstrain.train.engine import tiling
 
 MIB = 2**20
 VOCAB = 151_936  # Qwen2.5's

@@ -65,8 +65,8 @@ def child(recipe_file: str, ds_file: str) -> dict:
     from dstrain.plan.memory_parts import PHASES
     from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
-    from dstrain.train import distributed
-    from dstrain.train.engine import build_engine, build_model
+    from dstrain.train.engine.build import build_engine, build_model
+    from dstrain.train.process import distributed
 
     distributed.init()
     baseline = rss_bytes()

@@ -57,8 +57,9 @@ def child(recipe_file: str, ds_file: str) -> dict:
     from dstrain.plan.memory import estimate
     from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
-    from dstrain.train import distributed, tiling
-    from dstrain.train.engine import build_engine, build_model
+    from dstrain.train.engine import tiling
+    from dstrain.train.engine.build import build_engine, build_model
+    from dstrain.train.process import distributed
 
     distributed.init()
     baseline = rss_bytes()

@@ -1,6 +1,6 @@
 """Training throughput (forward + backward tokens/s) of our GPT vs the equivalent Hugging Face model.
 
-For each flavour the HF model (GPT2LMHeadModel / LlamaForCausalLM) is built by dstrain.model.hf.to_hf
+For each flavour the HF model (GPT2LMHeadModel / LlamaForCausalLM) is built by dstrain.model.hf.convert.to_hf
 from our model, so dimensions and weights are identical; both run in train mode, in the same dtype,
 with PyTorch SDPA attention, the same loss (lm_loss), and HF's KV cache off (as in training). Steps
 alternate between the two models so that load from other processes hits both alike.
@@ -22,7 +22,7 @@ import transformers  # noqa: E402
 
 from dstrain.model.config import GPTConfig  # noqa: E402
 from dstrain.model.gpt import GPT, lm_loss  # noqa: E402
-from dstrain.model.hf import to_hf  # noqa: E402
+from dstrain.model.hf.convert import to_hf  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

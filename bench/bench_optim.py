@@ -33,7 +33,7 @@ def train(data: str, seed: int, overrides: list[str], steps: int, run_dir: Path)
         *(f"data.sources=[{{path: {data}}}]", f"seed={seed}", f"train.steps={steps}", "train.log_interval=1"),
         *("train.checkpoint_interval=0", "train.eval_interval=0", f"run_dir={run_dir}", *overrides),
     ]
-    from dstrain.train.distributed import free_port
+    from dstrain.train.process.distributed import free_port
 
     env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     env["MASTER_PORT"] = str(free_port())

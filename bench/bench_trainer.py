@@ -58,7 +58,7 @@ def trainer_rate(recipe, strategy, train_data, valid_data, run_dir: Path) -> tup
     share of a step spent in the loop outside train_step (the trainer's own bookkeeping), which background
     load on the shared model compute cannot blur."""
     from dstrain.run_dir import RunDir
-    from dstrain.train.engine import build_engine, build_model
+    from dstrain.train.engine.build import build_engine, build_model
     from dstrain.train.loop import Trainer
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -91,7 +91,7 @@ def minimal_rate(recipe, strategy, train_data) -> float:
     from dstrain.data.dataset import collate
     from dstrain.data.sampler import micro_batches
     from dstrain.model.gpt import lm_loss
-    from dstrain.train.engine import build_engine, build_model
+    from dstrain.train.engine.build import build_engine, build_model
 
     engine = build_engine(recipe, strategy, build_model(recipe, strategy))
     batches = micro_batches(0, recipe.train.global_batch, strategy.micro_batch, 0, 1)
@@ -133,7 +133,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from dstrain.data.dataset import build_dataset, build_valid_sets
     from dstrain.model.counts import flops_per_token
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     distributed.init()
     for name in args.recipes:

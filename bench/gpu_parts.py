@@ -183,7 +183,7 @@ def profile(check: Check, recipe: str, seq: int, micro: int, steps: int) -> list
 def fused_adam_build(check: Check) -> dict:
     """FusedAdam's JIT build with this machine's nvcc (the one thing compiled there): its time, or why not."""
     code = (
-        "from dstrain.train.engine import make_arch_list_readable_by_deepspeed as fix; fix(); "
+        "from dstrain.train.engine.build import make_arch_list_readable_by_deepspeed as fix; fix(); "
         "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()"
     )
     started = time.monotonic()

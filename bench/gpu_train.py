@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from dstrain.train.step_hooks import StepHooks
+from dstrain.train.step.step_hooks import StepHooks
 
 PROFILED_STEPS, TOP_KERNELS = 3, 15
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")  # as the profiler names them

@@ -24,7 +24,7 @@ def engine_for(run_dir, config_file):
     """A fresh engine for a finished run's recipe under ``config_file``, its newest checkpoint's weights loaded."""
     from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
-    from dstrain.train.engine import build_engine, build_model
+    from dstrain.train.engine.build import build_engine, build_model
 
     recipe = load_recipe(f"{run_dir}/recipe.yaml")
     strategy = resolve(

@@ -16,11 +16,11 @@ import time
 import traceback
 from multiprocessing import reduction
 
-from dstrain.train.distributed import free_port  # noqa: F401  (tests import it from here too)
+from dstrain.train.process.distributed import free_port  # noqa: F401  (tests import it from here too)
 
 # What every rank imports. Forking after them is what torch's DataLoader workers do; none reads an environment
 # variable at import that a test sets for its ranks.
-PRELOAD = ["torch", "torch._dynamo", "deepspeed", "dstrain.train.run", "dstrain.train.engine"]
+PRELOAD = ["torch", "torch._dynamo", "deepspeed", "dstrain.train.run", "dstrain.train.engine.build"]
 _context = None
 
 

@@ -93,7 +93,7 @@ def exported_model(folder: Path, flavour: str, seed: int = 0) -> Path:
 
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT
-    from dstrain.model.hf import to_hf_model
+    from dstrain.model.hf.convert import to_hf_model
 
     tok = tokenizer(bos=flavour == "llama")
     extra = {"n_kv_head": 2} if flavour == "llama" else {}

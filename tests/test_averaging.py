@@ -1,4 +1,5 @@
-"""Weight averaging (train.averaging, dstrain.train.averaging) on short 2-rank fp32 runs: the averages a checkpoint
+"""Weight averaging (train.averaging, dstrain.train.features.averaging) on short 2-rank fp32 runs: the averages a
+checkpoint
 holds equal what their formulas give on the weights read independently from the run's own checkpoints
 (dstrain.checkpoint.consolidate: DeepSpeed's files, zero_to_fp32 under ZeRO-3), under every layout that shards
 parameters differently; a resume mid-window continues them bit for bit; evaluating the average leaves training as

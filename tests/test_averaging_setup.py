@@ -15,7 +15,7 @@ from dstrain.plan.memory import estimate
 from dstrain.recipe_file import load_recipe
 from dstrain.strategy.resolve import load_ds_config, resolve
 from dstrain.strategy.topology import Topology
-from dstrain.train.averaging import FILE, WeightAverager, check_resume, ema_decay
+from dstrain.train.features.averaging import FILE, WeightAverager, check_resume, ema_decay
 
 from train_helpers import ROOT
 

@@ -1,4 +1,5 @@
-"""DeepSeek-V3's loss-free balancing (train/balancing.py) against a plain re-implementation of the paper's words
+"""DeepSeek-V3's loss-free balancing (train/features/balancing.py) against a plain re-implementation of the paper's
+words
 (section 2.1.2: "decrease the bias term by gamma if its corresponding expert is overloaded and increase it by gamma
 if its corresponding expert is underloaded"), with the load summed over micro-batches and ranks."""
 
@@ -25,8 +26,8 @@ def train_steps_with_balancing() -> tuple[list, list]:
 
     from dstrain.model.config import GPTConfig, MLAConfig, MoEConfig
     from dstrain.model.gpt import GPT
-    from dstrain.train.balancing import LossFreeBalancing
-    from dstrain.train.components import StepOutcome
+    from dstrain.train.features.balancing import LossFreeBalancing
+    from dstrain.train.step.components import StepOutcome
 
     deepspeed.init_distributed(dist_backend="gloo")
     moe = MoEConfig(num_experts=8, top_k=2, scoring="sigmoid", n_group=4, topk_group=2, bias_update_rate=RATE)
@@ -74,7 +75,7 @@ def test_the_fp32_bias_is_kept_in_the_client_state_and_written_back_into_the_buf
     them into its routers; a run that saved none starts from the buffers as loaded."""
     from dstrain.model.config import GPTConfig, MoEConfig
     from dstrain.model.gpt import GPT
-    from dstrain.train.balancing import LossFreeBalancing
+    from dstrain.train.features.balancing import LossFreeBalancing
 
     moe = MoEConfig(num_experts=4, top_k=2, scoring="sigmoid", bias_update_rate=RATE)
     config = GPTConfig(flavour="llama", vocab_size=64, n_layer=2, n_head=2, d_model=32, moe=moe)

@@ -1,11 +1,11 @@
-"""The trainer's components (dstrain.train.components): the loop's one protocol, called in the assembled order."""
+"""The trainer's components (dstrain.train.step.components): the loop's one protocol, called in the assembled order."""
 
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from dstrain.train.components import Component, Components, Progress, StepOutcome, Verdict
+from dstrain.train.step.components import Component, Components, Progress, StepOutcome, Verdict
 
 OUTCOME = StepOutcome(step=3, loss=2.5, grad_norm=1.0, stop_requested=False)
 
@@ -87,11 +87,11 @@ def test_a_stop_ends_the_step_and_every_component_sees_each_evaluation_and_check
 
 
 def test_a_feature_is_off_by_its_builder_returning_none():
-    from dstrain.train import features
+    from dstrain.train.features import builders as features
 
     recipe = SimpleNamespace(train=SimpleNamespace(early_stop=SimpleNamespace(patience=0), export_every=0))
     run = SimpleNamespace(recipe=recipe)
-    from dstrain.train import early_stop, hf_export
+    from dstrain.train.features import early_stop, hf_export
 
     assert early_stop.build(run) is None and hf_export.build(run) is None
     assert early_stop.build in features.BUILDERS and hf_export.build in features.BUILDERS

@@ -1,4 +1,4 @@
-"""The training console (train/console.py) and the run's picture (train/plot.py), in-process and cheap; the
+"""The training console (train/process/console.py) and the run's picture (train/plot.py), in-process and cheap; the
 end-to-end checks ride on tests/test_train.py's launcher runs."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from dstrain.run_dir import RunDir
-from dstrain.train import console
 from dstrain.train.plot import plot_run, try_plot_run
+from dstrain.train.process import console
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -55,7 +55,8 @@ def test_every_warning_a_run_prints_is_one_dstrain_line(tmp_path, capsys, monkey
     """A damaged checkpoint passed over at resume (said by rank 0 only), a disk short of keep_last+1 checkpoints, a
     stale op-build lock, a loss picture that cannot be drawn: one ``dstrain: warning:`` line each, on the console
     and in the rank's log; no path into dstrain's code, no source line, no Python warning category."""
-    from dstrain.train import engine, preflight, run_folder
+    from dstrain.train import preflight, run_folder
+    from dstrain.train.engine import build as engine
 
     checkpoints = tmp_path / "run" / "checkpoints"
     (checkpoints / "global_step2").mkdir(parents=True)  # published, but its record is gone

@@ -15,7 +15,7 @@ import transformers  # noqa: E402
 
 from dstrain.errors import DstrainError  # noqa: E402
 from dstrain.model.gpt import GPT  # noqa: E402
-from dstrain.model.hf import from_hf  # noqa: E402
+from dstrain.model.hf.convert import from_hf  # noqa: E402
 
 from family_fixtures import FAMILIES, SMALL, build_hf, hf_class_name  # noqa: E402
 
@@ -154,7 +154,7 @@ def test_shipped_continue_recipe_fits_one_node_under_its_ds_config(recipe_file):
     the published class) and `dstrain estimate` fits it on one node of 8 x 80 GiB without the weights at hand."""
     import re
 
-    from dstrain.model.families import CLASSES, check_exportable
+    from dstrain.model.hf.families import CLASSES, check_exportable
     from dstrain.plan.memory import estimate_file
     from dstrain.plan.memory_parts import GIB
     from dstrain.recipe_file import load_recipe
@@ -207,8 +207,8 @@ def yaml_without_model(source: Path, folder: Path, **changes) -> Path:
 
 def test_init_from_under_expert_parallelism_loads_each_ranks_experts():
     """Under EP2 build_model gives rank r the experts 2r, 2r+1 of each MoE layer, named 0, 1: load_init_from cuts the
-    published state dict to them (dstrain.model.hf_moe.local_experts)."""
-    from dstrain.model.hf_moe import expert_name, local_experts
+    published state dict to them (dstrain.model.hf.experts.local_experts)."""
+    from dstrain.model.hf.experts import expert_name, local_experts
 
     config, state = from_hf(build_hf("qwen3_moe"))
     for rank in (0, 1):

@@ -51,7 +51,7 @@ def train_with_full_disk_at(argv: list[str], step: int, rank: int, logs_too: boo
     """Rank target: train; on ``rank`` every checkpoint file of step ``step`` (and with ``logs_too`` from then on the
     rank's own log) meets a full disk."""
     from dstrain.checkpoint import integrity
-    from dstrain.train import console
+    from dstrain.train.process import console
     from dstrain.train.run import main
 
     here = int(os.environ["RANK"]) == rank

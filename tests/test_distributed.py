@@ -23,7 +23,7 @@ def deepspeed_init_then_all_reduce(ours: bool) -> tuple[str, float]:
     import deepspeed
     import torch
 
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     if ours:
         distributed.init()
@@ -36,7 +36,7 @@ def deepspeed_init_then_all_reduce(ours: bool) -> tuple[str, float]:
 
 @pytest.mark.deepspeed_defect(
     "DeepSpeed's CPU shm all-reduce never unlinks its /dev/shm buffer "
-    "(train/distributed.py::skip_deepspeed_shm_allreduce)"
+    "(train/process/distributed.py::skip_deepspeed_shm_allreduce)"
 )
 def test_deepspeed_shm_allreduce_still_leaks():
     """DeepSpeed 0.19.x leaves one ~69 MB buffer per rank in /dev/shm after every CPU run.

@@ -26,7 +26,7 @@ def run_with_defect(runs: list[dict], defective: str) -> dict:
     average_tensor patched to double every other bucket's gradients (a silent defect: nothing raises)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from dstrain.train.doctor_runs import run_one
+    from dstrain.train.doctor.runs import run_one
 
     codes = {}
     average = DeepSpeedZeroOptimizer.average_tensor

@@ -122,7 +122,8 @@ def test_dualpipev_with_the_chunked_loss_gives_the_zero1_losses_and_norms(runs):
 @pytest.mark.distributed
 def test_a_stage_without_a_no_decay_group_is_covered(runs):
     """The llama's rank 0 (embedding and head) saved one parameter group, rank 1 two: DeepSpeed's ZeRO-1 norm hangs on
-    that unpadded (train/grad_norm.py::pad_group_norms) and its universal conversion loses the second group unless
+    that unpadded (train/engine/grad_norm.py::pad_group_norms) and its universal conversion loses the second group
+    unless
     the stages' groups are joined (checkpoint/reshard.py::_groups_of_every_stage); the tests above pass through both."""
     from dstrain.checkpoint.ds_files import read_pt
 
@@ -134,7 +135,7 @@ def test_a_stage_without_a_no_decay_group_is_covered(runs):
 
 @pytest.mark.distributed
 def test_dualpipev_under_zero0_takes_the_global_norm(runs):
-    """ZeRO-0: dstrain's own pre-clip norm (train/grad_norm.py) over both of each rank's stages."""
+    """ZeRO-0: dstrain's own pre-clip norm (train/engine/grad_norm.py) over both of each rank's stages."""
     np.testing.assert_allclose(norms(runs["gpt2_zero0"]), norms(runs["gpt2_zero1"]), rtol=LOSS_RTOL)
     np.testing.assert_allclose(train_losses(runs["gpt2_zero0"]), train_losses(runs["gpt2_zero1"]), rtol=LOSS_RTOL)
 

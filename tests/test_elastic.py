@@ -1,4 +1,5 @@
-"""dstrain.train.elastic: what slurm/train.sbatch does after a failed step, decided without Slurm (tests/test_slurm.py
+"""dstrain.train.process.elastic: what slurm/train.sbatch does after a failed step, decided without Slurm
+(tests/test_slurm.py
 runs the same decisions on the emulated cluster)."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ import json
 import pytest
 
 from dstrain.errors import DstrainError
-from dstrain.train import elastic
-from dstrain.train.elastic import ElasticConfig, decide, start
+from dstrain.train.process import elastic
+from dstrain.train.process.elastic import ElasticConfig, decide, start
 
 
 def accumulation(world: int) -> int:
@@ -107,8 +108,8 @@ def test_the_relaunch_is_an_event_at_its_first_step_with_what_it_cost(tmp_path):
     from types import SimpleNamespace
 
     from dstrain.monitors.records import describe
-    from dstrain.train.components import StepOutcome, Verdict
-    from dstrain.train.restart_event import RestartEvent
+    from dstrain.train.features.restart_event import RestartEvent
+    from dstrain.train.step.components import StepOutcome, Verdict
 
     (tmp_path / "elastic").mkdir()
     pending = {"event": "shrink", "fault_step": 14, "fault_time": time.time() - 30.0, "detail": "lost n2 (unreachable)"}

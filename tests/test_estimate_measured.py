@@ -127,8 +127,8 @@ def held_bytes(recipe_file: str, configs: list[str]) -> list[dict]:
     import torch
 
     from dstrain.model.gpt import lm_loss
-    from dstrain.train import distributed
-    from dstrain.train.engine import build_engine, build_model
+    from dstrain.train.engine.build import build_engine, build_model
+    from dstrain.train.process import distributed
 
     distributed.init()
     recipe = load_recipe(recipe_file)
@@ -197,12 +197,12 @@ def saved_tensor_bytes(
 ) -> int:
     """Bytes of the distinct tensors autograd saves for backward in one forward (parameters excluded), with the
     blocks run through DeepSpeed's activation checkpointing as the trainer applies it, or plainly; ``tiles``: the
-    loss and MLP tiles of dstrain.train.tiling."""
+    loss and MLP tiles of dstrain.train.engine.tiling."""
     import deepspeed
     import torch
 
     from dstrain.model.gpt import GPT, lm_loss
-    from dstrain.train import tiling
+    from dstrain.train.engine import tiling
 
     torch.manual_seed(0)
     model = GPT(config).to(dtype).train()

@@ -79,7 +79,7 @@ def test_reference_forward_term_bounds_the_live_tensors_of_a_no_grad_forward(d_m
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT
     from dstrain.plan.reference_memory import forward_bytes
-    from dstrain.train.preference import completion_logps
+    from dstrain.train.objectives.preference.losses import completion_logps
 
     config = GPTConfig(flavour="llama", vocab_size=vocab, max_seq_len=256, n_layer=2, n_head=4, n_kv_head=2,
                        d_model=d_model, d_ff=d_ff, doc_masking=True)  # fmt: skip

@@ -214,7 +214,7 @@ def test_init_from_another_architecture_is_one_line(runs, tmp_path, corpus):
     from dstrain.errors import DstrainError
     from dstrain.model.gpt import GPT
     from dstrain.recipe_file import load_recipe
-    from dstrain.train.engine import load_init_from
+    from dstrain.train.engine.build import load_init_from
 
     path = recipe_for(tmp_path, corpus, "llama", init_from=str(runs["llama", "zero0"][1]), model={"n_layer": 3})
     recipe = load_recipe(path)

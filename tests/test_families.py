@@ -16,7 +16,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from dstrain.model.gpt import GPT  # noqa: E402
-from dstrain.model.hf import from_hf, to_hf  # noqa: E402
+from dstrain.model.hf.convert import from_hf, to_hf  # noqa: E402
 
 from family_fixtures import (  # noqa: E402
     ATOL,

@@ -16,7 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from dstrain.errors import DstrainError  # noqa: E402
 from dstrain.model.gpt import GPT  # noqa: E402
-from dstrain.model.hf import from_hf, to_hf  # noqa: E402
+from dstrain.model.hf.convert import from_hf, to_hf  # noqa: E402
 from dstrain.model.rope import inverse_frequencies  # noqa: E402
 
 from family_fixtures import (  # noqa: E402
@@ -84,7 +84,7 @@ def test_llama4_moe_beyond_top_1_is_refused_on_every_path_that_reads_a_model(tmp
     the same config top-1 reads."""
     from dstrain.checkpoint.consolidate import load_model_source
     from dstrain.commands.cli import main as cli
-    from dstrain.model.hf import architecture_from_hf
+    from dstrain.model.hf.convert import architecture_from_hf
 
     config_class, features = FAMILIES["llama4_moe"]
     torch.manual_seed(0)
@@ -120,7 +120,7 @@ def test_a_feature_dstrain_does_not_compute_is_refused_on_every_path_that_reads_
     imported, continued (init_from), evaluated or sampled from."""
     from dstrain.checkpoint.consolidate import load_model_source
     from dstrain.commands.cli import main as cli
-    from dstrain.model.hf import architecture_from_hf
+    from dstrain.model.hf.convert import architecture_from_hf
 
     hf_config = transformers.LlamaConfig(**(SMALL | dict(mlp_bias=True)))
     torch.manual_seed(0)
@@ -133,7 +133,7 @@ def test_a_feature_dstrain_does_not_compute_is_refused_on_every_path_that_reads_
     assert cli(["generate", str(tmp_path), "--prompt", "a"]) == 2
     assert cli(["eval", str(tmp_path)]) == 2
     assert capsys.readouterr().err.count("mlp_bias=True is not supported") == 2
-    from dstrain.model.family_configs import check_round_trip
+    from dstrain.model.hf.family_configs import check_round_trip
 
     mistral = transformers.MistralConfig(**(SMALL | dict(sliding_window=16)))  # no layer_types: its window compared
     with pytest.raises(DstrainError, match="sliding_window=16 is not supported; dstrain computes this family with"):
@@ -164,7 +164,7 @@ def test_deepseek_parameter_counts_equal_the_published_sizes():
     106B (12B active)."""
     from dstrain.model.config import GPTConfig
     from dstrain.model.counts import num_params
-    from dstrain.model.family_configs import hf_config
+    from dstrain.model.hf.family_configs import hf_config
     from dstrain.recipe_file import load_recipe
 
     lite = load_recipe(os.path.join(os.path.dirname(__file__), "..", "recipes", "continue-deepseek-v2-lite.yaml"))
@@ -191,7 +191,7 @@ def test_deepseek_parameter_counts_equal_the_published_sizes():
     ],
 )
 def test_deepseek_features_dstrain_does_not_compute_are_refused_by_name(family, change, named):
-    from dstrain.model.family_configs import config_from_hf
+    from dstrain.model.hf.family_configs import config_from_hf
 
     config_class, features = FAMILIES[family]
     with pytest.raises(DstrainError, match=f"x: {named} is not supported"):

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from dstrain.config import EarlyStopConfig
-from dstrain.train.components import Progress, Verdict
-from dstrain.train.early_stop import EarlyStop
+from dstrain.train.features.early_stop import EarlyStop
+from dstrain.train.step.components import Progress, Verdict
 
 from ranks import run_ranks
 from train_helpers import read_events, small_recipe, train, train_argv

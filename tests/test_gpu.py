@@ -27,7 +27,7 @@ def test_fused_adam_matches_torch_adamw():
     torch's AdamW (fp32)."""
     from deepspeed.ops.adam import FusedAdam
 
-    from dstrain.train.engine import make_arch_list_readable_by_deepspeed
+    from dstrain.train.engine.build import make_arch_list_readable_by_deepspeed
 
     make_arch_list_readable_by_deepspeed()  # the H100 image sets TORCH_CUDA_ARCH_LIST=9.0a (seen 2026-11-26)
 

@@ -122,7 +122,7 @@ def test_deepspeed_cannot_read_arch_suffixes(monkeypatch):
 def test_the_arch_list_is_made_readable(monkeypatch):
     from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 
-    from dstrain.train.engine import make_arch_list_readable_by_deepspeed
+    from dstrain.train.engine.build import make_arch_list_readable_by_deepspeed
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a 10.0f+PTX")
     make_arch_list_readable_by_deepspeed()

@@ -1,4 +1,4 @@
-"""grad_norm where DeepSpeed keeps none (ZeRO-0 fp32), and the DeepSpeed defects that train/grad_norm.py works
+"""grad_norm where DeepSpeed keeps none (ZeRO-0 fp32), and the DeepSpeed defects that train/engine/grad_norm.py works
 around (issue 12 item 9). The same norm under ZeRO 0-3, pipeline and TP: tests/test_train.py and
 tests/test_parallel.py compare the logged grad_norm of their runs."""
 
@@ -19,7 +19,8 @@ def probe_engines() -> dict:
 
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT, lm_loss
-    from dstrain.train import distributed, grad_norm
+    from dstrain.train.engine import grad_norm
+    from dstrain.train.process import distributed
 
     distributed.init()
     config = GPTConfig(flavour="llama", vocab_size=64, max_seq_len=8, n_layer=1, n_head=2, d_model=16)
@@ -62,8 +63,8 @@ def probe_pipeline_grid() -> dict:
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid
     from deepspeed.runtime.utils import clip_grad_norm_
 
-    from dstrain.train import distributed
-    from dstrain.train.grad_norm import global_grad_norm
+    from dstrain.train.engine.grad_norm import global_grad_norm
+    from dstrain.train.process import distributed
 
     distributed.init()
     grid = PipelineParallelGrid(topology=PipeDataParallelTopology(num_pp=2, num_dp=1))
@@ -84,8 +85,8 @@ def probe_pipeline_zero1_groups() -> dict:
     from deepspeed.pipe import PipelineModule
 
     from dstrain.model.gpt import param_groups
-    from dstrain.train import distributed
-    from dstrain.train.grad_norm import pad_group_norms
+    from dstrain.train.engine.grad_norm import pad_group_norms
+    from dstrain.train.process import distributed
 
     distributed.init()
     torch.manual_seed(0)
@@ -119,7 +120,7 @@ def test_fp32_vector_norm_drifts_on_cpu_and_ours_is_taken_in_fp64():
     """torch's CPU vector_norm sums fp32 in one running accumulator: on 2^19 elements (a 4096 x 128 lm_head) it is
     ~4e-6 off, which made ZeRO-0's norm differ from ZeRO-1/2/3's (fp64, DeepSpeed's get_norm_dtype) by 1e-5 on the
     tiny recipe. Ours is exact to fp32 rounding; the first assertion notices a torch that sums better."""
-    from dstrain.train.grad_norm import global_grad_norm
+    from dstrain.train.engine.grad_norm import global_grad_norm
 
     grad = torch.randn(2**19, generator=torch.Generator().manual_seed(0))
     exact = grad.double().norm().item()
@@ -136,19 +137,21 @@ def probes():
     return run_ranks(2, run_probes)
 
 
-@pytest.mark.deepspeed_defect("ZeRO-0 fp32 keeps no grad norm (train/grad_norm.py::install computes it)")
+@pytest.mark.deepspeed_defect("ZeRO-0 fp32 keeps no grad norm (train/engine/grad_norm.py::install computes it)")
 @pytest.mark.distributed
 def test_deepspeed_keeps_no_grad_norm_without_zero(probes):
     assert [rank["engines"]["deepspeed"] for rank in probes] == [None, None]
 
 
-@pytest.mark.deepspeed_defect("pipeline ZeRO-0 clips by the first stage's norm (train/grad_norm.py::install)")
+@pytest.mark.deepspeed_defect("pipeline ZeRO-0 clips by the first stage's norm (train/engine/grad_norm.py::install)")
 @pytest.mark.distributed
 def test_deepspeed_pipeline_zero0_clips_by_the_first_stage_only(probes):
     assert [rank["grid"]["deepspeed"] for rank in probes] == pytest.approx([3.0, 3.0], rel=1e-6)
 
 
-@pytest.mark.deepspeed_defect("a ZeRO-1 pipeline stage loses its empty group (train/grad_norm.py::pad_group_norms)")
+@pytest.mark.deepspeed_defect(
+    "a ZeRO-1 pipeline stage loses its empty group (train/engine/grad_norm.py::pad_group_norms)"
+)
 @pytest.mark.distributed
 def test_deepspeed_pipeline_zero1_drops_a_stages_empty_group(probes):
     """Unpadded, stage 0 makes one norm all-reduce for stage 1's two and the step hangs (the planner's DualPipeV

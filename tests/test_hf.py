@@ -1,4 +1,4 @@
-"""dstrain.model.hf: our GPT and the Hugging Face model built by to_hf compute the same function."""
+"""dstrain.model.hf.convert: our GPT and the Hugging Face model built by to_hf compute the same function."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import transformers  # noqa: E402
 from dstrain.errors import DstrainError  # noqa: E402
 from dstrain.model.config import GPTConfig  # noqa: E402
 from dstrain.model.gpt import GPT  # noqa: E402
-from dstrain.model.hf import from_hf, to_hf  # noqa: E402
+from dstrain.model.hf.convert import from_hf, to_hf  # noqa: E402
 
 VOCAB = 101
 ATOL = 1e-4

@@ -1,5 +1,5 @@
 """Activation checkpoints held in host memory (ds_config ``activation_checkpointing.cpu_checkpointing``,
-dstrain.train.host_checkpoints) on CPU ranks (gloo, fp32): bit-equal losses and pre-clip gradient norms with and
+dstrain.train.engine.host_checkpoints) on CPU ranks (gloo, fp32): bit-equal losses and pre-clip gradient norms with and
 without it, under ZeRO-1 and under Ulysses SP2 with ZeRO-3; and the DeepSpeed defect it works around."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def deepspeed_checkpoint_in_cpu() -> str:
     import deepspeed
     import torch
 
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     distributed.init()
     deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=True)
@@ -70,5 +70,5 @@ def deepspeed_checkpoint_in_cpu() -> str:
 @pytest.mark.deepspeed_defect("cpu_checkpointing empties a host-resident input before keeping it")
 def test_deepspeed_cpu_checkpointing_loses_host_resident_inputs():
     """DeepSpeed 0.19.8 keeps the emptied argument as the saved copy when the copy to the host is the argument
-    itself; when this fails, remove dstrain.train.host_checkpoints._cpu_activations_for_backward."""
+    itself; when this fails, remove dstrain.train.engine.host_checkpoints._cpu_activations_for_backward."""
     assert "at least 1D" in run_ranks(1, deepspeed_checkpoint_in_cpu)[0]

@@ -235,7 +235,7 @@ def test_every_stop_checkpoints_and_resumes_exactly(stops, request, launcher, ta
 
 @pytest.mark.deepspeed_defect(
     "deepspeed/launcher/runner.py forwards SIGTERM only for multi-node PDSH; "
-    "workaround: dstrain.train.stop.LauncherWatch"
+    "workaround: dstrain.train.process.stop.LauncherWatch"
 )
 def test_deepspeed_runner_still_forwards_no_signal(tmp_path):
     """SIGTERM to the `deepspeed` command on one node: it exits and its child training process trains on."""
@@ -274,7 +274,7 @@ EXIT_PATHS = {
 RANK_SCRIPT = """
 import atexit, sys, torch
 atexit.register(lambda: print("initialized at exit:", torch.distributed.is_initialized(), flush=True))  # runs last
-from dstrain.train import distributed
+from dstrain.train.process import distributed
 distributed.init()
 distributed.all_ok(True)
 {exit}
@@ -312,6 +312,6 @@ def test_the_process_group_is_torn_down_on_every_exit_path(code):
 
 def test_a_plain_run_watches_no_parent():
     """`nohup python -m dstrain.train ... &` must outlive the shell that started it: only launchers are watched."""
-    from dstrain.train.stop import launcher_chain
+    from dstrain.train.process.stop import launcher_chain
 
     assert launcher_chain() == []  # pytest's parent is a shell or CI runner, not a launcher

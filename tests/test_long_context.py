@@ -157,7 +157,7 @@ def test_init_from_accepts_a_longer_context_for_a_rope_model_only():
     """Continued pretraining past the published context raises model.max_seq_len: no position table changes size
     under RoPE, so init_from's architecture check takes a longer one (a shorter one, or gpt2's table, it refuses)."""
     from dstrain.model.config import GPTConfig
-    from dstrain.model.hf import architecture_diff
+    from dstrain.model.hf.convert import architecture_diff
 
     published = GPTConfig(flavour="llama", max_seq_len=131072, n_layer=2, n_head=4, d_model=64)
     assert architecture_diff(dataclasses.replace(published, max_seq_len=1048576), published) == []

@@ -138,7 +138,8 @@ def tied_head_steps(stage: int, tiles: int) -> list[tuple[float, float]]:
 
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT, lm_loss
-    from dstrain.train import distributed, tiling
+    from dstrain.train.engine import tiling
+    from dstrain.train.process import distributed
 
     distributed.init()
     config = GPTConfig(flavour="gpt2", vocab_size=128, max_seq_len=16, n_layer=1, n_head=2, d_model=32)

@@ -149,7 +149,7 @@ def test_signal_checkpoints_and_resume_continues_exactly(runs):
 def test_expert_parallel_checkpoint_exports_to_mixtral_with_our_logits(runs):
     from dstrain.checkpoint.consolidate import consolidated_state_dict, load_run
     from dstrain.model.gpt import GPT
-    from dstrain.model.hf import to_hf_model
+    from dstrain.model.hf.convert import to_hf_model
     from dstrain.recipe_file import load_recipe
 
     recipe = load_recipe(runs["ep2_zero1"] / "recipe.yaml")

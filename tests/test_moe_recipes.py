@@ -55,8 +55,8 @@ def test_model_is_the_published_config_json():
     import transformers
 
     from dstrain.model.counts import num_params
-    from dstrain.model.family_configs import config_from_hf, hf_config
-    from dstrain.model.hf import architecture_diff
+    from dstrain.model.hf.convert import architecture_diff
+    from dstrain.model.hf.family_configs import config_from_hf, hf_config
 
     recipe = load_recipe(RECIPE)
     theirs = config_from_hf(transformers.Qwen3MoeConfig(**PUBLISHED), "qwen3_moe", "config.json")

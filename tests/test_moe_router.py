@@ -90,7 +90,7 @@ def test_recompute_keeps_the_router_losses_their_gradient_and_counts_each_token_
     import deepspeed
 
     from dstrain.model.gpt import lm_loss
-    from dstrain.train.moe_metrics import MoEMeter
+    from dstrain.train.features.moe_metrics import MoEMeter
 
     config = dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, aux_loss_coef=0.5, z_loss_coef=0.1))
     tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -143,7 +143,7 @@ def test_experts_have_the_same_weights_under_every_expert_parallel_layout():
 def test_mixtral_export_gives_our_logits_and_imports_back_identical(tmp_path):
     import transformers
 
-    from dstrain.model.hf import architecture_diff, config_from_hf, from_hf, to_hf_model
+    from dstrain.model.hf.convert import architecture_diff, config_from_hf, from_hf, to_hf_model
 
     torch.manual_seed(1)
     model = GPT(CONFIG).eval()
@@ -165,7 +165,7 @@ def test_mixtral_export_gives_our_logits_and_imports_back_identical(tmp_path):
 
 
 def test_only_every_layer_llama_moe_exports():
-    from dstrain.model.hf import to_hf
+    from dstrain.model.hf.convert import to_hf
 
     config = dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, every=2))
     with pytest.raises(DstrainError, match="MixtralForCausalLM needs model.moe.every 1"):

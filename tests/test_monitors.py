@@ -250,7 +250,7 @@ def poisoned_then_stopped(argv: list[str], stop_after: int) -> int:
     """Rank target: train with samples POISON's loss x 10 (a spike at step 7), rank 0 asking to stop after step
     ``stop_after``."""
     from dstrain.train.run import main
-    from dstrain.train.step_hooks import StepHooks
+    from dstrain.train.step.step_hooks import StepHooks
 
     class Hooks(StepHooks):
         def train_batch(self, samples, batch):

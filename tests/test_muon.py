@@ -275,7 +275,8 @@ def test_muon_gives_the_same_losses_and_grad_norms_under_every_accepted_layout(m
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["zero1_bf16", "zero3_bf16"])
 def test_bf16_muon_clips_the_raw_gradient_too(muon_runs, layout):
-    """ZeRO-1 bf16 (DeepSpeed's BF16_Optimizer) and ZeRO-3 bf16 (fp32 gradient partitions, train/muon_zero.py) against
+    """ZeRO-1 bf16 (DeepSpeed's BF16_Optimizer) and ZeRO-3 bf16 (fp32 gradient partitions, train/engine/muon_zero.py)
+    against
     ZeRO-0 fp32: the same losses and pre-clip norms to bf16's rounding (measured 7.3e-5 and 1.6e-3, 7.1e-5 and
     1.8e-3), where a norm of the orthogonalised update would be more than twice as large
     (test_muon_zero.py::test_deepspeed_zero_clips_the_orthogonalised_update)."""

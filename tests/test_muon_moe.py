@@ -9,7 +9,8 @@ AutoEP's fused expert tensors (deepspeed/moe/ep_experts.py). dstrain's MoE layer
 optimizer``, keeping ``use_muon``; the groups are renamed "ep_size_N"), and Muon runs on each expert matrix alone: at
 ZeRO-0 in ``MuonWithAuxAdam.step`` on the whole parameter, at ZeRO-1/2 in ``get_flat_partition`` on each whole
 gradient (all-reduced over the expert-data-parallel group, ``muon_copy_ranks``), run in ``step`` once
-train/muon_zero.py has clipped it. The probe below holds every expert's first update to a plain Newton-Schulz on that
+train/engine/muon_zero.py has clipped it. The probe below holds every expert's first update to a plain Newton-Schulz on
+that
 expert's own gradient; the training runs hold EP1, EP2, ZeRO-0/1/2 and accumulation 1 and 2 to the same losses,
 pre-clip norms and weights."""
 
@@ -116,7 +117,7 @@ def probe_engine(folder, base: str, changes: dict):
     """dstrain's engine for the probe recipe under ``base`` + ``changes``, on this process group."""
     from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
-    from dstrain.train.engine import build_engine, build_model
+    from dstrain.train.engine.build import build_engine, build_model
 
     config = json.loads((ROOT / "ds_configs" / f"{base}.json").read_text()) | changes
     path = folder / f"{base}-{torch.distributed.get_rank()}-{'-'.join(changes)}.json"
@@ -156,7 +157,7 @@ def expert_steps(folder, base: str, changes: dict, grads: dict[str, torch.Tensor
     """One Muon step under ``base`` + ``changes``; per expert matrix on this rank, how far its step is from
     ``lr * first_muon_update(its gradient)`` (after weight decay) and from Newton-Schulz on the stack of its layer's
     experts, relative to the step's largest entry; and each optimizer group's (name, weight decay, decays)."""
-    from dstrain.train.engine import decays
+    from dstrain.train.engine.build import decays
 
     engine, recipe = probe_engine(folder, base, changes)
     before = {name: param.detach().clone() for name, param in expert_weights(engine).items()}
@@ -186,7 +187,7 @@ def expert_steps(folder, base: str, changes: dict, grads: dict[str, torch.Tensor
 def probe_expert_updates(folder, layouts: dict) -> dict:
     """Rank target (2 ranks): each routed expert's gradient of one micro-batch per rank under ZeRO-0 EP1 (the
     data-parallel mean), then ``expert_steps`` of the same model and micro-batches under each layout."""
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     distributed.init()
     with torch.compiler.set_stance("force_eager"):  # as dstrain runs Muon on a CPU (engine.run_muon_eagerly_on_cpu)

@@ -1,5 +1,6 @@
 """Muon under DeepSpeed's ZeRO optimizers: the upstream behaviour (ZeRO-1/2/3 clip the orthogonalised update and
-report its norm) and dstrain's workaround (train/muon_zero.py: clip the raw gradient, then orthogonalise), one Muon step
+report its norm) and dstrain's workaround (train/engine/muon_zero.py: clip the raw gradient, then orthogonalise), one
+Muon step
 of a tiny GPT on one rank against ZeRO-0. The training-level proof (losses and grad norms over 10 steps on 2 ranks)
 is tests/test_muon.py."""
 
@@ -17,7 +18,8 @@ def probe_zero_clipping(stage: int, clip: float, workaround: bool = False) -> di
 
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT, lm_loss, param_groups
-    from dstrain.train import distributed, grad_norm, muon_zero
+    from dstrain.train.engine import grad_norm, muon_zero
+    from dstrain.train.process import distributed
 
     distributed.init()
     torch.manual_seed(0)
@@ -61,7 +63,9 @@ def clipping_probes():
 
 
 @pytest.mark.distributed
-@pytest.mark.deepspeed_defect("ZeRO-1/2/3 clip Muon's orthogonalised update (train/muon_zero.py works around it)")
+@pytest.mark.deepspeed_defect(
+    "ZeRO-1/2/3 clip Muon's orthogonalised update (train/engine/muon_zero.py works around it)"
+)
 def test_deepspeed_zero_clips_the_orthogonalised_update(clipping_probes):
     """Without clipping ZeRO-1 and 3 take ZeRO-0's Muon step; with it, another one, and they report another norm: the
     norm of the orthogonalised update (about sqrt(rank) per matrix), not the raw gradient's."""
@@ -77,7 +81,7 @@ def test_deepspeed_zero_clips_the_orthogonalised_update(clipping_probes):
 
 @pytest.mark.distributed
 def test_muon_zero_clips_the_raw_gradient_before_deepspeeds_muon(clipping_probes):
-    """The same probes with train/muon_zero.py installed: ZeRO-1 and 3 report the raw gradient's norm and take
+    """The same probes with train/engine/muon_zero.py installed: ZeRO-1 and 3 report the raw gradient's norm and take
     ZeRO-0's clipped step (the update is about 1e-4 per element: 1e-6 is 1% of it)."""
     probes = clipping_probes[True]
     matrix = {key: torch.tensor(probe["matrix"]) for key, probe in probes.items()}

@@ -175,8 +175,8 @@ def test_packed_pairs_give_each_completions_log_prob_sum_alone(tmp_path):
     from dstrain.data.dataset import build_dataset, collate
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT
-    from dstrain.model.hf import to_hf_model
-    from dstrain.train.preference import completion_logps
+    from dstrain.model.hf.convert import to_hf_model
+    from dstrain.train.objectives.preference.losses import completion_logps
 
     rows = conversational_rows(implicit=False) * 3 + text_rows(implicit=True) * 3
     out, docs, masks = prepared_pairs(tmp_path, rows)
@@ -231,9 +231,14 @@ def test_reference_scores_are_each_side_alone_kept_reused_and_checked(tmp_path):
     import torch
 
     from dstrain.model.gpt import GPT
-    from dstrain.model.hf import to_hf_model
-    from dstrain.train.preference import completion_logps
-    from dstrain.train.reference_scores import reference_scores, score_pairs, scores_key, weights_hash
+    from dstrain.model.hf.convert import to_hf_model
+    from dstrain.train.objectives.preference.losses import completion_logps
+    from dstrain.train.objectives.preference.reference_scores import (
+        reference_scores,
+        score_pairs,
+        scores_key,
+        weights_hash,
+    )
 
     rows = conversational_rows(implicit=True) * 2 + text_rows(implicit=False) * 2
     out, docs, masks = prepared_pairs(tmp_path, rows)
@@ -277,8 +282,8 @@ def test_an_interrupted_reference_pass_goes_on_where_it_stopped_to_the_same_scor
     scores are the uninterrupted pass's bit for bit; the partial files are gone once the scores are kept."""
     import torch
 
-    from dstrain.train.preference import completion_logps
-    from dstrain.train.reference_scores import reference_scores, score_pairs
+    from dstrain.train.objectives.preference.losses import completion_logps
+    from dstrain.train.objectives.preference.reference_scores import reference_scores, score_pairs
 
     rows = conversational_rows(implicit=True) * 3 + text_rows(implicit=False) * 3
     out, _, _ = prepared_pairs(tmp_path, rows)
@@ -335,7 +340,7 @@ def test_eval_of_a_pair_folder_gives_the_loss_and_reward_accuracy_of_each_side_a
     from dstrain.data.index import split_documents
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT
-    from dstrain.model.hf import to_hf_model
+    from dstrain.model.hf.convert import to_hf_model
 
     rows = conversational_rows(implicit=False) * 3 + text_rows(implicit=True) * 3
     out, docs, masks = prepared_pairs(tmp_path, rows)

@@ -116,7 +116,7 @@ def runs(tmp_path_factory, corpus):
         ("train", [train_argv(qwen3, CONFIGS["pp2_zero1"], d["qwen3_pp2"])]),
         ("train", [train_argv(qwen3, CONFIGS["tp2_zero1"], d["qwen3_tp2"])]),
         # the chunked loss: on the last stage, beside AutoTP, and with the head tied (ZeRO-2 and 3 reduce its
-        # gradient once, after the embedding's share: dstrain.train.tiling)
+        # gradient once, after the embedding's share: dstrain.train.engine.tiling)
         ("train", [train_argv(recipe, chunked["pp2_zero1"], d["pp2_chunked"])]),
         ("train", [train_argv(recipe, chunked["tp2_zero1"], d["tp2_chunked"])]),
         ("train", [train_argv(gpt2, gpt2_pipe_chunked, d["gpt2_pp2_chunked"])]),
@@ -299,7 +299,7 @@ def test_tensor_parallel_checkpoint_consolidates_to_the_plain_model(runs, run):
 
 
 @pytest.mark.deepspeed_defect(
-    "deepspeed.utils.groups.mpu outlives its engine (train/engine.py::build_engine resets it)"
+    "deepspeed.utils.groups.mpu outlives its engine (train/engine/build.py::build_engine resets it)"
 )
 def test_deepspeed_leaks_the_pipeline_grid(runs):
     """DeepSpeed 0.19.8 keeps a finished pipeline engine's grid in deepspeed.utils.groups.mpu; the next engine
@@ -309,7 +309,7 @@ def test_deepspeed_leaks_the_pipeline_grid(runs):
 
 
 @pytest.mark.deepspeed_defect(
-    "PipelineEngine.eval_batch(reduce_output=None) breaks the monitor (train/engine.py::monitor_paused)"
+    "PipelineEngine.eval_batch(reduce_output=None) breaks the monitor (train/engine/build.py::monitor_paused)"
 )
 def test_deepspeed_pipeline_eval_monitor_defect(runs):
     """PipelineEngine.eval_batch(reduce_output=None) feeds its monitor/broadcast a list when a monitor is on;

@@ -26,7 +26,7 @@ def accumulation_errors(configs: list[str], world: int) -> dict:
 
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT, lm_loss
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     distributed.init()
     rank = torch.distributed.get_rank()

@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from dstrain.preference_config import PreferenceConfig
-from dstrain.train.preference import METRICS, PairCounts, PairLogps, loss_share, metric_sums, metrics_of, pair_losses
+from dstrain.train.objectives.preference.losses import (
+    METRICS,
+    PairCounts,
+    PairLogps,
+    loss_share,
+    metric_sums,
+    metrics_of,
+    pair_losses,
+)
 
 pytest.importorskip("trl", reason="TRL, the referee, is the test-only extra .[referee] (requirements.txt has it)")
 from trl import DPOTrainer  # noqa: E402

@@ -97,7 +97,7 @@ def pair_runs(tmp_path_factory, corpus):
 def train_with_reference_pass_lost(argv: list[str], after: int) -> str:
     """Rank target: train, the reference pass keeping its progress after each micro-batch and failing after
     ``after`` of them."""
-    import dstrain.train.reference_scores as reference_scores
+    import dstrain.train.objectives.preference.reference_scores as reference_scores
     from dstrain.train.run import main
 
     score_pairs, forwards = reference_scores.score_pairs, []
@@ -124,7 +124,7 @@ def _save_reference(folder, pairs) -> None:
     from dstrain.data.manifest import read_manifest
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT
-    from dstrain.model.hf import to_hf_model
+    from dstrain.model.hf.convert import to_hf_model
 
     vocab = -(-read_manifest(pairs).vocab_size // 64) * 64
     config = GPTConfig(flavour="llama", n_layer=2, n_head=4, n_kv_head=2, d_model=64, vocab_size=vocab)

@@ -16,8 +16,8 @@ import pytest  # noqa: E402
 import transformers  # noqa: E402
 
 from dstrain.model.counts import num_params  # noqa: E402
-from dstrain.model.family_configs import config_from_hf  # noqa: E402
-from dstrain.model.hf import architecture_diff  # noqa: E402
+from dstrain.model.hf.convert import architecture_diff  # noqa: E402
+from dstrain.model.hf.family_configs import config_from_hf  # noqa: E402
 from dstrain.recipe_file import load_recipe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

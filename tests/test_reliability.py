@@ -150,7 +150,7 @@ def test_a_signal_delivered_twice_at_once_is_one_request(recipe, tmp_path):
 
 
 def test_a_second_signal_exits_at_once(recipe, tmp_path):
-    from dstrain.train.stop import REPEAT_WINDOW_S
+    from dstrain.train.process.stop import REPEAT_WINDOW_S
 
     run = tmp_path / "run"
     codes = spawn_ranks(

@@ -207,7 +207,7 @@ def test_a_checkpoint_of_another_experiment_is_refused_by_its_own_record(resumed
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_changed_optimizer_values_apply_from_the_first_resumed_step(resumed, strategy):
     from dstrain.recipe_file import load_recipe
-    from dstrain.train.schedule import lr_at
+    from dstrain.train.engine.schedule import lr_at
 
     recipe_file, _, results = resumed
     run, *ranks = results[strategy]
@@ -237,7 +237,7 @@ def test_resume_reports_what_changed(resumed, capfd):
 def test_an_extended_run_follows_the_longer_schedule(resumed):
     """4 steps extended to 8: every logged lr is the 8-step schedule's, as an uninterrupted 8-step run logs."""
     from dstrain.recipe_file import load_recipe
-    from dstrain.train.schedule import lr_at
+    from dstrain.train.engine.schedule import lr_at
 
     recipe_file, _, results = resumed
     run, *ranks = results["extended"]
@@ -264,7 +264,7 @@ def test_estimate_and_the_model_take_activation_checkpointing_from_the_ds_config
     from dstrain.plan.memory import estimate
     from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
-    from dstrain.train.engine import build_model
+    from dstrain.train.engine.build import build_model
 
     recipe_file = small_recipe(tmp_path, corpus)
     recipe = load_recipe(recipe_file)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dstrain.config import OptimConfig, ScheduleConfig
-from dstrain.train.schedule import build_scheduler, lr_at
+from dstrain.train.engine.schedule import build_scheduler, lr_at
 
 LR, MIN_LR = 3e-3, 3e-4
 RTOL = 1e-12  # the same formula in another arrangement: only float rounding may differ

@@ -30,7 +30,7 @@ def run_all(calls: list) -> list:
 
 def train_without_workaround(args: list[str]) -> int:
     """Train with dstrain's ZeRO-3 correction (sequence.backward_factor) switched off."""
-    from dstrain.train import sequence
+    from dstrain.train.engine import sequence
 
     original = sequence.backward_factor
     sequence.backward_factor = lambda zero_stage, sp_size: 1.0
@@ -117,7 +117,7 @@ def test_resume_between_sequence_parallel_and_plain(runs):
 
 @pytest.mark.deepspeed_defect("ZeRO-3's reduce-scatter averages the gradient over the sequence-parallel group")
 def test_deepspeed_zero3_averages_over_the_sp_group(runs):
-    """Without dstrain.train.sequence.backward_factor, ZeRO-3's gradient is 1/sp of the right one (DeepSpeed
+    """Without dstrain.train.engine.sequence.backward_factor, ZeRO-3's gradient is 1/sp of the right one (DeepSpeed
     0.19.8, stage3.py __avg_scatter_grads); when this fails, remove the factor."""
     ratio = runs[1]["defect"][0]["grad_norm"] / runs[1]["llama_zero0"][0]["grad_norm"]
     assert abs(ratio - 0.5) < 1e-5

@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism beyond the key/value heads (dstrain.train.sequence: each rank repeats its key/value
+"""Ulysses sequence parallelism beyond the key/value heads (dstrain.train.engine.sequence: each rank repeats its
+key/value
 heads before the all-to-all): a tiny model with 1 and 2 key/value heads (4 query heads) under SP 2 and SP 4 gives
 ZeRO-0's losses AND pre-clip gradient norms on CPU ranks (gloo, fp32), with document masking, a sliding window and
 the chunked loss. The same suite shape as tests/test_sequence.py, at its smallest: 2 ranks, then 4."""

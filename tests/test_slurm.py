@@ -157,7 +157,7 @@ def test_a_bad_override_fails_the_job_at_once_with_the_reason(slurm_cluster, wor
     log = log_of(work, job)
     assert re.search(r"train\.sbatch: error: .*train\.stepz", log), log
     assert not run_of(work, job).exists()
-    # The script's own options too (dstrain.train.elastic): more spares than nodes, before any rank starts.
+    # The script's own options too (dstrain.train.process.elastic): more spares than nodes, before any rank starts.
     with pytest.raises(AssertionError, match=r"exited 2: (\d+)") as failed:
         submit(
             slurm_cluster, work, ["--nodes=2", "--ntasks-per-node=1", TRAIN, "--spare-nodes=2", "small.yaml", zero(0)]

@@ -1,4 +1,5 @@
-"""A node that dies: the job keeps its allocation and relaunches (slurm/train.sbatch, dstrain.train.elastic), on the
+"""A node that dies: the job keeps its allocation and relaunches (slurm/train.sbatch, dstrain.train.process.elastic),
+on the
 Slurm cluster of tests/slurm_cluster.py. After tests/test_slurm.py (pytest runs the modules in name order): these
 tests kill a node's slurmd, and start it again before they end."""
 

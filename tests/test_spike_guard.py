@@ -111,7 +111,7 @@ WATCH = ("train.watchdog.enabled=true", "train.watchdog.floor_s=4", "train.watch
 
 @pytest.mark.distributed
 def test_a_hung_rank_is_named_every_rank_exits_and_a_relaunch_resumes(recipe, clean, tmp_path, capfd):
-    from dstrain.train.watchdog import HANG_EXIT
+    from dstrain.train.features.watchdog import HANG_EXIT
 
     run, marker = tmp_path / "run", tmp_path / "hung-since"
     argv = train_argv(recipe, CONFIG, run, *GUARD, *WATCH)
@@ -135,7 +135,9 @@ def test_a_hung_rank_is_named_every_rank_exits_and_a_relaunch_resumes(recipe, cl
         [(4, 5, "backward 0 of step 5")],
         [(4, 5, "optimizer step 0 of step 5")],
     ), hang
-    assert hang[0]["ranks"] == [1]  # the rank behind, whose host slurm/train.sbatch leaves out (train/elastic.py)
+    assert hang[0]["ranks"] == [
+        1
+    ]  # the rank behind, whose host slurm/train.sbatch leaves out (train/process/elastic.py)
 
 
 @pytest.mark.distributed
@@ -164,7 +166,7 @@ def test_sigterm_then_kill9_during_background_writes_lose_nothing(recipe, clean,
 
 def test_spike_guard_median_threshold_and_too_many_rollbacks():
     from dstrain.config import SpikeGuardConfig
-    from dstrain.train.spike_guard import SpikeGuard
+    from dstrain.train.features.spike_guard import SpikeGuard
 
     guard = SpikeGuard(SpikeGuardConfig(enabled=True, window=3, factor=2.0, max_rollbacks=2, rollback_window=10))
     assert [guard.observe(v) for v in (5.0, 4.0, 100.0)] == [None, None, None]  # the window fills first
@@ -180,7 +182,7 @@ def test_spike_guard_median_threshold_and_too_many_rollbacks():
 
 def test_watchdog_bound_is_a_multiple_of_the_median_step_within_floor_and_ceiling(tmp_path):
     from dstrain.config import WatchdogConfig
-    from dstrain.train.watchdog import Watchdog
+    from dstrain.train.features.watchdog import Watchdog
 
     watch = Watchdog(
         WatchdogConfig(enabled=True, factor=10, floor_s=2, ceiling_s=30, warmup_steps=1), RunDir(tmp_path), 0, 2

@@ -157,10 +157,10 @@ def score_folder(folder: str, tasks) -> tuple[dict, dict]:
     import transformers
 
     from dstrain.model.gpt import GPT
-    from dstrain.model.hf import from_hf
+    from dstrain.model.hf.convert import from_hf
     from dstrain.tasks import scoring
     from dstrain.tasks.loading import load_tasks
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     distributed.init()
     config, state = from_hf(folder)

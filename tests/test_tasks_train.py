@@ -43,7 +43,7 @@ def pipeline_eval_total_loss() -> str:
     from dstrain.model.config import GPTConfig
     from dstrain.model.pipe import build_pipeline
     from dstrain.tasks.scoring import continuation_stats
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     distributed.init()
     config = GPTConfig(flavour="llama", vocab_size=64, max_seq_len=8, n_layer=1, n_head=2, d_model=16)
@@ -120,7 +120,7 @@ def test_dstrain_eval_gives_the_loops_numbers(runs, strategy):
 
 @pytest.mark.deepspeed_defect(
     "PipelineEngine.eval_batch adds every output into total_loss, which only train_batch resets "
-    "(train/forward.py::ModelForward._pipe_score)"
+    "(train/step/forward.py::ModelForward._pipe_score)"
 )
 def test_deepspeed_pipeline_eval_total_loss_defect(runs):
     """DeepSpeed 0.19.8: a second eval_batch whose loss has another shape fails adding it to the first's total;

@@ -8,7 +8,7 @@ import torch
 from dstrain.metrics import peak_tensor_bytes
 from dstrain.model.config import GPTConfig
 from dstrain.model.gpt import GPT, lm_loss
-from dstrain.train import tiling
+from dstrain.train.engine import tiling
 
 
 def forward_backward(

@@ -181,7 +181,7 @@ def zero3_universal_reload(folder: str) -> dict:
     from dstrain.checkpoint.record import ClientState
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT, lm_loss
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     distributed.init()
     config = GPTConfig(flavour="llama", vocab_size=64, max_seq_len=8, n_layer=1, n_head=2, d_model=16)

@@ -25,7 +25,8 @@ from train_helpers import (
 pytestmark = pytest.mark.distributed
 
 # fp32 on CPU: the strategies reduce the same gradients in different orders (bucketed all-reduce, reduce-scatter,
-# pre-division) and take the norm in fp64 (DeepSpeed's get_norm_dtype; train/grad_norm.py for ZeRO-0), so step 1's
+# pre-division) and take the norm in fp64 (DeepSpeed's get_norm_dtype; train/engine/grad_norm.py for ZeRO-0), so step
+# 1's
 # norms agree to 7e-8 (one or two fp32 ulps) and 10 steps of losses and norms to 1.2e-7 (measured). A real defect (a
 # lost init, an unscaled loss, a skipped sample) moves the losses by 1e-2 or more; a norm taken in fp32 on CPU moved
 # the tiny recipe's by 1e-5.
@@ -161,7 +162,7 @@ def test_model_states_load_without_pickle(equivalence_runs):
 
 def test_lr_follows_the_recipe_schedule(equivalence_runs):
     from dstrain.recipe_file import load_recipe
-    from dstrain.train.schedule import lr_at
+    from dstrain.train.engine.schedule import lr_at
 
     recipe = load_recipe(equivalence_runs["zero1"] / "recipe.yaml")
     lrs = [r["lr"] for r in read_metrics(equivalence_runs["zero1"]) if "split" not in r]
@@ -261,7 +262,7 @@ def test_partitioned_parameters_keep_their_weight_decay_group():
     decay and a norm must not, or ZeRO-3 silently trains without weight decay."""
     import torch
 
-    from dstrain.train.engine import param_groups
+    from dstrain.train.engine.build import param_groups
 
     module = torch.nn.Module()
     module.weight, module.norm = torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0))
@@ -283,7 +284,7 @@ def test_torch_still_honours_a_build_lock_of_any_age(tmp_path):
 
 
 def test_a_lock_left_by_a_killed_op_build_is_named(tmp_path, monkeypatch, capsys):
-    from dstrain.train.engine import STALE_BUILD_LOCK_S, warn_stale_build_locks
+    from dstrain.train.engine.build import STALE_BUILD_LOCK_S, warn_stale_build_locks
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     for op, age in [("cpu_adam", STALE_BUILD_LOCK_S + 60), ("fused_adam", 60)]:  # the second one is still building

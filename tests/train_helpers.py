@@ -112,7 +112,7 @@ def train_and_signal_at(
     """Rank target: train, with ``rank`` sending itself ``signum`` (``times`` times, ``gap_s`` apart) right after
     optimizer step ``step``."""
     from dstrain.train.run import main
-    from dstrain.train.step_hooks import StepHooks
+    from dstrain.train.step.step_hooks import StepHooks
 
     class SignalAfterStep(StepHooks):
         def stepped(self, taken: int) -> None:
@@ -135,7 +135,7 @@ def enable_fp16_on_cpu() -> None:
 def train_fp16_with_overflows(argv: list[str], overflow_steps: set[int] | None) -> int:
     """Rank target: fp16 training where the loss of the given optimizer steps (1-based; None = all) is made inf."""
     from dstrain.train.run import main
-    from dstrain.train.step_hooks import StepHooks
+    from dstrain.train.step.step_hooks import StepHooks
 
     class Overflows(StepHooks):
         def forward(self, step, batch, forward):
@@ -161,7 +161,7 @@ def zero0_fp16_gradient_scale() -> float:
 
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT, lm_loss
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     enable_fp16_on_cpu()
     distributed.init()
@@ -190,7 +190,7 @@ def train_with_fault(argv: list[str], step: int, fault: str, rank: int | None = 
     "raise" (an exception), "nan" (the loss becomes NaN), "die-in-save" (the process dies inside
     save_checkpoint after DeepSpeed wrote its files, before dstrain publishes them)."""
     from dstrain.train.run import main
-    from dstrain.train.step_hooks import StepHooks
+    from dstrain.train.step.step_hooks import StepHooks
 
     here = rank is None or int(os.environ["RANK"]) == rank
 
@@ -222,7 +222,7 @@ def train_with_fault(argv: list[str], step: int, fault: str, rank: int | None = 
 def poison(first: int, end: int, factor: float = 10.0):
     """StepHooks with samples [first, end) of the train stream poisoned: the loss of a micro-batch that holds one is
     multiplied by ``factor`` (and so are its gradients), wherever in the run that sample is read."""
-    from dstrain.train.step_hooks import StepHooks
+    from dstrain.train.step.step_hooks import StepHooks
 
     class Poison(StepHooks):
         def train_batch(self, samples, batch):
@@ -259,7 +259,7 @@ def train_and_hang_at(argv: list[str], step: int, rank: int, marker: str) -> int
     """Rank target: train, with ``rank`` hanging in the forward pass of optimizer step ``step`` (the time it began
     hanging written to ``marker``)."""
     from dstrain.train.run import main
-    from dstrain.train.step_hooks import StepHooks
+    from dstrain.train.step.step_hooks import StepHooks
 
     class Hang(StepHooks):
         def forward(self, taking, batch, forward):

@@ -103,7 +103,8 @@ class ScheduleConfig:
 
 @dataclass
 class SpikeGuardConfig:
-    """Loss-spike rollback (dstrain.train.spike_guard). A spike: the step's ``metric`` above ``factor`` x the median of
+    """Loss-spike rollback (dstrain.train.features.spike_guard). A spike: the step's ``metric`` above ``factor`` x the
+    median of
     its last ``window`` values (a median, not a mean: one earlier spike or a slow drift does not move it). Then every
     rank reloads the newest complete checkpoint, skips the global batches from its consumed_samples through the spiking
     step, and goes on; more than ``max_rollbacks`` spikes within ``rollback_window`` steps stop the run."""
@@ -120,7 +121,8 @@ class SpikeGuardConfig:
 
 @dataclass
 class WatchdogConfig:
-    """Hang watchdog (dstrain.train.watchdog): a step running longer than ``factor`` x the median step time (after
+    """Hang watchdog (dstrain.train.features.watchdog): a step running longer than ``factor`` x the median step time
+    (after
     ``warmup_steps``), kept within [floor_s, ceiling_s], dumps every thread's stack to run_dir/hang/rank<r>.txt,
     names the ranks that did not get as far, and ends every rank with exit status 124. Evaluation, checkpoints and
     the steps before the median exists are bounded by ceiling_s alone."""
@@ -134,7 +136,7 @@ class WatchdogConfig:
 
 @dataclass
 class EarlyStopConfig:
-    """Early stopping on the valid loss (dstrain.train.early_stop): the run stops cleanly, as a finished one (a
+    """Early stopping on the valid loss (dstrain.train.features.early_stop): the run stops cleanly, as a finished one (a
     checkpoint, summary.json with status "stopped"), after ``patience`` evaluations in a row whose ``valid`` loss is
     not below the best so far by more than ``min_delta``. Needs train.eval_interval."""
 
@@ -158,7 +160,7 @@ class TaskConfig:
 
 @dataclass
 class AveragingConfig:
-    """Weight averaging (dstrain.train.averaging; docs/recipes.md): an fp32 average of the weights beside the
+    """Weight averaging (dstrain.train.features.averaging; docs/recipes.md): an fp32 average of the weights beside the
     live ones, updated after every optimizer step from step ``start_step`` + 1 on, kept where the strategy keeps
     each parameter, saved in every checkpoint, evaluated as split valid/averaged, exported by export --averaged."""
 
@@ -192,7 +194,7 @@ class TrainConfig:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)  # EMA / last-N average of the weights
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)  # stop when the valid loss stops improving
     # every published checkpoint of a multiple of this many steps also as a Hugging Face folder, run_dir/hf/<tag>/
-    # (dstrain.train.hf_export; what `dstrain export --tag` writes); 0 = off
+    # (dstrain.train.features.hf_export; what `dstrain export --tag` writes); 0 = off
     export_every: NonNegative = 0
 
 

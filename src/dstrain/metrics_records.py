@@ -48,7 +48,7 @@ class MetricsRecord(TypedDict, total=False):
 class EventRecord(TypedDict, total=False):
     """One event line of metrics.jsonl: a resume (``tag``, ``changed``), a loss spike rolled back, a run stopped
     by an error (``message``), the previous launch's hang (logged by the launch after it), or a relaunch of
-    slurm/train.sbatch after a failed step (restart, spare, shrink, requeue: dstrain.train.elastic)."""
+    slurm/train.sbatch after a failed step (restart, spare, shrink, requeue: dstrain.train.process.elastic)."""
 
     step: Required[int]
     # "resume" | "spike" | "disk_full" | "stopped" | "hang" | "early_stop" | "hf_export"

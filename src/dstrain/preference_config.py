@@ -1,4 +1,5 @@
-"""The preference objective's settings, a recipe's ``preference:`` section (the losses are dstrain.train.preference's,
+"""The preference objective's settings, a recipe's ``preference:`` section (the losses are
+dstrain.train.objectives.preference.losses's,
 each formula in docs/preference-tuning.md). No torch."""
 
 from __future__ import annotations

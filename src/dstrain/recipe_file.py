@@ -74,7 +74,9 @@ def fill_model_from_init_from(raw: dict, path: Path) -> None:
     elif model and not (Path(source) / "config.json").is_file():
         return  # written out (a shipped recipe on a machine without the weights): preflight checks the folder
     else:
-        from dstrain.model.hf import architecture_from_hf  # torch and transformers: only for a recipe with init_from
+        from dstrain.model.hf.convert import (
+            architecture_from_hf,  # torch and transformers: only for a recipe with init_from
+        )
 
         try:
             folder = dataclasses.asdict(architecture_from_hf(source))

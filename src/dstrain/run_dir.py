@@ -9,7 +9,8 @@ logs/rank<r>.log, loss.png    each rank's full output; train and valid loss with
 tasks.png                     the train.tasks' accuracies at each evaluation (runs with train.tasks)
 hf/<tag>/                      published checkpoints as Hugging Face folders (train.export_every)
 hang/rank<r>.txt              every thread's stack of each rank when the hang watchdog fired, the stuck ranks named
-elastic/                      slurm/train.sbatch's relaunches after a failed step: hosts, events (dstrain.train.elastic)
+elastic/                      slurm/train.sbatch's relaunches after a failed step: hosts, events
+(dstrain.train.process.elastic)
 tensorboard/, csv/            the monitors' files, when the ds_config enables them (dstrain.monitors)
 wandb_run.json, wandb/        the W&B run this run logs to (its id: a resumed run continues it), W&B's own files
 previous/<UTC time>/          an earlier run's files, moved aside by `--resume none`
@@ -65,7 +66,7 @@ class RunDir:
         "hf",
     )
     # What may be in a run folder besides: a metrics rewrite in progress, what launchers put there first
-    # (slurm/train.sbatch its hostfile, and elastic/: its relaunches, dstrain.train.elastic), earlier runs.
+    # (slurm/train.sbatch its hostfile, and elastic/: its relaunches, dstrain.train.process.elastic), earlier runs.
     ALLOWED = (*WRITTEN, "metrics.jsonl.tmp", "hostfile", "elastic", "previous")
 
     @classmethod

@@ -1,4 +1,5 @@
-"""The weight average a checkpoint holds (``averaged_weights.rank<r>.pt``, written by dstrain.train.averaging), read
+"""The weight average a checkpoint holds (``averaged_weights.rank<r>.pt``, written by
+dstrain.train.features.averaging), read
 back as the plain GPT's fp32 state dict: what ``dstrain export --averaged`` writes.
 
 Each rank's file holds its own slices: rank 0's is the whole model under ZeRO-0/1/2; the ranks' ZeRO-3 partitions

@@ -1,7 +1,7 @@
 """Checkpoints as the plain GPT's state dict, whatever strategy wrote them, and back into pipeline stages.
 
     config, state = read_checkpoint("runs/tiny")       # newest complete tag of a run (or a checkpoints/ or tag folder)
-    GPT(config).load_state_dict(state)                  # evaluate, export (dstrain.model.hf.to_hf), start a plain run
+    GPT(config).load_state_dict(state)                  # evaluate, export (model.hf.convert.to_hf), a plain run
     load_into_pipeline(pipeline_module, state, config)  # the same weights in a PipelineModule's local stages
 
 Layouts DeepSpeed writes in a tag folder:
@@ -228,7 +228,7 @@ def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
 
 def load_model_source(path: str | os.PathLike, tag: str | None = None):
     """(GPTConfig, fp32 state dict, the run's recipe or None) of a run directory or a Hugging Face model folder."""
-    from dstrain.model.hf import from_hf
+    from dstrain.model.hf.convert import from_hf
 
     path = Path(path)
     if (path / "config.json").is_file():

@@ -18,7 +18,7 @@ def write_hf_folder(recipe: Recipe, tag_dir: Path, tokenizer, out: Path, dtype: 
     import torch
 
     from dstrain.checkpoint.consolidate import consolidated_state_dict, weights_kind
-    from dstrain.model.hf import to_hf_model
+    from dstrain.model.hf.convert import to_hf_model
 
     state, what = consolidated_state_dict(tag_dir, recipe.model), weights_kind(tag_dir)
     if averaged is not None:

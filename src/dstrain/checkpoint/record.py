@@ -101,7 +101,7 @@ class ClientState:
     """What the trainer saves beside the engine's state, in DeepSpeed's ``client_state`` of every checkpoint
     (dstrain.checkpoint.store adds the topology and DeepSpeed's universal-checkpoint info on its way to disk)."""
 
-    consumed_samples: int  # samples of the train stream consumed (dstrain.train.components.Progress)
+    consumed_samples: int  # samples of the train stream consumed (dstrain.train.step.components.Progress)
     rng: dict  # store.rng_state(): python, numpy and torch generators
     recipe: dict  # config.to_dict of the recipe it was trained under: a resume names what changed since
     data_fingerprint: str  # the prepared data's; a resume on other data is refused

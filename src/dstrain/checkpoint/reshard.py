@@ -215,7 +215,8 @@ def _ds_to_universal(tag_dir: Path, out: Path) -> None:
 def _groups_of_every_stage(tag_dir: Path, universal: Path) -> None:
     """DeepSpeed 0.19.8's ds_to_universal keeps the first pipeline stage's parameter groups only
     (``_save_optimizer_state`` reads pp_index 0), and a stage has none of a group it holds no parameter of (the
-    engine drops empty groups: train/grad_norm.py::pad_group_norms), so a first stage of matrices only would leave
+    engine drops empty groups: train/engine/grad_norm.py::pad_group_norms), so a first stage of matrices only would
+    leave
     the no-decay group out. The groups of every stage instead, by name: the fullest stage's, then any it lacks."""
     path = universal / "zero" / "optimizer_state.pt"
     optim = read_pt(path)

@@ -43,7 +43,7 @@ def deepspeed_accelerator_notice_dropped():
     asks for the accelerator on a machine without one: the first line of `dstrain estimate`, `eval`, `generate` and
     `export`, and a line in eval's JSON output. The commands work on a CPU by design; the line is dropped while a
     command runs. Its logger ("DeepSpeed") exists before deepspeed is imported, and keeps the filter when DeepSpeed
-    configures it. Training keeps the line in its rank logs (train/console.py)."""
+    configures it. Training keeps the line in its rank logs (train/process/console.py)."""
     logger = logging.getLogger("DeepSpeed")
     logger.addFilter(_not_the_accelerator_notice)
     try:

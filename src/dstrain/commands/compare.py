@@ -70,7 +70,7 @@ def run_overrides(overrides: list[str], steps: int | None) -> list[str]:
 
 def launch(recipe: str, config: str, run_dir: Path, nproc: int, overrides: list[str]) -> int:
     """One config through the deepspeed launcher; everything it prints goes to run_dir/launcher.log."""
-    from dstrain.train.distributed import free_port
+    from dstrain.train.process.distributed import free_port
 
     command = [
         launcher(),

@@ -7,7 +7,7 @@ the recipe's own data) trains ``--steps`` steps under ZeRO-0, then under each li
 (ds_configs/*.json) when none is listed, all in one launch of the deepspeed launcher. Beside them: ZeRO-0 again with
 another micro-batch split (the same sums in another order: the run-to-run floor that sets the fp32 tolerance), a run
 stopped after half its steps under ZeRO-1 and resumed under ZeRO-3 (a save and resume across two layouts), and the
-kernel checks and collective bandwidths of dstrain.train.doctor_checks. DIR gets report.md, doctor.json and
+kernel checks and collective bandwidths of dstrain.train.doctor.checks. DIR gets report.md, doctor.json and
 doctor.png (commands/doctor_report.py); the exit status is 1 if a strategy or a kernel is outside its tolerance.
 
 A ds_config that does not parse, or that this machine or world size cannot run, is one line of the report.
@@ -143,15 +143,15 @@ def plan_runs(recipe_file: str, configs: list[Path], out: Path, overrides: list[
 
 
 def launch(plan_file: Path, nproc: int, log: Path) -> int:
-    """One deepspeed launch for every run (dstrain.train.doctor_runs); its output goes to ``log``."""
-    from dstrain.train.distributed import free_port
+    """One deepspeed launch for every run (dstrain.train.doctor.runs); its output goes to ``log``."""
+    from dstrain.train.process.distributed import free_port
 
     beside = Path(sys.executable).parent / "deepspeed"  # a venv's bin/ need not be on PATH
     found = str(beside) if beside.exists() else shutil.which("deepspeed")
     if not found:
         raise DstrainError("the deepspeed launcher is not installed in this environment; pip install deepspeed")
     command = [found, "--num_gpus", str(nproc), "--master_port", str(free_port())]
-    command += ["--module", "dstrain.train.doctor_runs", str(plan_file)]
+    command += ["--module", "dstrain.train.doctor.runs", str(plan_file)]
     with log.open("w") as out:
         out.write("$ " + shlex.join(command) + "\n")
         out.flush()

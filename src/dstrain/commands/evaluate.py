@@ -8,7 +8,7 @@
     dstrain eval hf/policy --data data/pairs --reference hf/sft     # pairs: the DPO loss and rewards (evaluate_pairs)
 
 Samples, their split among ranks and the averaging are the trainer's: the one evaluator
-(dstrain.train.evaluator.Evaluator) over the same forward (each rank takes every world-th sample;
+(dstrain.train.step.evaluator.Evaluator) over the same forward (each rank takes every world-th sample;
 token-weighted mean of the micro-batch losses, summed in float64 across ranks), so on a run it prints
 the numbers the trainer logged. With several data sources each is evaluated on its own
 (``--samples`` per source) under ``sources``, and ``loss`` is their data.sources-weighted mean, as the
@@ -91,7 +91,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     from dstrain.config import DataConfig
     from dstrain.data.dataset import build_valid_sets
     from dstrain.model.gpt import GPT
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch), ("--samples", args.samples)):
         if value is not None and value <= 0:  # before anything is read; the run's own values are validated
@@ -180,8 +180,8 @@ def _masked_where_packed_whole(config: GPTConfig, sources: list[tuple[str, float
 
 def _evaluator(model, device, micro: int):
     """The trainer's evaluator on a plain model, each rank one data-parallel replica."""
-    from dstrain.train.evaluator import Evaluator
-    from dstrain.train.forward import ModelForward
+    from dstrain.train.step.evaluator import Evaluator
+    from dstrain.train.step.forward import ModelForward
 
     runner = ModelForward.of_module(model, device, model.config.doc_masking)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -201,7 +201,7 @@ def evaluate_tasks(args: argparse.Namespace) -> dict:
     from dstrain.data.tokenizer import load_run_tokenizer, load_tokenizer
     from dstrain.model.gpt import GPT
     from dstrain.tasks import scoring
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     config, state, recipe = load_model_source(args.model, args.tag)
     tokenizer = load_run_tokenizer(args.model) if recipe else load_tokenizer(args.model, flag="the model folder")

@@ -1,7 +1,8 @@
 """`dstrain eval MODEL --data PAIRS --reference REF`: the preference loss and reward metrics of a model (a run or a
 Hugging Face folder) over a pair folder's split (docs/preference-tuning.md).
 
-The reference's scores of every pair come from dstrain.train.reference_scores (computed once, kept beside the
+The reference's scores of every pair come from dstrain.train.objectives.preference.reference_scores (computed once,
+kept beside the
 shards, reused); the model's from the same packed, document-masked forwards; the loss is ``--loss`` with ``--beta``
 (PreferenceConfig's defaults otherwise), the mean over the split's pairs. Rank 0 prints one JSON object.
 """
@@ -24,9 +25,14 @@ def evaluate_pairs(args: argparse.Namespace) -> dict:
     from dstrain.data.dataset import build_dataset
     from dstrain.data.manifest import read_manifest
     from dstrain.preference_config import PreferenceConfig
-    from dstrain.train import distributed
-    from dstrain.train.preference import PairLogps, metric_sums, metrics_of, pair_losses
-    from dstrain.train.reference_scores import reference_scores, score_pairs, scores_key, weights_hash
+    from dstrain.train.objectives.preference.losses import PairLogps, metric_sums, metrics_of, pair_losses
+    from dstrain.train.objectives.preference.reference_scores import (
+        reference_scores,
+        score_pairs,
+        scores_key,
+        weights_hash,
+    )
+    from dstrain.train.process import distributed
 
     preference = PreferenceConfig(loss=args.loss or "sigmoid", beta=args.beta if args.beta is not None else 0.1)
     if args.reference is None and preference.loss != "simpo":
@@ -83,7 +89,7 @@ def evaluate_pairs(args: argparse.Namespace) -> dict:
 def _forward(config, state, device):
     """A plain model's PairLogps of a micro-batch."""
     from dstrain.model.gpt import GPT
-    from dstrain.train.preference import completion_logps
+    from dstrain.train.objectives.preference.losses import completion_logps
 
     model = GPT(config)
     model.load_state_dict(state, strict=True)

@@ -1,5 +1,5 @@
 """`dstrain export` writes a run's checkpoint as a Hugging Face transformers model folder (a recipe's `init_from`
-starts training from one: dstrain.train.engine.load_init_from).
+starts training from one: dstrain.train.engine.build.load_init_from).
 
     dstrain export runs/tiny --out hf/tiny                  # newest complete checkpoint
     dstrain export runs/tiny --tag global_step200 --out hf/tiny-200
@@ -12,7 +12,7 @@ were (when the run's data was tokenised with the same vocabulary). The weights a
 weights wherever the checkpoint holds them apart from the module's (bf16 runs: ZeRO's or BF16_Optimizer's
 partitions), else the module's own (fp32 runs); `--dtype bf16` writes them rounded to bf16; llama-flavour models
 become their family's class (LlamaForCausalLM, Qwen3ForCausalLM, ...), gpt2-flavour ones GPT2LMHeadModel
-(dstrain.model.hf), so
+(dstrain.model.hf.convert), so
 `AutoModelForCausalLM.from_pretrained(folder)` computes what our GPT computed. An instruction-tuned run (data.sft)
 keeps its own tokenizer, whose chat template rendered its data, and its generation_config.json stops at that
 template's end of turn.

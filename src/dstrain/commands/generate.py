@@ -4,7 +4,7 @@
     dstrain generate hf/tiny --prompt "def main():" --temperature 0     # greedy
     dstrain generate hf/sft-tiny --chat --system "Be brief." --prompt "What is json?"   # a chat model's reply
 
-A run's checkpoint is converted in memory (dstrain.model.hf.to_hf), exactly as `dstrain export` writes it.
+A run's checkpoint is converted in memory (dstrain.model.hf.convert.to_hf), exactly as `dstrain export` writes it.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def generate(
     rendered by the tokenizer's chat template, generation stopped at its end-of-turn token(s)."""
     from dstrain.checkpoint.consolidate import load_model_source
     from dstrain.data.tokenizer import load_run_tokenizer, load_tokenizer
-    from dstrain.model.hf import to_hf_model
+    from dstrain.model.hf.convert import to_hf_model
 
     if max_new_tokens <= 0 or temperature < 0:
         raise DstrainError("--max-new-tokens must be positive and --temperature zero or more")

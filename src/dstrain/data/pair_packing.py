@@ -6,7 +6,8 @@ The packing unit is the pair, not the document: pairs are split into train and v
 sample, neighbours, chosen first. A pair longer than ``seq_len + 1`` is cut (``data.overlong: truncate``: the longer
 side loses the end of its completion, neither below half the sample where both need it) or left out (``drop``).
 Each sample carries ``documents``: every token's piece in the sample (0, 1 the first pair's chosen and rejected, 2, 3
-the next pair's, ..., -1 padding), which the completion log-prob sums are taken by (dstrain.train.preference).
+the next pair's, ..., -1 padding), which the completion log-prob sums are taken by
+(dstrain.train.objectives.preference.losses).
 """
 
 from __future__ import annotations

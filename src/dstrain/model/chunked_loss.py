@@ -13,7 +13,7 @@ soft cap's derivative, where autograd would cast it.
 
 Not Liger itself: its Triton kernels run on CUDA only, and dstrain's tests and CPU runs (gloo) need the same
 function; it is not a dependency. Not DeepSpeed's TiledFusedLogitsLoss either: it forms the head's gradient with an
-incoming gradient of 1, so a factor applied to the loss afterwards would not reach it (dstrain.train.tiling).
+incoming gradient of 1, so a factor applied to the loss afterwards would not reach it (dstrain.train.engine.tiling).
 
 The weight is used as the caller hands it over: model.gpt.Head calls this inside its own forward, so that ZeRO-3
 gathers its partitioned weight around the call as for any module (and a tied weight's gradient is summed by

@@ -11,7 +11,7 @@ from dstrain.errors import DstrainError
 from dstrain.ranges import Range
 
 FLAVOURS = ("gpt2", "llama")
-# The published families of the llama flavour, each exported as its own transformers class (dstrain.model.families).
+# The published families of the llama flavour, each exported as its own transformers class (dstrain.model.hf.families).
 FAMILIES = (
     *("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "qwen3_moe"),
     *("smollm3", "phi3", "gemma2", "gemma3", "gpt_oss"),
@@ -89,7 +89,7 @@ class MoEConfig:
     topk_group: Annotated[int, Range(ge=1)] = 1  # groups a token may route to (group-limited routing)
     routed_scaling_factor: Annotated[float, Range(gt=0)] = 1.0  # the routed experts' weights multiplied by this
     n_shared_experts: Annotated[int, Range(ge=0)] = 0  # experts every token runs through: one MLP this many wide
-    bias_update_rate: Annotated[float, Range(ge=0)] = 0.0  # loss-free balancing: train/balancing.py; 0 = off
+    bias_update_rate: Annotated[float, Range(ge=0)] = 0.0  # loss-free balancing: train/features/balancing.py; 0 = off
     # --- Llama 4's experts (transformers' Llama4TextMoe; model/moe.py's llama4_route) ---
     input_scaling: bool = False  # the chosen expert's sigmoid(logit) scales its input, not its output (top_k 1)
 
@@ -125,7 +125,7 @@ class MLAConfig:
     qk_rope_head_dim: Annotated[int, Range(ge=2)] = 64  # per head: query/key dimensions RoPE rotates
     v_head_dim: Annotated[int, Range(ge=1)] = 128  # per head: value dimensions (o_proj takes n_head * v_head_dim)
     rope_interleave: bool = True  # how the transformers checkpoint lays out the rotated rows (DeepSeek-V3: pairs);
-    # dstrain de-interleaves them on import and computes rotate_half RoPE (model/hf_mla.py)
+    # dstrain de-interleaves them on import and computes rotate_half RoPE (model/hf/mla_rows.py)
 
     @property
     def qk_head_dim(self) -> int:
@@ -163,7 +163,7 @@ class GPTConfig:
     )
     doc_masking: bool = False  # attend only within the current document (segments start where position_ids == 0)
     moe: MoEConfig | None = None  # mixture of experts in place of the MLPs (see MoEConfig); None = dense
-    # --- features of published llama-flavour families (model/families.py maps each family onto them) ---
+    # --- features of published llama-flavour families (model/hf/families.py maps each family onto them) ---
     family: str | None = None  # transformers class export writes (FAMILIES); None = llama, or mixtral with moe
     d_head: Annotated[int, Range(ge=2)] | None = None  # width of one head; None = d_model / n_head (Qwen3: 128)
     qkv_bias: bool = False  # biases on q_proj, k_proj, v_proj only (Qwen2/2.5)

@@ -11,7 +11,7 @@ MoE routing options (moe.norm_topk_prob, moe.dense_layers). Per block: local att
 scale_embeddings, mlp_activation gelu_tanh, query_pre_attn_scalar, rope_local_theta, Gemma 2's attn_softcap and
 logit_softcap), Phi-3's partial rotary (partial_rotary_factor), Llama 4's chunks (attention_chunk), weightless q/k
 norm after RoPE (qk_norm l2) and temperature tuning (attn_temperature_floor), and DeepSeek's latent attention in
-place of q/k/v heads (model.mla: model/mla.py). model/families.py says which family uses which;
+place of q/k/v heads (model.mla: model/mla.py). model/hf/families.py says which family uses which;
 docs/published-models.md explains them.
 
 Module tree (shared by both flavours, so a pipeline engine can cut the same blocks into stages):
@@ -115,7 +115,7 @@ class CoreAttention(nn.Module):
     window (model.layer_types, sliding_window), with sinks given (model.attention_sinks) one more logit per head.
 
     q, k, v: (B, L, heads, head_dim), the result too. A module of its own, without parameters, so that sequence
-    parallelism can wrap it from outside (dstrain.train.sequence) without changing any parameter name.
+    parallelism can wrap it from outside (dstrain.train.engine.sequence) without changing any parameter name.
     """
 
     def __init__(self, config: GPTConfig, index: int = 0) -> None:
@@ -155,7 +155,7 @@ class Attention(nn.Module):
         self.v_proj = Linear(d, kv_width, qkv_bias, std)
         self.o_proj = Linear(q_width, d, bias or config.o_bias, std / math.sqrt(2 * config.n_layer))
         # Per head: one weight every head uses, whole on each TP/SP rank (under TP its gradient is summed over the
-        # group: train/engine.py). Over the projection (OLMo 2): it spans every head, so TP is refused.
+        # group: train/engine/build.py). Over the projection (OLMo 2): it spans every head, so TP is refused.
         if config.qk_norm in ("head", "projection"):
             per_head = config.qk_norm == "head"
             self.q_norm = make_norm(config, self.head_dim if per_head else q_width)

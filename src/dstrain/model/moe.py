@@ -22,7 +22,8 @@ Activation checkpointing (checkpointed_moe_block): a checkpointed block's first 
 the router losses it leaves on the Router would carry no gradient. The block is therefore checkpointed as a function
 returning (output, aux loss, z loss): the checkpoint's outputs join the graph, and the recompute in the backward
 takes the losses' gradients back into the router. The recompute runs the Router again, so the Router keeps only its
-last forward's losses and token counts, and the MoE meter (train/moe_metrics.py) adds them up once per micro-batch,
+last forward's losses and token counts, and the MoE meter (train/features/moe_metrics.py) adds them up once per
+micro-batch,
 outside the recomputed region.
 """
 
@@ -128,7 +129,8 @@ class Router(nn.Module):
         # DeepSeek's router (deepseek_route) for everything Mixtral's does not compute
         moe = config.moe
         self.deepseek = moe.scoring == "sigmoid" or moe.n_group > 1 or moe.routed_scaling_factor != 1.0
-        # The loss-free balancing bias of sigmoid scoring (train/balancing.py moves it), fp32 as in transformers.
+        # The loss-free balancing bias of sigmoid scoring (train/features/balancing.py moves it), fp32 as in
+        # transformers.
         bias = torch.zeros(self.num_experts, dtype=torch.float32) if moe.scoring == "sigmoid" else None
         self.register_buffer("e_score_correction_bias", bias)
         self.ep_group = None  # set by DeepSpeed (MOELayer._set_ep_group) once the engine made the groups

@@ -9,7 +9,7 @@ what the next stage needs: a hidden-state tensor, or `(hidden, position_ids)` wh
     layer n+2        head        (the tied embedding's weight, or its own Linear)
 
 With a chunked loss (``head_loss``) the head layer hands the loss its input and weight instead of the logits, and
-the loss applies the head tile by tile (dstrain.train.tiling): the last stage never holds the whole logits.
+the loss applies the head tile by tile (dstrain.train.engine.tiling): the last stage never holds the whole logits.
 
 Initial weights equal `GPT(config)`'s for the same seed: each layer is built from the CPU RNG state
 the plain constructor had when it reached that layer (recorded by building the layers once, in order,
@@ -139,7 +139,7 @@ def layer_prefixes(config: GPTConfig) -> list[tuple[str, str] | None]:
 
 class PipeLoss:
     """The pipeline's loss function: the micro-batch's mean loss, or during a train step its loss sum over
-    ``divisor``, the step's learned tokens per micro-batch, which the trainer sets (dstrain.train.steps).
+    ``divisor``, the step's learned tokens per micro-batch, which the trainer sets (dstrain.train.step.steps).
     ``head_loss``: the loss sum when the head layer hands over (its input, its weight) (the chunked loss)."""
 
     def __init__(self, head_loss: Callable | None = None) -> None:

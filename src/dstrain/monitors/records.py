@@ -34,7 +34,12 @@ def describe(record: Mapping[str, Any]) -> str:
         if not skipped:
             return what + "; no checkpoint yet, training went on"
         return f"{what}: rolled back to {record['rolled_back_to']}, skipping samples {skipped[0]}-{skipped[1] - 1}"
-    if kind in ("restart", "spare", "shrink", "requeue"):  # slurm/train.sbatch's relaunch (dstrain.train.elastic)
+    if kind in (
+        "restart",
+        "spare",
+        "shrink",
+        "requeue",
+    ):  # slurm/train.sbatch's relaunch (dstrain.train.process.elastic)
         return (
             f"{kind} at step {step}: {record.get('detail', '')}; "
             f"{record.get('time_lost_s', 0):.0f} s and {record.get('steps_lost', 0)} step(s) lost"

@@ -49,7 +49,8 @@ class WandbMonitor:
             dir=str(settings.dir),
             mode=settings.mode,
             config=None if saved else config,
-            # dstrain keeps the console in logs/rank<r>.log (train/console.py), W&B capturing it too would wrap it
+            # dstrain keeps the console in logs/rank<r>.log (train/process/console.py), W&B capturing it too would wrap
+            # it
             # twice; quiet: dstrain prints the one line that says where the run is, W&B no summary of every number
             settings=wandb.Settings(console="off", quiet=True),
         )

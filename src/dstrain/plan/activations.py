@@ -26,7 +26,8 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     seq = recipe.data.seq_len // strategy.sp_size  # a sequence-parallel rank's slice of each sample
     tokens = strategy.micro_batch * seq
     h, heads = m.d_model, m.n_head
-    # Under SP beyond the key/value heads, attention holds each rank's repeated key/value heads (train/sequence.py).
+    # Under SP beyond the key/value heads, attention holds each rank's repeated key/value heads
+    # (train/engine/sequence.py).
     kv = m.kv_heads * kv_replicas(heads, m.kv_heads, strategy.sp_size) * m.head_dim
     q = m.n_head * m.head_dim  # d_model unless model.d_head decouples them (Qwen3)
     if m.flavour == "llama":

@@ -1,4 +1,4 @@
-"""What train.averaging (dstrain.train.averaging) adds to each rank's memory, for ``dstrain estimate``.
+"""What train.averaging (dstrain.train.features.averaging) adds to each rank's memory, for ``dstrain estimate``.
 
 Each rank keeps fp32 copies of the weights it holds: Ψ_avg = Ψ (the rank's model-parallel slice) under ZeRO-0/1/2
 and pipelines, Ψ/N (its partition, where parameter offload puts it) under ZeRO-3. The EMA is one copy, last-N keeps N:

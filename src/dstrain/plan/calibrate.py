@@ -63,7 +63,7 @@ def _all_reduce_rank(rank: int, port: int, queue) -> None:
 
 def all_reduce_gbps() -> float:
     """Bus bandwidth of a 2-rank gloo all-reduce on this host, in Gbit/s."""
-    from dstrain.train.distributed import free_port
+    from dstrain.train.process.distributed import free_port
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()

@@ -79,7 +79,7 @@ def _measure_kind(small: Recipe, strategy, kind: str) -> list[float]:
     ``strategy``: the kind's layout at one sample per micro-batch (_strategy)."""
     import torch
 
-    from dstrain.train.engine import build_engine, build_model
+    from dstrain.train.engine.build import build_engine, build_model
 
     pipeline = strategy.pp_stages > 1
     engine = build_engine(small, strategy, build_model(small, strategy))
@@ -88,7 +88,7 @@ def _measure_kind(small: Recipe, strategy, kind: str) -> list[float]:
         if accumulation != engine.gradient_accumulation_steps():  # (only the engine kinds'; TP/SP keep theirs)
             engine.set_train_batch_size(accumulation * dp)  # the engine's micro-batch stays 1: a plain one takes any
         ids = torch.randint(0, small.model.vocab_size, (micro, small.data.seq_len))
-        if strategy.sp_size > 1:  # this rank's slice of the sequence (dstrain.train.sequence.shard)
+        if strategy.sp_size > 1:  # this rank's slice of the sequence (dstrain.train.engine.sequence.shard)
             part = small.data.seq_len // strategy.sp_size
             ids = ids[:, engine.mpu.get_sequence_parallel_rank() * part :][:, :part].contiguous()
         _step_seconds(engine, pipeline, ids, accumulation)
@@ -106,7 +106,7 @@ def _measure_rank(rank: int, ranks: int, port: int, recipe: Recipe, queue) -> No
     import torch
 
     from dstrain.errors import DstrainError
-    from dstrain.train import distributed
+    from dstrain.train.process import distributed
 
     distributed.init()
     out = {}
@@ -126,7 +126,7 @@ def _measure_rank(rank: int, ranks: int, port: int, recipe: Recipe, queue) -> No
 
 def measured_steps(recipe: Recipe, ranks: int) -> dict[str, list[float]]:
     """Median seconds per step of each calibrated kind at its points (_points)."""
-    from dstrain.train.distributed import free_port
+    from dstrain.train.process.distributed import free_port
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()

@@ -146,7 +146,7 @@ def candidate_layouts(recipe: Recipe, cluster: Cluster) -> list[list[Layout]]:
     micros = powers_of_two(min(recipe.train.global_batch, 64))
     shapes, moe = [], recipe.model.moe is not None
     # SP up to the query heads, across nodes too: long sequences need more ranks than a node has (beyond the key/value
-    # heads each rank repeats them: dstrain.train.sequence)
+    # heads each rank repeats them: dstrain.train.engine.sequence)
     sizes_sp = [sp for sp in powers_of_two(min(world, recipe.model.n_head)) if recipe.model.n_head % sp == 0]
     for tp in powers_of_two(g):
         for sp in sizes_sp:

@@ -1,7 +1,8 @@
 """What a preference recipe's reference pass holds and costs, for ``dstrain estimate`` and ``dstrain plan``: a phase
 of its own (``Part.reference``), before step 1.
 
-What the code does (dstrain.train.preference_steps.reference_pass): a fresh run's engine holds init_from's weights,
+What the code does (dstrain.train.objectives.preference.steps.reference_pass): a fresh run's engine holds init_from's
+weights,
 and the policy at step 0 is the reference, so the pass is the built engine's own no-grad forwards under the run's
 strategy (ZeRO-3 gathering its layers as in training, AutoTP's split projections, each SP rank its slice). Beside
 them the training state at rest is held (parameters, fp32 master weights, Adam moments, ZeRO-3's flat gradient
@@ -19,7 +20,8 @@ log-probs (at most 2% over them). The pass's time: forward FLOPs only (flops_per
 attention), over every rank, at the training precision's rate (``reference_seconds_per_token``).
 
 Not counted: a loss without a reference (simpo) has no pass, and a run whose scores are kept already
-(dstrain.train.reference_scores) skips it; the estimate counts it all the same (the first run computes them).
+(dstrain.train.objectives.preference.reference_scores) skips it; the estimate counts it all the same (the first run
+computes them).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dstrain.errors import DstrainError
 # Keys dstrain writes besides those DeepSpeed reads: DeepSpeed ignores a ds_config "seed"; strategy.resolve
 # records the recipe's seed there (a pinned one must equal it). DeepSpeedConfig reads "sequence_parallel_size" only
 # inside a process group (runtime/config.py), which this check runs without; strategy.resolve reads it. "tiling" is
-# dstrain's own section (parallel.check_tiling checks it, dstrain.train.tiling applies it).
+# dstrain's own section (parallel.check_tiling checks it, dstrain.train.engine.tiling applies it).
 DSTRAIN_KEYS = {"seed", "sequence_parallel_size", "tiling"}
 # Handed whole to the optimizer's constructor (runtime/engine.py _configure_basic_optimizer), which checks them.
 OPEN_SECTIONS = ("optimizer.params",)

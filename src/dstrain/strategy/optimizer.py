@@ -93,12 +93,12 @@ def optimizer_refusal(stage: int, precision: Precision, offload: bool) -> str | 
         # clips it, and only then runs Muon on whole matrices (bf16_optimizer.step, _prepare_muon_updates).
         return None
     if (stage > 0 and precision == "fp32" or stage == 3 and precision == "bf16") and not offload:
-        # DeepSpeed's ZeRO optimizers clip the orthogonalised update; train/muon_zero.py makes them clip the raw
+        # DeepSpeed's ZeRO optimizers clip the orthogonalised update; train/engine/muon_zero.py makes them clip the raw
         # gradient. bf16 ZeRO-3 accumulates every gradient in its fp32 partitions.
         return None
     if offload:
         # stage_1_and_2 / stage3 ._apply_muon_updates_cpu_offload orthogonalise before the norm and clip the
-        # orthogonalised update, on a path train/muon_zero.py does not take.
+        # orthogonalised update, on a path train/engine/muon_zero.py does not take.
         return f"under ZeRO stage {stage} with offload DeepSpeed 0.19.8 clips Muon's orthogonalised update"
     if stage == 2 and precision == "bf16":
         # stage_1_and_2._muon_momentum_buffer: at stage 2 the Muon matrices' gradients stay in the parameters' dtype

@@ -210,7 +210,7 @@ def check_sequence_parallel(
         )
     zero = config.get("zero_optimization", {})
     if zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True) is False:
-        # dstrain.train.sequence.backward_factor corrects the one ZeRO-3 path that averages over the SP group.
+        # dstrain.train.engine.sequence.backward_factor corrects the one ZeRO-3 path that averages over the SP group.
         raise DstrainError(
             f"{ds_file}: sequence_parallel_size with ZeRO-3 needs zero_optimization.reduce_scatter on (its default); "
             f"remove reduce_scatter: false"
@@ -226,7 +226,7 @@ def check_sequence_parallel(
             f"{ds_file}: sequence_parallel_size with model.rope_scaling longrope is not supported: it picks its "
             f"factors by the batch's largest position, which each rank sees only in its slice; use a ZeRO config"
         )
-    if model.n_head % size:  # beyond the key/value heads, each rank repeats them (dstrain.train.sequence)
+    if model.n_head % size:  # beyond the key/value heads, each rank repeats them (dstrain.train.engine.sequence)
         fits = [n for n in range(2, model.n_head + 1) if model.n_head % n == 0]
         raise DstrainError(
             f"{ds_file}: sequence_parallel_size={size} does not divide the {model.n_head} query heads of "

@@ -118,7 +118,7 @@ class Strategy:
     @property
     def host_checkpoints(self) -> bool:
         """Each checkpointed block input is held in host memory (activation_checkpointing.cpu_checkpointing:
-        dstrain.train.host_checkpoints)."""
+        dstrain.train.engine.host_checkpoints)."""
         return bool(self.ds_config.get("activation_checkpointing", {}).get("cpu_checkpointing", False))
 
 

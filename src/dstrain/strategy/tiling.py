@@ -1,4 +1,5 @@
-"""dstrain's own ds_config section ``"tiling": {"loss": n | "auto", "mlp": m}`` (applied by dstrain.train.tiling):
+"""dstrain's own ds_config section ``"tiling": {"loss": n | "auto", "mlp": m}`` (applied by
+dstrain.train.engine.tiling):
 how many sequence tiles the loss and each MLP run in, checked against the recipe before anything runs.
 
 The loss is chunked by default where its logits are large ("auto", also when the key is absent): a micro-batch's
@@ -53,7 +54,7 @@ def check_tiling(
     seq = recipe.data.seq_len // sp_size  # each sequence-parallel rank tiles its own slice
     loss = section.get("loss", "auto")
     if recipe.preference is not None and loss not in ("auto", 1):  # the completions' log-probs take whole logits
-        raise DstrainError(  # (train/preference_forward.py); the estimate and the planner count them whole
+        raise DstrainError(  # (train/objectives/preference/forward.py); the estimate and the planner count them whole
             f"{ds_file}: tiling.loss={loss!r} with the recipe's preference: section is not supported (the completions' "
             f"log-probs are taken from whole logits); remove tiling.loss or set it to 1"
         )

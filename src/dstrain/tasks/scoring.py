@@ -82,7 +82,7 @@ def tiled_continuation_stats(
     project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, tiles: int
 ) -> torch.Tensor:
     """continuation_stats of project(hidden) without the whole logits: the head applied to ``tiles`` sequence chunks
-    in turn (the chunked loss's counterpart, dstrain.train.tiling); each row's sums add up over the chunks."""
+    in turn (the chunked loss's counterpart, dstrain.train.engine.tiling); each row's sums add up over the chunks."""
     step = math.ceil(hidden.shape[1] / tiles)
     chunks = range(0, hidden.shape[1], step)
     return torch.stack(

@@ -1,6 +1,6 @@
 import sys
 
-from dstrain.train import console
+from dstrain.train.process import console
 
 console.start(console.verbose_requested(sys.argv[1:]))  # before anything imports deepspeed, which logs as it loads
 

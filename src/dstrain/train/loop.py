@@ -7,11 +7,11 @@ resumed run and a run under another strategy see exactly the same samples.
 Pipeline engines run a whole optimizer step in `engine.train_batch(micro_batches)` and
 evaluate through `engine.eval_batch`; every other engine (ZeRO, AutoTP) is driven micro-batch
 by micro-batch. The data-parallel rank comes from DeepSpeed's own groups
-(`dstrain.train.engine.data_parallel_rank`): the ranks of one tensor-parallel group or of one
+(`dstrain.train.engine.build.data_parallel_rank`): the ranks of one tensor-parallel group or of one
 pipeline read the same samples.
 
-The loop names no optional feature: it calls its components (dstrain.train.components) at fixed points, and
-dstrain.train.features assembles them.
+The loop names no optional feature: it calls its components (dstrain.train.step.components) at fixed points, and
+dstrain.train.features.builders assembles them.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from dstrain.metrics import IntervalClock, MetricsLog, largest_peak_memory_of_al
 from dstrain.metrics_records import evaluation_summary, perplexity
 from dstrain.model.counts import describe_params, flops_per_token
 from dstrain.run_dir import RunDir
-from dstrain.train import features
-from dstrain.train.components import Components, Progress, StepOutcome, StepSums, Verdict
-from dstrain.train.engine import apply_recipe_to_optimizer, data_parallel_rank
-from dstrain.train.evaluator import Evaluator
-from dstrain.train.objectives import forward_and_step
-from dstrain.train.step_hooks import StepHooks
-from dstrain.train.stop import StopSignal
+from dstrain.train.engine.build import apply_recipe_to_optimizer, data_parallel_rank
+from dstrain.train.features import builders as features
+from dstrain.train.objectives.select import forward_and_step
+from dstrain.train.process.stop import StopSignal
+from dstrain.train.step.components import Components, Progress, StepOutcome, StepSums, Verdict
+from dstrain.train.step.evaluator import Evaluator
+from dstrain.train.step.step_hooks import StepHooks
 
 
 class Trainer:
@@ -54,7 +54,7 @@ class Trainer:
         hooks: StepHooks | None = None,
     ):
         """``valid_sets``: (name, weight, dataset) per data source (``dstrain.data.dataset.build_valid_sets``);
-        ``hooks``: a test's faults (dstrain.train.step_hooks.StepHooks)."""
+        ``hooks``: a test's faults (dstrain.train.step.step_hooks.StepHooks)."""
         self.recipe, self.strategy, self.engine = recipe, strategy, engine
         self.train_data, self.valid_sets = train_data, valid_sets
         # Only DeepSpeed's groups know the pipeline/TP layout, so the data-parallel rank comes from them.

@@ -22,7 +22,7 @@ from dstrain.monitors.settings import check_monitors
 from dstrain.recipe_file import load_recipe
 from dstrain.run_dir import RunDir
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
-from dstrain.train.launcher_env import env_rank, env_world_size
+from dstrain.train.process.launcher_env import env_rank, env_world_size
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
     if tag:
         from dstrain.checkpoint import nvme
         from dstrain.data.tokenizer import check_run_tokenizer
-        from dstrain.train import averaging
+        from dstrain.train.features import averaging
 
         nvme.check_resume(files.checkpoints / tag, strategy)
         averaging.check_resume(files.checkpoints / tag, recipe.train.averaging, strategy)
@@ -173,7 +173,7 @@ def check_run_dir_path(files: RunDir) -> None:
 def check_init_from(recipe: Recipe, recipe_file: str, manifests: list[Manifest]) -> None:
     """init_from is a Hugging Face model folder (read from config.json only) or a dstrain run with an intact
     checkpoint, of the recipe's architecture."""
-    from dstrain.model.hf import architecture_diff, config_from_hf
+    from dstrain.model.hf.convert import architecture_diff, config_from_hf
 
     assert recipe.init_from is not None
     try:

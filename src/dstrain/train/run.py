@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 from dstrain.checkpoint.record import identity
 from dstrain.config import Recipe
 from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError, OneLineArgumentParser
-from dstrain.train import console
-from dstrain.train.launcher_env import env_rank
 from dstrain.train.preflight import checked_inputs
+from dstrain.train.process import console
+from dstrain.train.process.launcher_env import env_rank
 from dstrain.train.run_folder import claim_run_dir, write_summary
 
 if TYPE_CHECKING:
-    from dstrain.train.step_hooks import StepHooks
+    from dstrain.train.step.step_hooks import StepHooks
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None, hooks: StepHooks | None = None) -> int:
-    """``hooks``: a test's faults injected into the steps (dstrain.train.step_hooks.StepHooks)."""
+    """``hooks``: a test's faults injected into the steps (dstrain.train.step.step_hooks.StepHooks)."""
     console.start(console.verbose_requested(sys.argv[1:] if argv is None else argv))
     rank = env_rank()
     error = None
@@ -101,15 +101,15 @@ def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
     recipe, strategy, files, tag = inputs.recipe, inputs.strategy, inputs.files, inputs.tag
     import torch
 
-    from dstrain.train import distributed
-    from dstrain.train.engine import build_engine, build_model, load_init_from
+    from dstrain.train.engine.build import build_engine, build_model, load_init_from
     from dstrain.train.loop import Trainer
+    from dstrain.train.process import distributed
 
     train_data, valid_sets = training_data(recipe)
 
     from deepspeed.accelerator import get_accelerator
 
-    from dstrain.train.watchdog import enable_flight_recorder
+    from dstrain.train.features.watchdog import enable_flight_recorder
 
     if recipe.train.watchdog.enabled:
         enable_flight_recorder(files, get_accelerator().communication_backend_name())

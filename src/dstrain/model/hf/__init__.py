@@ -1,0 +1,1 @@
+"""Conversion between our GPT and Hugging Face transformers, per family."""

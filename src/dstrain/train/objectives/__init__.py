@@ -1,0 +1,1 @@
+"""The training objectives: the language-model loss (pretraining, SFT) and preference tuning."""

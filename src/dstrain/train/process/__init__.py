@@ -1,0 +1,1 @@
+"""The process among ranks: the process group, the console, stop signals, the elastic relaunch."""
