@@ -169,3 +169,17 @@ def test_a_third_objective_is_refused_by_its_layout_and_counted_by_the_estimate(
     assert est.reference_pass and part.reference == 12345 * est.micro_batch and "reference" in est.phases
     monkeypatch.delitem(OBJECTIVES, "toy")
     assert not estimate(recipe, resolve(recipe, "lm.yaml", load_ds_config(str(zero1)), str(zero1), 2), 1, 2).phases[2:]
+
+
+@pytest.mark.unit
+def test_a_recipe_choosing_two_objectives_is_refused_naming_both_sections(tmp_path, corpus, monkeypatch):
+    from dstrain.errors import DstrainError
+    from dstrain.recipe_file import load_recipe
+
+    second = Objective("second", __name__, "init_from", frozenset({"text"}), "init_from (a test's objective)")
+    monkeypatch.setitem(OBJECTIVES, "second", second)
+    path = small_recipe(tmp_path, corpus, preference={"loss": "simpo"}, init_from=str(tmp_path))
+    with pytest.raises(DstrainError, match=rf"^{path}: preference: and init_from: each choose a training objective"):
+        load_recipe(path)
+    monkeypatch.delitem(OBJECTIVES, "second")
+    assert load_recipe(path).preference is not None
