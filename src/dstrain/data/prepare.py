@@ -329,10 +329,17 @@ def _prepare_folder(
         save_tokenizer(tokenizer, tokenizer_dir)
     write_json_atomic(out / INPUTS_NAME, inputs)
     shards, dtype = _tokenize(out, source, tokenizer, opts)
+    return write_manifest(out, _manifest(out, opts, inputs, tokenizer, shards, dtype, source.chat_format))
+
+
+def _manifest(
+    out: Path, opts: PrepareOptions, inputs: dict, tokenizer, shards: list[dict], dtype: np.dtype, chat_format
+) -> Manifest:
+    """The typed manifest of the shards written into ``out`` from ``inputs`` (prepare_inputs.json's record)."""
     records = [ShardRecord(**shard, **shard_files(out / shard["prefix"])) for shard in shards]
     prefixes = [s.prefix for s in records]
-    pairs = source.chat_format == PAIR_FORMAT  # only then a pairs record: conversations' manifests (hashes) unchanged
-    manifest = Manifest(
+    pairs = chat_format == PAIR_FORMAT  # only then a pairs record: the conversations' manifests (hashes) unchanged
+    return Manifest(
         format=FORMAT,
         format_version=FORMAT_VERSION,
         tokenizer=TokenizerRecord(**inputs["tokenizer"]),
@@ -350,7 +357,6 @@ def _prepare_folder(
         pairs=PairsRecord(**pair_counts(out, prefixes)) if pairs else None,
         task=TaskRecord(**inputs["task"]) if "task" in inputs else None,
     )
-    return write_manifest(out, manifest)
 
 
 def _tokenize(out: Path, source, tokenizer, opts: PrepareOptions) -> tuple[list[dict], np.dtype]:
