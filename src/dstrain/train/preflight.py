@@ -38,13 +38,13 @@ class CheckedInputs:
 
 def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
     """Every input checked, nothing written."""
-    recipe, source = load_recipe_and_source(args.recipe, args.overrides)
+    recipe, model_source = load_recipe_and_source(args.recipe, args.overrides)
     strategy = resolve(
         recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, env_world_size()
     )
-    manifests = [read_manifest(source.path) for source in recipe.data.sources]  # once each, handed on
+    manifests = [read_manifest(data.path) for data in recipe.data.sources]  # once each, handed on
     files = RunDir(run_folder(recipe))
-    check(recipe, args.recipe, files, manifests, source)
+    check(recipe, args.recipe, files, manifests, model_source)
     check_monitors(strategy.ds_config, args.deepspeed_config, files.root)
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe, manifests)
     tag = resume_tag(files.checkpoints, args.resume)
@@ -60,7 +60,7 @@ def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
     from dstrain.tasks.loading import load_tasks
 
     load_tasks(recipe.train.tasks, args.recipe)  # every item readable; the tasks' component loads them again
-    return CheckedInputs(recipe, strategy, files, manifests, fingerprint, tag, source)
+    return CheckedInputs(recipe, strategy, files, manifests, fingerprint, tag, model_source)
 
 
 def check_run_dir(
