@@ -134,8 +134,8 @@ def test_deepspeeds_own_wandb_block_resolves_as_written(tmp_path, corpus):
     recipe_file, config_file = small_recipe(tmp_path, corpus), ds_config(tmp_path, "zero1", **MONITORS)
     recipe = load_recipe(str(recipe_file), [f"run_dir={tmp_path / 'run'}"])
     strategy = resolve(recipe, str(recipe_file), load_ds_config(str(config_file)), str(config_file), 2)
-    assert strategy.ds_config["wandb"] == MONITORS["wandb"]
-    assert strategy.ds_config["tensorboard"] == {
+    assert strategy.resolved_ds_config["wandb"] == MONITORS["wandb"]
+    assert strategy.resolved_ds_config["tensorboard"] == {
         "enabled": True,
         "output_path": str(tmp_path / "run" / "tensorboard"),
         "job_name": "small",

@@ -2,8 +2,8 @@
 the ds_config (DeepSpeed's schema, checked by strategy.ds_schema), and W&B's environment variables.
 
 dstrain writes these monitors itself, from rank 0, at the optimizer step (dstrain.monitors); DeepSpeed is handed the
-ds_config without the three blocks (train/engine/build.py), so its own sample-stepped events are not sent. Nothing here
-imports torch, wandb or tensorboard: the checks run before any work.
+ds_config without the three blocks (dstrain.strategy.resolved.OWN_SECTIONS), so its own sample-stepped events are not
+sent. Nothing here imports torch, wandb or tensorboard: the checks run before any work.
 """
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ def plan(
     kept = []
     for planned in found:
         try:
-            validate_ds_config(planned.strategy.ds_config, planned.strategy.source)
+            validate_ds_config(planned.strategy.resolved_ds_config, planned.strategy.source)
         except DstrainError:
             continue
         kept.append(planned)

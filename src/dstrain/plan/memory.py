@@ -70,13 +70,13 @@ def estimate(
     """What each rank holds; ``fused_norms``: the devices run torch's fused RMSNorm (a GPU), not its CPU path."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    zero = DeepSpeedZeroConfig(**strategy.ds_config.get("zero_optimization", {}))  # DeepSpeed's own defaults
+    zero = DeepSpeedZeroConfig(**strategy.deepspeed_config.get("zero_optimization", {}))  # DeepSpeed's own defaults
     stage, n = strategy.zero_stage, strategy.zero_partitions
     if (strategy.offload_optimizer or strategy.offload_param) and stage == 0:
         raise DstrainError(
             f"{strategy.source}: zero_optimization.offload_* needs ZeRO stage 1, 2 or 3; set zero_optimization.stage"
         )
-    method = str(strategy.ds_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
+    method = str(strategy.deepspeed_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
     threshold = zero.param_persistence_threshold if stage == 3 else 0
     counts = count_params(
         recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size, strategy.pipe_schedule
@@ -196,7 +196,7 @@ def bf16_optimizer(strategy: Strategy) -> bool:
 
 
 def accumulates_in_fp32(strategy: Strategy) -> bool:
-    return strategy.ds_config.get("data_types", {}).get("grad_accum_dtype") == "fp32"
+    return strategy.deepspeed_config.get("data_types", {}).get("grad_accum_dtype") == "fp32"
 
 
 def gradient_parts(strategy: Strategy, psi: int, part: int | None = None) -> list[Part]:
@@ -236,7 +236,8 @@ def gradient_parts(strategy: Strategy, psi: int, part: int | None = None) -> lis
             Part("gradients", "gradients (fp32), swapped for the optimizer", "nvme", 4 * part, 4 * part, "4Ψ/N")
         ]
     # ZeRO-3 steps one sub-group (zero_optimization.sub_group_size elements) at a time, each with its fp32 copy.
-    copied = min(part, int(strategy.ds_config["zero_optimization"].get("sub_group_size", 1e9))) if s == 3 else part
+    sub_group = int(strategy.deepspeed_config["zero_optimization"].get("sub_group_size", 1e9))
+    copied = min(part, sub_group) if s == 3 else part
     keep = 4 * part if opt else 0  # offload keeps the pinned fp32 gradient partition allocated
     formula = "4·min(Ψ/N, sub_group_size) at the step" if s == 3 else "4Ψ/N at the step"
     return parts + [

@@ -195,9 +195,9 @@ def engine_kind(strategy: Strategy) -> str:
 
 def layout_counts(recipe: Recipe, strategy: Strategy) -> ParamCounts:
     """The parameter counts of one rank under ``strategy``, as the memory model counts them."""
-    zero = strategy.ds_config.get("zero_optimization", {})
+    zero = strategy.deepspeed_config.get("zero_optimization", {})
     threshold = zero.get("stage3_param_persistence_threshold", 100_000) if strategy.zero_stage == 3 else 0
-    method = str(strategy.ds_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
+    method = str(strategy.deepspeed_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
     return count_params(
         recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size, strategy.pipe_schedule
     )

@@ -38,7 +38,7 @@ def check_expert_parallel(
     DeepSpeed 0.19.8's classic MoE layer (the one dstrain uses, see dstrain/model/moe.py) takes its ep_size as a
     constructor argument and has no ds_config key; "expert_parallel" is the section DeepSpeed documents for expert
     parallelism (AutoEP), so dstrain reads the size there. The resolved ds_config keeps it (the run's record);
-    train/engine.build_engine leaves it out of deepspeed.initialize, which would look for AutoEP layers.
+    resolution leaves it out of Strategy.deepspeed_config (strategy.resolved.OWN_SECTIONS): AutoEP finds no layer.
     """
     size, moe = _expert_parallel_size(config.get("expert_parallel"), ds_file), recipe.model.moe
     if moe is not None:

@@ -44,7 +44,7 @@ def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
     manifests = [read_manifest(source.path) for source in recipe.data.sources]  # once each, handed on
     files = RunDir(run_folder(recipe))
     check(recipe, args.recipe, files, manifests)
-    check_monitors(strategy.ds_config, args.deepspeed_config, files.root)
+    check_monitors(strategy.resolved_ds_config, args.deepspeed_config, files.root)
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe, manifests)
     tag = resume_tag(files.checkpoints, args.resume)
     check_run_dir(recipe, args.recipe, files, tag, args.resume, fingerprint)

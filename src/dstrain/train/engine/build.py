@@ -15,9 +15,9 @@ import torch
 from dstrain.config import Recipe
 from dstrain.errors import warn
 from dstrain.model.gpt import GPT, param_groups
-from dstrain.monitors.settings import MONITOR_BLOCKS
 from dstrain.strategy.resolve import Strategy
 from dstrain.train.engine import grad_norm, muon_zero
+from dstrain.train.engine.converters import apply_converters
 from dstrain.train.engine.schedule import build_scheduler
 
 
@@ -31,7 +31,7 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
     if strategy.pp_stages > 1:
         from dstrain.model.pipe import build_pipeline
 
-        pipeline = strategy.ds_config.get("pipeline", {})
+        pipeline = strategy.deepspeed_config.get("pipeline", {})
         head_loss = None
         if strategy.loss_tiles > 1:
             from dstrain.train.engine import tiling
@@ -50,7 +50,7 @@ def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
         )
     torch.manual_seed(recipe.seed)  # identical initial weights on every rank and under every strategy
     init = (
-        deepspeed.zero.Init(config_dict_or_path=strategy.ds_config)
+        deepspeed.zero.Init(config_dict_or_path=strategy.deepspeed_config)
         if strategy.zero_stage == 3
         else contextlib.nullcontext()
     )
@@ -109,7 +109,9 @@ def make_arch_list_readable_by_deepspeed() -> None:
 
 
 def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
-    """deepspeed.initialize with the optimizer from the ds_config and the schedule from the recipe."""
+    """deepspeed.initialize with the optimizer from the ds_config and the schedule from the recipe, after the model
+    converters (dstrain.train.engine.converters: adapters, later FP8) and the layouts are applied to ``model``."""
+    model = apply_converters(model, recipe, strategy)  # after init_from's weights: a converter wraps loaded layers
     if os.environ.get("LOCAL_RANK", "0") == "0":  # one warning per node, whose cache it is
         warn_stale_build_locks()
     make_arch_list_readable_by_deepspeed()
@@ -128,14 +130,10 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
         from dstrain.train.engine import tiling
 
         tiling.tile_mlps(model, strategy.mlp_tiles)
-    # "expert_parallel" is dstrain's to read (strategy: the classic MoE layer's size); given to DeepSpeed it would turn
-    # on AutoEP, which finds no layer of its own here. The monitor blocks are dstrain's to write (dstrain.monitors, at
-    # the optimizer step): DeepSpeed's own writers would log its events at the sample count, a second x-axis.
-    ds_config = {k: v for k, v in strategy.ds_config.items() if k not in ("expert_parallel", *MONITOR_BLOCKS)}
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, recipe.optim.weight_decay),
-        config=ds_config,
+        config=strategy.deepspeed_config,  # exactly as resolved (tests/test_engine_seams.py)
         lr_scheduler=lambda opt: build_scheduler(opt, recipe.total_steps, recipe.optim, recipe.schedule),
         mpu=mpu,
     )
@@ -144,7 +142,7 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
     if strategy.tp_size > 1:
         sum_head_norm_grads_over_tp(engine.module)
     check_expert_groups(engine, strategy)
-    if "compile" in strategy.ds_config:
+    if "compile" in strategy.deepspeed_config:
         # DeepSpeed 0.19.8 reads the "compile" section but leaves engine.compile() to the caller: here the
         # section's presence is the switch, so torch.compile is one ds_config swap like every other strategy.
         engine.compile()
@@ -221,7 +219,7 @@ def configure_activation_checkpointing(engine, strategy: Strategy) -> None:
 
     host_checkpoints.install()
     checkpointing.mpu = None  # configure() keeps a previous engine's grid when given none (DeepSpeed 0.19.8)
-    section = strategy.ds_config.get("activation_checkpointing", {})  # none: a pipeline interval alone
+    section = strategy.deepspeed_config.get("activation_checkpointing", {})  # none: a pipeline interval alone
     tensor_parallel = strategy.tp_size > 1
     # Options by hand: configure(deepspeed_config=...) re-checks the batch arithmetic against the world size, which
     # fails when model parallelism makes the data-parallel size smaller.
