@@ -106,7 +106,7 @@ def test_every_shipped_ds_config_passes_deepspeeds_own_parser(tmp_path, monkeypa
         model = {**recipe, "model": {**recipe["model"], "moe": {"num_experts": max(4, ep)}}}
         model = model if "expert_parallel" in ds else recipe
         strategy = strategy_for(tmp_path, ds, world=max(2, ep) * stages, recipe=model)
-        validate_ds_config(strategy.resolved_ds_config, config)
+        validate_ds_config(strategy.resolved_ds_config)  # raises the first key DeepSpeed rejects
 
 
 def test_deepspeed_sections_dstrain_does_not_read_are_accepted(tmp_path):
@@ -209,7 +209,7 @@ def test_indivisible_batch_lists_valid_micro_batches(tmp_path):
 def test_pinned_value_contradicting_recipe_names_both_files(tmp_path):
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5}
     one_line_error(
-        lambda: strategy_for(tmp_path, ds), "d.json pins gradient_clipping=0.5", "r.yaml sets optim.grad_clip=1.0"
+        lambda: strategy_for(tmp_path, ds), "d.json: pins gradient_clipping=0.5", "r.yaml sets optim.grad_clip=1.0"
     )
     ds = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 64}
     one_line_error(lambda: strategy_for(tmp_path, ds), "train_batch_size=64", "train.global_batch=8")

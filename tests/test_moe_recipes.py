@@ -109,5 +109,5 @@ def test_the_shipped_ds_config_is_what_the_planner_picks_on_one_node():
     from dstrain.plan.time_model import DEVICES, Cluster
 
     recipe = load_recipe(RECIPE)
-    found, fitting = plan(recipe, RECIPE, Cluster(DEVICES["h100-sxm"], 1, 8), "bf16", top=1)
+    found, fitting = plan(recipe, Cluster(DEVICES["h100-sxm"], 1, 8), "bf16", top=1)
     assert fitting > 0 and found[0].ds_config == json.loads(DS_CONFIG.read_text()), found[0].layout.describe()

@@ -36,7 +36,7 @@ from dstrain.commands.report import (
     write_csv,
     write_markdown,
 )
-from dstrain.errors import DstrainError
+from dstrain.errors import DstrainError, naming_files
 from dstrain.run_dir import RunDir
 
 THROUGHPUT_NOTE = (
@@ -294,7 +294,8 @@ def main(args: argparse.Namespace) -> int:
         if args.plan:
             from dstrain.commands.compare_plan import write_planned
 
-            configs, predicted = write_planned(recipe, args.recipe, nproc, args.plan, out)
+            with naming_files(recipe=args.recipe):
+                configs, predicted = write_planned(recipe, nproc, args.plan, out)
             entries = [(Path(c).stem, c, []) for c in configs]
             sources = {stem: config for stem, config, _ in entries}
         check_fresh(out, entries)

@@ -42,11 +42,10 @@ from typing import TYPE_CHECKING
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.model.counts import num_params
+from dstrain.plan import layout_costs
 from dstrain.plan.activations import (
     activation_bytes,
     host_checkpoint_bytes,
-    mlp_tile_bytes,
-    sp_exchange_bytes,
 )
 from dstrain.plan.averaging_memory import averaging_parts
 from dstrain.plan.memory_parts import GIB, Estimate, Part
@@ -72,10 +71,6 @@ def estimate(
 
     zero = DeepSpeedZeroConfig(**strategy.deepspeed_config.get("zero_optimization", {}))  # DeepSpeed's own defaults
     stage, n = strategy.zero_stage, strategy.zero_partitions
-    if (strategy.offload_optimizer or strategy.offload_param) and stage == 0:
-        raise DstrainError(
-            f"{strategy.source}: zero_optimization.offload_* needs ZeRO stage 1, 2 or 3; set zero_optimization.stage"
-        )
     method = str(strategy.deepspeed_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
     threshold = zero.param_persistence_threshold if stage == 3 else 0
     counts = count_params(
@@ -101,9 +96,7 @@ def estimate(
         formula = MOE_FORMULA.replace("n_moe", "1") if recompute else MOE_FORMULA
         est.parts.append(Part("activations", "MoE experts and all-to-all buffers", "device", moe_bytes, 0, formula))
     est.parts += buffer_parts(strategy, zero, counts)
-    if strategy.sp_size > 1:
-        size = sp_exchange_bytes(recipe, strategy)
-        est.parts.append(Part("buffers", "Ulysses all-to-all (q, k, v)", "device", size, 0, "2a·(T/sp)·(d + 2·kv)"))
+    est.parts += layout_costs.memory_parts(recipe, strategy)  # what each used layout part holds besides
     est.sp_size = strategy.sp_size
     if has_reference_pass(recipe):  # init_from scored by the built engine before step 1
         est.reference_pass = True
@@ -114,23 +107,16 @@ def estimate(
 
 
 def activation_parts(recipe: Recipe, strategy: Strategy, fused_norms: bool) -> list[Part]:
-    """Saved for the backward, the loss's logits (whole, or one tile of the chunked loss), a tiled MLP's tile."""
+    """Saved for the backward, and the loss's logits (whole, or one tile of the chunked loss)."""
     saved, logits = activation_bytes(recipe, strategy, fused_norms)
-    host = host_checkpoint_bytes(recipe, strategy)  # of the block inputs counted in `saved`
+    host = host_checkpoint_bytes(recipe, strategy)  # of the block inputs counted in `saved`: on the host (layout_costs)
     parts = [Part("activations", "saved for backward", "device", saved - host, 0, "see module docstring")]
-    if host:
-        name = "checkpointed block inputs, pinned on the host"
-        parts.append(Part("activations", name, "cpu", host, host, "(layers - 1)·a·T·d"))
     n = strategy.loss_tiles
     if n == 1:
         parts.append(Part("activations", "logits gradient (backward start)", "device", logits, 0, "8·T·V"))
     else:
         name = f"chunked loss: 1 of {n} chunks' logits, head gradients (forward end)"
         parts.append(Part("activations", name, "device", logits, 0, "12·(T/n)·V + a·T·d + (4 + a)·V·d"))
-    if strategy.mlp_tiles > 1:
-        name = f"MLP: 1 of {strategy.mlp_tiles} tiles recomputed (backward)"
-        tile = mlp_tile_bytes(recipe, strategy)
-        parts.append(Part("activations", name, "device", tile, 0, "2a·(T/m)·MLP intermediates + a·T·d"))
     return parts
 
 

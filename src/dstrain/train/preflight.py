@@ -17,7 +17,7 @@ import yaml
 from dstrain.checkpoint.record import identity, identity_of_recipe_dict
 from dstrain.config import Recipe, run_folder, to_dict
 from dstrain.data.manifest import Manifest, read_manifest, same_tokenizer
-from dstrain.errors import DstrainError, quiet_warnings
+from dstrain.errors import DstrainError, naming_files, quiet_warnings
 from dstrain.monitors.settings import check_monitors
 from dstrain.recipe_file import load_recipe
 from dstrain.run_dir import RunDir
@@ -44,7 +44,8 @@ def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
     manifests = [read_manifest(source.path) for source in recipe.data.sources]  # once each, handed on
     files = RunDir(run_folder(recipe))
     check(recipe, args.recipe, files, manifests)
-    check_monitors(strategy.resolved_ds_config, args.deepspeed_config, files.root)
+    with naming_files(ds_config=args.deepspeed_config):
+        check_monitors(strategy.resolved_ds_config, files.root)
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe, manifests)
     tag = resume_tag(files.checkpoints, args.resume)
     check_run_dir(recipe, args.recipe, files, tag, args.resume, fingerprint)
