@@ -38,7 +38,7 @@ def test_plan_writes_a_config_that_resolves_fits_and_leaves_the_recipe_its_field
     assert set(config["optimizer"]["params"].values()) == {AUTO}
     recipe = load_recipe(GPT2)
     resolve(recipe, GPT2, config, out, 8, check_device=False)  # DeepSpeed's parser included
-    assert estimate_file(recipe, GPT2, out, 1, 8, H100.memory_gib).fits
+    assert estimate_file(recipe, out, 1, 8, H100.memory_gib).fits
 
 
 def test_plan_keeps_only_layouts_dstrain_accepts_for_a_moe_recipe():

@@ -207,7 +207,7 @@ def add_estimates(
             from deepspeed.accelerator import get_accelerator
 
             fused = get_accelerator().device_name() == "cuda"  # the runs' devices: torch's fused RMSNorm or not
-            row.est_mem_gib = estimate_file(recipe, recipe_path, ds_path, 1, world, fused_norms=fused).peak() / GIB
+            row.est_mem_gib = estimate_file(recipe, ds_path, 1, world, fused_norms=fused).peak() / GIB
         except DstrainError:
             continue  # an invalid config: its row already says why
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dstrain.config import Recipe
-from dstrain.errors import DstrainError
+from dstrain.errors import DstrainError, naming_files
 from dstrain.model.counts import num_params
 from dstrain.plan import layout_costs
 from dstrain.plan.activations import (
@@ -51,7 +51,7 @@ from dstrain.plan.averaging_memory import averaging_parts
 from dstrain.plan.memory_parts import GIB, Estimate, Part
 from dstrain.plan.param_counts import MOE_FORMULA, ParamCounts, count_params, meta_shapes, moe_activation_bytes
 from dstrain.plan.reference_memory import at_rest, has_reference_pass, reference_parts
-from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
+from dstrain.strategy.resolve import Strategy, load_ds_config, resolve_config
 
 if TYPE_CHECKING:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -330,7 +330,6 @@ def deepspeed_reference(counts: ParamCounts, est: Estimate) -> dict | None:
 
 def estimate_file(
     recipe: Recipe,
-    recipe_file: str | Path,
     ds_file: str | Path,
     nodes: int,
     gpus_per_node: int,
@@ -338,9 +337,11 @@ def estimate_file(
     reserve_gib: float = 1.0,
     fused_norms: bool = True,
 ) -> Estimate:
-    """Resolve ``ds_file`` against the recipe for nodes x gpus_per_node ranks, then estimate."""
+    """Resolve ``ds_file`` against the recipe for nodes x gpus_per_node ranks, then estimate. A refusal names
+    ``ds_file``; the recipe's file, where the ds_config contradicts it, is the caller's to name (naming_files)."""
     if nodes < 1 or gpus_per_node < 1:
         raise DstrainError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: both must be at least 1")
     # The estimate is for the cluster's devices, not this host's: its fp16 support does not matter.
-    strategy = resolve(recipe, recipe_file, load_ds_config(ds_file), ds_file, nodes * gpus_per_node, check_device=False)
+    with naming_files(ds_config=ds_file):
+        strategy = resolve_config(recipe, load_ds_config(ds_file), str(ds_file), nodes * gpus_per_node, False)
     return estimate(recipe, strategy, nodes, gpus_per_node, device_memory_gib, reserve_gib, fused_norms)
