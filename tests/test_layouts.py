@@ -95,3 +95,41 @@ def test_an_input_error_is_named_by_the_check_phase():
     with pytest.raises(DstrainError) as error, naming_files(recipe="r.yaml"):
         raise InputError("model.n_head=0; use a positive integer", input="recipe")
     assert str(error.value) == "r.yaml: model.n_head=0; use a positive integer"
+
+
+LAYOUT_FIELDS = {
+    "zero_stage",
+    "tp_size",
+    "pp_stages",
+    "sp_size",
+    "ep_size",
+    "offload_optimizer",
+    "offload_param",
+    "activation_checkpointing",
+    "host_checkpoints",
+    "loss_tiles",
+    "mlp_tiles",
+}
+
+
+def test_building_the_model_and_engine_asks_no_layout_question():
+    """build_model and build_engine call the hooks of the parts a strategy uses (train/engine/layouts.py): no `if`
+    of theirs reads the layout, so a new part is an entry in the lists, not a rung in a ladder of special cases."""
+    import ast
+
+    source = (ROOT / "src" / "dstrain" / "train" / "engine" / "build.py").read_text()
+    functions = {
+        node.name: node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef) and node.name in ("build_model", "build_engine")
+    }
+    assert set(functions) == {"build_model", "build_engine"}
+    asked = sorted(
+        f"{name}: {ast.unparse(branch.test)}"
+        for name, function in functions.items()
+        for branch in ast.walk(function)
+        if isinstance(branch, (ast.If, ast.IfExp))
+        for node in ast.walk(branch.test)
+        if isinstance(node, ast.Attribute) and node.attr in LAYOUT_FIELDS
+    )
+    assert asked == []
