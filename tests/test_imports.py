@@ -308,3 +308,42 @@ def test_no_command_imports_another():
     assert verbs <= set(edges)
     offenders = sorted(f"{name} imports {target}" for name in verbs for target in edges[name] & verbs)
     assert offenders == []
+
+
+# docs/architecture.md's floors: a module imports only its own floor and those under it.
+FLOORS = {
+    "dstrain.commands": 5,
+    "dstrain.__main__": 5,
+    "dstrain.train": 4,
+    "dstrain.plan": 4,
+    "dstrain.strategy": 3,
+    "dstrain.checkpoint": 3,
+    "dstrain.data": 2,
+    "dstrain.model": 2,
+    "dstrain.monitors": 2,
+    "dstrain.tasks": 2,
+    "dstrain.metrics": 2,
+    **dict.fromkeys(["dstrain.config", "dstrain.recipe_file", "dstrain.recipe_checks", "dstrain.preference_config"], 1),
+    **dict.fromkeys(["dstrain.typed_yaml", "dstrain.ranges", "dstrain.model.config", "dstrain.model.counts"], 1),
+    **dict.fromkeys(["dstrain.run_dir", "dstrain.metrics_records"], 1),
+    **dict.fromkeys(["dstrain.errors", "dstrain.precision", "dstrain.devices", "dstrain.files", "dstrain"], 0),
+}
+# The one exception the page names (test_the_config_layer_knows_no_torch_deepspeed_or_run_files holds it, xfail).
+KNOWN_CLIMBS = {("dstrain.recipe_file", "dstrain.data.manifest"), ("dstrain.recipe_file", "dstrain.model.hf.convert")}
+
+
+def floor_of(name: str) -> int:
+    """The floor of the longest FLOORS entry that is ``name`` or a package holding it."""
+    holders = [key for key in FLOORS if name == key or name.startswith(key + ".")]
+    return FLOORS[max(holders, key=len)]
+
+
+def test_every_import_goes_down_the_floors():
+    edges = graph()
+    climbs = sorted(
+        f"{name} (floor {floor_of(name)}) imports {target} (floor {floor_of(target)})"
+        for name, targets in edges.items()
+        for target in targets
+        if floor_of(target) > floor_of(name) and (name, target) not in KNOWN_CLIMBS
+    )
+    assert climbs == []
