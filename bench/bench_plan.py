@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
+    from dstrain.commands.calibrate_engine import with_engine_costs
     from dstrain.commands.compare import check_configs, check_fresh, run_interleaved, run_overrides
     from dstrain.commands.compare_plan import prediction_lines, write_configs
     from dstrain.plan.calibrate import calibrated_device
@@ -54,9 +55,9 @@ def main() -> None:
     overrides = run_overrides(["schedule.warmup_steps=2", "train.eval_samples=16", *args.overrides], args.steps)
     recipe = load_recipe(args.recipe, overrides)
     start = time.perf_counter()
-    cluster = Cluster(calibrated_device(recipe, args.nproc, engines=True), 1, args.nproc)
+    cluster = Cluster(with_engine_costs(recipe, calibrated_device(recipe, args.nproc), args.nproc), 1, args.nproc)
     print(f"calibrated in {time.perf_counter() - start:.0f} s: {cluster.device}", flush=True)
-    every, _ = plan(recipe, args.recipe, cluster, "fp32", 10**6, torch_adam=True)
+    every, _ = plan(recipe, cluster, "fp32", 10**6, torch_adam=True)
     fastest = {}
     for planned in every:  # fastest first
         fastest.setdefault(planned.layout.describe(), planned)

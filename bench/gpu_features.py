@@ -205,7 +205,7 @@ def long_context(check: Check, steps: int, dry: bool) -> list[dict]:
     overrides = [f"data.seq_len={seq}", "train.global_batch=1", f"model.max_seq_len={seq}"]
     recipe_file = ROOT / "recipes" / f"{recipe_name}.yaml"
     recipe = load_recipe(recipe_file, overrides + [f"data.sources=[{{path: {check.data}}}]"])
-    est = estimate_file(recipe, recipe_file, path, 1, 1)
+    est = estimate_file(recipe, path, 1, 1)
     run = check.train("long-context", recipe_name, path, overrides, steps)
     measured = max((r.get("mem_peak_bytes") or 0 for r in run["records"]), default=0)
     detail = f"{status(run)}; {seq} tokens, world of one (SP 1), host-held checkpoints, chunked loss, tiled MLP"

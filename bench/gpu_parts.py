@@ -239,7 +239,7 @@ def memory(check: Check, recipe_name: str, micro: int, seq: int, configs: list[s
         name = f"mem-{recipe_name}-{Path(config_name).stem}"
         path = check.config_file(name, config)
         recipe = load_recipe(recipe_file, overrides + [f"data.sources=[{{path: {check.data}}}]"])
-        est = estimate_file(recipe, recipe_file, path, 1, 1)
+        est = estimate_file(recipe, path, 1, 1)
         run = check.train(name, recipe_name, path, overrides, steps)
         measured = max((r.get("mem_peak_bytes") or 0 for r in run["records"]), default=0)
         estimated = est.peak("device")

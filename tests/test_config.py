@@ -50,7 +50,7 @@ def test_auto_fills_from_recipe_and_derives_accumulation(tmp_path):
         world=2,
         recipe={**RECIPE, "train": {"global_batch": 16, "steps": 4}},
     )
-    c = s.ds_config
+    c = s.deepspeed_config
     assert (s.micro_batch, s.dp_size, s.grad_accum) == (4, 2, 2)
     assert c["train_batch_size"] == 16 and c["gradient_accumulation_steps"] == 2
     assert c["gradient_clipping"] == 1.0
@@ -105,7 +105,8 @@ def test_every_shipped_ds_config_passes_deepspeeds_own_parser(tmp_path, monkeypa
         stages, ep = model_parallel_size(ds), expert_parallel_size(ds)
         model = {**recipe, "model": {**recipe["model"], "moe": {"num_experts": max(4, ep)}}}
         model = model if "expert_parallel" in ds else recipe
-        validate_ds_config(strategy_for(tmp_path, ds, world=max(2, ep) * stages, recipe=model).ds_config, config)
+        strategy = strategy_for(tmp_path, ds, world=max(2, ep) * stages, recipe=model)
+        validate_ds_config(strategy.resolved_ds_config)  # raises the first key DeepSpeed rejects
 
 
 def test_deepspeed_sections_dstrain_does_not_read_are_accepted(tmp_path):
@@ -127,7 +128,7 @@ def test_deepspeed_sections_dstrain_does_not_read_are_accepted(tmp_path):
         aio={"block_size": 1048576, "intra_op_parallelism": 1},
     )
     s = strategy_for(tmp_path, ds)
-    assert s.ds_config["seed"] == 1234 and s.ds_config["communication_data_type"] == "fp32"
+    assert s.deepspeed_config["seed"] == 1234 and s.deepspeed_config["communication_data_type"] == "fp32"
 
 
 @pytest.mark.parametrize(
@@ -208,7 +209,7 @@ def test_indivisible_batch_lists_valid_micro_batches(tmp_path):
 def test_pinned_value_contradicting_recipe_names_both_files(tmp_path):
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5}
     one_line_error(
-        lambda: strategy_for(tmp_path, ds), "d.json pins gradient_clipping=0.5", "r.yaml sets optim.grad_clip=1.0"
+        lambda: strategy_for(tmp_path, ds), "d.json: pins gradient_clipping=0.5", "r.yaml sets optim.grad_clip=1.0"
     )
     ds = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 64}
     one_line_error(lambda: strategy_for(tmp_path, ds), "train_batch_size=64", "train.global_batch=8")

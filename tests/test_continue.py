@@ -169,7 +169,7 @@ def test_shipped_continue_recipe_fits_one_node_under_its_ds_config(recipe_file):
     assert recipe.init_from and not (root / recipe.init_from).exists()  # answered from the recipe alone
     family = check_exportable(recipe.model, str(recipe_file))
     assert CLASSES[family][0] in recipe_file.read_text()
-    est = estimate_file(recipe, recipe_file, ds_config, nodes=1, gpus_per_node=8)
+    est = estimate_file(recipe, ds_config, nodes=1, gpus_per_node=8)
     assert est.fits and est.peak() < 79 * GIB, (ds_config.name, est.peak() / GIB)
     # dstrain plan's choice for 1 x 8 H100, which says whether the loss is chunked (docs/memory.md)
     assert ds_config.parent.name == "planned" and "loss" in load_ds_config(ds_config)["tiling"]

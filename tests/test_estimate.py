@@ -44,7 +44,7 @@ def test_params_counted_on_the_meta_device_in_seconds():
 
 def test_llama_7b_zero3_on_8_gpus_against_the_zero_paper():
     recipe = load_recipe(LLAMA_7B)
-    est = estimate_file(recipe, LLAMA_7B, ROOT / "ds_configs" / "zero3_bf16.json", nodes=1, gpus_per_node=8)
+    est = estimate_file(recipe, ROOT / "ds_configs" / "zero3_bf16.json", nodes=1, gpus_per_node=8)
     psi, n = num_params(recipe.model), 8
     assert est.params_total == psi == 6_738_415_616 and est.dp_size == n
     step = {p.name: p.step for p in est.parts}
@@ -69,7 +69,7 @@ def test_zero2_bf16_against_deepspeeds_estimator():
     by test_model_states_match_what_two_ranks_hold)."""
     recipe = load_recipe(LLAMA_7B)
     for nodes, gpus in [(1, 8), (4, 8)]:
-        est = estimate_file(recipe, LLAMA_7B, ROOT / "ds_configs" / "zero2_bf16.json", nodes, gpus)
+        est = estimate_file(recipe, ROOT / "ds_configs" / "zero2_bf16.json", nodes, gpus)
         psi, n = est.params_total, nodes * gpus
         assert est.model_states() == 2 * psi + 16 * math.ceil(psi / n)
         assert est.deepspeed_reference["device"] == 2 * psi + int(18 * psi / n)
@@ -87,7 +87,7 @@ def test_zero3_steps_one_sub_group_at_a_time(tmp_path):
             config["zero_optimization"]["sub_group_size"] = sub_group
         path = tmp_path / f"zero3-{sub_group}.json"
         path.write_text(json.dumps(config))
-        est = estimate_file(recipe, LLAMA_7B, path, nodes=1, gpus_per_node=8)
+        est = estimate_file(recipe, path, nodes=1, gpus_per_node=8)
         assert est.params_total > 8 * 10**9 * 8  # Ψ/N above the default sub-group
         copy = next(p for p in est.parts if p.name == "gradients (fp32 copy for the optimizer)")
         assert copy.step == 4 * (sub_group or 10**9)
@@ -158,7 +158,7 @@ def test_bad_input_is_one_line(capsys, tmp_path):
                 }
             )
         )
-        estimate_file(load_recipe(LLAMA_7B), LLAMA_7B, cfg, 1, 8)
+        estimate_file(load_recipe(LLAMA_7B), cfg, 1, 8)
 
 
 def test_pipeline_stages_hold_whole_layers_and_the_tied_head():
@@ -190,7 +190,7 @@ def test_sequence_parallel_divides_activations_and_partitions_over_every_rank():
     plain["train_micro_batch_size_per_gpu"] = 1  # the SP config's micro-batch: the same tokens per forward
     plain["tiling"] = {"loss": 1}  # the whole loss on both (the default chunks 32k tokens' logits, not 4k's)
     base = estimate(recipe, resolve(recipe, recipe_file, plain, "zero3_bf16", 8, check_device=False), 1, 8)
-    sp = estimate_file(recipe, recipe_file, ROOT / "ds_configs" / "sp8_zero3_bf16.json", nodes=1, gpus_per_node=8)
+    sp = estimate_file(recipe, ROOT / "ds_configs" / "sp8_zero3_bf16.json", nodes=1, gpus_per_node=8)
     assert (
         sp.parts
         == estimate(
@@ -223,7 +223,7 @@ def test_llama_1b_32k_fits_8_gpus_only_with_sequence_parallelism_or_the_chunked_
     zero3_offload_nvme_bf16) do too: 32,768 tokens' whole logits alone would take 12·T·V = 11.7 GiB."""
     recipe_file = ROOT / "recipes" / "llama-1b-32k.yaml"
     recipe = load_recipe(recipe_file)
-    sp = estimate_file(recipe, recipe_file, ROOT / "ds_configs" / "sp8_zero3_bf16.json", nodes=1, gpus_per_node=8)
+    sp = estimate_file(recipe, ROOT / "ds_configs" / "sp8_zero3_bf16.json", nodes=1, gpus_per_node=8)
     assert sp.fits and sp.peak() < 12 * GIB
     fitting = []
     for path in sorted((ROOT / "ds_configs").glob("*.json")):
@@ -231,7 +231,7 @@ def test_llama_1b_32k_fits_8_gpus_only_with_sequence_parallelism_or_the_chunked_
         if ds.get("sequence_parallel_size", 1) > 1 or ds.get("fp16", {}).get("enabled"):
             continue
         try:
-            est = estimate_file(recipe, recipe_file, path, nodes=1, gpus_per_node=8)
+            est = estimate_file(recipe, path, nodes=1, gpus_per_node=8)
             whole = resolve(recipe, recipe_file, {**ds, "tiling": {"loss": 1}}, path, 8, check_device=False)
         except DstrainError:  # not valid for 8 ranks of this recipe
             continue
@@ -247,7 +247,7 @@ def test_nvme_offload_keeps_model_states_on_disk_and_pinned_buffers_on_the_host(
     from dstrain.commands.cli import main
 
     config = ROOT / "ds_configs" / "zero3_offload_nvme_bf16.json"
-    est = estimate_file(load_recipe(LLAMA_7B), LLAMA_7B, config, 1, 8)
+    est = estimate_file(load_recipe(LLAMA_7B), config, 1, 8)
     part = math.ceil(est.params_per_rank / 8)
     assert est.peak("nvme") == (2 + 4 + 8 + 4) * part
     assert est.peak("cpu") == 5 * 10**8 * 2 + 4 * min(10**9, part) * 4  # buffer_count x buffer_size (bf16) + optimizer

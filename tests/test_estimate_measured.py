@@ -169,7 +169,7 @@ def test_model_states_match_what_two_ranks_hold(tmp_path):
     print(f"\n{'config':14} {'group':17} {'estimate MB':>12} {'held MB':>10} {'gap':>8}")
     worst = 0.0
     for name, rank0, rank1 in zip(REALITY_CONFIGS, *measured):
-        est = estimate_file(recipe, recipe_file, ROOT / "ds_configs" / f"{name}.json", 1, 2, fused_norms=False)
+        est = estimate_file(recipe, ROOT / "ds_configs" / f"{name}.json", 1, 2, fused_norms=False)
         groups = {
             g: max(sum(getattr(p, ph) for p in est.parts if p.group == g) for ph in ("backward", "step"))
             for g in ("parameters", "gradients", "optimizer states")

@@ -101,7 +101,7 @@ def test_the_estimate_shows_the_reference_phase_beside_training():
 
     recipe = load_recipe(DPO_QWEN)
     ds_config = ROOT / "ds_configs" / "planned" / "dpo-qwen3-0.6b-1x8-h100.json"
-    est = estimate_file(recipe, DPO_QWEN, ds_config, nodes=1, gpus_per_node=8)
+    est = estimate_file(recipe, ds_config, nodes=1, gpus_per_node=8)
     rest = sum(p.step for p in est.parts if p.where == "device" and p.group in ("parameters", "optimizer states"))
     rest += next(p.step for p in est.parts if p.name.startswith("gradients (fp32), 1/8 partition"))
     assert est.total("device", "reference") == rest + forward_bytes(recipe, 4, act_bytes=2)
@@ -111,7 +111,7 @@ def test_the_estimate_shows_the_reference_phase_beside_training():
     assert est.peak_phase == "backward" and 20 * GIB < est.total("device", "reference") < 28 * GIB
     assert est.to_json()["reference_device"] == est.total("device", "reference")
     simpo = dataclasses.replace(recipe, preference=dataclasses.replace(recipe.preference, loss="simpo"))
-    plain = estimate_file(simpo, DPO_QWEN, ds_config, nodes=1, gpus_per_node=8)
+    plain = estimate_file(simpo, ds_config, nodes=1, gpus_per_node=8)
     assert plain.phases == PHASES and plain.total("device", "reference") == 0
     assert [plain.total("device", phase) for phase in PHASES] == [est.total("device", phase) for phase in PHASES]
 

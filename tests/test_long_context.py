@@ -59,7 +59,7 @@ def test_long_context_recipe_ships_its_planned_layout(recipe_file):
     path = re.search(r"^# ds_config: (\S+)", recipe_file.read_text(), re.M).group(1)
     nodes, gpus = map(int, re.search(r"-(\d+)x(\d+)-h100\.json$", path).groups())
     recipe = load_recipe(recipe_file)
-    est = estimate_file(recipe, recipe_file, ROOT / path, nodes, gpus)
+    est = estimate_file(recipe, ROOT / path, nodes, gpus)
     cluster = Cluster(DEVICES["h100-sxm"], nodes, gpus)
     assert fits(est, cluster) and est.peak() < 79 * GIB, est.peak() / GIB
     assert est.sp_size > 1 and recipe.data.seq_len >= 131072

@@ -87,8 +87,8 @@ def test_a_recipe_that_fits_nowhere_is_told_the_fewest_nodes_that_fit(capsys):
     assert len(err) == 1 and "no layout dstrain accepts fits 1 x 2 devices of 5 GiB" in err[0], err
     assert "what fits: 8 nodes (--nodes 8)" in err[0]
     recipe, small = load_recipe(recipe_file), dataclasses.replace(H100, memory_gib=5)
-    assert fits_somewhere(recipe, recipe_file, Cluster(small, 8, 2), "bf16")
-    assert not fits_somewhere(recipe, recipe_file, Cluster(small, 7, 2), "bf16")
+    assert fits_somewhere(recipe, Cluster(small, 8, 2), "bf16")
+    assert not fits_somewhere(recipe, Cluster(small, 7, 2), "bf16")
 
 
 def test_plan_weighs_the_chunked_loss_at_no_extra_compute():
@@ -97,7 +97,7 @@ def test_plan_weighs_the_chunked_loss_at_no_extra_compute():
     measured: bench/bench_fused_loss.py)."""
     recipe_file = ROOT / "recipes" / "continue-qwen2.5-0.5b.yaml"
     recipe, cluster = load_recipe(recipe_file), Cluster(dataclasses.replace(H100, memory_gib=40), 1, 8)
-    kept, _ = plan(recipe, recipe_file, cluster, "bf16", top=10_000)
+    kept, _ = plan(recipe, cluster, "bf16", top=10_000)
     largest = {
         chunked: max(
             p.strategy.micro_batch
@@ -124,7 +124,7 @@ def test_the_shipped_qwen25_layout_is_the_planners_and_chunks_its_loss():
     import json
 
     recipe_file = ROOT / "recipes" / "continue-qwen2.5-0.5b.yaml"
-    kept, _ = plan(load_recipe(recipe_file), recipe_file, Cluster(H100, 1, 8), "bf16", top=1)
+    kept, _ = plan(load_recipe(recipe_file), Cluster(H100, 1, 8), "bf16", top=1)
     shipped = json.loads((ROOT / "ds_configs" / "planned" / "continue-qwen2.5-0.5b-1x8-h100.json").read_text())
     assert kept[0].ds_config == shipped
     assert shipped["tiling"]["loss"] == 128 and shipped["train_micro_batch_size_per_gpu"] == 16

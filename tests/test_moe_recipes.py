@@ -77,7 +77,7 @@ def test_model_is_the_published_config_json():
 
 def test_shipped_ds_config_fits_one_node():
     recipe = load_recipe(RECIPE)
-    shipped = estimate_file(recipe, RECIPE, DS_CONFIG, nodes=1, gpus_per_node=8)
+    shipped = estimate_file(recipe, DS_CONFIG, nodes=1, gpus_per_node=8)
     assert shipped.fits and shipped.peak() < 62 * GIB, shipped.peak() / GIB
     assert shipped.ep_size == 8 and shipped.offload_optimizer
 
@@ -96,7 +96,7 @@ def layouts(tmp_path):
 
 def test_activation_checkpointing_lets_the_experts_fit_without_offload(layouts):
     recipe = load_recipe(RECIPE)
-    plain, recompute = (estimate_file(recipe, RECIPE, path, nodes=1, gpus_per_node=8) for path in layouts)
+    plain, recompute = (estimate_file(recipe, path, nodes=1, gpus_per_node=8) for path in layouts)
     assert not plain.fits and plain.peak() > 110 * GIB  # all 48 MoE blocks' expert activations held at once
     assert recompute.fits
     experts = [next(p for p in e.parts if p.name.startswith("MoE experts")).backward for e in (plain, recompute)]
@@ -109,5 +109,5 @@ def test_the_shipped_ds_config_is_what_the_planner_picks_on_one_node():
     from dstrain.plan.time_model import DEVICES, Cluster
 
     recipe = load_recipe(RECIPE)
-    found, fitting = plan(recipe, RECIPE, Cluster(DEVICES["h100-sxm"], 1, 8), "bf16", top=1)
+    found, fitting = plan(recipe, Cluster(DEVICES["h100-sxm"], 1, 8), "bf16", top=1)
     assert fitting > 0 and found[0].ds_config == json.loads(DS_CONFIG.read_text()), found[0].layout.describe()

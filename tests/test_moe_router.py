@@ -202,8 +202,8 @@ def test_estimate_splits_the_experts_over_the_expert_parallel_ranks():
     root = Path(__file__).resolve().parents[1]
     recipe_file = root / "recipes" / "moe-1b.yaml"
     recipe = load_recipe(recipe_file)
-    ep1 = estimate_file(recipe, recipe_file, root / "ds_configs" / "zero2_bf16.json", 1, 8)
-    ep2 = estimate_file(recipe, recipe_file, root / "ds_configs" / "ep2_zero2_bf16.json", 1, 8)
+    ep1 = estimate_file(recipe, root / "ds_configs" / "zero2_bf16.json", 1, 8)
+    ep2 = estimate_file(recipe, root / "ds_configs" / "ep2_zero2_bf16.json", 1, 8)
     experts = sum(math.prod(shape) for name, shape in meta_shapes(recipe.model) if EXPERTS in name)
     assert ep1.params_per_rank == ep1.params_total
     assert ep2.params_per_rank == ep1.params_total - experts // 2

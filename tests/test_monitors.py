@@ -17,7 +17,7 @@ import wandb
 import yaml
 from monitor_readers import csv_scalars, tensorboard_scalars, tensorboard_texts, wandb_runs
 
-from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError
+from dstrain.errors import DISK_FULL_EXIT, DiskFull, DstrainError, naming_files
 from dstrain.metrics import MetricsLog
 from dstrain.metrics_records import drop_records_after, read_events, read_records
 from dstrain.monitors.settings import check_monitors, monitor_settings
@@ -76,30 +76,32 @@ def test_wandb_settings_come_from_the_block_then_wandb_environment(tmp_path):
 def test_missing_monitor_pieces_are_one_line(tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(
-        DstrainError, match=r"^d.json: wandb is enabled but wandb is not installed; pip install wandb==0.31.0$"
+    with (
+        pytest.raises(
+            DstrainError, match=r"^d.json: wandb is enabled but wandb is not installed; pip install wandb==0.31.0$"
+        ),
+        naming_files(ds_config="d.json"),  # as preflight names the ds_config
     ):
-        check_monitors({"wandb": {"enabled": True}}, "d.json", tmp_path, {})
+        check_monitors({"wandb": {"enabled": True}}, tmp_path, {})
     with pytest.raises(DstrainError, match=r"^WANDB_PROJECT enables W&B but wandb is not installed"):
-        check_monitors({}, "d.json", tmp_path, {"WANDB_PROJECT": "p"})
+        check_monitors({}, tmp_path, {"WANDB_PROJECT": "p"})
     monkeypatch.setattr(importlib.util, "find_spec", real)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(DstrainError, match=rf"^WANDB_DIR={blocker}/wandb is not a writable folder; W&B \(offline\)"):
         check_monitors(
             {"wandb": {"enabled": True}},
-            "d.json",
             tmp_path,
             {"WANDB_DIR": str(blocker / "wandb"), "WANDB_MODE": "offline"},
         )
     with pytest.raises(DstrainError, match=r"^WANDB_MODE=offlne is not a W&B mode"):
-        check_monitors({}, "d.json", tmp_path, {"WANDB_MODE": "offlne"})
+        check_monitors({}, tmp_path, {"WANDB_MODE": "offlne"})
     no_key = {"NETRC": str(tmp_path / "no-netrc")}
     with pytest.raises(DstrainError, match=r"^W&B is online \(WANDB_MODE\) but finds no API key"):
-        check_monitors({"wandb": {"enabled": True}}, "d.json", tmp_path, no_key)
-    check_monitors({"wandb": {"enabled": True}}, "d.json", tmp_path, {**no_key, "WANDB_API_KEY": "k" * 40})
+        check_monitors({"wandb": {"enabled": True}}, tmp_path, no_key)
+    check_monitors({"wandb": {"enabled": True}}, tmp_path, {**no_key, "WANDB_API_KEY": "k" * 40})
     offline = {"WANDB_DIR": str(tmp_path / "new" / "wandb"), "WANDB_MODE": "offline"}
-    check_monitors(MONITORS, "d.json", tmp_path, offline)  # a WANDB_DIR to be created is fine
+    check_monitors(MONITORS, tmp_path, offline)  # a WANDB_DIR to be created is fine
 
 
 @pytest.mark.parametrize(
@@ -134,8 +136,8 @@ def test_deepspeeds_own_wandb_block_resolves_as_written(tmp_path, corpus):
     recipe_file, config_file = small_recipe(tmp_path, corpus), ds_config(tmp_path, "zero1", **MONITORS)
     recipe = load_recipe(str(recipe_file), [f"run_dir={tmp_path / 'run'}"])
     strategy = resolve(recipe, str(recipe_file), load_ds_config(str(config_file)), str(config_file), 2)
-    assert strategy.ds_config["wandb"] == MONITORS["wandb"]
-    assert strategy.ds_config["tensorboard"] == {
+    assert strategy.resolved_ds_config["wandb"] == MONITORS["wandb"]
+    assert strategy.resolved_ds_config["tensorboard"] == {
         "enabled": True,
         "output_path": str(tmp_path / "run" / "tensorboard"),
         "job_name": "small",

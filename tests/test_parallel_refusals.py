@@ -32,9 +32,21 @@ def resolve_with(tmp_path, base: str, world: int, **changes):
 
 def test_shipped_parallel_configs_resolve(tmp_path):
     pp = resolve_with(tmp_path, "pp2_zero1", 4)
-    assert (pp.pp_stages, pp.tp_size, pp.dp_size, pp.grad_accum, pp.ds_config["train_batch_size"]) == (2, 1, 2, 1, 8)
+    assert (pp.pp_stages, pp.tp_size, pp.dp_size, pp.grad_accum, pp.deepspeed_config["train_batch_size"]) == (
+        2,
+        1,
+        2,
+        1,
+        8,
+    )
     tp = resolve_with(tmp_path, "tp2_zero1", 4)
-    assert (tp.pp_stages, tp.tp_size, tp.dp_size, tp.grad_accum, tp.ds_config["train_batch_size"]) == (1, 2, 2, 1, 16)
+    assert (tp.pp_stages, tp.tp_size, tp.dp_size, tp.grad_accum, tp.deepspeed_config["train_batch_size"]) == (
+        1,
+        2,
+        2,
+        1,
+        16,
+    )
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,7 @@ def test_plan_enumerates_dualpipev_and_writes_it_in_deepspeeds_schema(tmp_path):
     recipe_file = ROOT / "recipes" / "gpt-1.3b.yaml"
     recipe = load_recipe(recipe_file)
     cluster = Cluster(DEVICES["h100-sxm"], 2, 8)
-    kept, _ = plan(recipe, recipe_file, cluster, "bf16", top=200)
+    kept, _ = plan(recipe, cluster, "bf16", top=200)
     dual = [p for p in kept if p.layout.schedule == "dualpipev"]
     assert dual, [p.layout.describe() for p in kept]
     for p in dual:

@@ -38,14 +38,14 @@ def test_plan_writes_a_config_that_resolves_fits_and_leaves_the_recipe_its_field
     assert set(config["optimizer"]["params"].values()) == {AUTO}
     recipe = load_recipe(GPT2)
     resolve(recipe, GPT2, config, out, 8, check_device=False)  # DeepSpeed's parser included
-    assert estimate_file(recipe, GPT2, out, 1, 8, H100.memory_gib).fits
+    assert estimate_file(recipe, out, 1, 8, H100.memory_gib).fits
 
 
 def test_plan_keeps_only_layouts_dstrain_accepts_for_a_moe_recipe():
     """tiny-moe: resolve refuses ZeRO-3, TP, PP and SP with model.moe; none is planned. Activation checkpointing
     is (the router losses keep their gradient through the recompute: model/moe.py)."""
     recipe = load_recipe(TINY_MOE, ["model.vocab_size=4096"])
-    kept, fitting = plan(recipe, TINY_MOE, Cluster(H100, 1, 8), "bf16", top=1000)
+    kept, fitting = plan(recipe, Cluster(H100, 1, 8), "bf16", top=1000)
     assert fitting == len(kept) > 0
     assert {p.layout.ep for p in kept} > {1}  # expert parallelism is weighed
     assert {p.layout.checkpointing for p in kept} == {False, True}
@@ -60,7 +60,7 @@ def test_plan_drops_layouts_that_do_not_fit():
     recipe_file = ROOT / "recipes" / "llama-7b.yaml"
     recipe = load_recipe(recipe_file)
     small = dataclasses.replace(H100, memory_gib=40)
-    kept, _ = plan(recipe, recipe_file, Cluster(small, 1, 8), "bf16", top=200)
+    kept, _ = plan(recipe, Cluster(small, 1, 8), "bf16", top=200)
     assert kept
     for p in kept:
         assert p.estimate.peak("device") + p.estimate.reserve <= 40 * 2**30

@@ -1,5 +1,5 @@
 """dstrain compare --plan's side of the planner: the calibrated engine costs in the time model (DeepSpeed's own
-seconds per step and per micro-batch, by engine kind; dstrain.plan.calibrate_engine measures them, and measuring is
+seconds per step and per micro-batch, by engine kind; dstrain.commands.calibrate_engine measures them, and measuring is
 timing, left to dstrain compare --plan and BENCHMARKS.md, never asserted here), and the interleaved runs' step
 times."""
 

@@ -211,9 +211,9 @@ def test_a_chunked_loss_is_refused_with_a_preference_recipe_and_auto_keeps_it_wh
     model = SimpleNamespace(vocab_size=151936, moe=None)
     recipe = SimpleNamespace(preference=object(), data=SimpleNamespace(seq_len=4096), model=model)
     config: dict = {"tiling": {"loss": "auto"}}
-    assert check_tiling(config, recipe, "x.json", 8, 1, 1) == (1, 1) and config["tiling"]["loss"] == 1
-    with pytest.raises(DstrainError, match=r"^x.json: tiling.loss=8 with the recipe's preference: section") as error:
-        check_tiling({"tiling": {"loss": 8}}, recipe, "x.json", 8, 1, 1)
+    assert check_tiling(config, recipe, 8, 1, 1) == (1, 1) and config["tiling"]["loss"] == 1
+    with pytest.raises(DstrainError, match=r"^tiling.loss=8 with the recipe's preference: section") as error:
+        check_tiling({"tiling": {"loss": 8}}, recipe, 8, 1, 1)
     assert "\n" not in str(error.value)
     recipe.preference = None  # the same data under SFT chunks by "auto"
-    assert check_tiling({"tiling": {"loss": "auto"}}, recipe, "x.json", 8, 1, 1)[0] > 1
+    assert check_tiling({"tiling": {"loss": "auto"}}, recipe, 8, 1, 1)[0] > 1

@@ -193,7 +193,7 @@ def test_shipped_ds_config_is_what_the_planner_picks_on_one_node(name):
     path = ROOT / "recipes" / f"{name}.yaml"
     shipped = json.loads((ROOT / "ds_configs" / "planned" / f"{name}-1x8-h100.json").read_text())
     cluster = Cluster(DEVICES["h100-sxm"], 1, 8)
-    found, fitting = plan(load_recipe(path), path, cluster, PRECISION.get(name, "bf16"), top=1)
+    found, fitting = plan(load_recipe(path), cluster, PRECISION.get(name, "bf16"), top=1)
     assert fitting > 0 and found[0].ds_config == shipped, found[0].layout.describe()
 
 

@@ -3,6 +3,7 @@ line too, and ``warn``: every warning dstrain prints, as one line."""
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 
@@ -13,6 +14,33 @@ class DstrainError(Exception):
     The CLI prints it as ``dstrain: error: <message>`` and exits with status 2;
     no traceback, nothing the user had is touched.
     """
+
+
+class InputError(DstrainError):
+    """A bad value of one input, named by its key and with its fix, but not by its file: the check phase that read
+    the file (``naming_files``) puts the file in front. ``input``: which of the check phase's files ("recipe",
+    "ds_config") the key is in; ``also``: another input the message names as "the <input>" (a contradiction between
+    two files), which the check phase names by its file too."""
+
+    def __init__(self, message: str, input: str = "ds_config", also: str | None = None):
+        super().__init__(message)
+        self.input = input
+        self.also = also
+
+
+@contextlib.contextmanager
+def naming_files(**files: str | os.PathLike) -> Iterator[None]:
+    """Inside, an ``InputError`` about one of ``files`` (by its input's name) becomes the one line
+    ``<file>: <message>``."""
+    try:
+        yield
+    except InputError as e:
+        if e.input not in files:
+            raise
+        message = str(e)
+        if e.also in files:
+            message = message.replace(f"the {e.also}", str(files[e.also]), 1)
+        raise DstrainError(f"{files[e.input]}: {message}") from None
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import os
 import shutil
@@ -86,16 +87,17 @@ def _partitioned(t: Topology) -> bool:
 
 def prepare_resume(
     checkpoint_dir: Path, tag: str, strategy: Strategy, model_config: GPTConfig, weight_decay: float, on_rank0
-) -> bool:
+) -> Strategy:
     """On every rank, before the engine is built: if ``tag`` was saved under another topology, convert it
-    (``on_rank0(fn, what)`` runs the conversion on global rank 0 while the others wait) and set up the ds_config to
-    load the conversion. Returns True when a conversion is used."""
+    (``on_rank0(fn, what)`` runs the conversion on global rank 0 while the others wait). Returns the strategy to
+    build the engine with: ``strategy`` itself, or (ZeRO-1/2/3 loading the conversion) a copy whose ds_config loads
+    the universal checkpoint; the strategy given is never edited."""
     tag_dir = checkpoint_dir / tag
     old, new = saved(tag_dir), strategy.topology
     if old is None or not needs_conversion(old, new):
-        return False
+        return strategy
 
-    if strategy.ds_config.get("optimizer", {}).get("type") == "Muon":
+    if strategy.deepspeed_config.get("optimizer", {}).get("type") == "Muon":
         # ds_to_universal and universal_from_zero0 carry fp32 weights and Adam moments: Muon's momentum would be lost.
         raise DstrainError(
             f"{tag_dir}: a Muon run cannot change topology ({old.describe()} -> {new.describe()}): the universal "
@@ -109,9 +111,11 @@ def prepare_resume(
         convert(tag_dir, old, new, model_config, weight_decay)
 
     on_rank0(convert_once, f"convert {tag_dir}")
-    if new.zero_stage > 0:  # ZeRO-0 loads the plain checkpoint written into zero0/
-        strategy.ds_config["checkpoint"] = {**strategy.ds_config.get("checkpoint", {}), "load_universal": True}
-    return True
+    if new.zero_stage == 0:  # ZeRO-0 loads the plain checkpoint written into zero0/
+        return strategy
+    config = strategy.deepspeed_config
+    universal = {**config, "checkpoint": {**config.get("checkpoint", {}), "load_universal": True}}
+    return dataclasses.replace(strategy, deepspeed_config=universal)
 
 
 def load_source(engine, tag_dir: Path) -> tuple[Path, str]:

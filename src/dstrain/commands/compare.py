@@ -36,7 +36,7 @@ from dstrain.commands.report import (
     write_csv,
     write_markdown,
 )
-from dstrain.errors import DstrainError
+from dstrain.errors import DstrainError, naming_files
 from dstrain.run_dir import RunDir
 
 THROUGHPUT_NOTE = (
@@ -209,7 +209,7 @@ def add_estimates(
             from deepspeed.accelerator import get_accelerator
 
             fused = get_accelerator().device_name() == "cuda"  # the runs' devices: torch's fused RMSNorm or not
-            row.est_mem_gib = estimate_file(recipe, recipe_path, ds_path, 1, world, fused_norms=fused).peak() / GIB
+            row.est_mem_gib = estimate_file(recipe, ds_path, 1, world, fused_norms=fused).peak() / GIB
         except DstrainError:
             continue  # an invalid config: its row already says why
 
@@ -298,7 +298,8 @@ def main(args: argparse.Namespace) -> int:
         if args.plan:
             from dstrain.commands.compare_plan import write_planned
 
-            configs, predicted = write_planned(recipe, args.recipe, nproc, args.plan, out)
+            with naming_files(recipe=args.recipe):
+                configs, predicted = write_planned(recipe, nproc, args.plan, out)
             entries = [(Path(c).stem, c, []) for c in configs]
             sources = {stem: config for stem, config, _ in entries}
         check_fresh(out, entries)

@@ -15,21 +15,22 @@ import statistics
 from pathlib import Path
 
 from dstrain.config import Recipe
-from dstrain.errors import DstrainError
+from dstrain.errors import InputError
 from dstrain.run_dir import RunDir
 
 
-def write_planned(recipe: Recipe, recipe_file: str, nproc: int, k: int, out: Path) -> tuple[list[str], dict]:
+def write_planned(recipe: Recipe, nproc: int, k: int, out: Path) -> tuple[list[str], dict]:
     """The K fastest layouts for nproc ranks on this machine as ds_config files in OUT/planned/, and the predicted
     seconds per step of each (by stem)."""
+    from dstrain.commands.calibrate_engine import with_engine_costs
     from dstrain.plan.calibrate import calibrated_device
     from dstrain.plan.layouts import plan
     from dstrain.plan.time_model import Cluster
 
-    cluster = Cluster(calibrated_device(recipe, nproc, engines=True), 1, nproc)
-    kept, _ = plan(recipe, recipe_file, cluster, "fp32", k, torch_adam=True)
+    cluster = Cluster(with_engine_costs(recipe, calibrated_device(recipe, nproc), nproc), 1, nproc)
+    kept, _ = plan(recipe, cluster, "fp32", k, torch_adam=True)
     if not kept:
-        raise DstrainError(f"{recipe_file}: no layout dstrain accepts fits {nproc} ranks of this machine")
+        raise InputError(f"no layout dstrain accepts fits {nproc} ranks of this machine", input="recipe")
     return write_configs(kept, out)
 
 

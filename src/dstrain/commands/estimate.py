@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dstrain.checkpoint.model_source import load_recipe_to_size
 from dstrain.config import Recipe
-from dstrain.errors import DstrainError
+from dstrain.errors import DstrainError, naming_files
 from dstrain.plan.memory import estimate_file
 from dstrain.plan.memory_parts import Estimate
 from dstrain.precision import Precision
@@ -34,7 +34,6 @@ def cost(est: Estimate) -> tuple:
 
 def cheapest_fitting(
     recipe: Recipe,
-    recipe_file: str | Path,
     configs_dir: Path,
     precision: Precision,
     nodes: int,
@@ -46,7 +45,7 @@ def cheapest_fitting(
     fitting = []
     for path in sorted(configs_dir.glob("*.json")):
         try:
-            est = estimate_file(recipe, recipe_file, path, nodes, gpus_per_node, device_memory_gib, reserve_gib)
+            est = estimate_file(recipe, path, nodes, gpus_per_node, device_memory_gib, reserve_gib)
         except DstrainError:  # not valid for this recipe / world size (micro-batch, model-parallel sizes)
             continue
         if est.fits:
@@ -100,13 +99,12 @@ def main(args: argparse.Namespace) -> int:
     check_arguments(args)
     recipe = load_recipe_to_size(args.recipe, args.overrides, "estimate")
     # DeepSpeed announces its accelerator on stdout the first time it is asked; keep stdout for the estimate.
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr), naming_files(recipe=args.recipe):
         est = estimate_file(
-            recipe, args.recipe, args.deepspeed_config, args.nodes, args.gpus_per_node, args.device_memory, args.reserve
+            recipe, args.deepspeed_config, args.nodes, args.gpus_per_node, args.device_memory, args.reserve
         )
         suggestion = cheapest_fitting(
             recipe,
-            args.recipe,
             args.configs_dir or default_configs_dir(),
             est.precision,
             args.nodes,

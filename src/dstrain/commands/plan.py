@@ -107,9 +107,9 @@ def main(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed announces its accelerator on stdout
         device, precision = device_of(args, recipe)
         cluster = Cluster(device, args.nodes, args.gpus_per_node)
-        found, fitting = plan(recipe, args.recipe, cluster, precision, args.top, torch_adam=args.calibrate)
+        found, fitting = plan(recipe, cluster, precision, args.top, torch_adam=args.calibrate)
     if not found:
-        raise DstrainError(fits_nowhere(recipe, args.recipe, cluster, precision))
+        raise DstrainError(f"{args.recipe}: {fits_nowhere(recipe, cluster, precision)}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(found[0].ds_config, indent=2) + "\n")
@@ -136,19 +136,20 @@ def reference_line(recipe: Recipe, best: Planned, cluster: Cluster) -> str:
     )
 
 
-def fits_nowhere(recipe: Recipe, recipe_file: str, cluster: Cluster, precision: Precision) -> str:
-    """The one line when nothing fits: what would (more nodes, a shorter sequence, fp32 for Muon with MoE)."""
+def fits_nowhere(recipe: Recipe, cluster: Cluster, precision: Precision) -> str:
+    """The one line when nothing fits, but the recipe's file: what would (more nodes, a shorter sequence, fp32 for
+    Muon with MoE)."""
     if precision == "bf16" and recipe.optim.kind == "muon" and recipe.model.moe is not None:
-        return f"{recipe_file}: no layout dstrain accepts in bf16: {MUON_MOE_IN_BF16}; plan it with --precision fp32"
+        return f"no layout dstrain accepts in bf16: {MUON_MOE_IN_BF16}; plan it with --precision fp32"
     with contextlib.redirect_stdout(sys.stderr):
-        nodes = smallest_fitting_nodes(recipe, recipe_file, cluster, precision)
-        seq = longest_fitting_sequence(recipe, recipe_file, cluster, precision)
+        nodes = smallest_fitting_nodes(recipe, cluster, precision)
+        seq = longest_fitting_sequence(recipe, cluster, precision)
     fixes = [f"{nodes} nodes (--nodes {nodes})"] if nodes else []
     fixes += [f"data.seq_len={seq}"] if seq else []
     fix = f"what fits: {' or '.join(fixes)}" if fixes else "none fits on up to 1024 nodes or at 1024 tokens either"
     d = cluster.device
     return (
-        f"{recipe_file}: no layout dstrain accepts fits {cluster.nodes} x {cluster.gpus_per_node} devices of "
+        f"no layout dstrain accepts fits {cluster.nodes} x {cluster.gpus_per_node} devices of "
         f"{d.memory_gib:.4g} GiB with {d.host_memory_gib:.4g} GiB of host memory per node; {fix}, "
         f"or pick a device with more memory"
     )

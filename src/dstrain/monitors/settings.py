@@ -2,8 +2,8 @@
 the ds_config (DeepSpeed's schema, checked by strategy.ds_schema), and W&B's environment variables.
 
 dstrain writes these monitors itself, from rank 0, at the optimizer step (dstrain.monitors); DeepSpeed is handed the
-ds_config without the three blocks (train/engine/build.py), so its own sample-stepped events are not sent. Nothing here
-imports torch, wandb or tensorboard: the checks run before any work.
+ds_config without the three blocks (dstrain.strategy.resolved.OWN_SECTIONS), so its own sample-stepped events are not
+sent. Nothing here imports torch, wandb or tensorboard: the checks run before any work.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from dstrain.errors import DstrainError
+from dstrain.errors import DstrainError, InputError
 
 # The ds_config blocks dstrain's monitors read (and DeepSpeed is not given).
 MONITOR_BLOCKS = ("tensorboard", "csv_monitor", "wandb")
@@ -90,7 +90,7 @@ def monitor_settings(config: Mapping, run_dir: Path, env: Mapping[str, str] = os
     return MonitorSettings(_folder(config, "tensorboard", run_dir), _folder(config, "csv_monitor", run_dir), wandb)
 
 
-def check_monitors(config: Mapping, ds_file: str, run_dir: Path, env: Mapping[str, str] = os.environ) -> None:
+def check_monitors(config: Mapping, run_dir: Path, env: Mapping[str, str] = os.environ) -> None:
     """One line before any work: a monitor whose package is not installed, an unknown WANDB_MODE, a W&B folder
     that cannot be written. (An unknown key in a monitor block: strategy.ds_schema, DeepSpeed's own models.)"""
     mode = env.get("WANDB_MODE")
@@ -100,8 +100,10 @@ def check_monitors(config: Mapping, ds_file: str, run_dir: Path, env: Mapping[st
     needed = [block for block in INSTALLS if getattr(settings, block) is not None]
     for package in needed:
         if importlib.util.find_spec(package) is None:
-            why = f"{ds_file}: {package} is enabled" if _enabled(config, package) else "WANDB_PROJECT enables W&B"
-            raise DstrainError(f"{why} but {package} is not installed; pip install {INSTALLS[package]}")
+            fix = f"but {package} is not installed; pip install {INSTALLS[package]}"
+            if _enabled(config, package):  # the ds_config's block: the check phase names its file
+                raise InputError(f"{package} is enabled {fix}")
+            raise DstrainError(f"WANDB_PROJECT enables W&B {fix}")
     if settings.wandb is not None and env.get("WANDB_DIR"):
         _check_writable(Path(env["WANDB_DIR"]), settings.wandb.mode)
     if settings.wandb is not None and settings.wandb.mode == "online" and not _has_wandb_key(env):

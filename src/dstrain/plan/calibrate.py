@@ -43,12 +43,12 @@ def forward_backward_seconds(recipe: Recipe, micro: int, threads: int, seconds: 
         torch.set_num_threads(previous)
 
 
-def _all_reduce_rank(rank: int, port: int, queue) -> None:
+def _all_reduce_rank(rank: int, rendezvous: str, queue) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:
         tensor = torch.ones(ALL_REDUCE_BYTES // 4)
         dist.all_reduce(tensor)  # warm-up: connections
@@ -63,33 +63,26 @@ def _all_reduce_rank(rank: int, port: int, queue) -> None:
 
 def all_reduce_gbps() -> float:
     """Bus bandwidth of a 2-rank gloo all-reduce on this host, in Gbit/s."""
-    from dstrain.train.process.distributed import free_port
+    import tempfile
 
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_all_reduce_rank, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    seconds = queue.get(timeout=120)
-    for p in procs:
-        p.join(timeout=30)
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as folder:  # the ranks meet in a file: no port to find
+        rendezvous = os.path.join(folder, "rendezvous")
+        procs = [ctx.Process(target=_all_reduce_rank, args=(r, rendezvous, queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        seconds = queue.get(timeout=120)
+        for p in procs:
+            p.join(timeout=30)
     return ALL_REDUCE_BYTES * 2 * (2 - 1) / 2 / seconds * 8 / 1e9
 
 
-def calibrated_device(recipe: Recipe, ranks: int, engines: bool = False) -> Device:
-    """This machine as the time model's Device, for ``ranks`` ranks sharing its cores and memory; ``engines``: with
-    what each DeepSpeed engine kind costs beyond that (plan/calibrate_engine.py: a minute or two more, which
-    ``dstrain compare --plan`` spends and ``dstrain plan --calibrate`` does not)."""
-    device = bare_device(recipe, ranks)
-    if not engines:
-        return device
-    from dstrain.plan.calibrate_engine import with_engine_costs
-
-    return with_engine_costs(recipe, device, ranks)
-
-
-def bare_device(recipe: Recipe, ranks: int) -> Device:
-    """This machine as the time model's Device from the bare model's forward and backward and a gloo all-reduce."""
+def calibrated_device(recipe: Recipe, ranks: int) -> Device:
+    """This machine as the time model's Device, for ``ranks`` ranks sharing its cores and memory, from the bare
+    model's forward and backward and a gloo all-reduce. What each DeepSpeed engine kind costs beyond that is
+    measured by building engines, the commands' business (dstrain.commands.calibrate_engine: a minute or two more,
+    which ``dstrain compare --plan`` spends and ``dstrain plan --calibrate`` does not)."""
     from dstrain.model.counts import flops_per_token
 
     threads = max(1, (os.cpu_count() or 1) // ranks)

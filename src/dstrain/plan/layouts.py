@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
@@ -28,7 +27,7 @@ from dstrain.plan.memory_parts import GIB, Estimate
 from dstrain.plan.time_model import Cluster, Prediction, layout_counts, predict
 from dstrain.precision import Precision
 from dstrain.strategy.ds_schema import validate_ds_config
-from dstrain.strategy.resolve import AUTO, Strategy, resolve
+from dstrain.strategy.resolve import AUTO, Strategy, resolve_config
 from dstrain.strategy.tiling import LOSS_TILE_BYTES, auto_loss_tiles
 
 # AutoTP's split of dstrain's projections (the layer_specs of ds_configs/tp2_zero1.json).
@@ -177,7 +176,7 @@ def _micro_batches(shape: tuple, micros: list[int], chunked: bool, mlp_tiles: in
 
 
 def plan(
-    recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: Precision, top: int, torch_adam: bool = False
+    recipe: Recipe, cluster: Cluster, precision: Precision, top: int, torch_adam: bool = False
 ) -> tuple[list[Planned], int]:
     """The ``top`` fastest layouts that dstrain accepts and that fit, fastest first, and how many fit in all.
     DeepSpeed's own parser (resolve's last check, 40 ms a config) runs on those kept only."""
@@ -195,7 +194,7 @@ def plan(
                 config["tiling"]["loss"] = chunks
             try:
                 name = f"plan:{layout.describe()}"
-                strategy = resolve(recipe, recipe_file, config, name, world, check_device=False, validate=False)
+                strategy = resolve_config(recipe, config, name, world, check_device=False, validate=False)
                 est = estimate(recipe, strategy, cluster.nodes, cluster.gpus_per_node, device.memory_gib)
             except DstrainError:  # refused by dstrain.train's own checks
                 continue
@@ -211,7 +210,7 @@ def plan(
     kept = []
     for planned in found:
         try:
-            validate_ds_config(planned.strategy.ds_config, planned.strategy.source)
+            validate_ds_config(planned.strategy.resolved_ds_config)
         except DstrainError:
             continue
         kept.append(planned)
@@ -225,27 +224,25 @@ def fits(est: Estimate, cluster: Cluster) -> bool:
     return est.fits and est.peak("cpu") * cluster.gpus_per_node <= cluster.device.host_memory_gib * GIB
 
 
-def longest_fitting_sequence(
-    recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: Precision
-) -> int | None:
+def longest_fitting_sequence(recipe: Recipe, cluster: Cluster, precision: Precision) -> int | None:
     """The longest data.seq_len, halving the recipe's, at which some layout fits ``cluster``; None below 1024."""
     seq = recipe.data.seq_len // 2
     while seq >= 1024:
         shorter = replace(recipe, data=replace(recipe.data, seq_len=seq))
-        if fits_somewhere(shorter, recipe_file, cluster, precision):
+        if fits_somewhere(shorter, cluster, precision):
             return seq
         seq //= 2
     return None
 
 
-def fits_somewhere(recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: Precision) -> bool:
+def fits_somewhere(recipe: Recipe, cluster: Cluster, precision: Precision) -> bool:
     """Whether any layout dstrain accepts fits ``cluster`` (the memory model only, its smallest micro-batch)."""
     world = cluster.nodes * cluster.gpus_per_node
     for shape in candidate_layouts(recipe, cluster):
         for layout in shape:
             try:
                 config = layout.ds_config(precision, False)
-                strategy = resolve(recipe, recipe_file, config, "plan", world, check_device=False, validate=False)
+                strategy = resolve_config(recipe, config, "plan", world, check_device=False, validate=False)
                 est = estimate(recipe, strategy, cluster.nodes, cluster.gpus_per_node, cluster.device.memory_gib)
             except DstrainError:
                 continue
@@ -255,14 +252,12 @@ def fits_somewhere(recipe: Recipe, recipe_file: str | Path, cluster: Cluster, pr
     return False
 
 
-def smallest_fitting_nodes(
-    recipe: Recipe, recipe_file: str | Path, cluster: Cluster, precision: Precision, most: int = 1024
-) -> int | None:
+def smallest_fitting_nodes(recipe: Recipe, cluster: Cluster, precision: Precision, most: int = 1024) -> int | None:
     """The fewest nodes (of ``cluster``'s kind, more than it has) on which some layout fits, or None up to ``most``:
     doubling, then bisecting between the last count that does not fit and the first that does."""
 
     def fits(nodes: int) -> bool:
-        return fits_somewhere(recipe, recipe_file, replace(cluster, nodes=nodes), precision)
+        return fits_somewhere(recipe, replace(cluster, nodes=nodes), precision)
 
     low, high = cluster.nodes, cluster.nodes * 2
     while not fits(high):

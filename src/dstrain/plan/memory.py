@@ -41,20 +41,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dstrain.config import Recipe
-from dstrain.errors import DstrainError
+from dstrain.errors import DstrainError, naming_files
 from dstrain.model.counts import num_params
 from dstrain.objectives.registry import objective_of
+from dstrain.plan import layout_costs
 from dstrain.plan.activations import (
     activation_bytes,
     host_checkpoint_bytes,
-    mlp_tile_bytes,
-    sp_exchange_bytes,
 )
 from dstrain.plan.averaging_memory import averaging_parts
 from dstrain.plan.memory_parts import GIB, Estimate, Part
 from dstrain.plan.param_counts import MOE_FORMULA, ParamCounts, count_params, meta_shapes, moe_activation_bytes
 from dstrain.plan.reference_memory import at_rest, reference_parts
-from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
+from dstrain.strategy.resolve import Strategy, load_ds_config, resolve_config
 
 if TYPE_CHECKING:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -72,13 +71,9 @@ def estimate(
     """What each rank holds; ``fused_norms``: the devices run torch's fused RMSNorm (a GPU), not its CPU path."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    zero = DeepSpeedZeroConfig(**strategy.ds_config.get("zero_optimization", {}))  # DeepSpeed's own defaults
+    zero = DeepSpeedZeroConfig(**strategy.deepspeed_config.get("zero_optimization", {}))  # DeepSpeed's own defaults
     stage, n = strategy.zero_stage, strategy.zero_partitions
-    if (strategy.offload_optimizer or strategy.offload_param) and stage == 0:
-        raise DstrainError(
-            f"{strategy.source}: zero_optimization.offload_* needs ZeRO stage 1, 2 or 3; set zero_optimization.stage"
-        )
-    method = str(strategy.ds_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
+    method = str(strategy.deepspeed_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
     threshold = zero.param_persistence_threshold if stage == 3 else 0
     counts = count_params(
         recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size, strategy.pipe_schedule
@@ -103,9 +98,7 @@ def estimate(
         formula = MOE_FORMULA.replace("n_moe", "1") if recompute else MOE_FORMULA
         est.parts.append(Part("activations", "MoE experts and all-to-all buffers", "device", moe_bytes, 0, formula))
     est.parts += buffer_parts(strategy, zero, counts)
-    if strategy.sp_size > 1:
-        size = sp_exchange_bytes(recipe, strategy)
-        est.parts.append(Part("buffers", "Ulysses all-to-all (q, k, v)", "device", size, 0, "2a·(T/sp)·(d + 2·kv)"))
+    est.parts += layout_costs.memory_parts(recipe, strategy)  # what each used layout part holds besides
     est.sp_size = strategy.sp_size
     if (before_training := objective_of(recipe).memory(recipe)) is not None:  # the objective's memory term
         est.reference_pass = True
@@ -116,23 +109,16 @@ def estimate(
 
 
 def activation_parts(recipe: Recipe, strategy: Strategy, fused_norms: bool) -> list[Part]:
-    """Saved for the backward, the loss's logits (whole, or one tile of the chunked loss), a tiled MLP's tile."""
+    """Saved for the backward, and the loss's logits (whole, or one tile of the chunked loss)."""
     saved, logits = activation_bytes(recipe, strategy, fused_norms)
-    host = host_checkpoint_bytes(recipe, strategy)  # of the block inputs counted in `saved`
+    host = host_checkpoint_bytes(recipe, strategy)  # of the block inputs counted in `saved`: on the host (layout_costs)
     parts = [Part("activations", "saved for backward", "device", saved - host, 0, "see module docstring")]
-    if host:
-        name = "checkpointed block inputs, pinned on the host"
-        parts.append(Part("activations", name, "cpu", host, host, "(layers - 1)·a·T·d"))
     n = strategy.loss_tiles
     if n == 1:
         parts.append(Part("activations", "logits gradient (backward start)", "device", logits, 0, "8·T·V"))
     else:
         name = f"chunked loss: 1 of {n} chunks' logits, head gradients (forward end)"
         parts.append(Part("activations", name, "device", logits, 0, "12·(T/n)·V + a·T·d + (4 + a)·V·d"))
-    if strategy.mlp_tiles > 1:
-        name = f"MLP: 1 of {strategy.mlp_tiles} tiles recomputed (backward)"
-        tile = mlp_tile_bytes(recipe, strategy)
-        parts.append(Part("activations", name, "device", tile, 0, "2a·(T/m)·MLP intermediates + a·T·d"))
     return parts
 
 
@@ -198,7 +184,7 @@ def bf16_optimizer(strategy: Strategy) -> bool:
 
 
 def accumulates_in_fp32(strategy: Strategy) -> bool:
-    return strategy.ds_config.get("data_types", {}).get("grad_accum_dtype") == "fp32"
+    return strategy.deepspeed_config.get("data_types", {}).get("grad_accum_dtype") == "fp32"
 
 
 def gradient_parts(strategy: Strategy, psi: int, part: int | None = None) -> list[Part]:
@@ -238,7 +224,8 @@ def gradient_parts(strategy: Strategy, psi: int, part: int | None = None) -> lis
             Part("gradients", "gradients (fp32), swapped for the optimizer", "nvme", 4 * part, 4 * part, "4Ψ/N")
         ]
     # ZeRO-3 steps one sub-group (zero_optimization.sub_group_size elements) at a time, each with its fp32 copy.
-    copied = min(part, int(strategy.ds_config["zero_optimization"].get("sub_group_size", 1e9))) if s == 3 else part
+    sub_group = int(strategy.deepspeed_config["zero_optimization"].get("sub_group_size", 1e9))
+    copied = min(part, sub_group) if s == 3 else part
     keep = 4 * part if opt else 0  # offload keeps the pinned fp32 gradient partition allocated
     formula = "4·min(Ψ/N, sub_group_size) at the step" if s == 3 else "4Ψ/N at the step"
     return parts + [
@@ -345,7 +332,6 @@ def deepspeed_reference(counts: ParamCounts, est: Estimate) -> dict | None:
 
 def estimate_file(
     recipe: Recipe,
-    recipe_file: str | Path,
     ds_file: str | Path,
     nodes: int,
     gpus_per_node: int,
@@ -353,9 +339,11 @@ def estimate_file(
     reserve_gib: float = 1.0,
     fused_norms: bool = True,
 ) -> Estimate:
-    """Resolve ``ds_file`` against the recipe for nodes x gpus_per_node ranks, then estimate."""
+    """Resolve ``ds_file`` against the recipe for nodes x gpus_per_node ranks, then estimate. A refusal names
+    ``ds_file``; the recipe's file, where the ds_config contradicts it, is the caller's to name (naming_files)."""
     if nodes < 1 or gpus_per_node < 1:
         raise DstrainError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: both must be at least 1")
     # The estimate is for the cluster's devices, not this host's: its fp16 support does not matter.
-    strategy = resolve(recipe, recipe_file, load_ds_config(ds_file), ds_file, nodes * gpus_per_node, check_device=False)
+    with naming_files(ds_config=ds_file):
+        strategy = resolve_config(recipe, load_ds_config(ds_file), str(ds_file), nodes * gpus_per_node, False)
     return estimate(recipe, strategy, nodes, gpus_per_node, device_memory_gib, reserve_gib, fused_norms)

@@ -7,7 +7,7 @@ Stated assumptions (each replaceable, each named in the plan's output):
   tokens per rank (small matmuls run below the device's best rate), plus a fixed cost per micro-batch
   (``Device.micro_batch_overhead_s``); +1/3 of the FLOPs with activation checkpointing (the forward runs
   twice); under tensor parallelism the replicated output head is computed on every TP rank; tiling's recompute
-  (tiling_recompute_flops: the tiled MLPs' forward; the chunked loss recomputes nothing, it forms the head's
+  (layout_costs.tiled_mlp_recompute: the tiled MLPs' forward; the chunked loss recomputes nothing, it forms the head's
   gradients in its forward: dstrain.model.chunked_loss).
   ``dstrain plan --calibrate`` measures the rate and the fixed cost on this machine instead.
 - Communication: the bytes of dstrain.plan.traffic (checked against DeepSpeed's comms logger) over the
@@ -19,7 +19,7 @@ Stated assumptions (each replaceable, each named in the plan's output):
   partitions' all-gather, TP's, SP's and EP's collectives and the pipeline's sends are on the critical path.
 - Pipeline: the bubble of DeepSpeed's own schedule (1F1B or DualPipeV) simulated with a backward of twice the
   forward (plan.bubble; for 1F1B that is (stages - 1) / accumulation steps of the compute).
-- Engine (calibrated devices only: dstrain compare --plan, plan/calibrate_engine.py): DeepSpeed's own seconds per
+- Engine (calibrated devices only: dstrain compare --plan, commands/calibrate_engine.py): DeepSpeed's own seconds per
   step and per micro-batch of each engine kind, and what a TP or an SP group adds per micro-batch and per sample
   beyond its collectives' bytes (per-call latency, AutoTP's and Ulysses' copies). A datasheet device has neither.
 - Offload: the optimizer's partition crosses the host link twice per step (gradients down, parameters up) and
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from dstrain.config import Recipe
 from dstrain.devices import datasheet_peaks
 from dstrain.model.counts import flops_per_token
-from dstrain.plan.bubble import bubble_fraction
+from dstrain.plan import layout_costs
 from dstrain.plan.param_counts import ParamCounts, count_params
-from dstrain.plan.traffic import Traffic, dtype_bytes, step_traffic
+from dstrain.plan.traffic import Traffic, step_traffic
 from dstrain.precision import Precision
 from dstrain.strategy.resolve import Strategy
 
@@ -60,11 +60,11 @@ class Device:
     micro_batch_overhead_s: float = 0.0  # fixed seconds of each micro-batch's forward + backward (launches, hooks)
     overlaps_communication: bool = True  # collectives on their own streams; False on a CPU (gloo runs them inline)
     # (engine kind, seconds per step, seconds per micro-batch) DeepSpeed's engine adds beyond the model's compute and
-    # collectives; measured by dstrain compare --plan (plan/calibrate_engine.py), none for a datasheet device
+    # collectives; measured by dstrain compare --plan (commands/calibrate_engine.py), none for a datasheet device
     engine_costs: tuple[tuple[str, float, float], ...] = ()
     # ("tp" or "sp", seconds per micro-batch, seconds per sample of it) a TP or SP group of 2 adds beyond its ZeRO
     # stage's engine and the bytes of its collectives: per-call latency, AutoTP's and Ulysses' copies; measured by
-    # dstrain compare --plan (plan/calibrate_engine.py), none for a datasheet device
+    # dstrain compare --plan (commands/calibrate_engine.py), none for a datasheet device
     parallel_costs: tuple[tuple[str, float, float], ...] = ()
 
     def engine_seconds(self, kind: str, micro_batches: int) -> float:
@@ -99,13 +99,23 @@ DEVICES = {
 class Prediction:
     compute_s: float  # forward + backward (+ recompute) of this rank's share
     comm_s: dict[str, float] = field(default_factory=dict)  # exposed seconds per named collective
-    bubble_s: float = 0.0
-    offload_s: float = 0.0
+    # seconds per layout part besides compute and communication (dstrain.plan.layout_costs, by the part's name)
+    layout_s: dict[str, float] = field(default_factory=dict)
     engine_s: float = 0.0  # DeepSpeed's own time (calibrated only): hooks, bucketing, the pipeline's instruction loop
 
     @property
+    def bubble_s(self) -> float:
+        return self.layout_s.get("pipeline", 0.0)
+
+    @property
+    def offload_s(self) -> float:
+        """Host traffic: the offloaded states' and the host checkpoints' (every layout part's seconds but the
+        pipeline's bubble)."""
+        return sum(self.layout_s.values()) - self.bubble_s
+
+    @property
     def step_s(self) -> float:
-        return self.compute_s + sum(self.comm_s.values()) + self.bubble_s + self.offload_s + self.engine_s
+        return self.compute_s + sum(self.comm_s.values()) + sum(self.layout_s.values()) + self.engine_s
 
     @property
     def bound(self) -> str:
@@ -142,27 +152,11 @@ class Cluster:
         return gbps * GBIT
 
 
-def tiling_recompute_flops(m, strategy: Strategy) -> float:
-    """FLOPs per token (over the world, like flops_per_token) that tiling adds: a tiled MLP runs each MLP's forward
-    again (2·d·f per matrix). The chunked loss adds none: it runs the head's matmuls once, forming its gradients in
-    the forward (dstrain.model.chunked_loss), where DeepSpeed's tiled compute ran the head's forward twice."""
-    flops = 0.0
-    if strategy.mlp_tiles > 1:
-        matrices = 3 if m.flavour == "llama" else 2
-        flops += 2.0 * matrices * m.d_model * m.ff_dim * (m.n_layer - m.n_moe_layers)
-    return flops
-
-
 def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cluster) -> Prediction:
     """Seconds of one optimizer step of ``strategy`` on ``cluster`` (module docstring)."""
     m, world = recipe.model, cluster.nodes * cluster.gpus_per_node
     tokens_step = recipe.train.global_batch * recipe.data.seq_len
-    flops = flops_per_token(m, recipe.data.seq_len) * tokens_step / world
-    if strategy.tp_size > 1:  # the output head is not sharded: each TP rank computes all of it
-        flops += 6 * m.vocab_size * m.d_model * tokens_step / world * (strategy.tp_size - 1)
-    if strategy.activation_checkpointing:
-        flops *= 4 / 3
-    flops += tiling_recompute_flops(m, strategy) * tokens_step / world
+    flops = layout_costs.with_flops(recipe, strategy, flops_per_token(m, recipe.data.seq_len) * tokens_step / world)
     matmul_tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
     overhead = strategy.grad_accum * cluster.device.micro_batch_overhead_s
     pred = Prediction(compute_s=flops / cluster.device.rate(strategy.precision, matmul_tokens) + overhead)
@@ -177,11 +171,7 @@ def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cl
         pred.comm_s[name] = pred.comm_s.get(name, 0.0) + seconds
     if hidden > backward_s:
         pred.comm_s["overlapped collectives (exposed)"] = hidden - backward_s
-    if strategy.pp_stages > 1:
-        fraction = bubble_fraction(strategy.pipe_schedule, strategy.pp_stages, strategy.grad_accum)
-        pred.bubble_s = pred.compute_s * fraction
-    pred.offload_s = offload_seconds(strategy, counts, cluster.device)
-    pred.offload_s += host_checkpoint_seconds(recipe, strategy, cluster.device, pred.compute_s)
+    pred.layout_s = layout_costs.seconds(recipe, strategy, counts, cluster.device, pred.compute_s)
     engine_s = cluster.device.engine_seconds(engine_kind(strategy), strategy.grad_accum)
     pred.engine_s = engine_s + cluster.device.parallel_seconds(strategy)
     return pred
@@ -195,9 +185,9 @@ def engine_kind(strategy: Strategy) -> str:
 
 def layout_counts(recipe: Recipe, strategy: Strategy) -> ParamCounts:
     """The parameter counts of one rank under ``strategy``, as the memory model counts them."""
-    zero = strategy.ds_config.get("zero_optimization", {})
+    zero = strategy.deepspeed_config.get("zero_optimization", {})
     threshold = zero.get("stage3_param_persistence_threshold", 100_000) if strategy.zero_stage == 3 else 0
-    method = str(strategy.ds_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
+    method = str(strategy.deepspeed_config.get("pipeline", {}).get("partition_method", "parameters")).lower()
     return count_params(
         recipe.model, strategy.tp_size, strategy.pp_stages, threshold, method, strategy.ep_size, strategy.pipe_schedule
     )
@@ -212,26 +202,6 @@ def expert_share(recipe: Recipe, strategy: Strategy, counts: ParamCounts) -> int
 
     per_layer = mlp_params(recipe.model, recipe.model.expert_dim) * moe.num_experts // strategy.ep_size
     return per_layer * recipe.model.n_moe_layers
-
-
-def offload_seconds(strategy: Strategy, counts: ParamCounts, device: Device) -> float:
-    part = counts.per_rank / strategy.zero_partitions
-    b = dtype_bytes(strategy.precision)
-    seconds = 0.0
-    if strategy.offload_optimizer:
-        seconds += part * (4 + b) / (device.host_gbps * GBIT) + part / device.cpu_adam_params_per_s
-    if strategy.offload_param:
-        seconds += 2 * strategy.grad_accum * counts.per_rank * b / (device.host_gbps * GBIT)
-    return seconds
-
-
-def host_checkpoint_seconds(recipe: Recipe, strategy: Strategy, device: Device, compute_s: float) -> float:
-    """Checkpointed block inputs to the host in the forward and back in the backward (cpu_checkpointing): DeepSpeed
-    copies them on a side stream, so only what outlasts the compute shows (all of it where nothing overlaps)."""
-    from dstrain.plan.activations import host_checkpoint_bytes
-
-    moved = 2 * strategy.grad_accum * host_checkpoint_bytes(recipe, strategy) / (device.host_gbps * GBIT)
-    return max(0.0, moved - compute_s) if device.overlaps_communication else moved
 
 
 def traffic_table(recipe: Recipe, strategy: Strategy, counts: ParamCounts) -> list[Traffic]:

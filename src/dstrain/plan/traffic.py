@@ -76,7 +76,7 @@ def dtype_bytes(precision: Precision) -> int:
 
 def comm_bytes(strategy: Strategy) -> int:
     """Bytes per gradient element on the wire: communication_data_type, else the model's dtype."""
-    kind = strategy.ds_config.get("communication_data_type")
+    kind = strategy.deepspeed_config.get("communication_data_type")
     return {"fp32": 4, "fp16": 2, "bf16": 2}.get(kind or "", dtype_bytes(strategy.precision))
 
 
@@ -96,7 +96,7 @@ def step_traffic(
 def zero_traffic(strategy: Strategy, counts: ParamCounts, expert_params: int = 0) -> list[Traffic]:
     s, n, g = strategy.zero_stage, strategy.zero_partitions, strategy.grad_accum
     psi, b, c = counts.per_rank, dtype_bytes(strategy.precision), comm_bytes(strategy)
-    zero = strategy.ds_config.get("zero_optimization", {})
+    zero = strategy.deepspeed_config.get("zero_optimization", {})
     overlap = bool(zero.get("overlap_comm", s == 3))
     if s == 3:
         persistent = counts.persistent

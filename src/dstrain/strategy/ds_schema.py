@@ -14,7 +14,7 @@ import difflib
 import logging
 from typing import Any
 
-from dstrain.errors import DstrainError
+from dstrain.errors import InputError
 
 # Keys dstrain writes besides those DeepSpeed reads: DeepSpeed ignores a ds_config "seed"; strategy.resolve
 # records the recipe's seed there (a pinned one must equal it). DeepSpeedConfig reads "sequence_parallel_size" only
@@ -97,8 +97,9 @@ def _paths(node: dict, where: str = "") -> list[str]:
     return out
 
 
-def validate_ds_config(config: dict, ds_file: str) -> None:
-    """Raise a one-line DstrainError if DeepSpeed would reject ``config`` or ignore one of its keys."""
+def validate_ds_config(config: dict) -> None:
+    """Raise a one-line InputError (the key and the fix; the check phase names the file) if DeepSpeed would reject
+    ``config`` or ignore one of its keys."""
     from deepspeed.runtime.config import DeepSpeedConfig
     from pydantic import ValidationError
 
@@ -114,17 +115,17 @@ def validate_ds_config(config: dict, ds_file: str) -> None:
     try:
         DeepSpeedConfig(_Recorder(trial, asked, whole))
     except ValidationError as e:
-        raise DstrainError(_pydantic_line(e, asked, config, ds_file)) from None
+        raise InputError(_pydantic_line(e, asked, config)) from None
     except Exception as e:  # DeepSpeedConfigError, and the asserts and ValueErrors of its hand-written checks
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DstrainError(f"{ds_file}: DeepSpeed rejects this ds_config: {message}") from None
+        raise InputError(f"DeepSpeed rejects this ds_config: {message}") from None
     finally:
         logger.setLevel(level)
-    _check_unknown_keys(config, set(asked), whole, ds_file)
-    _check_optimizer(config, ds_file)
+    _check_unknown_keys(config, set(asked), whole)
+    _check_optimizer(config)
 
 
-def _check_unknown_keys(config: dict, asked: set, whole: set, ds_file: str) -> None:
+def _check_unknown_keys(config: dict, asked: set, whole: set) -> None:
     for path in _paths(config):
         parent, _, key = path.rpartition(".")
         where = f"{parent}." if parent else ""
@@ -140,10 +141,10 @@ def _check_unknown_keys(config: dict, asked: set, whole: set, ds_file: str) -> N
         siblings = sorted({k[len(where) :] for k in known if k.startswith(where) and "." not in k[len(where) :]})
         close = difflib.get_close_matches(key, siblings, n=1)
         hint = f'did you mean "{where}{close[0]}"?' if close else "DeepSpeed does not read it; remove it"
-        raise DstrainError(f'{ds_file}: unknown key "{path}"; {hint}')
+        raise InputError(f'unknown key "{path}"; {hint}')
 
 
-def _check_optimizer(config: dict, ds_file: str) -> None:
+def _check_optimizer(config: dict) -> None:
     import torch
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
@@ -161,10 +162,10 @@ def _check_optimizer(config: dict, ds_file: str) -> None:
         if close
         else f"use one of {', '.join(DEEPSPEED_OPTIMIZERS)} or a torch.optim class"
     )
-    raise DstrainError(f'{ds_file}: optimizer.type "{name}" is neither a DeepSpeed nor a torch.optim optimizer; {hint}')
+    raise InputError(f'optimizer.type "{name}" is neither a DeepSpeed nor a torch.optim optimizer; {hint}')
 
 
-def _pydantic_line(error, asked: list, config: dict, ds_file: str) -> str:
+def _pydantic_line(error, asked: list, config: dict) -> str:
     """One line for the first pydantic error, its location prefixed with the section DeepSpeed was reading."""
     first = error.errors()[0]
     loc = [str(part) for part in first["loc"]]
@@ -174,10 +175,10 @@ def _pydantic_line(error, asked: list, config: dict, ds_file: str) -> str:
         model = _model_at(error.title, loc[:-1])
         close = difflib.get_close_matches(loc[-1], list(model.model_fields) if model else [], n=1)
         fix = f'did you mean "{".".join([*section, *loc[:-1], close[0]])}"?' if close else "remove it"
-        return f'{ds_file}: unknown key "{path}"; {fix}'
+        return f'unknown key "{path}"; {fix}'
     given = first.get("input")
     shown = f" (got {given!r})" if not isinstance(given, dict) else ""
-    return f'{ds_file}: "{path}": {first["msg"]}{shown}'
+    return f'"{path}": {first["msg"]}{shown}'
 
 
 def _section_of(loc: list[str], asked: list, config: dict) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dstrain.config import Recipe
-from dstrain.errors import DstrainError
+from dstrain.errors import InputError
 from dstrain.precision import Precision
 
 MUON = "Muon"
@@ -28,21 +28,21 @@ ACCEPTED_WITH_MOE = "ds_configs/zero0.json, zero1.json, zero2.json or ep2_zero1.
 MUON_MOE_IN_BF16 = "DeepSpeed 0.19.8's bf16 optimizer refuses Muon with MoE layers: Muon with model.moe trains in fp32"
 
 
-def fill_optimizer(config: dict, recipe: Recipe, recipe_file: str, ds_file: str, fill: Callable) -> None:
+def fill_optimizer(config: dict, recipe: Recipe, fill: Callable) -> None:
     """The optimizer's type and hyper-parameters from the recipe; ``fill(section, key, value, owner)`` sets a value
     the recipe owns (resolve._fill: "auto" or absent is filled, a different pin is an error)."""
     o = recipe.optim
     section = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
     named = str(section.get("type", "AdamW"))
     if o.kind == "adamw" and named.lower() == MUON.lower():
-        raise DstrainError(
-            f'{ds_file}: optimizer.type "{named}" but {recipe_file} sets optim.kind=adamw; the recipe owns the '
+        raise InputError(
+            f'optimizer.type "{named}" but the recipe sets optim.kind=adamw; the recipe owns the '
             f'optimizer: set optimizer.type to "AdamW" and optim.kind: muon in the recipe for Muon'
         )
     if o.kind == "muon":
         if named.lower() not in (*ADAM_TYPES, MUON.lower()):
-            raise DstrainError(
-                f'{ds_file}: optimizer.type "{named}" cannot run optim.kind=muon of {recipe_file}; use "AdamW" '
+            raise InputError(
+                f'optimizer.type "{named}" cannot run optim.kind=muon of the recipe; use "AdamW" '
                 f"(Muon's AdamW half: embeddings, head, norms, biases)"
             )
         section["type"] = MUON
@@ -65,7 +65,7 @@ def fill_optimizer(config: dict, recipe: Recipe, recipe_file: str, ds_file: str,
 
 
 def check_muon(
-    recipe: Recipe, config: dict, ds_file: str, stage: int, precision: Precision, sizes: tuple[int, int, int, int]
+    recipe: Recipe, config: dict, stage: int, precision: Precision, sizes: tuple[int, int, int, int]
 ) -> None:
     """Refuse, before launch and in one line, the strategies under which Muon would not be the math of ZeRO-0 fp32:
     the raw gradient clipped by its global norm, then momentum and Newton-Schulz on the whole matrix."""
@@ -78,11 +78,11 @@ def check_muon(
         reason = "sequence parallelism with ZeRO-3 needs reduce_scatter, which DeepSpeed 0.19.8's ZeRO-3 Muon refuses"
     if reason:
         accepted = ACCEPTED if recipe.model.moe is None else ACCEPTED_WITH_MOE
-        raise DstrainError(f"{ds_file}: optim.kind=muon is refused: {reason}; use {accepted}")
+        raise InputError(f"optim.kind=muon is refused: {reason}; use {accepted}")
     if stage == 3 and zero.get("reduce_scatter", True):  # DeepSpeed 0.19.8 raises at init otherwise (stage3.py)
-        raise DstrainError(
-            f"{ds_file}: optim.kind=muon under ZeRO-3 needs zero_optimization.reduce_scatter: false (DeepSpeed 0.19.8 "
-            f'runs Muon only on all-reduced gradients there); add "reduce_scatter": false to {ds_file}'
+        raise InputError(
+            "optim.kind=muon under ZeRO-3 needs zero_optimization.reduce_scatter: false (DeepSpeed 0.19.8 "
+            'runs Muon only on all-reduced gradients there); add "reduce_scatter": false to zero_optimization'
         )
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from dstrain.config import Recipe
-from dstrain.errors import DstrainError
+from dstrain.errors import InputError
 from dstrain.objectives.registry import objective_of
 
 AUTO_CHUNK_ABOVE = 8 * 2**30  # "auto" chunks the loss when its whole fp32 logits working set (12·T·V) exceeds this
@@ -43,20 +43,18 @@ def auto_loss_tiles(micro_batch: int, seq_per_rank: int, vocab_size: int, above:
     return next(n for n in range(max(needed, 1), seq_per_rank + 1) if seq_per_rank % n == 0)
 
 
-def check_tiling(
-    config: dict, recipe: Recipe, ds_file: str, micro_batch: int, sp_size: int, pp_stages: int
-) -> tuple[int, int]:
+def check_tiling(config: dict, recipe: Recipe, micro_batch: int, sp_size: int, pp_stages: int) -> tuple[int, int]:
     """(loss tiles, MLP tiles), 1 = off; ``config["tiling"]["loss"]`` is set to the count "auto" chose, so that the
     run's resolved ds_config records it."""
     section = config.get("tiling", {})
     unknown = sorted(set(section) - {"loss", "mlp"}) if isinstance(section, dict) else ["(not an object)"]
     if unknown:
-        raise DstrainError(f'{ds_file}: unknown key "tiling.{unknown[0]}"; the tiling section takes "loss" and "mlp"')
+        raise InputError(f'unknown key "tiling.{unknown[0]}"; the tiling section takes "loss" and "mlp"')
     seq = recipe.data.seq_len // sp_size  # each sequence-parallel rank tiles its own slice
     loss = section.get("loss", "auto")
     whole_logits = objective_of(recipe).refuses.get("loss_tiling")  # why the objective takes whole logits
     if whole_logits and loss not in ("auto", 1):
-        raise DstrainError(f"{ds_file}: tiling.loss={loss!r} {whole_logits}")
+        raise InputError(f"tiling.loss={loss!r} {whole_logits}")
     if loss == "auto":
         loss = 1 if whole_logits else auto_loss_tiles(micro_batch, seq, recipe.model.vocab_size)
         if "tiling" in config:
@@ -65,25 +63,24 @@ def check_tiling(
     for key, value in zip(("loss", "mlp"), tiles):
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= seq:
             choice = ' or "auto"' if key == "loss" else ""
-            raise DstrainError(
-                f"{ds_file}: tiling.{key}={value!r}; use a number of sequence tiles from 1 (off) to the {seq} tokens "
+            raise InputError(
+                f"tiling.{key}={value!r}; use a number of sequence tiles from 1 (off) to the {seq} tokens "
                 f"of a rank's sequence{choice}"
             )
         if seq % value:
             near = [n for n in range(1, seq + 1) if seq % n == 0]
             below, above = max(n for n in near if n < value), min(n for n in near if n > value)
-            raise DstrainError(
-                f"{ds_file}: tiling.{key}={value} does not divide the {seq} tokens of a rank's sequence "
+            raise InputError(
+                f"tiling.{key}={value} does not divide the {seq} tokens of a rank's sequence "
                 f"(data.seq_len / sequence_parallel_size); use {below} or {above}"
             )
     if recipe.model.moe is not None and tiles[1] > 1:  # DeepSpeed's TiledMLP reruns the MoE layer without its router
-        raise DstrainError(  # losses' graph (their gradient would be lost, as under a plain recompute: model/moe.py)
-            f"{ds_file}: tiling.mlp with model.moe is not supported (the router's losses would lose their gradient); "
-            f"remove tiling.mlp, or use activation_checkpointing"
+        raise InputError(  # losses' graph (their gradient would be lost, as under a plain recompute: model/moe.py)
+            "tiling.mlp with model.moe is not supported (the router's losses would lose their gradient); "
+            "remove tiling.mlp, or use activation_checkpointing"
         )
     if pp_stages > 1 and tiles[1] > 1:  # the pipeline's last stage chunks the loss (model/pipe.py), not the MLPs
-        raise DstrainError(
-            f"{ds_file}: tiling.mlp with pipeline.stages > 1 is not supported (the stages' blocks are not tiled); "
-            f"remove tiling.mlp"
+        raise InputError(
+            "tiling.mlp with pipeline.stages > 1 is not supported (the stages' blocks are not tiled); remove tiling.mlp"
         )
     return tiles[0], tiles[1]

@@ -18,7 +18,7 @@ from dstrain.checkpoint.model_source import ModelSource, load_recipe_and_source
 from dstrain.checkpoint.record import identity, identity_of_recipe_dict
 from dstrain.config import Recipe, run_folder, to_dict
 from dstrain.data.manifest import Manifest, read_manifest, same_tokenizer
-from dstrain.errors import DstrainError, quiet_warnings
+from dstrain.errors import DstrainError, naming_files, quiet_warnings
 from dstrain.monitors.settings import check_monitors
 from dstrain.run_dir import RunDir
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
@@ -45,7 +45,8 @@ def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
     manifests = [read_manifest(data.path) for data in recipe.data.sources]  # once each, handed on
     files = RunDir(run_folder(recipe))
     check(recipe, args.recipe, files, manifests, model_source)
-    check_monitors(strategy.ds_config, args.deepspeed_config, files.root)
+    with naming_files(ds_config=args.deepspeed_config):
+        check_monitors(strategy.resolved_ds_config, files.root)
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe, manifests)
     tag = resume_tag(files.checkpoints, args.resume)
     check_run_dir(recipe, args.recipe, files, tag, args.resume, fingerprint)

@@ -121,7 +121,7 @@ def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
     if tag:  # saved under another world size or ZeRO stage? rank 0 converts it, the others wait
         from dstrain.checkpoint import reshard
 
-        reshard.prepare_resume(
+        strategy = reshard.prepare_resume(
             files.checkpoints, tag, strategy, recipe.model, recipe.optim.weight_decay, on_rank0=distributed.on_rank0
         )
     model = build_model(recipe, strategy)

@@ -101,7 +101,7 @@ def claim_run_dir(files: RunDir, recipe: Recipe, strategy: Strategy, tag: str | 
         from dstrain.data.tokenizer import copy_run_tokenizer
 
         copy_run_tokenizer(recipe.data, files.tokenizer)
-    files.ds_config.write_text(json.dumps(strategy.ds_config, indent=2) + "\n")
+    files.ds_config.write_text(json.dumps(strategy.resolved_ds_config, indent=2) + "\n")
     from dstrain.metrics import drop_records_after
 
     drop_records_after(files.metrics, step_of(tag) if tag else 0)

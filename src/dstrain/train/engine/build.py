@@ -16,9 +16,10 @@ import torch
 from dstrain.config import Recipe
 from dstrain.errors import warn
 from dstrain.model.gpt import GPT, param_groups
-from dstrain.monitors.settings import MONITOR_BLOCKS
 from dstrain.strategy.resolve import Strategy
 from dstrain.train.engine import grad_norm, muon_zero
+from dstrain.train.engine.converters import apply_converters
+from dstrain.train.engine.layouts import applied
 from dstrain.train.engine.schedule import build_scheduler
 
 if TYPE_CHECKING:
@@ -26,43 +27,22 @@ if TYPE_CHECKING:
 
 
 def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
-    """The GPT with the same initial weights under every strategy.
-
-    Plain by default; under ZeRO-3 built inside zero.Init so no rank ever holds all of it; with
-    pipeline stages a PipelineModule whose layers each rank builds only for its own stage.
-    AutoTP shards the plain GPT inside deepspeed.initialize.
-    """
-    if strategy.pp_stages > 1:
-        from dstrain.model.pipe import build_pipeline
-
-        pipeline = strategy.ds_config.get("pipeline", {})
-        head_loss = None
-        if strategy.loss_tiles > 1:
-            from dstrain.train.engine import tiling
-
-            head_loss = tiling.pipeline_loss(strategy.loss_tiles, recipe.model.logit_softcap)
-        # The ds_config's activation_checkpointing section alone means every block, as for the plain model.
-        interval = pipeline.get("activation_checkpoint_interval", 0) or int(strategy.activation_checkpointing)
-        return build_pipeline(
-            recipe.model,
-            recipe.seed,
-            strategy.pp_stages,
-            partition_method=pipeline.get("partition_method", "parameters"),
-            activation_checkpoint_interval=interval,
-            schedule=pipeline.get("schedule", "1f1b"),
-            head_loss=head_loss,
-        )
+    """The GPT with the same initial weights under every strategy, as the layout's parts build it
+    (dstrain.train.engine.layouts: plain by default, inside zero.Init under ZeRO-3, or pipeline stages)."""
+    parts = applied(strategy)
+    builders = [part.build for part in parts if part.build is not None]
+    if builders:
+        return builders[0](recipe, strategy)
     torch.manual_seed(recipe.seed)  # identical initial weights on every rank and under every strategy
-    init = (
-        deepspeed.zero.Init(config_dict_or_path=strategy.ds_config)
-        if strategy.zero_stage == 3
-        else contextlib.nullcontext()
-    )
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    with init:
+    with contextlib.ExitStack() as building:
+        for part in parts:
+            if part.building is not None:
+                building.enter_context(part.building(strategy))
         model = GPT(recipe.model, strategy.ep_size, strategy.ep_rank(rank))
-    if strategy.activation_checkpointing:
-        model.checkpoint_fn = deepspeed.checkpointing.checkpoint  # configured per engine in build_engine
+    for part in parts:
+        if part.on_model is not None:
+            part.on_model(model, recipe, strategy)
     return model
 
 
@@ -113,7 +93,9 @@ def make_arch_list_readable_by_deepspeed() -> None:
 
 
 def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
-    """deepspeed.initialize with the optimizer from the ds_config and the schedule from the recipe."""
+    """deepspeed.initialize with the optimizer from the ds_config and the schedule from the recipe, after the model
+    converters (dstrain.train.engine.converters: adapters, later FP8) and the layouts are applied to ``model``."""
+    model = apply_converters(model, recipe, strategy)  # after init_from's weights: a converter wraps loaded layers
     if os.environ.get("LOCAL_RANK", "0") == "0":  # one warning per node, whose cache it is
         warn_stale_build_locks()
     make_arch_list_readable_by_deepspeed()
@@ -122,33 +104,22 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
     # second run in one process (tests, notebooks) crashes or reduces over the wrong ranks. Engines that have a
     # grid set it again. tests/test_parallel.py::test_deepspeed_leaks_the_pipeline_grid notices a fix upstream.
     deepspeed.utils.groups.mpu = None
+    parts = applied(strategy)
     mpu = None
-    if strategy.sp_size > 1:  # Ulysses: attention wrapped from outside, DeepSpeed told the groups through mpu
-        from dstrain.train.engine import sequence
-
-        mpu = sequence.init_groups(strategy.sp_size)
-        sequence.apply(model, mpu.get_sequence_parallel_group())
-    if strategy.mlp_tiles > 1:
-        from dstrain.train.engine import tiling
-
-        tiling.tile_mlps(model, strategy.mlp_tiles)
-    # "expert_parallel" is dstrain's to read (strategy: the classic MoE layer's size); given to DeepSpeed it would turn
-    # on AutoEP, which finds no layer of its own here. The monitor blocks are dstrain's to write (dstrain.monitors, at
-    # the optimizer step): DeepSpeed's own writers would log its events at the sample count, a second x-axis.
-    ds_config = {k: v for k, v in strategy.ds_config.items() if k not in ("expert_parallel", *MONITOR_BLOCKS)}
+    for part in parts:
+        given = part.before_engine(model, strategy) if part.before_engine is not None else None
+        mpu = mpu if given is None else given
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, recipe.optim.weight_decay),
-        config=ds_config,
+        config=strategy.deepspeed_config,  # exactly as resolved (tests/test_engine_seams.py)
         lr_scheduler=lambda opt: build_scheduler(opt, recipe.total_steps, recipe.optim, recipe.schedule),
         mpu=mpu,
     )
-    if strategy.activation_checkpointing:
-        configure_activation_checkpointing(engine, strategy)
-    if strategy.tp_size > 1:
-        sum_head_norm_grads_over_tp(engine.module)
-    check_expert_groups(engine, strategy)
-    if "compile" in strategy.ds_config:
+    for part in parts:
+        if part.on_engine is not None:
+            part.on_engine(engine, strategy)
+    if "compile" in strategy.deepspeed_config:
         # DeepSpeed 0.19.8 reads the "compile" section but leaves engine.compile() to the caller: here the
         # section's presence is the switch, so torch.compile is one ds_config swap like every other strategy.
         engine.compile()
@@ -158,26 +129,6 @@ def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
         muon_zero.install(engine)  # ZeRO-1/2: clip the raw gradient, then orthogonalise, as ZeRO-0 does
         run_muon_eagerly_on_cpu(engine.optimizer)
     return engine
-
-
-def sum_head_norm_grads_over_tp(model: torch.nn.Module) -> None:
-    """q/k norms per head (model.qk_norm head: Qwen3) hold one weight that every head uses. Under AutoTP each rank
-    keeps the whole weight but only its slice of the heads, so its gradient is a partial sum over those heads; AutoTP
-    (DeepSpeed 0.19.8) reduces no replicated parameter over the tensor-parallel group (the others see the whole hidden
-    state, so their gradients agree already). A hook sums the partial gradients, as Megatron-LM all-reduces its
-    sequence-parallel norm gradients; tests/test_parallel.py holds TP2 to the plain model's gradient norms."""
-    from deepspeed.utils import groups
-
-    group = groups.get_tensor_model_parallel_group()
-
-    def summed(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        torch.distributed.all_reduce(grad, group=group)
-        return grad
-
-    for name, param in model.named_parameters():
-        if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
-            param.register_hook(summed)
 
 
 def run_muon_eagerly_on_cpu(optimizer) -> None:
@@ -195,51 +146,6 @@ def run_muon_eagerly_on_cpu(optimizer) -> None:
             return step(*args, **kwargs)
 
     optimizer.step = eager_step
-
-
-def check_expert_groups(engine, strategy: Strategy) -> None:
-    """The experts build_model gave this rank are those of its place in DeepSpeed's expert-parallel group."""
-    from deepspeed.moe.layer import MoE
-    from deepspeed.utils import groups
-
-    for module in engine.module.modules():
-        if isinstance(module, MoE) and module.ep_size > 1:
-            placed = groups._get_expert_parallel_rank(module.expert_group_name)
-            if placed != strategy.ep_rank(torch.distributed.get_rank()):
-                raise RuntimeError(
-                    f"DeepSpeed placed this rank at expert-parallel index {placed}, build_model assumed "
-                    f"{strategy.ep_rank(torch.distributed.get_rank())}"
-                )
-
-
-def configure_activation_checkpointing(engine, strategy: Strategy) -> None:
-    """deepspeed.checkpointing reads its options (partition_activations, cpu_checkpointing, ...) from module
-    globals, set here from the ds_config's section. cpu_checkpointing holds each block's input in host memory
-    (train/engine/host_checkpoints.py). Partitioning splits each saved block input over the
-    tensor-parallel group, which holds it replicated; without one there is nothing to partition over (a pipeline's
-    grid is no such group, and DeepSpeed 0.19.8's configure() fails on it: it has no
-    get_tensor_model_parallel_group)."""
-    from deepspeed.runtime.activation_checkpointing import checkpointing
-
-    from dstrain.train.engine import host_checkpoints
-
-    host_checkpoints.install()
-    checkpointing.mpu = None  # configure() keeps a previous engine's grid when given none (DeepSpeed 0.19.8)
-    section = strategy.ds_config.get("activation_checkpointing", {})  # none: a pipeline interval alone
-    tensor_parallel = strategy.tp_size > 1
-    # Options by hand: configure(deepspeed_config=...) re-checks the batch arithmetic against the world size, which
-    # fails when model parallelism makes the data-parallel size smaller.
-    deepspeed.checkpointing.configure(
-        engine.mpu if tensor_parallel else None,
-        partition_activations=tensor_parallel and section.get("partition_activations", False),
-        contiguous_checkpointing=tensor_parallel and section.get("contiguous_memory_optimization", False),
-        checkpoint_in_cpu=section.get(
-            "cpu_checkpointing", False
-        ),  # on any layout: dstrain.train.engine.host_checkpoints
-        num_checkpoints=section.get("number_checkpoints"),
-        synchronize=section.get("synchronize_checkpoint_boundary", False),
-        profile=section.get("profile", False),
-    )
 
 
 def apply_recipe_to_optimizer(engine, recipe: Recipe) -> None:

@@ -1,4 +1,5 @@
-"""What DeepSpeed's engines cost beyond the bare model's forward and backward, measured on this machine.
+"""What DeepSpeed's engines cost beyond the bare model's forward and backward, measured on this machine by building
+and stepping them, for `dstrain compare --plan`.
 
 The bare-model calibration (dstrain.plan.calibrate) sees none of the engine's own time: ZeRO's gradient hooks and
 bucketing, ZeRO-3's gathers and releases per module, the pipeline engine's instruction loop, the optimizer step.
