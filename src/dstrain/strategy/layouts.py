@@ -10,7 +10,7 @@ entry here, one there, and one in the cost terms.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dstrain.config import Recipe
@@ -27,6 +27,8 @@ class LayoutPart:
     name: str  # the key of its application (train/engine/layouts.py) and its cost terms (plan/layout_costs.py)
     keys: str  # the ds_config keys that choose it
     used_by: Callable[[Strategy], bool]  # whether a resolved strategy uses it
+    # whether the sizes resolve reads first use it (the parallel parts), for the refusals of a training objective
+    in_shape: Callable[[Shape], bool] | None = None
     checks: tuple[Check, ...] = ()  # run by resolve on the parallel sizes, before the world and the batch are split
     batch_checks: tuple[Check, ...] = ()  # run by resolve once the batch is split (shape.micro_batch, grad_accum)
 
@@ -58,23 +60,48 @@ def check_host_checkpoints(config: dict, recipe: Recipe, shape: Shape) -> None:
 # In the order of their checks: sequence parallelism's refusals of the other model-parallel layouts come before the
 # world's split into data-parallel replicas, which comes before what the pipeline and AutoTP ask of the model.
 LAYOUT_PARTS: tuple[LayoutPart, ...] = (
-    LayoutPart("sequence", "sequence_parallel_size", lambda s: s.sp_size > 1, (parallel.check_sequence_parallel,)),
-    LayoutPart("zero", "zero_optimization.stage", lambda s: s.zero_stage > 0, (parallel.check_data_parallel,)),
+    LayoutPart(
+        "sequence",
+        "sequence_parallel_size",
+        lambda s: s.sp_size > 1,
+        lambda shape: shape.sp_size > 1,
+        (parallel.check_sequence_parallel,),
+    ),
+    LayoutPart(
+        "zero",
+        "zero_optimization.stage",
+        lambda s: s.zero_stage > 0,
+        lambda shape: shape.zero_stage > 0,
+        (parallel.check_data_parallel,),
+    ),
     LayoutPart(
         "offload",
         "zero_optimization.offload_optimizer, zero_optimization.offload_param",
         lambda s: s.offload_optimizer is not None or s.offload_param is not None,
-        (check_offload,),
+        checks=(check_offload,),
     ),
     LayoutPart(
         "pipeline",
         "pipeline",
         lambda s: s.pp_stages > 1,
+        lambda shape: shape.pp_stages > 1,
         (parallel.check_pipeline,),
         (parallel.check_pipeline_accumulation,),
     ),
-    LayoutPart("tensor", "tensor_parallel", lambda s: s.tp_size > 1, (parallel.check_tensor_parallel,)),
-    LayoutPart("expert", "expert_parallel", lambda s: s.ep_size > 1, (parallel.check_expert_parallel,)),
+    LayoutPart(
+        "tensor",
+        "tensor_parallel",
+        lambda s: s.tp_size > 1,
+        lambda shape: shape.tp_size > 1,
+        (parallel.check_tensor_parallel,),
+    ),
+    LayoutPart(
+        "expert",
+        "expert_parallel",
+        lambda s: s.ep_size > 1,
+        lambda shape: shape.ep_size > 1,
+        (parallel.check_expert_parallel,),
+    ),
     LayoutPart(
         "activation_checkpoints",
         "activation_checkpointing, pipeline.activation_checkpoint_interval",
@@ -84,7 +111,7 @@ LAYOUT_PARTS: tuple[LayoutPart, ...] = (
         "host_checkpoints",
         "activation_checkpointing.cpu_checkpointing",
         lambda s: s.host_checkpoints,
-        (check_host_checkpoints,),
+        checks=(check_host_checkpoints,),
     ),
     # Its counts ("auto" included) are resolved, and refused, by dstrain.strategy.tiling.check_tiling.
     LayoutPart("tiling", "tiling", lambda s: s.loss_tiles > 1 or s.mlp_tiles > 1),
@@ -92,10 +119,15 @@ LAYOUT_PARTS: tuple[LayoutPart, ...] = (
 NAMES = tuple(part.name for part in LAYOUT_PARTS)
 
 
-def check_layout(config: dict, recipe: Recipe, shape: Shape) -> None:
+def check_layout(config: dict, recipe: Recipe, shape: Shape, refused: Mapping[str, str] | None = None) -> None:
     """Every part's checks, in the list's order: those on the sizes, or with ``shape.grad_accum`` set, those on the
-    batch split."""
+    batch split. ``refused``: {part name: why} of the parts the recipe's training objective cannot run under, each
+    refused first where the sizes use it."""
     for part in LAYOUT_PARTS:
+        if shape.grad_accum is None and part.in_shape is not None and part.in_shape(shape):
+            why = (refused or {}).get(part.name)
+            if why is not None:
+                raise InputError(f"{part.name} parallelism {why}")
         for check in part.batch_checks if shape.grad_accum is not None else part.checks:
             check(config, recipe, shape)
 

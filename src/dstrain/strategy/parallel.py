@@ -144,11 +144,6 @@ def check_pipeline(config: dict, recipe: Recipe, shape: Shape) -> None:
             f"pipeline parallelism works with ZeRO stage 0 or 1, not {shape.zero_stage}; "
             f"set zero_optimization.stage to 1"
         )
-    if recipe.preference is not None:  # the last stage would need the pairs' reference scores
-        raise InputError(
-            "pipeline parallelism does not run a recipe's preference: section (docs/preference-tuning.md); "
-            "use a ZeRO, AutoTP or sequence-parallel ds_config"
-        )
     pipeline, n_layer = config["pipeline"], recipe.model.n_layer
     schedule = pipeline.get("schedule", "1f1b")
     if schedule not in PIPE_SCHEDULES:

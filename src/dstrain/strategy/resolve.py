@@ -35,6 +35,10 @@ from dstrain.strategy.topology import Topology
 __all__ = ["AUTO", "Strategy", "load_ds_config", "offload_of", "precision_of", "resolve", "resolve_config"]
 
 AUTO = "auto"
+PREFERENCE_REFUSES = {  # the last stage would need the pairs' reference scores
+    "pipeline": "does not run a recipe's preference: section (docs/preference-tuning.md); use a ZeRO, AutoTP or "
+    "sequence-parallel ds_config"
+}
 
 
 def load_ds_config(path: str | Path) -> dict:
@@ -91,7 +95,9 @@ def resolve_config(
     tp_size, pp_stages, sp_size, ep_size = parallel.read_sizes(config)
     model_parallel = tp_size * pp_stages * sp_size
     shape = Shape(world_size, stage, tp_size, pp_stages, sp_size, ep_size, dp_size=world_size // model_parallel)
-    check_layout(config, recipe, shape)
+    # The preference objective's refusals; the objective seam (issue 54 §2) makes them its record's.
+    refused = PREFERENCE_REFUSES if recipe.preference is not None else None
+    check_layout(config, recipe, shape, refused)
     check_muon(recipe, config, stage, precision, (tp_size, pp_stages, sp_size, ep_size))
     micro, grad_accum = _batch(config, recipe, world_size, shape.dp_size, pp_stages > 1 or sp_size > 1)
     check_layout(config, recipe, dataclasses.replace(shape, micro_batch=micro, grad_accum=grad_accum))
