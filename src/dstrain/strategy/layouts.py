@@ -35,12 +35,11 @@ class LayoutPart:
 
 def check_offload(config: dict, recipe: Recipe, shape: Shape) -> None:
     """Offload moves ZeRO's partitions: at stage 0 there are none, and DeepSpeed would ignore the section."""
-    zero = config.get("zero_optimization", {})
     offloads = [k for k in ("offload_optimizer", "offload_param") if offload_of(config, k) is not None]
     if offloads and shape.zero_stage == 0:
         raise InputError(
-            f"zero_optimization.{offloads[0]} needs ZeRO stage 1, 2 or 3; set zero_optimization.stage "
-            f"(stage {zero.get('stage', 0)} partitions nothing to offload)"
+            f"zero_optimization.{offloads[0]} needs ZeRO stage 1, 2 or 3 (stage 0 partitions nothing to offload); "
+            f"set zero_optimization.stage"
         )
 
 
