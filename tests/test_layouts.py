@@ -133,3 +133,23 @@ def test_building_the_model_and_engine_asks_no_layout_question():
         if isinstance(node, ast.Attribute) and node.attr in LAYOUT_FIELDS
     )
     assert asked == []
+
+
+def test_a_training_objective_refuses_parts_by_their_names(tmp_path):
+    """What an objective cannot run under is named by the parts' names (the objective seam's refusals): a part the
+    sizes use is refused in one line naming it, one they do not use is not asked about."""
+    from dstrain.errors import InputError
+    from dstrain.recipe_file import load_recipe
+    from dstrain.strategy.layouts import check_layout
+    from dstrain.strategy.parallel import Shape
+
+    path = tmp_path / "parts.yaml"
+    path.write_text(yaml.safe_dump(RECIPE))
+    recipe, config = load_recipe(path), json.loads((ROOT / "ds_configs" / "tp2_zero1.json").read_text())
+    refused = {"tensor": "does not run this objective; use a ZeRO ds_config"}
+    tensor = Shape(2, 1, tp_size=2, pp_stages=1, sp_size=1, ep_size=1, dp_size=1)
+    with pytest.raises(InputError, match=r"^tensor parallelism does not run this objective; use a ZeRO ds_config$"):
+        check_layout(config, recipe, tensor, refused)
+    check_layout(config, recipe, tensor)  # the same layout, no objective refusing it
+    plain = Shape(2, 1, tp_size=1, pp_stages=1, sp_size=1, ep_size=1, dp_size=2)
+    check_layout(json.loads((ROOT / "ds_configs" / "zero1.json").read_text()), recipe, plain, refused)

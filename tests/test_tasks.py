@@ -88,8 +88,8 @@ def test_items_load_in_file_order_up_to_limit(tmp_path):
 
     path = write_task_file(tmp_path, "piqa", 6)
     docs = [json.loads(line) for line in path.read_text().splitlines()]
-    assert load_items(task("p", "piqa", path, limit=4), "r.yaml") == [CONVERTERS["piqa"](d) for d in docs[:4]]
-    assert len(load_items(task("p", "piqa", path, limit=None), "r.yaml")) == 6
+    assert load_items(task("p", "piqa", path, limit=4)) == [CONVERTERS["piqa"](d) for d in docs[:4]]
+    assert len(load_items(task("p", "piqa", path, limit=None))) == 6
 
 
 @pytest.mark.parametrize(
@@ -103,14 +103,14 @@ def test_items_load_in_file_order_up_to_limit(tmp_path):
     ],
 )
 def test_a_bad_task_file_is_one_line_naming_it(tmp_path, content, expected):
-    from dstrain.errors import DstrainError
+    from dstrain.errors import DstrainError, naming_files
     from dstrain.tasks.loading import load_items
 
     path = tmp_path / "piqa.jsonl"
     if content is not None:
         path.write_text(content)
-    with pytest.raises(DstrainError) as error:
-        load_items(task("p", "piqa", path), "r.yaml")
+    with pytest.raises(DstrainError) as error, naming_files(tasks="r.yaml"):  # as the check phase names it
+        load_items(task("p", "piqa", path))
     assert expected.format(path=path) in str(error.value) and "\n" not in str(error.value)
 
 
@@ -172,7 +172,7 @@ def score_folder(folder: str, tasks) -> tuple[dict, dict]:
     def forward(inputs, targets):
         return scoring.continuation_stats(model(inputs), targets)
 
-    prepared = scoring.prepare(load_tasks(tasks, "test"), tok, config.max_seq_len)
+    prepared = scoring.prepare(load_tasks(tasks), tok, config.max_seq_len)
     with torch.no_grad():
         per_request = {t.name: scoring.score(t.rows, forward, layout) for t in prepared}
         metrics = scoring.evaluate(prepared, forward, layout)

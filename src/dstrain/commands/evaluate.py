@@ -190,10 +190,12 @@ def _evaluator(model, device, micro: int):
 def evaluate_tasks(args: argparse.Namespace) -> dict:
     """``--tasks``: the scorer of the training loop (dstrain.tasks.scoring) on a plain model, each rank one
     data-parallel replica; with ``--harness``, lm-evaluation-harness's hf model on the Hugging Face folder."""
+    from dstrain.errors import naming_files
     from dstrain.tasks.loading import load_tasks
 
     tasks, where = _task_configs(args)
-    items = load_tasks(tasks, where)  # every task file checked before the model is read
+    with naming_files(tasks=where):
+        items = load_tasks(tasks)  # every task file checked before the model is read
     if args.harness:
         return _harness(args, tasks)
     from dstrain.checkpoint.consolidate import load_model_source

@@ -22,6 +22,7 @@ from typing import Any
 from dstrain.config import Recipe, run_folder
 from dstrain.data.sampler import valid_micro_batches
 from dstrain.errors import InputError, naming_files
+from dstrain.objectives.registry import objective_of
 from dstrain.precision import Precision
 from dstrain.strategy import parallel
 from dstrain.strategy.ds_schema import validate_ds_config
@@ -91,7 +92,7 @@ def resolve_config(
     tp_size, pp_stages, sp_size, ep_size = parallel.read_sizes(config)
     model_parallel = tp_size * pp_stages * sp_size
     shape = Shape(world_size, stage, tp_size, pp_stages, sp_size, ep_size, dp_size=world_size // model_parallel)
-    check_layout(config, recipe, shape)
+    check_layout(config, recipe, shape, objective_of(recipe).refuses)
     check_muon(recipe, config, stage, precision, (tp_size, pp_stages, sp_size, ep_size))
     micro, grad_accum = _batch(config, recipe, world_size, shape.dp_size, pp_stages > 1 or sp_size > 1)
     check_layout(config, recipe, dataclasses.replace(shape, micro_batch=micro, grad_accum=grad_accum))

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from dstrain.config import TaskConfig
-from dstrain.errors import DstrainError
+from dstrain.errors import InputError
 from dstrain.tasks.formats import FORMATS, Item
 
 KEYS = {
@@ -25,9 +25,10 @@ def is_local(path: str) -> bool:
     return path.endswith((".jsonl", ".json")) or Path(path).exists() or path.startswith((".", "/", "~"))
 
 
-def load_items(task: TaskConfig, where: str) -> list[Item]:
-    """``where``: the file that named the task (the recipe or --tasks YAML), for the error message."""
-    label = f"{where}: task {task.name!r}"
+def load_items(task: TaskConfig) -> list[Item]:
+    """The task's items; a problem is an InputError of the "tasks" input, whose file (the recipe, or the --tasks
+    YAML) the check phase names (dstrain.errors.naming_files)."""
+    label = f"task {task.name!r}"
     if is_local(task.path):
         docs = _file_docs(Path(task.path).expanduser(), task.limit, label)
     else:
@@ -37,23 +38,27 @@ def load_items(task: TaskConfig, where: str) -> list[Item]:
         try:
             item = FORMATS[task.format](doc)
         except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
-            raise DstrainError(
+            raise InputError(
                 f"{label}: {task.path} item {number} is not in the {task.format} format ({type(e).__name__}: {e}); "
-                f"each item needs {KEYS[task.format]}"
+                f"each item needs {KEYS[task.format]}",
+                input="tasks",
             ) from None
         if not 0 <= item.gold < len(item.requests):
-            raise DstrainError(
-                f"{label}: {task.path} item {number}: its answer is not one of its {len(item.requests)} choices"
+            raise InputError(
+                f"{label}: {task.path} item {number}: its answer is not one of its {len(item.requests)} choices",
+                input="tasks",
             )
         items.append(item)
     if not items:
-        raise DstrainError(f"{label}: {task.path} holds no items; point path at a file with at least one")
+        raise InputError(f"{label}: {task.path} holds no items; point path at a file with at least one", input="tasks")
     return items
 
 
 def _file_docs(path: Path, limit: int | None, label: str) -> list[tuple[int, dict]]:
     if not path.is_file():
-        raise DstrainError(f"{label}: no file {path}; set path to a .jsonl file or a Hugging Face dataset id")
+        raise InputError(
+            f"{label}: no file {path}; set path to a .jsonl file or a Hugging Face dataset id", input="tasks"
+        )
     docs: list[tuple[int, dict]] = []
     number = 0
     try:
@@ -67,11 +72,11 @@ def _file_docs(path: Path, limit: int | None, label: str) -> list[tuple[int, dic
                     doc = json.loads(line)
                 except ValueError as e:
                     problem = f"{path} line {number} is not JSON ({e})"
-                    raise DstrainError(f"{label}: {problem}; write one object per line") from None
+                    raise InputError(f"{label}: {problem}; write one object per line", input="tasks") from None
                 docs.append((number, doc))
     except UnicodeDecodeError:
-        raise DstrainError(
-            f"{label}: {path} line {number + 1} is not UTF-8 text; write one JSON object per line"
+        raise InputError(
+            f"{label}: {path} line {number + 1} is not UTF-8 text; write one JSON object per line", input="tasks"
         ) from None
     return docs
 
@@ -83,12 +88,13 @@ def _hub_docs(task: TaskConfig, label: str) -> list[tuple[int, dict]]:
         data = datasets.load_dataset(task.path, task.subset, split=task.split)
     except Exception as e:  # noqa: BLE001  (the Hub's and datasets' many failures: all mean "cannot read it")
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise DstrainError(
+        raise InputError(
             f"{label}: the Hugging Face dataset {task.path} (subset {task.subset}, split {task.split}) could not "
-            f"be read: {reason}; download it first, or point path at a .jsonl file"
+            f"be read: {reason}; download it first, or point path at a .jsonl file",
+            input="tasks",
         ) from None
     return list(enumerate(itertools.islice(iter(data), task.limit), start=1))
 
 
-def load_tasks(tasks: list[TaskConfig], where: str) -> list[tuple[str, list[Item]]]:
-    return [(task.name, load_items(task, where)) for task in tasks]
+def load_tasks(tasks: list[TaskConfig]) -> list[tuple[str, list[Item]]]:
+    return [(task.name, load_items(task)) for task in tasks]

@@ -60,7 +60,8 @@ def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
         check_run_tokenizer(files.tokenizer, manifests[0], recipe.data.sources[0].path)
     from dstrain.tasks.loading import load_tasks
 
-    load_tasks(recipe.train.tasks, args.recipe)  # every item readable; the tasks' component loads them again
+    with naming_files(tasks=args.recipe):
+        load_tasks(recipe.train.tasks)  # every item readable; the tasks' component loads them again
     return CheckedInputs(recipe, strategy, files, manifests, fingerprint, tag, model_source)
 
 

@@ -30,8 +30,10 @@ def build(run: RunHandle) -> TaskScores | None:
     if not recipe.train.tasks:
         return None
     from dstrain.data.tokenizer import load_tokenizer, run_tokenizer_dir
+    from dstrain.errors import naming_files
     from dstrain.tasks.loading import load_tasks
 
-    items = load_tasks(recipe.train.tasks, "train.tasks")
+    with naming_files(tasks="train.tasks"):  # checked at launch, under the recipe's name
+        items = load_tasks(recipe.train.tasks)
     tokenizer = load_tokenizer(str(run_tokenizer_dir(recipe.data)), flag="data.tokenizer")
     return TaskScores(run.engine, run.evaluator, scoring.prepare(items, tokenizer, recipe.model.max_seq_len))
