@@ -14,6 +14,12 @@ os.environ["WANDB_MODE"] = "disabled"
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
 # datasets' Arrow cache of the test corpora goes with the test session, not into ~/.cache.
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="dstrain-hf-datasets-"))
+# An xdist worker (scripts/test) takes its share of the cores for torch's threads (set before torch is imported):
+# more threads than cores spin in OpenMP's barriers (the family tests took 7 times the CPU at 2 threads a worker, 2
+# workers on 2 busy cores). What the tests launch inherits it, as most of them set OMP_NUM_THREADS=1 already.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import psutil  # noqa: E402
 import pytest  # noqa: E402
