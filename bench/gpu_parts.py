@@ -1,7 +1,8 @@
 """The measurements of bench/gpu_check.py, one function per part; each returns its rows (verdicts or figures).
 
 Each training run is bench/gpu_train.py (the trainer without its final checkpoint) as a world of one in its own
-process (its own peak memory; an OOM costs only that run), on the demo corpus.
+process (its own peak memory; an OOM costs only that run), on the demo corpus; a dry run forks it from a process
+that imported the trainer once.
 
 Tolerances: fp32 ZeRO 1-3 and CPU offload agree with ZeRO-0 within 1e-5 relative per step, FusedAdam (fp32) with
 torch's AdamW likewise (TF32 off); bf16 (fp32 accumulation) within 1e-2 of fp32; fp16 within 2e-2, with fewer than
@@ -66,14 +67,19 @@ class Check:
             *overrides,
         ]
         started = time.monotonic()
-        done = subprocess.run(command, env={**self.env, **(env or {})}, capture_output=True, text=True)
-        log = done.stdout + done.stderr
+        if self.dry_run:  # forked from a process that imported the trainer once (bench/gpu_train.py)
+            from gpu_train import run_forked
+
+            returncode, log = run_forked(command[2:], {**self.env, **(env or {})})
+        else:
+            done = subprocess.run(command, env={**self.env, **(env or {})}, capture_output=True, text=True)
+            returncode, log = done.returncode, done.stdout + done.stderr
         (self.work / "logs" / f"{name}.log").write_text(" ".join(command) + "\n\n" + log)
         metrics = run_dir / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         shutil.rmtree(run_dir, ignore_errors=True)
         return {
-            "rc": done.returncode,
+            "rc": returncode,
             "seconds": round(time.monotonic() - started, 1),
             "records": [r for r in records if "loss" in r and "split" not in r and "event" not in r],
             "oom": "out of memory" in log.lower() or "OutOfMemoryError" in log,
@@ -265,9 +271,11 @@ def memory(check: Check, recipe_name: str, micro: int, seq: int, configs: list[s
 
 
 def cuda_tests(check: Check) -> list[dict]:
-    """`pytest -m gpu` (FusedAdam, fused attention, the ZeRO-0 fp16 defect on CUDA, ...); a CPU skips them."""
+    """`pytest -m gpu` (FusedAdam, fused attention, the ZeRO-0 fp16 defect on CUDA, ...); a CPU skips them. A dry
+    run collects tests/test_gpu.py alone (they live there), not the whole suite."""
+    where = str(ROOT / "tests" / "test_gpu.py") if check.dry_run else "tests"
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu", "tests"],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu", where],
         cwd=ROOT,
         env=check.env,
         capture_output=True,

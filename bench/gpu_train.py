@@ -6,13 +6,19 @@ for gpt-1.3b (about 20 s of a 7-minute loan, per run). Everything else is the tr
 With GPU_TRAIN_PROFILE=OUT.json (and GPU_TRAIN_PROFILE_FROM=step, default 6) torch.profiler records three optimizer
 steps after the warm-up and OUT.json says where their time went: the kernels that took the most device time, how
 many kernels were launched, and the wall time the device spent outside kernels.
+
+A dry run (CPU, toy sizes) starts its runs with ``run_forked``: forked from a process that imported torch, DeepSpeed
+and the trainer once, instead of a new interpreter that spends ~7 of a run's ~10 s of CPU importing them. A GPU run
+is a process of its own (its own peak memory; an OOM costs only that run).
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,11 +86,49 @@ def summary(profiler, wall_s: float, gpu: bool) -> dict:
     }
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> int:
     from dstrain.train import run
     from dstrain.train.loop import Trainer
 
     Trainer.save = lambda self, background=False: None  # type: ignore[method-assign]
     profile_out = os.environ.get("GPU_TRAIN_PROFILE")
     hooks = ProfileSteps(Path(profile_out), int(os.environ.get("GPU_TRAIN_PROFILE_FROM", "6"))) if profile_out else None
-    sys.exit(run.main(sys.argv[1:], hooks))
+    return run.main(argv, hooks)
+
+
+# What every run imports; forking after them is what tests/ranks.py does for the test suite's ranks.
+PRELOAD = ["torch", "torch._dynamo", "deepspeed", "dstrain.train.run", "dstrain.train.loop", "gpu_train"]
+_context = None
+
+
+def _forked(argv: list[str], env: dict, log: str) -> None:
+    """In the forked process: the run's environment, its output into ``log``, then ``main``'s status as its exit."""
+    os.environ.clear()
+    os.environ.update(env)
+    with open(log, "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    try:
+        code = main(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)
+
+
+def run_forked(argv: list[str], env: dict) -> tuple[int, str]:
+    """``main(argv)`` in a process forked from the preloaded server, with ``env`` as its environment: its exit status
+    and what it printed (stdout and stderr, interleaved)."""
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    with tempfile.NamedTemporaryFile("r", prefix="gpu-train-", suffix=".log") as log:
+        process = _context.Process(target=_forked, args=(argv, env, log.name))
+        process.start()
+        process.join()
+        return process.exitcode, Path(log.name).read_text(errors="replace")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

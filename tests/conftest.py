@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,12 +14,24 @@ os.environ["WANDB_MODE"] = "disabled"
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
 # datasets' Arrow cache of the test corpora goes with the test session, not into ~/.cache.
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="dstrain-hf-datasets-"))
+# An xdist worker (scripts/test) takes its share of the cores for torch's threads (set before torch is imported):
+# more threads than cores spin in OpenMP's barriers (the family tests took 7 times the CPU at 2 threads a worker, 2
+# workers on 2 busy cores). What the tests launch inherits it, as most of them set OMP_NUM_THREADS=1 already.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
+import psutil  # noqa: E402
 import pytest  # noqa: E402
 
+import workers  # noqa: E402
 from data_fixtures import tiny_corpus  # noqa: E402,F401  (a session fixture, shared by every test module)
 from slurm_cluster import slurm_cluster  # noqa: E402,F401  (one cluster for the whole run)
 from slurm_jobs import one_node_two_tasks, work  # noqa: E402,F401  (shared by the Slurm test modules)
+
+
+def pytest_configure(config):
+    workers.start_session(config)
 
 
 @pytest.fixture(scope="session")
@@ -28,16 +41,56 @@ def corpus(tiny_corpus):
 
 
 KINDS = ("distributed", "launcher", "slurm", "gpu", "harness")
+# What a test of each kind costs, roughly (seconds of 2 busy cores): the modules run longest first, so that under
+# xdist no long module starts last while the other workers idle.
+KIND_COST_S = {"slurm": 60.0, "launcher": 20.0, "harness": 10.0, "distributed": 6.0, "gpu": 0.2}  # gpu: skips
+UNIT_COST_S = 0.2
+LAUNCH_KINDS = ("distributed", "launcher", "slurm", "harness")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(items):
-    """A test that is none of the slower kinds is a unit test: `scripts/test -m unit` is the fast subset. The
-    modules of the tests that need DeepSpeed's async_io op run last, while it builds (pytest_collection_finish)."""
+    """A test that is none of the slower kinds is a unit test: `scripts/test -m unit` is the fast subset.
+
+    The order (each module's tests stay together, in order): the modules that launch, longest first; then those
+    needing DeepSpeed's async_io op, which has built in the background meanwhile (pytest_collection_finish); then the
+    modules of unit tests, longest first, which fill the end evenly. The tests on the Slurm cluster form one xdist
+    group: one worker runs them, on the session's one cluster."""
+    cost: dict = {}
     for item in items:
-        if not any(item.get_closest_marker(kind) for kind in KINDS):
+        kinds = [kind for kind in KINDS if item.get_closest_marker(kind)]
+        if not kinds:
             item.add_marker(pytest.mark.unit)
+        if "slurm_cluster" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+        cost[item.module] = cost.get(item.module, 0.0) + max((KIND_COST_S[k] for k in kinds), default=UNIT_COST_S)
     late = {item.module for item in items if "async_io" in item.fixturenames}
-    items.sort(key=lambda item: item.module in late)  # stable: each module's tests stay together, in order
+    launching = {item.module for item in items if any(item.get_closest_marker(kind) for kind in LAUNCH_KINDS)}
+
+    def place(item) -> tuple:
+        module = item.module
+        return (2 if module not in launching else 1 if module in late else 0, -cost[module])
+
+    items.sort(key=place)  # stable: a module's tests keep their order
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under `--dist loadgroup` (pyproject.toml): a module is one unit of work (its module-scoped fixtures, e.g. the
+    launcher stops, are made once, on one worker), an xdist group is one, and the units go out in the collection's
+    order (the longest first) to whichever worker is free."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):  # xdist's suffix for a test of an xdist_group
+                return nodeid.rsplit("@", 1)[-1]
+            return nodeid.split("::", 1)[0]
+
+    config.option.loadscopereorder = False  # not by the number of tests: by the order collected
+    return ModuleScheduling(config, log)
 
 
 # The DeepSpeed ops the ranks JIT-build on a CPU, in the order the suite first needs them (async_io's tests run last).
@@ -54,23 +107,46 @@ for name in {JIT_OPS!r}:
     except Exception:  # the test that needs it builds it again, and says why it cannot
         pass
 """
+RANK_KINDS = ("distributed", "launcher", "slurm")  # the kinds that start ranks on the CPU, which JIT-load the ops
+BUILD_CLAIM = "op-builds.pid"  # in the session folder: the pid of the one build of the session
 _op_builds: subprocess.Popen | None = None
 
 
 def pytest_collection_finish(session):
     """Where ranks will run, build DeepSpeed's ops in the background from the start, niced: the compiling then uses
-    the cores the tests leave idle, and a test that needs an op first waits on torch's build lock at most."""
+    the cores the tests leave idle, and a test that needs an op first waits on torch's build lock at most. One
+    build per session: under xdist the first worker to claim it starts it (the others' loads wait on torch's lock
+    of the op being built); the session's main process stops one still running at the end (pytest_sessionfinish)."""
     global _op_builds
-    if any(not item.get_closest_marker("unit") for item in session.items):
-        _op_builds = subprocess.Popen(
-            ["nice", "-n", "19", sys.executable, "-c", BUILD_OPS], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+    if not any(item.get_closest_marker(kind) for item in session.items for kind in RANK_KINDS):
+        return
+    try:
+        claim = os.open(workers.session_folder() / BUILD_CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    _op_builds = subprocess.Popen(
+        ["nice", "-n", "19", sys.executable, "-c", BUILD_OPS], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    os.write(claim, str(_op_builds.pid).encode())
+    os.close(claim)
 
 
 def pytest_sessionfinish(session):
-    if _op_builds is not None and _op_builds.poll() is None:  # a session cut short (-x, Ctrl-C)
-        _op_builds.terminate()  # not kill: a killed build's lock would keep the next session waiting on it forever
-        _op_builds.wait(timeout=60)
+    """In the session's main process, after every worker: stop the op build if it still runs (a session cut short,
+    or one whose tests needed no async_io), then remove the session folder."""
+    if not workers.is_main(session.config):
+        return
+    folder = workers.session_folder()
+    if _op_builds is not None:
+        _op_builds.poll()  # reaped if it is over
+    try:
+        build = psutil.Process(int((folder / BUILD_CLAIM).read_text()))
+        if build.cmdline()[-1:] == [BUILD_OPS]:  # still the build (a pid is reused once its process is gone)
+            build.terminate()  # not kill: a killed build's lock would keep the next session waiting on it forever
+            build.wait(timeout=60)
+    except (OSError, ValueError, psutil.Error):  # no build was claimed, or it is over
+        pass
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +158,7 @@ def async_io():
     libaio-dev)."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    if _op_builds is not None:
+    if _op_builds is not None:  # this process's build (another worker's: the load below waits on torch's lock)
         _op_builds.wait()  # its outcome is read again below: a cached load, or the error of building once more
     builder = AsyncIOBuilder()
     if not builder.is_compatible(verbose=False):

@@ -68,6 +68,15 @@ def copy_prepared(folder: Path, dest: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_corpus(tmp_path_factory) -> Path:
-    """300 stdlib documents, BPE vocab 512, several shards. Read-only: copy it before damaging it."""
-    return prepared_corpus(tmp_path_factory.mktemp("tiny_corpus"))
+def tiny_corpus() -> Path:
+    """300 stdlib documents, BPE vocab 512, several shards. Read-only: copy it before damaging it. Prepared once
+    per test session, in the session folder that its xdist workers share: the first worker prepares it while the
+    others wait on the lock."""
+    from filelock import FileLock
+
+    from workers import session_folder
+
+    folder = session_folder() / "tiny_corpus"
+    with FileLock(f"{folder}.lock"):
+        folder.mkdir(exist_ok=True)
+        return prepared_corpus(folder)

@@ -1,6 +1,7 @@
 """Start N ranks of a gloo process group from pytest (no launcher: ~15 s cheaper per run).
 
-The ranks are forked from a forkserver that imported torch, DeepSpeed and dstrain's trainer once per test session:
+The ranks are forked from a forkserver that imported torch, DeepSpeed and dstrain's trainer once per test session
+(per xdist worker: each has its own forkserver, and its own block of rendezvous ports, tests/workers.py):
 a spawned rank spent ~7 s of its ~8 s in a small training importing them (torch._dynamo alone 1.8 s, which every
 torch optimizer's constructor imports). A forked rank then takes on what a spawned one had from the test that
 started it: the working directory, the environment, and stdout/stderr (so capfd sees what the ranks print).
@@ -16,7 +17,7 @@ import time
 import traceback
 from multiprocessing import reduction
 
-from dstrain.train.process.distributed import free_port  # noqa: F401  (tests import it from here too)
+from workers import free_port  # noqa: F401  (this worker's block of ports; tests import it from here too)
 
 # What every rank imports. Forking after them is what torch's DataLoader workers do; none reads an environment
 # variable at import that a test sets for its ranks.

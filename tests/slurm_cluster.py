@@ -291,7 +291,7 @@ class SlurmCluster:
         self._wait_for(self.munge_socket.exists, 20, "munged's socket")
 
     def _write_conf(self) -> None:
-        from dstrain.train.process.distributed import free_port  # DeepSpeed's import, only where a cluster starts
+        from workers import free_port  # this xdist worker's block of ports
 
         b = self.base
         layout = node_layout()

@@ -143,16 +143,24 @@ def wait_for_step(run: Path, step: int, procs, log: Path, timeout: float = 240) 
     raise AssertionError(f"no step {step} in {timeout} s:\n{log.read_text()[-3000:]}")
 
 
-# (launcher, who gets the signal, signal, the leader's exit status: the launcher's own, as the shell sees it)
+# (launcher, who gets the signal, signal, the leader's exit statuses: the launcher's own, as the shell sees it). What
+# dstrain controls is asserted exactly in every row (the checkpoint of the step it stopped at, summary.json
+# "interrupted", every process gone, the resume bit for bit); the launcher's status is one of a documented set
+# (docs/slurm.md), a single one where the launcher decides it alone.
 MATRIX = [
     # The `deepspeed` command dies of the SIGTERM (no handler on one node); the ranks see it gone.
-    pytest.param("deepspeed", "launcher", signal.SIGTERM, -signal.SIGTERM, id="deepspeed-TERM-to-launcher"),
+    pytest.param("deepspeed", "launcher", signal.SIGTERM, {-signal.SIGTERM}, id="deepspeed-TERM-to-launcher"),
     # Ctrl-C: the `deepspeed` command dies of KeyboardInterrupt; launch.py forwards SIGTERM, a repeat the ranks ignore.
-    pytest.param("deepspeed", "group", signal.SIGINT, -signal.SIGINT, id="deepspeed-Ctrl-C"),
-    pytest.param("deepspeed", "group", signal.SIGTERM, -signal.SIGTERM, id="deepspeed-TERM-to-group"),
-    pytest.param("torchrun", "group", signal.SIGINT, 1, id="torchrun-Ctrl-C"),  # torchrun forwards, then exits 1
-    pytest.param("python -m", "group", signal.SIGINT, 0, id="python-m-Ctrl-C"),
-    pytest.param("accelerate", "group", signal.SIGINT, 1, id="accelerate-Ctrl-C"),  # torchrun inside: exits 1
+    pytest.param("deepspeed", "group", signal.SIGINT, {-signal.SIGINT}, id="deepspeed-Ctrl-C"),
+    pytest.param("deepspeed", "group", signal.SIGTERM, {-signal.SIGTERM}, id="deepspeed-TERM-to-group"),
+    # torchrun's elastic agent raises on the signal and forwards it, then exits 1 (its uncaught SignalException).
+    pytest.param("torchrun", "group", signal.SIGINT, {1}, id="torchrun-Ctrl-C"),
+    pytest.param("python -m", "group", signal.SIGINT, {0}, id="python-m-Ctrl-C"),
+    # torchrun's agent inside `accelerate launch`, whose exit depends on where the Ctrl-C finds the agent: 130 (128 +
+    # SIGINT, accelerate's exit for the agent's SignalException: "Received 2 death signal, shutting down workers") or
+    # 1 (the agent ends in an error instead). Both are seen: 1 in most earlier runs, 130 in a fresh clone's and in 5
+    # of 5 stops on 2 busy cores.
+    pytest.param("accelerate", "group", signal.SIGINT, {1, 130}, id="accelerate-Ctrl-C"),
 ]
 
 
@@ -218,15 +226,15 @@ def stops(recipe, tmp_path_factory):
     return stopped, train_losses(reference)
 
 
-@pytest.mark.parametrize("launcher, target, signum, leader_exit", MATRIX)
-def test_every_stop_checkpoints_and_resumes_exactly(stops, request, launcher, target, signum, leader_exit):
+@pytest.mark.parametrize("launcher, target, signum, leader_exits", MATRIX)
+def test_every_stop_checkpoints_and_resumes_exactly(stops, request, launcher, target, signum, leader_exits):
     stopped, reference = stops
     stop = stopped[request.node.callspec.id]
     if isinstance(stop, BaseException):
         raise stop
     assert not stop.left_running, f"still running {STOP_BOUND_S} s after the signal:\n{stop.log}"
     print(f"{launcher}: all processes gone {stop.took:.1f} s after the signal; exit status {stop.codes}")
-    assert stop.codes[0] == leader_exit and all(c == 0 for c in stop.codes[1:]), stop.log
+    assert stop.codes[0] in leader_exits and all(c == 0 for c in stop.codes[1:]), stop.log
     step = stop.summary.get("step")
     assert stop.summary.get("status") == "interrupted" and SIGNAL_AFTER_STEP <= step < STEPS, stop.log
     assert stop.latest == f"global_step{step}"

@@ -15,7 +15,8 @@ from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 from dstrain.model.counts import flops_per_token, num_params
 from dstrain.model.gpt import GPT, Block, Embedding, lm_loss
-from dstrain.train.process.distributed import free_port
+
+from ranks import free_port
 
 VOCAB = 97
 
