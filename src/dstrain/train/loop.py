@@ -72,6 +72,7 @@ class Trainer:
         self.log = MetricsLog(files, self.is_rank0, recipe.total_steps, getattr(engine, "monitor", None))
         self.saves = BackgroundSaves(engine, self.files.checkpoints, recipe.train.keep_last, self.identity)
         self.hooks = hooks or StepHooks()
+        self.hooks.attach(engine)
         self.components = Components([])  # the steps' view of them, filled below
         forward, step = forward_and_step(recipe)
         self.forward = forward.of_engine(recipe, strategy, engine, self.progress, self.hooks)

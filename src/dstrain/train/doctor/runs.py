@@ -19,32 +19,38 @@ import sys
 import traceback
 from pathlib import Path
 
+from dstrain.train.doctor.probe import Probe
 from dstrain.train.process import console
 
 
-def stop_after(step: int):
-    """StepHooks that stop the run as a SIGUSR1 after optimizer step ``step`` would (rank 0 sends it to itself:
-    the trainer's stop is agreed across ranks at the step's end, then checkpointed)."""
-    from dstrain.train.step.step_hooks import StepHooks
+def run_folder(run: dict) -> Path:
+    return Path(next(a.removeprefix("run_dir=") for a in run["argv"] if a.startswith("run_dir=")))
 
-    class StopAfter(StepHooks):
+
+def stopping(probe: type[Probe], step: int) -> type[Probe]:
+    """``probe`` that also stops the run as a SIGUSR1 after optimizer step ``step`` would (rank 0 sends it to
+    itself: the trainer's stop is agreed across ranks at the step's end, then checkpointed)."""
+
+    class StopAfter(probe):  # type: ignore[valid-type,misc]
         def stepped(self, taken: int) -> None:
+            super().stepped(taken)
             if taken == step and int(os.environ.get("RANK", "0")) == 0:
                 os.kill(os.getpid(), signal.SIGUSR1)
 
-    return StopAfter()
+    return StopAfter
 
 
-def run_one(run: dict) -> int:
+def run_one(run: dict, probe: type[Probe] = Probe) -> int:
+    """One run of the plan under ``probe`` (a test's defect subclasses it); its exit status."""
     from dstrain.train.run import main
 
+    folder = run_folder(run)
     try:
         if run.get("stop_after"):
-            first = main(run["argv"], stop_after(run["stop_after"]))  # a stop exits 0 once checkpointed
-            return first or main(run["resume_argv"])
-        return main(run["argv"])
+            first = main(run["argv"], stopping(probe, run["stop_after"])(folder))  # a stop exits 0 once checkpointed
+            return first or main(run["resume_argv"], probe(folder))
+        return main(run["argv"], probe(folder))
     except Exception:  # noqa: BLE001  (one strategy's crash is that strategy's row; the next still runs)
-        folder = Path(next(a.removeprefix("run_dir=") for a in run["argv"] if a.startswith("run_dir=")))
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "doctor_error.txt").write_text(traceback.format_exc())
         return 1
