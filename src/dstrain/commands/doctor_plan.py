@@ -177,11 +177,11 @@ class Planner:
         name = f"{config.stem}_acc{accumulation}"
         self.add(name, with_micro_batch(config, micro, self.path(name)), precision, "strategy", accumulation)
 
-    def tied(self) -> None:
-        """ZeRO-2 against the baseline in half precision with the head tied to the embedding, at accumulation 2 (fp16
-        where the device has it)."""
+    def tied(self, precisions: set[str]) -> None:
+        """ZeRO-2 against the baseline in each half precision a checked ZeRO-2 config uses, with the head tied to the
+        embedding, at accumulation 2 (a refusal where the device lacks the precision)."""
         tie = ["model.tie_embeddings=true"]
-        for precision in ("bf16", "fp16"):
+        for precision in sorted(precisions - {"fp32"}):
             shipped, name = SHIPPED / f"zero2_{precision}.json", f"zero2_{precision}_tied"
             strategy, why = resolved(self.recipe_file, shipped, [*self.overrides, *tie], self.nproc)
             base = baseline_names(precision)[0]
@@ -217,10 +217,25 @@ def plan_runs(
     for config in configs:
         if config.stem not in (BASELINE, TWIN):
             planner.strategy(config, quick)
-    planner.tied()
+    planner.tied(zero2_precisions(configs))
     if not quick:
         planner.resume(steps)
     return [asdict(run) for run in planner.runs], planner.refused, planner.notes
+
+
+def zero2_precisions(configs: list[Path]) -> set[str]:
+    """The precisions of the ZeRO-2 configs among ``configs`` (those that parse)."""
+    from dstrain.strategy.resolve import precision_of
+
+    found: set[str] = set()
+    for config in configs:
+        try:
+            data = json.loads(config.read_text())
+            if data.get("zero_optimization", {}).get("stage") == 2:
+                found.add(precision_of(data))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return found
 
 
 def shipped_configs(quick: bool = False) -> list[Path]:

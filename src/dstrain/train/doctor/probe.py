@@ -19,6 +19,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,7 +68,8 @@ class Probe(StepHooks):
     """The doctor's StepHooks for one run (module doc); a test's defect subclasses it."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.run_dir, self.engine, self.rank = Path(run_dir), None, 0
+        self.run_dir, self.rank = Path(run_dir), 0
+        self.engine: Any = None  # DeepSpeed's engine, from attach
         self.backwards = 0
         self.at_step: dict = {}
 
