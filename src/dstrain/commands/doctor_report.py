@@ -12,8 +12,9 @@ never less than FLOOR[precision]:
 - fp32: reordered fp32 sums differ in the last units of 2^-24; ten steps of Adam carry that to ~1e-7 on the losses
   and a sharp step to ~1e-5 on that step's norm at a recipe's own size (tiny.yaml's step 7: docs/troubleshooting.md).
 - bf16 (fp16 alike): a bf16 rounding costs up to 2^-9 = 2e-3 of a value; ZeRO-1 bf16 against itself at another
-  micro-batch differs by up to 1.9e-3 on the norms (10 steps, 2 CPU ranks), as much as any clean strategy, so a defect of a few percent on one
-  rank (DeepSpeed#7985's rank drift: ~2% on the norm) is outside, where the former fixed 2e-2 against fp32 let it by.
+  micro-batch differs by up to 1.9e-3 on the norms (10 steps, 2 CPU ranks), as much as any clean strategy, so a
+  defect of a few percent on one rank (DeepSpeed#7985's rank drift: ~2% on the norm) is outside, where the former
+  fixed 2e-2 against fp32 let it by.
 A silent gradient defect (one bucket scaled wrongly, a lost micro-batch, a wrong divisor) moves the norms by 1e-2 to
 1e5 relative from its first step; Adam hides a uniform scale in the losses but not in the norms, so both are compared.
 """
