@@ -7,8 +7,8 @@ trainer's test seam (dstrain.train.doctor.probe.Probe is its StepHooks) or by pa
 one bucket of ZeRO-2's reduction scaled (DeepSpeed#7718's class), one rank's first micro-batch of each step dropped
 (overwritten by the second instead of accumulated: open-instruct#1498), the gradient divided by accumulation + 1,
 one rank's parameters drifting (#7985), a misreported norm (#7718's 1.63 for 4.74), an optimizer step at every
-micro-batch, one rank's gradient 3% large under bf16 (#7985's size), and the tied embedding losing one use's gradient
-under bf16 ZeRO-2 (#8224)."""
+micro-batch, one rank's gradient 3% large under bf16 (#7985's size), the tied embedding losing one use's gradient
+under bf16 ZeRO-2 (#8224); and one rank raising alone, after which the next run must still run on both."""
 
 import argparse
 import json
@@ -18,11 +18,21 @@ import torch
 
 from dstrain.train.doctor.probe import Probe
 
-from ranks import run_ranks
+from ranks import free_port, run_ranks
 from train_helpers import ROOT, ds_config, small_recipe
 
 STEPS = 4
 BUCKET = 20_000  # reduce_bucket_size of the bucket defect's ZeRO-2: the small model's gradients fill several buckets
+
+
+class RaisesOnOneRank(Probe):
+    """Rank 1 raises after step 2 while rank 0 goes on into the step's all-reduce: the ranks meet again after the
+    collective timeout, and the next run starts on both."""
+
+    def stepped(self, step: int) -> None:
+        super().stepped(step)
+        if step == 2 and self.rank == 1:
+            raise RuntimeError("injected: rank 1 fails alone")
 
 
 class ScaledBucket(Probe):
@@ -105,6 +115,7 @@ class TiedUseLost(Probe):
 
 
 DEFECTS = {
+    "zero2_one_rank_raises": ("zero2_acc2", RaisesOnOneRank, "failed"),
     "zero2_buckets": ("zero2", ScaledBucket, "strategies"),
     "zero2_overwrite": ("zero2_acc2", DroppedMicroBatch, "strategies"),
     "zero2_divisor": ("zero2_acc2", WrongDivisor, "strategies"),
@@ -125,14 +136,21 @@ def clone(run: dict, name: str) -> dict:
 
 
 def run_with_defects(runs: list[dict], probes: dict[str, type]) -> dict:
-    """Rank target: every run in one process group, each under its probe (a defect's, or the doctor's own)."""
-    from dstrain.train.doctor.runs import run_one
+    """Rank target: every run as the doctor's ranks run them, each under its probe (a defect's, or the doctor's)."""
+    from dstrain.train.doctor.runs import run_all
 
-    return {run["name"]: run_one(run, probes.get(run["name"], Probe)) for run in runs}
+    return run_all(runs, probes)
 
 
 @pytest.fixture(scope="module")
 def doctor_report(tmp_path_factory, corpus):
+    with pytest.MonkeyPatch.context() as env:  # the ranks inherit the environment
+        env.setenv("DSTRAIN_DOCTOR_PORT", str(free_port()))  # the meeting between runs, as the command sets it
+        env.setenv("DSTRAIN_COLLECTIVE_TIMEOUT_S", "20")  # rank 0's wait after rank 1 raised alone
+        yield launch_with_defects(tmp_path_factory, corpus)
+
+
+def launch_with_defects(tmp_path_factory, corpus):
     """One launch: the clean runs of the doctor's plan for ZeRO-2 and bf16 ZeRO-2, and every defect beside them."""
     from dstrain.commands.doctor import prepare
     from dstrain.commands.doctor_report import build_report
@@ -151,10 +169,10 @@ def doctor_report(tmp_path_factory, corpus):
     bucketed = ds_config(tmp_path, "zero2", zero_optimization={"stage": 2, "reduce_bucket_size": BUCKET})
     for name, (source, _, _) in DEFECTS.items():
         runs.append(clone(by_name[source], name))
-    buckets = runs[-len(DEFECTS)]
+    buckets = next(run for run in runs if run["name"] == "zero2_buckets")
     buckets["argv"] = [str(bucketed) if a.endswith("zero2.json") else a for a in buckets["argv"]]
     codes = run_ranks(2, run_with_defects, runs, {name: probe for name, (_, probe, _) in DEFECTS.items()})
-    assert codes[0] == {run["name"]: 0 for run in runs}
+    assert codes[0] == codes[1] == {run["name"]: int(run["name"] == "zero2_one_rank_raises") for run in runs}
     (out / "codes.json").write_text(json.dumps(codes[0]))
     (out / "checks.json").write_text("[]")
     context = {"recipe": str(recipe), "ranks": 2, "steps": STEPS, "launch": 0, "quick": True}
@@ -170,7 +188,9 @@ def test_every_injected_defect_fails_naming_its_run_check_and_step(doctor_report
     rows = {row["name"]: row for row in report["gradient_checks"]}
     for name, (_, _, check) in DEFECTS.items():
         step = FIRST_STEP.get(name, 1)
-        if check == "strategies":
+        if check == "failed":
+            assert status[name]["status"] == "failed" and "injected: rank 1 fails alone" in status[name]["reason"]
+        elif check == "strategies":
             assert status[name]["status"] == "MISMATCH", status[name]
             assert status[name]["first_diverging_step"] == step, (name, status[name])
         else:

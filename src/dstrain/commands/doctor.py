@@ -48,6 +48,13 @@ def run_overrides(steps: int) -> list[str]:
     ]
 
 
+def at_recipe_size(recipe, steps: int) -> list[str]:
+    """The recipe's own model, sequence and global batch for ``steps`` steps; its warmup shortened to a fifth of them
+    where it is longer (tiny.yaml's 20 of 200), so the steps reach the full learning rate."""
+    warmup = min(recipe.schedule.warmup_steps, max(1, steps // 5))
+    return [*run_overrides(steps), "init_from=null", f"schedule.warmup_steps={warmup}"]
+
+
 def small_model(recipe, steps: int = 10) -> list[str]:
     """Overrides that keep the recipe's family and features (attention kind, norms, RoPE, windows, MoE, tying,
     document masking) at doctor's size: 2 blocks, d_model 64, 8 query heads (4 key/value heads where the recipe
@@ -85,9 +92,13 @@ def launch(plan_file: Path, nproc: int, log: Path, collective_s: str = COLLECTIV
     found = str(beside) if beside.exists() else shutil.which("deepspeed")
     if not found:
         raise DstrainError("the deepspeed launcher is not installed in this environment; pip install deepspeed")
-    command = [found, "--num_gpus", str(nproc), "--master_port", str(free_port())]
+    master, meeting = free_port(), free_port()
+    while meeting == master:
+        meeting = free_port()
+    command = [found, "--num_gpus", str(nproc), "--master_port", str(master)]
     command += ["--module", "dstrain.train.doctor.runs", str(plan_file)]
     env = {**os.environ, "DSTRAIN_COLLECTIVE_TIMEOUT_S": os.environ.get("DSTRAIN_COLLECTIVE_TIMEOUT_S", collective_s)}
+    env["DSTRAIN_DOCTOR_PORT"] = str(meeting)  # where the ranks meet between runs (train.doctor.runs.Between)
     with log.open("w") as out:
         out.write("$ " + shlex.join(command) + "\n")
         out.flush()
@@ -158,7 +169,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[dict], dict, int, list
     listed = [Path(c) for c in args.deepspeed_configs if "=" not in c]
     nproc = args.nproc or (2 if get_accelerator().device_name() == "cpu" else get_accelerator().device_count())
     recipe = load_recipe(args.recipe, user_overrides)
-    size = [*run_overrides(args.steps), "init_from=null"] if args.at_recipe_size else small_model(recipe, args.steps)
+    size = at_recipe_size(recipe, args.steps) if args.at_recipe_size else small_model(recipe, args.steps)
     overrides = [*size, *user_overrides]
     load_recipe(args.recipe, overrides)  # the small model must be a valid recipe too
     out: Path = args.out

@@ -115,9 +115,13 @@ def compare(name: str, config: str, records: list[dict], reference: list[dict], 
 
 
 def failure_reason(run_dir: Path, code: int | None) -> str:
-    error = run_dir / "doctor_error.txt"
-    if error.is_file():
-        return error.read_text().strip().splitlines()[-1][:300]
+    """The last line of the first rank's error that is not a collective's timeout (the ranks left waiting for the
+    one that failed time out too)."""
+    errors = sorted((run_dir.parent.parent / "errors").glob(f"{run_dir.name}.rank*.txt"))
+    lines = [e.read_text().strip().splitlines()[-1][:300] for e in errors if e.read_text().strip()]
+    if lines:
+        first = [line for line in lines if not any(word in line.lower() for word in ("timed out", "timeout"))]
+        return (first or lines)[0]
     return f"exit status {code}; see launcher.log" if code is not None else "did not run; see launcher.log"
 
 

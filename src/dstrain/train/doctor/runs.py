@@ -16,11 +16,15 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 from dstrain.train.doctor.probe import Probe
 from dstrain.train.process import console
+
+STORE_TIMEOUT_S = 3600  # a run's longest wait at the meeting (the launch itself is bounded by the command)
 
 
 def run_folder(run: dict) -> Path:
@@ -51,16 +55,53 @@ def run_one(run: dict, probe: type[Probe] = Probe) -> int:
             return first or main(run["resume_argv"], probe(folder))
         return main(run["argv"], probe(folder))
     except Exception:  # noqa: BLE001  (one strategy's crash is that strategy's row; the next still runs)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "doctor_error.txt").write_text(traceback.format_exc())
+        # beside the run folder, not in it: a rank that reaches the run later must find it as the trainer left it
+        errors = folder.parent.parent / "errors"
+        errors.mkdir(parents=True, exist_ok=True)
+        (errors / f"{run['name']}.rank{os.environ.get('RANK', '0')}.txt").write_text(traceback.format_exc())
         return 1
+
+
+class Between:
+    """The ranks meet between two runs on a TCPStore of their own (DSTRAIN_DOCTOR_PORT, set by the command), which
+    outlives each run's process group: a run that fails on one rank leaves the others in a collective until the
+    collective timeout, and without this meeting the failed rank would start the next run alone and break it too.
+    Each rank's exit status of each run goes through it to rank 0 (a run failed if it failed on any rank)."""
+
+    def __init__(self) -> None:
+        from torch.distributed import TCPStore
+
+        self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        port = int(os.environ["DSTRAIN_DOCTOR_PORT"])
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.store = TCPStore(host, port, self.world, self.rank == 0, timedelta(seconds=STORE_TIMEOUT_S))
+
+    def after(self, index: int, code: int) -> int:
+        """Wait for every rank to end run ``index``; the worst exit status of its ranks."""
+        self.store.set(f"code/{index}/{self.rank}", str(code))
+        self.store.add(f"done/{index}", 1)
+        while int(self.store.add(f"done/{index}", 0)) < self.world:
+            time.sleep(0.1)
+        codes = [int(self.store.get(f"code/{index}/{r}")) for r in range(self.world)]
+        return next((c for c in codes if c != 0), 0)
+
+
+def run_all(runs: list[dict], probes: dict[str, type[Probe]] | None = None) -> dict[str, int]:
+    """Every run in turn, the ranks meeting between runs (Between) where the command set them a store; each run under
+    its probe (``probes``: a test's defects by run name; the doctor's own Probe otherwise)."""
+    between = Between() if "DSTRAIN_DOCTOR_PORT" in os.environ else None
+    codes = {}
+    for index, run in enumerate(runs):
+        code = run_one(run, (probes or {}).get(run["name"], Probe))
+        codes[run["name"]] = between.after(index, code) if between else code
+    return codes
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     plan = json.loads(Path(args[-1]).read_text())
     out = Path(plan["out"])
-    codes = {run["name"]: run_one(run) for run in plan["runs"]}
+    codes = run_all(plan["runs"])
     from dstrain.train.doctor import checks as doctor_checks
     from dstrain.train.process import distributed
 
