@@ -152,8 +152,9 @@ def verdict_of(out: Path, run: dict, by_name: dict[str, dict], codes: dict) -> V
         verdict = compare(run["name"], run["config"], records, reference, tolerances)
     verdict.precision, verdict.baseline = precision, run.get("baseline", "")
     verdict.accumulation = run.get("accumulation")
-    if codes.get(run["name"]) not in (0, None) or verdict.status == "failed":
-        verdict.status = "failed"
+    if codes.get(run["name"]) not in (0, None):
+        verdict.status, verdict.reason = "failed", failure_reason(folder, codes.get(run["name"]))
+    elif verdict.status == "failed":
         verdict.reason = verdict.reason or failure_reason(folder, codes.get(run["name"]))
     return verdict
 
@@ -287,7 +288,7 @@ def build_report(out: Path, runs: list[dict], refused: dict[str, str], context: 
     text = markdown(found, rows, kernels, context)
     (out / "report.md").write_text(text)
     payload = {"context": context, "strategies": [asdict(v) for v in found], "checks": kernels}
-    payload["gradient_checks"] = [asdict(r) for r in rows]
+    payload["gradient_checks"] = [{**asdict(r), "status": r.status} for r in rows]
     (out / "doctor.json").write_text(json.dumps(payload, indent=1))
     plot(found, out / "doctor.png")
     print(text.split("![")[0].rstrip())

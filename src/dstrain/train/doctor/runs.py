@@ -77,23 +77,43 @@ class Between:
         self.store = TCPStore(host, port, self.world, self.rank == 0, timedelta(seconds=STORE_TIMEOUT_S))
 
     def after(self, index: int, code: int) -> int:
-        """Wait for every rank to end run ``index``; the worst exit status of its ranks."""
+        """Wait for every rank to end run ``index``; the worst exit status of its ranks (after a failure, every rank
+        also takes the same new MASTER_PORT for the next run's process group)."""
+        from dstrain.train.process.distributed import free_port
+
         self.store.set(f"code/{index}/{self.rank}", str(code))
-        self.store.add(f"done/{index}", 1)
-        while int(self.store.add(f"done/{index}", 0)) < self.world:
-            time.sleep(0.1)
+        if self.rank == 0:  # a new rendezvous port, used after a failure: the old one's store may hold the old group
+            self.store.set(f"port/{index}", str(free_port()))
+        self.wait(f"done/{index}")
         codes = [int(self.store.get(f"code/{index}/{r}")) for r in range(self.world)]
-        return next((c for c in codes if c != 0), 0)
+        port = self.store.get(f"port/{index}").decode()
+        self.store.add(f"read/{index}", 1)  # a rank's last call of the meeting: rank 0, which holds the store,
+        if self.rank == 0:  # leaves only once every rank has made it
+            self.wait(f"read/{index}", added=True)
+        worst = next((c for c in codes if c != 0), 0)
+        if worst:
+            os.environ["MASTER_PORT"] = port
+        return worst
+
+    def wait(self, key: str, added: bool = False) -> None:
+        if not added:
+            self.store.add(key, 1)
+        while int(self.store.add(key, 0)) < self.world:
+            time.sleep(0.1)
 
 
 def run_all(runs: list[dict], probes: dict[str, type[Probe]] | None = None) -> dict[str, int]:
     """Every run in turn, the ranks meeting between runs (Between) where the command set them a store; each run under
     its probe (``probes``: a test's defects by run name; the doctor's own Probe otherwise)."""
+    from dstrain.train.process import distributed
+
     between = Between() if "DSTRAIN_DOCTOR_PORT" in os.environ else None
     codes = {}
     for index, run in enumerate(runs):
         code = run_one(run, (probes or {}).get(run["name"], Probe))
         codes[run["name"]] = between.after(index, code) if between else code
+        if codes[run["name"]]:  # the runs share one process group; after a failure it may be broken: a new one
+            distributed.shutdown()
     return codes
 
 
