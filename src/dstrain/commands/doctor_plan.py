@@ -39,6 +39,7 @@ class PlannedRun:
     accumulation: int = 1
     stop_after: int | None = None
     resume_argv: list[str] | None = None
+    nudge: bool = False  # its weights one last bit off before step 1 (train.doctor.probe.NudgedProbe: the fp32 twin)
 
 
 def baseline_config(precision: str) -> Path:
@@ -148,7 +149,10 @@ class Planner:
         run = self.add(base, config, precision, "baseline", strategy.grad_accum)
         run.baseline = BASELINE
         twin_accumulation = strategy.grad_accum * strategy.micro_batch // twin_micro
-        self.add(twin, with_micro_batch(config, twin_micro, self.path(twin)), precision, "twin", twin_accumulation)
+        twin_run = self.add(
+            twin, with_micro_batch(config, twin_micro, self.path(twin)), precision, "twin", twin_accumulation
+        )
+        twin_run.nudge = precision == "fp32"  # a bf16 twin differs enough by its micro-batch alone (~1e-3)
         return True
 
     def strategy(self, config: Path, quick: bool) -> None:
@@ -198,11 +202,10 @@ class Planner:
     def resume(self, steps: int) -> None:
         """Stopped after half the steps under ZeRO-1, resumed under ZeRO-3, in one run folder."""
         first, second = SHIPPED / "zero1.json", SHIPPED / "zero3.json"
-        if refusal(self.recipe_file, first, self.overrides, self.nproc):
+        strategy = resolved(self.recipe_file, first, self.overrides, self.nproc)[0]
+        if strategy is None or refusal(self.recipe_file, second, self.overrides, self.nproc):
             return
-        if refusal(self.recipe_file, second, self.overrides, self.nproc):
-            return
-        run = self.add(RESUMED, first, "fp32", "strategy", 1)
+        run = self.add(RESUMED, first, "fp32", "strategy", strategy.grad_accum)
         run.config, run.stop_after = f"{first} then {second}", max(1, steps // 2)
         run.resume_argv = self.argv(second, RESUMED, [])
 

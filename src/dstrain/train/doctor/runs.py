@@ -21,7 +21,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-from dstrain.train.doctor.probe import Probe
+from dstrain.train.doctor.probe import NudgedProbe, Probe
 from dstrain.train.process import console
 
 STORE_TIMEOUT_S = 3600  # a run's longest wait at the meeting (the launch itself is bounded by the command)
@@ -110,7 +110,8 @@ def run_all(runs: list[dict], probes: dict[str, type[Probe]] | None = None) -> d
     between = Between() if "DSTRAIN_DOCTOR_PORT" in os.environ else None
     codes = {}
     for index, run in enumerate(runs):
-        code = run_one(run, (probes or {}).get(run["name"], Probe))
+        default = NudgedProbe if run.get("nudge") else Probe
+        code = run_one(run, (probes or {}).get(run["name"], default))
         codes[run["name"]] = between.after(index, code) if between else code
         if codes[run["name"]]:  # the runs share one process group; after a failure it may be broken: a new one
             distributed.shutdown()
