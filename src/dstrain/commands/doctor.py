@@ -1,14 +1,17 @@
 """``dstrain doctor``: does every strategy still give ZeRO-0's math on this machine, DeepSpeed, torch and drivers?
 
-    dstrain doctor --recipe R [--deepspeed_configs C1 C2 ...] [--nproc N] [--steps 10] --out DIR [key=value ...]
+    dstrain doctor --recipe R [--deepspeed_configs C1 C2 ...] [--nproc N] [--steps 10] [--quick] [--at-recipe-size]
+        --out DIR [key=value ...]
 
 A small model of the recipe's family and features (2 blocks of width 64, 32-token samples, a global batch of 8, on
-the recipe's own data) trains ``--steps`` steps under ZeRO-0, then under each listed ds_config, or every shipped one
-(ds_configs/*.json) when none is listed, all in one launch of the deepspeed launcher. Beside them: ZeRO-0 again with
-another micro-batch split (the same sums in another order: the run-to-run floor that sets the fp32 tolerance), a run
-stopped after half its steps under ZeRO-1 and resumed under ZeRO-3 (a save and resume across two layouts), and the
-kernel checks and collective bandwidths of dstrain.train.doctor.checks. DIR gets report.md, doctor.json and
-doctor.png (commands/doctor_report.py); the exit status is 1 if a strategy or a kernel is outside its tolerance.
+the recipe's own data; ``--at-recipe-size``: the recipe's own) trains ``--steps`` steps under each listed ds_config,
+or every shipped one (ds_configs/*.json) when none is listed, at gradient accumulation >= 2 and as shipped where
+that is 1, all in one launch of the deepspeed launcher (commands/doctor_plan.py plans the runs). Each is compared
+step by step with the baseline in its precision, within a per-step tolerance its twin sets (commands/doctor_report.py);
+a probe in each rank gives the gradient checks (train/doctor/probe.py, commands/doctor_checks.py); beside them a run
+stopped after half its steps under ZeRO-1 and resumed under ZeRO-3, and the kernel checks and collective bandwidths
+of dstrain.train.doctor.checks. DIR gets report.md, doctor.json and doctor.png; the exit status is 1 if a strategy,
+a gradient check or a kernel is outside its tolerance. ``--quick``: the subset a CI job runs (doctor_plan.QUICK).
 
 A ds_config that does not parse, or that this machine or world size cannot run, is one line of the report.
 """
