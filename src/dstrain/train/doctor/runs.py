@@ -102,11 +102,23 @@ class Between:
             time.sleep(0.1)
 
 
+def bound_deepspeeds_groups() -> None:
+    """DeepSpeed creates its groups (data-, sequence-, model-parallel) without a timeout, and torch gives such a group
+    its module default, 30 minutes, not the default group's: a rank left in one of them by a rank that failed alone
+    (sp2_zero1_bf16's norm all-reduce on 2 CPU ranks) waited that long. In the doctor's ranks they get the trainer's
+    collective timeout too."""
+    import torch.distributed.distributed_c10d as c10d
+
+    if "DSTRAIN_COLLECTIVE_TIMEOUT_S" in os.environ:
+        c10d.default_pg_timeout = timedelta(seconds=int(os.environ["DSTRAIN_COLLECTIVE_TIMEOUT_S"]))
+
+
 def run_all(runs: list[dict], probes: dict[str, type[Probe]] | None = None) -> dict[str, int]:
     """Every run in turn, the ranks meeting between runs (Between) where the command set them a store; each run under
     its probe (``probes``: a test's defects by run name; the doctor's own Probe otherwise)."""
     from dstrain.train.process import distributed
 
+    bound_deepspeeds_groups()
     between = Between() if "DSTRAIN_DOCTOR_PORT" in os.environ else None
     codes = {}
     for index, run in enumerate(runs):
