@@ -35,7 +35,7 @@ from dstrain.errors import DstrainError
 TIMEOUT_S = 1800
 # A run that fails on one rank leaves the others in a collective: this bounds their wait (the trainer's
 # DSTRAIN_COLLECTIVE_TIMEOUT_S), so the launch goes on to the next run instead of hanging for half an hour.
-COLLECTIVE_TIMEOUT_S = "120"
+COLLECTIVE_TIMEOUT_S = "60"
 
 
 def run_overrides(steps: int) -> list[str]:
