@@ -1,14 +1,17 @@
 """``dstrain doctor``: does every strategy still give ZeRO-0's math on this machine, DeepSpeed, torch and drivers?
 
-    dstrain doctor --recipe R [--deepspeed_configs C1 C2 ...] [--nproc N] [--steps 10] --out DIR [key=value ...]
+    dstrain doctor --recipe R [--deepspeed_configs C1 C2 ...] [--nproc N] [--steps 10] [--quick] [--at-recipe-size]
+        --out DIR [key=value ...]
 
 A small model of the recipe's family and features (2 blocks of width 64, 32-token samples, a global batch of 8, on
-the recipe's own data) trains ``--steps`` steps under ZeRO-0, then under each listed ds_config, or every shipped one
-(ds_configs/*.json) when none is listed, all in one launch of the deepspeed launcher. Beside them: ZeRO-0 again with
-another micro-batch split (the same sums in another order: the run-to-run floor that sets the fp32 tolerance), a run
-stopped after half its steps under ZeRO-1 and resumed under ZeRO-3 (a save and resume across two layouts), and the
-kernel checks and collective bandwidths of dstrain.train.doctor.checks. DIR gets report.md, doctor.json and
-doctor.png (commands/doctor_report.py); the exit status is 1 if a strategy or a kernel is outside its tolerance.
+the recipe's own data; ``--at-recipe-size``: the recipe's own) trains ``--steps`` steps under each listed ds_config,
+or every shipped one (ds_configs/*.json) when none is listed, at gradient accumulation >= 2 and as shipped where
+that is 1, all in one launch of the deepspeed launcher (commands/doctor_plan.py plans the runs). Each is compared
+step by step with the baseline in its precision, within a per-step tolerance its twin sets (commands/doctor_report.py);
+a probe in each rank gives the gradient checks (train/doctor/probe.py, commands/doctor_checks.py); beside them a run
+stopped after half its steps under ZeRO-1 and resumed under ZeRO-3, and the kernel checks and collective bandwidths
+of dstrain.train.doctor.checks. DIR gets report.md, doctor.json and doctor.png; the exit status is 1 if a strategy,
+a gradient check or a kernel is outside its tolerance. ``--quick``: the subset a CI job runs (doctor_plan.QUICK).
 
 A ds_config that does not parse, or that this machine or world size cannot run, is one line of the report.
 """
@@ -18,18 +21,41 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from dstrain.commands.doctor_report import BASELINE, TWIN
+from dstrain.commands.doctor_plan import plan_runs, shipped_configs
 from dstrain.errors import DstrainError
 
-SHIPPED = Path(__file__).resolve().parents[3] / "ds_configs"
-RESUMED = "zero1_then_zero3"  # stopped after half the steps under ZeRO-1, resumed under ZeRO-3
 TIMEOUT_S = 1800
+# A run that fails on one rank leaves the others in a collective: this bounds their wait (the trainer's
+# DSTRAIN_COLLECTIVE_TIMEOUT_S), so the launch goes on to the next run instead of hanging for half an hour.
+COLLECTIVE_TIMEOUT_S = "60"
+
+
+def run_overrides(steps: int) -> list[str]:
+    """What every doctor run sets at any size: its steps, a record per step, no evaluation, checkpoint or tasks."""
+    return [
+        f"train.steps={steps}",
+        "train.tokens=null",
+        "train.log_interval=1",
+        "train.eval_interval=0",
+        "train.eval_samples=8",
+        "train.checkpoint_interval=0",
+        "train.tasks=[]",
+    ]
+
+
+def at_recipe_size(recipe, steps: int) -> list[str]:
+    """The recipe's own model, sequence and global batch for ``steps`` steps; its warmup shortened to a fifth of them
+    where it is longer (tiny.yaml's 20 of 200), so the steps reach the full learning rate."""
+    warmup = min(recipe.schedule.warmup_steps, max(1, steps // 5))
+    return [*run_overrides(steps), "init_from=null", f"schedule.warmup_steps={warmup}"]
 
 
 def small_model(recipe, steps: int = 10) -> list[str]:
@@ -48,13 +74,7 @@ def small_model(recipe, steps: int = 10) -> list[str]:
         f"model.nope_layers={[i for i in model.nope_layers if i < 2]}",
         "data.seq_len=32",
         "train.global_batch=8",
-        f"train.steps={steps}",
-        "train.tokens=null",
-        "train.log_interval=1",
-        "train.eval_interval=0",
-        "train.eval_samples=8",
-        "train.checkpoint_interval=0",
-        "train.tasks=[]",
+        *run_overrides(steps),
         "init_from=null",
         "schedule.warmup_steps=2",
     ]
@@ -67,82 +87,7 @@ def small_model(recipe, steps: int = 10) -> list[str]:
     return overrides
 
 
-def shipped_configs() -> list[Path]:
-    return sorted(p for p in SHIPPED.glob("*.json") if p.stem != BASELINE)
-
-
-def write_twin(out: Path) -> Path:
-    """ZeRO-0 with micro-batches of 2: gradients accumulated over two micro-batches before the all-reduce."""
-    config = json.loads((SHIPPED / f"{BASELINE}.json").read_text())
-    config["train_micro_batch_size_per_gpu"] = 2
-    path = out / "configs" / f"{TWIN}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=1))
-    return path
-
-
-def refusal(recipe_file: str, config: Path, overrides: list[str], nproc: int) -> str | None:
-    """Why ``config`` cannot run here, in one line, or None: it does not parse, the recipe or world size refuses it,
-    or this machine lacks what it needs (fp16, an NVMe folder, DeepSpeed's async_io op)."""
-    from deepspeed.accelerator import get_accelerator
-
-    from dstrain.checkpoint.model_source import load_recipe_and_source
-    from dstrain.strategy.resolve import load_ds_config, offload_of, precision_of, resolve
-
-    try:
-        ds = load_ds_config(config)
-        if precision_of(ds) == "fp16" and not get_accelerator().is_fp16_supported():
-            return f"{get_accelerator().device_name()} has no fp16 (DeepSpeed's accelerator says so)"
-        if precision_of(ds) == "bf16" and not get_accelerator().is_bf16_supported():
-            return f"{get_accelerator().device_name()} has no bf16 (DeepSpeed's accelerator says so)"
-        if "nvme" in (offload_of(ds, "offload_optimizer"), offload_of(ds, "offload_param")):
-            zero = ds.get("zero_optimization", {})
-            folder = zero.get("offload_param", zero.get("offload_optimizer", {})).get("nvme_path", "")
-            if not (Path(folder).is_dir() and os.access(folder, os.W_OK)):
-                return f"zero_optimization's nvme_path {folder!r} is no writable folder here"
-        resolve(load_recipe_and_source(recipe_file, overrides)[0], recipe_file, ds, str(config), nproc)
-    except DstrainError as e:
-        return str(e)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # a config DeepSpeed's parser rejects
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return None
-
-
-def plan_runs(recipe_file: str, configs: list[Path], out: Path, overrides: list[str], nproc: int, steps: int):
-    """(runs for the ranks, {name: refusal}) with the baseline, its twin and the resume across layouts first."""
-    runs_dir = out / "runs"
-    base = overrides
-
-    def argv(config: Path, name: str, *extra: str) -> list[str]:
-        return ["--recipe", recipe_file, "--deepspeed_config", str(config), f"run_dir={runs_dir / name}", *base, *extra]
-
-    entries = [(BASELINE, SHIPPED / f"{BASELINE}.json"), (TWIN, write_twin(out))]
-    entries += [(config.stem, config) for config in configs if config.stem not in (BASELINE, TWIN)]
-    runs: list[dict] = []
-    refused: dict[str, str] = {}
-    for name, config in entries:
-        why = refusal(recipe_file, config, base, nproc)
-        if why:
-            refused[name] = why
-        else:
-            runs.append({"name": name, "config": str(config), "argv": argv(config, name)})
-    if BASELINE in refused:
-        raise DstrainError(f"the baseline {SHIPPED / 'zero0.json'} cannot run here: {refused[BASELINE]}")
-    first, second = SHIPPED / "zero1.json", SHIPPED / "zero3.json"
-    if not (refusal(recipe_file, first, base, nproc) or refusal(recipe_file, second, base, nproc)):
-        runs.append(
-            {
-                "name": RESUMED,
-                "config": f"{first} then {second}",
-                "argv": argv(first, RESUMED),
-                "stop_after": max(1, steps // 2),
-                "resume_argv": argv(second, RESUMED),
-            }
-        )
-    return runs, refused
-
-
-def launch(plan_file: Path, nproc: int, log: Path) -> int:
+def launch(plan_file: Path, nproc: int, log: Path, collective_s: str = COLLECTIVE_TIMEOUT_S) -> int:
     """One deepspeed launch for every run (dstrain.train.doctor.runs); its output goes to ``log``."""
     from dstrain.train.process.distributed import free_port
 
@@ -150,13 +95,19 @@ def launch(plan_file: Path, nproc: int, log: Path) -> int:
     found = str(beside) if beside.exists() else shutil.which("deepspeed")
     if not found:
         raise DstrainError("the deepspeed launcher is not installed in this environment; pip install deepspeed")
-    command = [found, "--num_gpus", str(nproc), "--master_port", str(free_port())]
+    master, meeting = free_port(), free_port()
+    while meeting == master:
+        meeting = free_port()
+    command = [found, "--num_gpus", str(nproc), "--master_port", str(master)]
     command += ["--module", "dstrain.train.doctor.runs", str(plan_file)]
+    env = {**os.environ, "DSTRAIN_COLLECTIVE_TIMEOUT_S": os.environ.get("DSTRAIN_COLLECTIVE_TIMEOUT_S", collective_s)}
+    env["DSTRAIN_DOCTOR_PORT"] = str(meeting)  # where the ranks meet between runs (train.doctor.runs.Between)
     with log.open("w") as out:
         out.write("$ " + shlex.join(command) + "\n")
         out.flush()
         try:
-            return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=TIMEOUT_S).returncode
+            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=TIMEOUT_S, env=env)
+            return done.returncode
         except subprocess.TimeoutExpired:
             out.write(f"dstrain doctor: the launch ran past {TIMEOUT_S} s and was stopped\n")
             return 124
@@ -189,12 +140,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nproc", type=int, default=None, help="ranks (default: every local GPU; 2 on a CPU)")
     parser.add_argument("--steps", type=int, default=10, help="steps of each run (default 10)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the subset a CI job runs in about a minute: ZeRO-1/2/3 and bf16 ZeRO-1/2 at accumulation 2, the tied "
+        "head under bf16 ZeRO-2; no accumulation-1 runs, resume or kernel checks",
+    )
+    parser.add_argument(
+        "--at-recipe-size",
+        action="store_true",
+        help="train the recipe's own model, sequence length and global batch (slower) instead of doctor's small "
+        "model: its per-step tolerances come from ZeRO-0 at another micro-batch at that size",
+    )
     parser.add_argument("--out", type=Path, required=True, help="report folder (report.md, doctor.json, doctor.png)")
     parser.add_argument("overrides", nargs="*", help="dotted recipe overrides for every run")
 
 
-def prepare(args: argparse.Namespace) -> tuple[Path, list[dict], dict, int, list[str]]:
-    """Check the inputs and write the plan of runs: (plan file, runs, refusals, ranks, overrides)."""
+def prepare(args: argparse.Namespace) -> tuple[Path, list[dict], dict, int, list[str], list[str]]:
+    """Check the inputs and write the plan of runs: (plan file, runs, refusals, ranks, overrides, notes)."""
     from deepspeed.accelerator import get_accelerator
 
     from dstrain.checkpoint.model_source import load_recipe_and_source
@@ -209,25 +172,33 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[dict], dict, int, list
     listed = [Path(c) for c in args.deepspeed_configs if "=" not in c]
     nproc = args.nproc or (2 if get_accelerator().device_name() == "cpu" else get_accelerator().device_count())
     recipe = load_recipe_and_source(args.recipe, user_overrides)[0]
-    overrides = [*small_model(recipe, args.steps), *user_overrides]
+    size = at_recipe_size(recipe, args.steps) if args.at_recipe_size else small_model(recipe, args.steps)
+    overrides = [*size, *user_overrides]
     load_recipe_and_source(args.recipe, overrides)  # the small model must be a valid recipe too
     out: Path = args.out
     if (out / "runs").exists():
         raise DstrainError(f"--out {out} already holds doctor's runs; choose another folder or remove it")
     out.mkdir(parents=True, exist_ok=True)
-    configs = listed or shipped_configs()
-    runs, refused = plan_runs(args.recipe, configs, out, overrides, nproc, args.steps)
+    configs = listed or shipped_configs(args.quick)
+    runs, refused, notes = plan_runs(args.recipe, configs, out, overrides, nproc, args.steps, args.quick)
     plan_file = out / "plan.json"
-    plan_file.write_text(json.dumps({"out": str(out), "runs": runs}, indent=1))
-    return plan_file, runs, refused, nproc, overrides
+    plan_file.write_text(json.dumps({"out": str(out), "runs": runs, "checks": not args.quick}, indent=1))
+    return plan_file, runs, refused, nproc, overrides, notes
 
 
 def main(args: argparse.Namespace) -> int:
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.commands.doctor_report import build_report
 
-    plan_file, runs, refused, nproc, overrides = prepare(args)
+    plan_file, runs, refused, nproc, overrides, notes = prepare(args)
     print(f"dstrain doctor: {len(runs)} runs on {nproc} ranks in one launch ({args.out / 'launcher.log'})")
-    code = launch(plan_file, nproc, args.out / "launcher.log")
+    start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    code = launch(plan_file, nproc, args.out / "launcher.log", "600" if args.at_recipe_size else COLLECTIVE_TIMEOUT_S)
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     context = {"recipe": args.recipe, "ranks": nproc, "steps": args.steps, "overrides": overrides, "launch": code}
+    context |= {"notes": notes, "size": "the recipe's own" if args.at_recipe_size else "doctor's small"}
+    context |= {"quick": args.quick, "wall_s": time.perf_counter() - start}
+    context["cpu_s"] = used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime
     context["planned_bandwidth"] = planned_bandwidth()
+    context["tied_recipe"] = load_recipe_and_source(args.recipe, overrides)[0].model.tied
     return build_report(args.out, runs, refused, context)

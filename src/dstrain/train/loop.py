@@ -75,6 +75,7 @@ class Trainer:
         self.log = MetricsLog(files, self.is_rank0, recipe.total_steps, getattr(engine, "monitor", None))
         self.saves = BackgroundSaves(engine, self.files.checkpoints, recipe.train.keep_last, self.identity)
         self.hooks = hooks or StepHooks()
+        self.hooks.attach(engine)
         self.components = Components([])  # the steps' view of them, filled below
         objective = training_of(recipe)  # its forward, its step, its components (dstrain.objectives.registry)
         self.forward = objective.forward.of_engine(recipe, strategy, engine, self.progress, self.hooks)

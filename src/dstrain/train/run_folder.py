@@ -94,9 +94,11 @@ def claim_run_dir(files: RunDir, recipe: Recipe, strategy: Strategy, tag: str | 
     lock = lock_run_dir(run_dir)
     if tag is None:
         move_previous_run(files)
-    files.recipe.write_text(
-        yaml.safe_dump({**to_dict(recipe), LAUNCH_KEY: asdict(launch_record(recipe))}, sort_keys=False)
-    )
+    # atomically: the other ranks' preflight may read it while rank 0 writes (seen in dstrain doctor under load:
+    # an empty recipe.yaml read back as None); a dotfile, which check_run_dir ignores, until the rename
+    written = files.recipe.with_name(f".{files.recipe.name}.partial")
+    written.write_text(yaml.safe_dump({**to_dict(recipe), LAUNCH_KEY: asdict(launch_record(recipe))}, sort_keys=False))
+    os.replace(written, files.recipe)
     if tag is None:
         from dstrain.data.tokenizer import copy_run_tokenizer
 

@@ -14,6 +14,9 @@ class StepHooks:
     hang in the forward pass, a signal after a step); the trainer's own hooks are these, which change nothing.
     ``step``: the optimizer step being taken (1-based)."""
 
+    def attach(self, engine) -> None:
+        """The built engine, before the first step (dstrain doctor's probe instruments it here)."""
+
     def train_batch(self, samples: list[int], batch: dict) -> dict:
         """A micro-batch of the train stream on the device, and the train set's sample indices it holds."""
         return batch
