@@ -192,3 +192,40 @@ def test_only_the_adapters_reach_the_optimizer(tmp_path, corpus):
         # two Adam moments per adapter element: whole on each rank under ZeRO-0, partitioned (plus padding) above
         want = 2 * 2 * numel if name == "zero0" else 2 * numel
         assert want <= held <= want * 1.01, (name, held, want)
+
+
+def test_resuming_with_or_without_a_lora_section_it_was_not_trained_with_is_one_line(lora_runs, tmp_path, corpus):
+    """§8: the checkpoint's own record says whether it holds adapters; a recipe that disagrees is refused."""
+    import yaml
+
+    from dstrain.checkpoint.record import identity
+    from dstrain.errors import DstrainError
+    from dstrain.recipe_file import load_recipe
+    from dstrain.run_dir import RunDir
+    from dstrain.train.preflight import check_run_dir
+
+    run = RunDir(lora_runs["zero0"])
+    data = yaml.safe_load(run.recipe.read_text())
+    fingerprint = store_fingerprint(run)
+    data.pop("lora")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump(data))
+    with pytest.raises(DstrainError) as e:
+        check_run_dir(load_recipe(plain), str(plain), run, "global_step4", "auto", fingerprint)
+    assert "was trained with LoRA adapters and" in str(e.value) and "has no lora: section" in str(e.value)
+    assert "\n" not in str(e.value)
+    lora = load_recipe(run.recipe)
+    assert identity(lora, fingerprint).adapters == {
+        "rank": 4,
+        "alpha": 8.0,
+        "target_modules": ["all-linear"],
+        "modules_to_save": [],
+        "use_rslora": False,
+    }
+    check_run_dir(lora, str(run.recipe), run, "global_step4", "auto", fingerprint)  # the same recipe resumes
+
+
+def store_fingerprint(run) -> str:
+    from dstrain.checkpoint import store
+
+    return store.read_record(run.checkpoints / "global_step4").identity.data

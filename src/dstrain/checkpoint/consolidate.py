@@ -254,5 +254,10 @@ def load_model_source(path: str | os.PathLike, tag: str | None = None):
         return config, {k: v.float() for k, v in state.items()}, None
     if RunDir.find(path):
         recipe, tag_dir = load_run(path, tag)
-        return recipe.model, consolidated_state_dict(tag_dir, recipe.model), recipe
+        state = consolidated_state_dict(tag_dir, recipe.model)
+        if recipe.lora is not None:  # a lora: run as one model: each adapter folded into its weight
+            from dstrain.adapters.lora import merged_state_dict
+
+            state = merged_state_dict(state, recipe.model, recipe.lora)
+        return recipe.model, state, recipe
     raise DstrainError(f"{path}: neither a run directory (recipe.yaml) nor a Hugging Face model folder (config.json)")
