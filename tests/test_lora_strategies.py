@@ -263,6 +263,7 @@ def test_bf16_checkpoints_keep_the_adapter_whole_and_the_base_as_it_was_rounded(
     initial = {name: t.bfloat16().float() for name, t in GPT(recipe.model).state_dict().items()}
     assert [name for name in initial if not torch.equal(state[name], initial[name])] == []
     _, reference = final_state(lora_runs["zero0"])
-    for name in (n for n in state if is_adapter(n)):  # bf16's rounding, 4 steps: 1e-2 of each tensor's scale
-        scale = reference[name].abs().max().item()
-        torch.testing.assert_close(state[name], reference[name], rtol=0, atol=1e-2 * scale, msg=name)
+    # bf16 gradients turn Adam's steps (at most lr 3e-3 each) another way where a gradient is near zero: over 4 steps
+    # two runs part by at most 2 x 4 x 3e-3 (4e-3 seen); a lost or garbled adapter element is off by its scale (0.1)
+    for name in (n for n in state if is_adapter(n)):
+        torch.testing.assert_close(state[name], reference[name], rtol=0, atol=2 * 4 * 3e-3, msg=name)
