@@ -360,10 +360,11 @@ def fp32_masters(tag_dir: Path, model_config: GPTConfig) -> dict[str, torch.Tens
             if folder.is_dir():
                 tensor = read_pt(folder / "fp32.pt")  # a {"param": ...} dict, or a bare flat tensor from ZeRO-3
                 state[name] = (tensor["param"] if isinstance(tensor, dict) else tensor).float().reshape(shape)
-        if not piped:  # parameters beside the GPT's own (a lora: run's adapters), shaped as the engine recorded them
+        extra = [folder for folder in zero.iterdir() if folder.name not in shapes]
+        if extra and not piped:  # parameters beside the GPT's own (a lora: run's adapters), as the engine shaped them
             trained = trained_shapes(tag_dir)
-            for folder in zero.iterdir():
-                if folder.name not in shapes and folder.name in trained:
+            for folder in extra:
+                if folder.name in trained:
                     tensor = read_pt(folder / "fp32.pt")
                     param = tensor["param"] if isinstance(tensor, dict) else tensor
                     state[folder.name] = param.float().reshape(trained[folder.name])
