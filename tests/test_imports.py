@@ -323,6 +323,8 @@ FLOORS = {
     "dstrain.monitors": 2,
     "dstrain.tasks": 2,
     "dstrain.objectives": 1,
+    "dstrain.adapters": 2,
+    "dstrain.adapters.config": 1,
     "dstrain.metrics": 2,
     **dict.fromkeys(
         ["dstrain.config", "dstrain.recipe_file", "dstrain.recipe_checks", "dstrain.objectives.preference_config"], 1

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
+from dstrain.adapters.config import LoraConfig
 from dstrain.model.config import GPTConfig
 from dstrain.objectives.preference_config import PreferenceConfig
 from dstrain.ranges import Range
@@ -215,6 +216,9 @@ class Recipe:
     # with chosen/rejected), absent for every other source; init_from is the reference (simpo needs none). Each
     # objective's section is a field here; which one is set chooses it (dstrain.objectives.registry)
     preference: PreferenceConfig | None = None
+    # low-rank adapters (LoRA, docs/adapters.md): set, only the adapters (and lora.modules_to_save) train and the
+    # rest of the model (usually init_from's) stays frozen; absent, every parameter trains
+    lora: LoraConfig | None = None
 
     @property
     def total_steps(self) -> int:

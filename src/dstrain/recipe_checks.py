@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dstrain.adapters.config import check_lora
 from dstrain.errors import DstrainError
 from dstrain.objectives.registry import check_one_objective
 
@@ -51,6 +52,8 @@ def validate(recipe: Recipe, file: Path) -> None:
             f"{file}: train.averaging.start_step={t.averaging.start_step} leaves nothing of the run's "
             f"{recipe.total_steps} steps to average; set it below {recipe.total_steps}"
         )
+    if recipe.lora is not None:
+        check_lora(recipe.lora, recipe.model, file)
     if recipe.schedule.warmup_steps > recipe.total_steps:
         raise DstrainError(
             f"{file}: schedule.warmup_steps={recipe.schedule.warmup_steps} exceeds the run's {recipe.total_steps} steps"

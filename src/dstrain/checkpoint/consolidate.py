@@ -38,7 +38,7 @@ from dstrain.checkpoint.ds_files import (
 from dstrain.checkpoint.store import check_loadable, damage, newest_intact_other_than, published_tags
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
-from dstrain.model.gpt import StateDict
+from dstrain.model.gpt import GPT, StateDict
 from dstrain.model.pipe import TIED_KEY, layer_prefixes
 from dstrain.run_dir import LATEST, RunDir
 from dstrain.typed_yaml import parse
@@ -196,7 +196,14 @@ def consolidated_state_dict(tag_dir: Path, model_config: GPTConfig) -> dict[str,
     if nvme.is_nvme_checkpoint(tag_dir):  # ZeRO-3 with its masters partly in swap files: fp32 masters either way
         return {name: tensor.float().contiguous() for name, tensor in module_state_dict(tag_dir).items()}
     if weights_kind(tag_dir) == "fp32 master":
-        return reshard.fp32_masters(tag_dir, model_config)
+        state = reshard.fp32_masters(tag_dir, model_config)
+        with torch.device("meta"):
+            missing = GPT(model_config).state_dict().keys() - state.keys()
+        if missing:  # frozen parameters (a lora: run's base) have no master: the module's own weights, never moved
+            # (under ZeRO-3 in the model states' partitions, which zero_to_fp32 joins)
+            module = zero_to_fp32(tag_dir) if any(tag_dir.glob(ZERO_MODEL_FILES)) else module_state_dict(tag_dir)
+            state |= {name: module[name].float().contiguous() for name in missing}
+        return state
     return {name: tensor.float().contiguous() for name, tensor in module_state_dict(tag_dir).items()}
 
 
@@ -212,16 +219,35 @@ def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
         # Pipeline layer files / AutoTP shards: read_checkpoint consolidates them into the plain model.
         return read_checkpoint(tag_dir)[1]
     if any(tag_dir.glob(ZERO_OPTIM_FILES)):  # ZeRO-1/2/3 partitions
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        # DeepSpeed's own consolidation (its torch.load calls go through safe_load); its progress
-        # prints would land in `dstrain generate`'s output. It reads only the optim_states files, which under NVMe
-        # offload lack the swapped masters: it reads a copy with them put back.
-        quiet = contextlib.redirect_stdout(io.StringIO())
-        with quiet, tempfile.TemporaryDirectory(prefix="dstrain-nvme-") as tmp, safe_load.only_weights():
-            folder = nvme.spliced_copy(tag_dir, Path(tmp)) if nvme.is_nvme_checkpoint(tag_dir) else tag_dir
-            return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+        return with_zero1_frozen_parameters(zero_to_fp32(tag_dir), tag_dir)
     return reshard.read_pt(tag_dir / reshard.ZERO12_MODEL_FILE)["module"]  # ZeRO-0 and BF16_Optimizer: the whole model
+
+
+def zero_to_fp32(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own consolidation of ZeRO partitions (its torch.load calls go through safe_load); its progress
+    prints would land in `dstrain generate`'s output. It reads only the optim_states files, which under NVMe offload
+    lack the swapped masters: it reads a copy with them put back."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    quiet = contextlib.redirect_stdout(io.StringIO())
+    with quiet, tempfile.TemporaryDirectory(prefix="dstrain-nvme-") as tmp, safe_load.only_weights():
+        folder = nvme.spliced_copy(tag_dir, Path(tmp)) if nvme.is_nvme_checkpoint(tag_dir) else tag_dir
+        return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+
+
+def with_zero1_frozen_parameters(state: dict[str, torch.Tensor], tag_dir: Path) -> dict[str, torch.Tensor]:
+    """zero_to_fp32's state dict with the frozen parameters (a lora: run's base) of a ZeRO-1 checkpoint put back.
+
+    DeepSpeed 0.19.8 records frozen parameters for zero_to_fp32 (frozen_param_shapes) only from ZeRO-2 on
+    (engine._save_checkpoint: save_frozen_param = zero_optimization_partition_gradients()), and zero_to_fp32 then
+    leaves them out of a ZeRO-1 checkpoint without a word. The model states file holds them whole there (under
+    ZeRO-3 it holds empty placeholders, and zero_to_fp32 has them). tests/test_lora_strategies.py::
+    test_deepspeed_drops_zero1_frozen_parameters notices a fix upstream."""
+    model_file = tag_dir / reshard.ZERO12_MODEL_FILE
+    if not model_file.is_file():  # ZeRO-3: one model states file per rank, and zero_to_fp32 has the frozen ones
+        return state
+    module = reshard.read_pt(model_file)["module"]
+    return state | {name: t.float() for name, t in module.items() if name not in state and t.numel() > 0}
 
 
 # --- a model to evaluate or sample from: a run's checkpoint or a Hugging Face folder ---
@@ -239,5 +265,10 @@ def load_model_source(path: str | os.PathLike, tag: str | None = None):
         return config, {k: v.float() for k, v in state.items()}, None
     if RunDir.find(path):
         recipe, tag_dir = load_run(path, tag)
-        return recipe.model, consolidated_state_dict(tag_dir, recipe.model), recipe
+        state = consolidated_state_dict(tag_dir, recipe.model)
+        if recipe.lora is not None:  # a lora: run as one model: each adapter folded into its weight
+            from dstrain.adapters.lora import merged_state_dict
+
+            state = merged_state_dict(state, recipe.model, recipe.lora)
+        return recipe.model, state, recipe
     raise DstrainError(f"{path}: neither a run directory (recipe.yaml) nor a Hugging Face model folder (config.json)")

@@ -12,6 +12,7 @@ import torch
 
 from dstrain.config import Recipe
 from dstrain.strategy.resolve import Strategy
+from dstrain.train.engine import adapters
 
 
 class ModelConverter(Protocol):
@@ -24,8 +25,10 @@ class ModelConverter(Protocol):
     def trainable(self, name: str) -> bool: ...  # which parameters train; the rest get requires_grad=False
 
 
-# One line per converter: the recipe asks for it when the builder returns one. Empty today; adapters come next.
-REGISTRY: list[Callable[[Recipe], ModelConverter | None]] = []
+# One line per converter, in the order they are applied: the recipe asks for it when the builder returns one.
+REGISTRY: list[Callable[[Recipe], ModelConverter | None]] = [
+    adapters.lora_converter,  # lora: (dstrain.adapters)
+]
 
 
 def converters_for(recipe: Recipe) -> list[ModelConverter]:
