@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dstrain.adapters.qlora_checks import check_quantized_layout
 from dstrain.config import Recipe, run_folder
 from dstrain.data.sampler import valid_micro_batches
 from dstrain.errors import DstrainError
@@ -173,6 +174,7 @@ def resolve(
     parallel.check_pipeline_accumulation(config, ds_file, pp_stages, grad_accum)
     loss_tiles, mlp_tiles = check_tiling(config, recipe, ds_file, micro, sp_size, pp_stages)
     _check_host_checkpoints(config, ds_file, pp_stages)
+    check_quantized_layout(recipe, ds_file, tp_size, pp_stages, offload_of(config, "offload_param") is not None)
     _fill_recipe_values(config, recipe, recipe_file, ds_file)
     leftover = _find_auto(config)
     if leftover:

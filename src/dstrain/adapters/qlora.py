@@ -1,0 +1,130 @@
+"""QLoRA: the frozen base's linear layers stored in 4-bit NormalFloat (NF4) with double-quantized block scales, the
+compute in the training precision (Dettmers and others, 2023). A model converter: applied to the built GPT from outside
+model/gpt.py, after the adapters froze the base (dstrain.adapters.lora) and init_from filled it.
+
+The format and its arithmetic are torchao's (``NF4Tensor``: blocks of 64 weights, one int8 scale per block, the
+scales quantized again in blocks of 256 against an fp32 factor): pure PyTorch, so it runs on any accelerator and on
+the CPU the tests run on. bitsandbytes 0.50 runs on this CPU too, but its ``Params4bit`` replaces each linear module
+(``Linear4bit``) and changes the weight's shape to packed bytes, and its CPU path is a separate backend from the CUDA
+kernels the cluster would run; torchao's one code path is what the CPU tests prove. docs/adapters.md ("QLoRA").
+
+Each quantized layer keeps its bytes in one frozen uint8 parameter (torchao's NF4 tensor's parts, end to end), not in
+an NF4Tensor: DeepSpeed casts floating parameters to the training dtype, broadcasts them and (ZeRO-3) flattens and
+partitions them as plain tensors, none of which a tensor subclass survives. As uint8 the bytes are neither cast nor
+rounded; ZeRO-3 partitions and gathers them like any parameter (grouped by dtype: 0.5 byte a weight on the wire),
+and the forward rebuilds torchao's NF4Tensor around the gathered bytes (views, no copy) and runs torchao's
+``linear_nf4``: the weight dequantized to the input's dtype for the matmul, never kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+BLOCK = 64  # weights per block, one scale each (QLoRA's and torchao's default)
+SCALER_BLOCK = 256  # block scales per second-level block (double quantization), one fp32 factor each
+# NF4 bytes per weight: 4 bits, an int8 scale per BLOCK weights, an fp32 factor per SCALER_BLOCK blocks
+BYTES_PER_WEIGHT = 0.5 + 1 / BLOCK + 4 / (BLOCK * SCALER_BLOCK)
+LUT_BYTES, MEAN_BYTES = 16 * 4, 4  # the 16 NF4 levels (fp32), the scales' mean (fp32)
+
+
+def scaler_block(numel: int) -> int:
+    """Block scales per fp32 factor: SCALER_BLOCK, or the largest divisor of the block count below it (torchao needs
+    whole second-level blocks: a small test layer's 128 blocks take 128)."""
+    return math.gcd(SCALER_BLOCK, numel // BLOCK)
+
+
+def packed_bytes(numel: int) -> int:
+    """Bytes of one quantized weight of ``numel`` elements as NF4Linear packs it (dstrain.plan counts the same)."""
+    blocks = numel // BLOCK
+    return LUT_BYTES + MEAN_BYTES + 4 * (blocks // scaler_block(numel)) + numel // 2 + blocks
+
+
+def _nf4():
+    # torchao 0.18 moved the module; the old path (torchao.dtypes.nf4tensor) is gone there
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    return nf4_tensor
+
+
+class NF4Linear(nn.Module):
+    """A frozen linear layer whose weight is torchao's NF4, packed in one uint8 parameter; the bias (if any) as was."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        numel = linear.weight.numel()
+        if numel % BLOCK:
+            raise ValueError(f"NF4 needs a multiple of {BLOCK} weights, not {tuple(linear.weight.shape)}")
+        self.scaler_block = scaler_block(numel)
+        nf4 = _nf4().to_nf4(linear.weight.detach().float(), BLOCK, self.scaler_block)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        floats = [nf4.nf4, nf4.scaler_mean.reshape(1), nf4.quantization_factor.reshape(-1)]
+        # fp32 first, so that their views stay 4-byte aligned; copied to fresh tensors (torchao's may be strided views)
+        parts = [torch.empty(t.numel()).copy_(t.reshape(-1)).view(torch.uint8) for t in floats]
+        parts += [nf4.quantized_data.reshape(-1), nf4.quantized_scalers.reshape(-1).view(torch.uint8)]
+        self.sizes = [p.numel() for p in parts]
+        self.weight = nn.Parameter(torch.cat(parts), requires_grad=False)
+        self.bias = linear.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    def nf4_weight(self, dtype: torch.dtype):
+        """torchao's NF4Tensor over this layer's bytes (views), dequantizing to ``dtype``."""
+        nf4_tensor = _nf4()
+        lut, mean, factor, data, scalers = torch.split(self.weight, self.sizes)
+        shape = torch.Size((self.out_features, self.in_features))
+        meta = nf4_tensor.SubclassTensorArgs(shape, (self.in_features, 1), 0, dtype, self.weight.device, False)
+        return nf4_tensor.NF4Tensor(
+            meta,
+            BLOCK,
+            shape.numel() // BLOCK,
+            self.scaler_block,
+            scalers.view(torch.int8),
+            factor.view(torch.float32),
+            mean.view(torch.float32).reshape(()),
+            data,
+            lut.view(torch.float32),
+        )
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.nf4_weight(torch.float32).get_original_weight().to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _nf4().linear_nf4(x, self.nf4_weight(x.dtype))
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nf4 (torchao)"
+
+
+def quantize_base(
+    model: nn.Module, gathered: Callable | None = None, init: Callable | None = None, prefix: str = "blocks."
+) -> list[str]:
+    """Replace every frozen nn.Linear under ``prefix`` (the blocks: never the embeddings or the head) by an NF4Linear;
+    the names replaced, in order. ``gathered(params)`` and ``init()``: ZeRO-3's GatheredParameters and zero.Init
+    contexts (one layer whole at a time, its packed bytes partitioned as they are made); None on other layouts."""
+    gathered = gathered or (lambda params: contextlib.nullcontext())
+    init = init or contextlib.nullcontext
+    names = []
+    for name, module in list(model.named_modules()):
+        if not name.startswith(prefix) or type(module) not in (nn.Linear,) and not _is_plain_linear(module):
+            continue
+        if module.weight.requires_grad:  # an adapter's A or B, or a layer left trainable
+            continue
+        parent_name, _, child = name.rpartition(".")
+        with gathered([module.weight]), init():
+            quantized = NF4Linear(module)
+        setattr(model.get_submodule(parent_name), child, quantized)
+        names.append(name)
+    return names
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    """dstrain's own Linear (model/layers.py) is an nn.Linear with its own initialisation only."""
+    from dstrain.model.layers import Linear
+
+    return type(module) is Linear
