@@ -82,6 +82,7 @@ RECIPE = {
     "data": {"sources": [{"path": "data/none"}], "seq_len": 16},
     "train": {"global_batch": 8, "steps": 4},
     "lora": {"rank": 4, "quantize_base": "nf4"},
+    "seed": 3,
 }
 
 
@@ -122,3 +123,84 @@ def test_quantized_base_refused_where_it_does_not_run(tmp_path, section, refused
     assert message.startswith("ds.json: ") and refused in message and "\n" not in message
     for stage in (0, 1, 2, 3):  # data parallelism at every stage is accepted
         resolve(recipe, path, {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}, "d", 2)
+
+
+# --- the NF4 base under DeepSpeed, on 2 gloo ranks -------------------------------------------------------------------
+
+
+def packed_digest(layers, zero3: bool) -> str:
+    import hashlib
+
+    import deepspeed
+
+    digest = hashlib.sha256()
+    for layer in layers:
+        with deepspeed.zero.GatheredParameters([layer.weight], enabled=zero3):
+            digest.update(layer.weight.detach().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def train_quantized(recipe_file: str, stage: int, precision: str) -> dict:
+    """Rank target: the NF4 base and trainable norms (the adapters' stand-in: whatever trains beside a frozen NF4
+    base) under ZeRO ``stage``; 2 steps of 2 micro-batches; the NF4 bytes each rank holds, before and after."""
+    from dstrain.adapters.qlora import NF4Linear, quantize_built_model
+    from dstrain.model.gpt import lm_loss
+    from dstrain.train.engine.build import build_engine, build_model
+    from dstrain.train.process import distributed
+
+    distributed.init()
+    recipe = load_recipe(recipe_file)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+    }
+    if precision == "bf16":
+        config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32")
+    strategy = resolve(recipe, recipe_file, config, f"zero{stage}.json", 2)
+    model = build_model(recipe, strategy)
+    for name, param in model.named_parameters():
+        param.requires_grad_("norm" in name)
+    quantize_built_model(model, strategy.ds_config, stage == 3)
+    engine = build_engine(recipe, strategy, model)
+    layers = [m for m in engine.module.modules() if isinstance(m, NF4Linear)]
+    before = packed_digest(layers, stage == 3)
+    held = sum(getattr(m.weight, "ds_tensor", m.weight).numel() for m in layers)
+    generator = torch.Generator().manual_seed(torch.distributed.get_rank())
+    losses, norms = [], []
+    for _ in range(2):
+        for _ in range(2):
+            tokens = torch.randint(0, 512, (2, 17), generator=generator)
+            loss = lm_loss(engine(tokens[:, :-1]), tokens[:, 1:])
+            engine.backward(loss)
+            losses.append(loss.item())
+            engine.step()
+        norms.append(float(engine.get_global_grad_norm()))
+    unchanged = packed_digest(layers, stage == 3) == before
+    engine.destroy()
+    return {"losses": losses, "norms": norms, "held": held, "digest": before, "unchanged": unchanged}
+
+
+@pytest.mark.distributed
+def test_nf4_base_trains_alike_under_zero_0_to_3_and_zero3_partitions_its_bytes(tmp_path):
+    from ranks import run_ranks
+
+    path = str(write(tmp_path))
+    runs = {}
+    for stage in (0, 1, 2, 3):
+        runs[stage] = run_ranks(2, train_quantized, path, stage, "fp32", env={"OMP_NUM_THREADS": "1"})
+    reference = runs[0][0]  # each rank's losses are its own micro-batches': rank by rank
+    whole = packed_bytes(128 * 128) * 2 * 2 + packed_bytes(128 * 64) * 2 * 2 + packed_bytes(128 * 384) * 2 * 3
+    for stage, ranks in runs.items():
+        for rank, expected in zip(ranks, runs[0]):
+            assert rank["unchanged"] and rank["digest"] == reference["digest"]  # same bytes, untouched by training
+            torch.testing.assert_close(rank["losses"], expected["losses"], rtol=0, atol=1e-6)
+            torch.testing.assert_close(rank["norms"], expected["norms"], rtol=1e-6, atol=0)
+            # ZeRO-3 partitions the packed bytes over the 2 ranks (its partitions padded to 2 bytes at most)
+            assert rank["held"] == whole if stage < 3 else 0 <= rank["held"] - whole / 2 <= 2 * 14
+    bf16 = run_ranks(2, train_quantized, path, 3, "bf16", env={"OMP_NUM_THREADS": "1"})
+    # zero.Init builds the bf16 model in bf16, so its NF4 codes are those of the bf16-rounded weights: unchanged by
+    # training, and the losses within bf16's rounding of the fp32 run's
+    assert bf16[0]["unchanged"] and bf16[1]["unchanged"]
+    torch.testing.assert_close(bf16[0]["losses"], reference["losses"], rtol=0, atol=2e-2)

@@ -40,8 +40,7 @@ def scaler_block(numel: int) -> int:
 
 def packed_bytes(numel: int) -> int:
     """Bytes of one quantized weight of ``numel`` elements as NF4Linear packs it (dstrain.plan counts the same)."""
-    blocks = numel // BLOCK
-    return LUT_BYTES + MEAN_BYTES + 4 * (blocks // scaler_block(numel)) + numel // 2 + blocks
+    return sum(_part_sizes(numel))
 
 
 def _nf4():
@@ -51,23 +50,40 @@ def _nf4():
     return nf4_tensor
 
 
+def _part_sizes(numel: int) -> list[int]:
+    """Bytes of the packed parts, in order: the 16 levels, the scales' mean, the factors (fp32 first, so that their
+    views stay 4-byte aligned), the 4-bit codes, the int8 block scales."""
+    blocks = numel // BLOCK
+    return [LUT_BYTES, MEAN_BYTES, 4 * (blocks // scaler_block(numel)), numel // 2, blocks]
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """torchao's NF4 of ``weight`` (quantized from fp32), its parts end to end as one uint8 tensor."""
+    numel = weight.numel()
+    if numel % BLOCK:
+        raise ValueError(f"NF4 needs a multiple of {BLOCK} weights, not {tuple(weight.shape)}")
+    nf4 = _nf4().to_nf4(weight.detach().float(), BLOCK, scaler_block(numel))
+    floats = [nf4.nf4, nf4.scaler_mean.reshape(1), nf4.quantization_factor.reshape(-1)]
+    # copied into fresh fp32 tensors: torchao's may be strided views, which do not view as bytes
+    parts = [torch.empty(t.numel(), dtype=torch.float32).copy_(t.reshape(-1)).view(torch.uint8) for t in floats]
+    parts += [nf4.quantized_data.reshape(-1), nf4.quantized_scalers.reshape(-1).view(torch.uint8)]
+    assert [p.numel() for p in parts] == _part_sizes(numel)
+    return torch.cat(parts)
+
+
 class NF4Linear(nn.Module):
     """A frozen linear layer whose weight is torchao's NF4, packed in one uint8 parameter; the bias (if any) as was."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor | None = None) -> None:
+        """``packed``: pack(linear.weight), made beforehand where this runs inside ZeRO-3's zero.Init (which turns
+        every floating tensor made inside it into the training dtype, torchao's arithmetic included)."""
         super().__init__()
-        numel = linear.weight.numel()
-        if numel % BLOCK:
-            raise ValueError(f"NF4 needs a multiple of {BLOCK} weights, not {tuple(linear.weight.shape)}")
-        self.scaler_block = scaler_block(numel)
-        nf4 = _nf4().to_nf4(linear.weight.detach().float(), BLOCK, self.scaler_block)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        floats = [nf4.nf4, nf4.scaler_mean.reshape(1), nf4.quantization_factor.reshape(-1)]
-        # fp32 first, so that their views stay 4-byte aligned; copied to fresh tensors (torchao's may be strided views)
-        parts = [torch.empty(t.numel()).copy_(t.reshape(-1)).view(torch.uint8) for t in floats]
-        parts += [nf4.quantized_data.reshape(-1), nf4.quantized_scalers.reshape(-1).view(torch.uint8)]
-        self.sizes = [p.numel() for p in parts]
-        self.weight = nn.Parameter(torch.cat(parts), requires_grad=False)
+        numel = self.in_features * self.out_features
+        self.scaler_block = scaler_block(numel)
+        self.sizes = _part_sizes(numel)
+        packed = pack(linear.weight) if packed is None else packed
+        self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
@@ -116,11 +132,27 @@ def quantize_base(
         if module.weight.requires_grad:  # an adapter's A or B, or a layer left trainable
             continue
         parent_name, _, child = name.rpartition(".")
-        with gathered([module.weight]), init():
-            quantized = NF4Linear(module)
+        with gathered([module.weight]):
+            packed = pack(module.weight)
+        with init():
+            quantized = NF4Linear(module, packed)
         setattr(model.get_submodule(parent_name), child, quantized)
         names.append(name)
     return names
+
+
+def quantize_built_model(model: nn.Module, ds_config: dict, zero3: bool) -> list[str]:
+    """quantize_base on the engine's model before deepspeed.initialize: under ZeRO-3 (built inside zero.Init) each
+    layer is gathered whole once and its packed bytes are partitioned as they are made."""
+    if not zero3:
+        return quantize_base(model)
+    import deepspeed
+
+    return quantize_base(
+        model,
+        gathered=lambda params: deepspeed.zero.GatheredParameters(params),
+        init=lambda: deepspeed.zero.Init(config_dict_or_path=ds_config),
+    )
 
 
 def _is_plain_linear(module: nn.Module) -> bool:
