@@ -29,6 +29,10 @@ def write_hf_folder(recipe: Recipe, tag_dir: Path, tokenizer, out: Path, dtype: 
         if recipe.model.tied:
             state["lm_head.weight"] = state["embed.tok.weight"]
         what = f"averaged ({kind})"
+    if recipe.lora is not None:  # a full model of an adapter run: the adapters folded in (PEFT's merge_and_unload)
+        from dstrain.adapters.lora import merged_state_dict
+
+        state, what = merged_state_dict(state, recipe.model, recipe.lora), f"{what} (adapters merged)"
     model = to_hf_model(recipe.model, state, tokenizer)
     model.to(torch.float32 if dtype == "fp32" else torch.bfloat16)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

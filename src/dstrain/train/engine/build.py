@@ -18,6 +18,7 @@ from dstrain.model.gpt import GPT, param_groups
 from dstrain.monitors.settings import MONITOR_BLOCKS
 from dstrain.strategy.resolve import Strategy
 from dstrain.train.engine import grad_norm, muon_zero
+from dstrain.train.engine.converters import apply_converters
 from dstrain.train.engine.schedule import build_scheduler
 
 
@@ -109,7 +110,9 @@ def make_arch_list_readable_by_deepspeed() -> None:
 
 
 def build_engine(recipe: Recipe, strategy: Strategy, model: torch.nn.Module):
-    """deepspeed.initialize with the optimizer from the ds_config and the schedule from the recipe."""
+    """deepspeed.initialize with the optimizer from the ds_config and the schedule from the recipe; the model
+    converters (LoRA: train/engine/converters.py) applied first, on the model with init_from's weights in it."""
+    model = apply_converters(model, recipe, strategy)
     if os.environ.get("LOCAL_RANK", "0") == "0":  # one warning per node, whose cache it is
         warn_stale_build_locks()
     make_arch_list_readable_by_deepspeed()

@@ -1,0 +1,90 @@
+"""Model converters: what is applied to the built model from outside model/gpt.py before deepspeed.initialize
+(LoRA's adapters today; later FP8), each declaring which parameters train. A converter is one entry of
+``converters_for``'s list; build_engine applies them in order (after init_from's weights are in the model)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import torch
+
+from dstrain.config import Recipe
+from dstrain.strategy.resolve import Strategy
+
+
+class ModelConverter(Protocol):
+    name: str  # names the converter in messages
+
+    def convert(self, model: torch.nn.Module, strategy: Strategy) -> torch.nn.Module:
+        """The model converted (in place or anew), for deepspeed.initialize."""
+        ...
+
+    def trainable(self, name: str) -> bool:
+        """Whether the parameter of this name trains after the conversion."""
+        ...
+
+
+class LoraConverter:
+    """LoRA's adapters (dstrain.adapters.lora) on the targets of the recipe's lora: section; the base frozen."""
+
+    name = "lora"
+
+    def __init__(self, recipe: Recipe) -> None:
+        assert recipe.lora is not None
+        self.recipe, self.lora = recipe, recipe.lora
+
+    def convert(self, model: torch.nn.Module, strategy: Strategy) -> torch.nn.Module:
+        from dstrain.adapters.lora import inject
+
+        # Under ZeRO-3 the adapters are built inside zero.Init like the model (build_model): partitioned as built,
+        # each rank drawing the same numbers (each adapter's own CPU generator).
+        init = contextlib.nullcontext()
+        if strategy.zero_stage == 3:
+            import deepspeed
+
+            init = deepspeed.zero.Init(config_dict_or_path=strategy.ds_config)
+        with init:
+            inject(model, self.recipe.model, self.lora, self.recipe.seed, strategy.tp_size > 1)
+        if self.lora.init_from:
+            from dstrain.adapters.peft_format import load_adapter_into
+
+            load_adapter_into(model, self.lora.init_from, self.recipe, strategy.zero_stage == 3)
+        if strategy.activation_checkpointing:
+            keep_block_inputs_differentiable(model)
+        return model
+
+    def trainable(self, name: str) -> bool:
+        from dstrain.adapters.lora import is_adapter, saved_module_names
+
+        return is_adapter(name) or name in saved_module_names(self.lora)
+
+
+def keep_block_inputs_differentiable(model: torch.nn.Module) -> None:
+    """With the embedding frozen no block input requires a gradient, and a reentrant activation checkpoint (DeepSpeed's)
+    then hands back an output without one: the adapters inside would never learn. The embedding's output is marked
+    as requiring one, as transformers' enable_input_require_grads does for PEFT."""
+    from dstrain.model.gpt import Embedding
+
+    def require_grad(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output  # a pipeline's embedding: (hidden, positions)
+        if torch.is_grad_enabled() and not hidden.requires_grad:
+            hidden.requires_grad_(True)
+
+    for module in model.modules():
+        if isinstance(module, Embedding):
+            module.register_forward_hook(require_grad)
+
+
+def converters_for(recipe: Recipe) -> list[ModelConverter]:
+    """The converters a recipe asks for, in the order they apply."""
+    converters: list[ModelConverter] = []
+    if recipe.lora is not None:
+        converters.append(LoraConverter(recipe))
+    return converters
+
+
+def apply_converters(model: torch.nn.Module, recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
+    for converter in converters_for(recipe):
+        model = converter.convert(model, strategy)
+    return model
