@@ -141,9 +141,9 @@ def packed_digest(layers, zero3: bool) -> str:
 
 
 def train_quantized(recipe_file: str, stage: int, precision: str) -> dict:
-    """Rank target: the NF4 base and trainable norms (the adapters' stand-in: whatever trains beside a frozen NF4
-    base) under ZeRO ``stage``; 2 steps of 2 micro-batches; the NF4 bytes each rank holds, before and after."""
-    from dstrain.adapters.qlora import NF4Linear, quantize_built_model
+    """Rank target: the recipe's LoRA on its NF4 base under ZeRO ``stage`` (build_engine applies both converters); 2
+    steps of 2 micro-batches; the NF4 bytes each rank holds, before and after."""
+    from dstrain.adapters.qlora import NF4Linear
     from dstrain.model.gpt import lm_loss
     from dstrain.train.engine.build import build_engine, build_model
     from dstrain.train.process import distributed
@@ -159,11 +159,9 @@ def train_quantized(recipe_file: str, stage: int, precision: str) -> dict:
     if precision == "bf16":
         config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32")
     strategy = resolve(recipe, recipe_file, config, f"zero{stage}.json", 2)
-    model = build_model(recipe, strategy)
-    for name, param in model.named_parameters():
-        param.requires_grad_("norm" in name)
-    quantize_built_model(model, strategy.ds_config, stage == 3)
-    engine = build_engine(recipe, strategy, model)
+    engine = build_engine(recipe, strategy, build_model(recipe, strategy))
+    trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    assert trained and all(".lora." in n for n in trained), trained
     layers = [m for m in engine.module.modules() if isinstance(m, NF4Linear)]
     before = packed_digest(layers, stage == 3)
     held = sum(getattr(m.weight, "ds_tensor", m.weight).numel() for m in layers)
