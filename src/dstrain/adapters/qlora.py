@@ -19,28 +19,15 @@ and the forward rebuilds torchao's NF4Tensor around the gathered bytes (views, n
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-BLOCK = 64  # weights per block, one scale each (QLoRA's and torchao's default)
-SCALER_BLOCK = 256  # block scales per second-level block (double quantization), one fp32 factor each
-# NF4 bytes per weight: 4 bits, an int8 scale per BLOCK weights, an fp32 factor per SCALER_BLOCK blocks
-BYTES_PER_WEIGHT = 0.5 + 1 / BLOCK + 4 / (BLOCK * SCALER_BLOCK)
-LUT_BYTES, MEAN_BYTES = 16 * 4, 4  # the 16 NF4 levels (fp32), the scales' mean (fp32)
+# NF4's layout and its byte count live with the torch-free checks (dstrain.plan counts with them too)
+from dstrain.adapters.qlora_checks import BLOCK, packed_bytes, part_sizes, scaler_block
 
-
-def scaler_block(numel: int) -> int:
-    """Block scales per fp32 factor: SCALER_BLOCK, or the largest divisor of the block count below it (torchao needs
-    whole second-level blocks: a small test layer's 128 blocks take 128)."""
-    return math.gcd(SCALER_BLOCK, numel // BLOCK)
-
-
-def packed_bytes(numel: int) -> int:
-    """Bytes of one quantized weight of ``numel`` elements as NF4Linear packs it (dstrain.plan counts the same)."""
-    return sum(_part_sizes(numel))
+__all__ = ["BLOCK", "NF4Linear", "pack", "packed_bytes", "quantize_base", "quantize_built_model"]
 
 
 def _nf4():
@@ -48,13 +35,6 @@ def _nf4():
     from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
 
     return nf4_tensor
-
-
-def _part_sizes(numel: int) -> list[int]:
-    """Bytes of the packed parts, in order: the 16 levels, the scales' mean, the factors (fp32 first, so that their
-    views stay 4-byte aligned), the 4-bit codes, the int8 block scales."""
-    blocks = numel // BLOCK
-    return [LUT_BYTES, MEAN_BYTES, 4 * (blocks // scaler_block(numel)), numel // 2, blocks]
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -67,7 +47,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     # copied into fresh fp32 tensors: torchao's may be strided views, which do not view as bytes
     parts = [torch.empty(t.numel(), dtype=torch.float32).copy_(t.reshape(-1)).view(torch.uint8) for t in floats]
     parts += [nf4.quantized_data.reshape(-1), nf4.quantized_scalers.reshape(-1).view(torch.uint8)]
-    assert [p.numel() for p in parts] == _part_sizes(numel)
+    assert [p.numel() for p in parts] == part_sizes(numel)
     return torch.cat(parts)
 
 
@@ -81,7 +61,7 @@ class NF4Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         numel = self.in_features * self.out_features
         self.scaler_block = scaler_block(numel)
-        self.sizes = _part_sizes(numel)
+        self.sizes = part_sizes(numel)
         packed = pack(linear.weight) if packed is None else packed
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,7 +12,28 @@ from dstrain.errors import DstrainError
 if TYPE_CHECKING:
     from dstrain.config import Recipe
 
-NF4_BLOCK = 64  # weights per NF4 block (dstrain.adapters.qlora.BLOCK)
+BLOCK = 64  # weights per block, one int8 scale each (QLoRA's and torchao's default)
+SCALER_BLOCK = 256  # block scales per second-level block (double quantization), one fp32 factor each
+LUT_BYTES, MEAN_BYTES = 16 * 4, 4  # the 16 NF4 levels (fp32), the scales' mean (fp32)
+
+
+def scaler_block(numel: int) -> int:
+    """Block scales per fp32 factor: SCALER_BLOCK, or the largest divisor of the block count below it (torchao needs
+    whole second-level blocks: a small test layer's 128 blocks take 128)."""
+    return math.gcd(SCALER_BLOCK, numel // BLOCK)
+
+
+def part_sizes(numel: int) -> list[int]:
+    """Bytes of a packed NF4 weight's parts (dstrain.adapters.qlora.pack), in order: the 16 levels, the scales' mean,
+    the factors (fp32 first, so that their views stay 4-byte aligned), the 4-bit codes, the int8 block scales."""
+    blocks = numel // BLOCK
+    return [LUT_BYTES, MEAN_BYTES, 4 * (blocks // scaler_block(numel)), numel // 2, blocks]
+
+
+def packed_bytes(numel: int) -> int:
+    """Bytes of one quantized weight of ``numel`` elements: 0.5 a weight, 1/64 for its block scale, 4/16384 for the
+    second-level factor, and 68 bytes of constants (the levels and the scales' mean)."""
+    return sum(part_sizes(numel))
 
 
 def check_quantized_model(recipe: Recipe, file: Path | str) -> None:
@@ -25,10 +47,10 @@ def check_quantized_model(recipe: Recipe, file: Path | str) -> None:
         kind = "model.moe's experts" if model.moe is not None else "model.mla's latent attention"
         raise DstrainError(f"{file}: lora.quantize_base: {kind} is not quantized (dense blocks only); remove it")
     for name, (fan_in, fan_out) in layer_shapes(model).items():
-        if fan_in * fan_out % NF4_BLOCK:
+        if fan_in * fan_out % BLOCK:
             raise DstrainError(
                 f"{file}: lora.quantize_base: {name} ({fan_in} -> {fan_out}) is not a whole number of NF4 blocks of "
-                f"{NF4_BLOCK} weights; remove lora.quantize_base"
+                f"{BLOCK} weights; remove lora.quantize_base"
             )
 
 
