@@ -145,3 +145,59 @@ def test_adapter_recipes_ship_the_layout_the_planner_picks(name):
     if name == "sft-qlora-llama3.1-70b":
         assert found[0].layout.zero == 3 and peak <= ANCHOR_BYTES  # within PEFT's anchor, per GPU
     assert peak <= memory * GIB
+
+
+# --- the estimate's adapter terms against what 2 ranks hold (tests/test_estimate_measured.py's measure) -------------
+
+# Not fp32 ZeRO-2: with adapters DeepSpeed 0.19.8 holds one fp32 gradient partition (4Ψ/N) where the estimate, as
+# for the full model (where it measures both), counts the partition and its copy for the optimizer: 2x on the
+# adapters' gradients (0.08 of 0.16 MB here); the bf16 ZeRO-2 the planner writes is measured instead.
+# Not ZeRO-3: there the ranks held more parameter bytes than the estimate's partitions (+76% with LoRA, +15% with
+# QLoRA on this model): every block projection was still gathered (ds_status AVAILABLE) after the forward and after
+# the backward, with stage3_max_live_parameters at 60,000 of 0.7M too; not yet explained (the full model's ZeRO-3
+# matches: tests/test_estimate_measured.py).
+ADAPTER_RTOL = 0.01  # measured: at most 0.04% (Adam state of ZeRO-0), the NF4 bytes exact
+LORA_CONFIGS = ["zero0", "zero1", "zero1_bf16", "zero2_bf16"]
+QLORA_CONFIGS = ["zero1", "zero2_bf16"]
+
+
+def write_lora_recipe(folder, quantize: bool) -> str:
+    """2 llama blocks of width 128 (every projection whole NF4 blocks), rank-8 adapters on every linear layer."""
+    recipe = {
+        "name": "adapter-estimate-check",
+        "seed": 3,
+        "model": {"flavour": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 128, "vocab_size": 2048},
+        "data": {"sources": [{"path": str(folder / "no-data")}], "seq_len": 32},
+        "train": {"global_batch": 16, "steps": 2},
+        "lora": {"rank": 8, "alpha": 16, **({"quantize_base": "nf4"} if quantize else {})},
+    }
+    path = folder / f"recipe-{'qlora' if quantize else 'lora'}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("quantize", [False, True], ids=["lora", "qlora"])
+def test_adapter_model_states_match_what_two_ranks_hold(tmp_path, quantize):
+    from test_estimate_measured import held_bytes
+
+    from ranks import run_ranks
+
+    recipe_file = write_lora_recipe(tmp_path, quantize)
+    configs = QLORA_CONFIGS if quantize else LORA_CONFIGS
+    measured = run_ranks(2, held_bytes, recipe_file, configs, env={"OMP_NUM_THREADS": "1"})
+    recipe = load_recipe(recipe_file)
+    print(f"\n{'config':12} {'group':17} {'estimate KB':>12} {'held KB':>10} {'gap':>8}")
+    for name, rank0, rank1 in zip(configs, *measured):
+        est = estimate_file(recipe, recipe_file, ROOT / "ds_configs" / f"{name}.json", 1, 2, fused_norms=False)
+        groups = {
+            g: max(sum(getattr(p, ph) for p in est.parts if p.group == g) for ph in ("backward", "step"))
+            for g in ("parameters", "gradients", "optimizer states")
+        }
+        for group, expected in groups.items():
+            for held in (rank0, rank1):
+                gap = held.get(group, 0) / expected - 1
+                assert abs(gap) <= ADAPTER_RTOL, f"{name} {group}: estimate {expected:,} B, held {held.get(group):,} B"
+            print(f"{name:12} {group:17} {expected / 1e3:12.1f} {rank0.get(group, 0) / 1e3:10.1f} {gap:+8.2%}")
+        # what trains is the adapters alone: their gradients and Adam state are a sliver of the frozen base
+        assert groups["optimizer states"] < 0.2 * groups["parameters"]
