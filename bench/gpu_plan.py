@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import gpu_adapters as adapters
 import gpu_features as features
 import gpu_parts as parts
 import yaml
@@ -190,6 +191,13 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
             CHAT_PREPARE_S + (5 if dry else 4) * tiny,  # two runs, then the bench (its engines, reference passes)
             VERDICT + ["dpo_over_sft", "reference_over_epoch"],
             "Preference tuning (DPO): ZeRO-2 against ZeRO-0 on the device; the DPO step over the SFT step",
+        ),
+        Part(
+            "lora",
+            lambda c: adapters.lora(c, steps, dry),
+            (5 if dry else 3) * tiny + (0 if dry else 2 * run_s(dry, "gpt2-125m", 1024, 8, steps)),
+            VERDICT + ["tokens_per_s", "mem_peak_gib"],
+            "LoRA (issue 56): ZeRO-2/3 against ZeRO-0 with adapters (tiny, fp32); LoRA ÷ full step and peak memory",
         ),
         Part(
             "long_context",

@@ -79,7 +79,9 @@ def final_state(run):
     return recipe, consolidated_state_dict(tag, recipe.model)
 
 
-@pytest.mark.parametrize("strategy", ["zero0", "zero3", "zero3_offload", "pp2_zero1", "tp2_zero1", "sp2_zero1"])
+@pytest.mark.parametrize(
+    "strategy", ["zero0", "zero1", "zero2", "zero3", "zero3_offload", "pp2_zero1", "tp2_zero1", "sp2_zero1"]
+)
 def test_checkpoints_keep_the_whole_adapter_and_the_base_bit_for_bit(lora_runs, strategy):
     from dstrain.adapters.lora import is_adapter
     from dstrain.adapters.peft_format import check_whole
@@ -109,3 +111,121 @@ def test_resume_with_adapters_is_bitwise(lora_runs, strategy):
     assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in whole]
     (_, want), (_, got) = final_state(lora_runs[strategy]), final_state(lora_runs[f"resumed_{strategy}"])
     assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+@pytest.mark.deepspeed_defect("zero_to_fp32 leaves a ZeRO-1 checkpoint's frozen parameters out")
+def test_deepspeed_drops_zero1_frozen_parameters(lora_runs):
+    """DeepSpeed 0.19.8 records frozen parameters for zero_to_fp32 only from ZeRO-2 on; dstrain.checkpoint.consolidate.
+    with_zero1_frozen_parameters puts them back from the model states file. Fails once zero_to_fp32 keeps them."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from dstrain.checkpoint import safe_load
+
+    with safe_load.only_weights():
+        theirs = get_fp32_state_dict_from_zero_checkpoint(str(lora_runs["zero1"] / "checkpoints"), "global_step4")
+    _, ours = final_state(lora_runs["zero1"])
+    assert "embed.tok.weight" in ours and "embed.tok.weight" not in theirs
+    assert {name for name in theirs} == {name for name in ours if ".lora." in name}
+
+
+OPTIMIZED = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"]
+
+
+def optimizer_view(recipe_path: str, configs: list[str]) -> list[dict]:
+    """Rank target: per ds_config, build the engine, take one step and say what its optimizer holds."""
+    from deepspeed.accelerator import get_accelerator
+
+    from dstrain.adapters.lora import is_adapter
+    from dstrain.model.gpt import lm_loss
+    from dstrain.recipe_file import load_recipe
+    from dstrain.strategy.resolve import load_ds_config, resolve
+    from dstrain.train.engine.build import build_engine, build_model
+    from dstrain.train.process import distributed
+
+    distributed.init()
+    recipe, views = load_recipe(recipe_path), []
+    for config in configs:
+        world = torch.distributed.get_world_size()
+        strategy = resolve(recipe, recipe_path, load_ds_config(config), config, world)
+        engine = build_engine(recipe, strategy, build_model(recipe, strategy))
+        ids = torch.randint(0, 512, (strategy.micro_batch, 16), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(get_accelerator().current_device_name())
+        for _ in range(strategy.grad_accum):
+            engine.backward(lm_loss(engine(ids), ids))
+        engine.step()
+        wrapper = engine.optimizer
+        groups = getattr(wrapper, "bit16_groups", None) or getattr(wrapper, "fp16_groups", None)
+        groups = groups or [g["params"] for g in wrapper.param_groups]
+        named = {id(p): n for n, p in engine.module.named_parameters()}
+        inner = getattr(wrapper, "optimizer", wrapper)
+        moments = [t for s in inner.state.values() for k, t in s.items() if k != "step" and torch.is_tensor(t)]
+        views.append(
+            {
+                "managed": sorted(named[id(p)] for group in groups for p in group),
+                "trainable": sorted(n for n, p in engine.module.named_parameters() if p.requires_grad),
+                "adapters": sorted(n for n, _ in engine.module.named_parameters() if is_adapter(n)),
+                "adapter_numel": sum(
+                    p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                    for n, p in engine.module.named_parameters()
+                    if is_adapter(n)
+                ),
+                "frozen_grads": [
+                    n for n, p in engine.module.named_parameters() if not p.requires_grad and p.grad is not None
+                ],
+                "moment_numel": sum(t.numel() for t in moments),
+            }
+        )
+        engine.destroy()
+    return views
+
+
+def test_only_the_adapters_reach_the_optimizer(tmp_path, corpus):
+    """The optimizer's groups hold the adapters and nothing else; the frozen base has no gradient and no state."""
+    recipe = small_recipe(tmp_path, corpus, lora=LORA, train={"steps": 2})
+    configs = [str(ROOT / "ds_configs" / f"{name}.json") for name in OPTIMIZED]
+    views = run_ranks(2, optimizer_view, str(recipe), configs)
+    for name, rank0, rank1 in zip(OPTIMIZED, *views):
+        for view in (rank0, rank1):
+            assert view["managed"] == view["trainable"] == view["adapters"] != [], name
+            assert view["frozen_grads"] == [], name
+        numel, held = rank0["adapter_numel"], rank0["moment_numel"] + rank1["moment_numel"]
+        # two Adam moments per adapter element: whole on each rank under ZeRO-0, partitioned (plus padding) above
+        want = 2 * 2 * numel if name == "zero0" else 2 * numel
+        assert want <= held <= want * 1.01, (name, held, want)
+
+
+def test_resuming_with_or_without_a_lora_section_it_was_not_trained_with_is_one_line(lora_runs, tmp_path, corpus):
+    """§8: the checkpoint's own record says whether it holds adapters; a recipe that disagrees is refused."""
+    import yaml
+
+    from dstrain.checkpoint.record import identity
+    from dstrain.errors import DstrainError
+    from dstrain.recipe_file import load_recipe
+    from dstrain.run_dir import RunDir
+    from dstrain.train.preflight import check_run_dir
+
+    run = RunDir(lora_runs["zero0"])
+    data = yaml.safe_load(run.recipe.read_text())
+    fingerprint = store_fingerprint(run)
+    data.pop("lora")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump(data))
+    with pytest.raises(DstrainError) as e:
+        check_run_dir(load_recipe(plain), str(plain), run, "global_step4", "auto", fingerprint)
+    assert "was trained with LoRA adapters and" in str(e.value) and "has no lora: section" in str(e.value)
+    assert "\n" not in str(e.value)
+    lora = load_recipe(run.recipe)
+    assert identity(lora, fingerprint).adapters == {
+        "rank": 4,
+        "alpha": 8.0,
+        "target_modules": ["all-linear"],
+        "modules_to_save": [],
+        "use_rslora": False,
+    }
+    check_run_dir(lora, str(run.recipe), run, "global_step4", "auto", fingerprint)  # the same recipe resumes
+
+
+def store_fingerprint(run) -> str:
+    from dstrain.checkpoint import store
+
+    return store.read_record(run.checkpoints / "global_step4").identity.data

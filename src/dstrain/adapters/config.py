@@ -1,5 +1,6 @@
-"""The recipe's ``lora:`` section, low-rank adapters on the frozen model, and its checks against the model it adapts
-(dstrain.adapters.lora applies them; docs/adapters.md). No torch: `dstrain estimate` and `plan` read it too."""
+"""The recipe's ``lora:`` section, low-rank adapters on the frozen model, and its checks against the model it adapts.
+
+dstrain.adapters.lora applies them (docs/adapters.md). No torch: `dstrain estimate` and `plan` read it too."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""LoRA applied to the built GPT from outside model/gpt.py: an adapter beside each targeted projection, and the base
-frozen (dstrain.adapters.config says which; docs/adapters.md).
+"""LoRA applied to the built GPT from outside model/gpt.py: an adapter beside each targeted projection, the base frozen.
+
+dstrain.adapters.config says which projections; docs/adapters.md how to use it.
 
 Where the adapters live: each attention or MLP module that has targets gets a ModuleDict ``lora`` of one
 ``LoraAdapter`` per target, its weights ``<module>.lora.<target>.lora_A.weight`` (rank x in) and ``.lora_B.weight``

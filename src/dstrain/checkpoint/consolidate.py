@@ -219,8 +219,24 @@ def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
         quiet = contextlib.redirect_stdout(io.StringIO())
         with quiet, tempfile.TemporaryDirectory(prefix="dstrain-nvme-") as tmp, safe_load.only_weights():
             folder = nvme.spliced_copy(tag_dir, Path(tmp)) if nvme.is_nvme_checkpoint(tag_dir) else tag_dir
-            return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+            state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+        return with_zero1_frozen_parameters(state, tag_dir)
     return reshard.read_pt(tag_dir / reshard.ZERO12_MODEL_FILE)["module"]  # ZeRO-0 and BF16_Optimizer: the whole model
+
+
+def with_zero1_frozen_parameters(state: dict[str, torch.Tensor], tag_dir: Path) -> dict[str, torch.Tensor]:
+    """zero_to_fp32's state dict with the frozen parameters (a lora: run's base) of a ZeRO-1 checkpoint put back.
+
+    DeepSpeed 0.19.8 records frozen parameters for zero_to_fp32 (frozen_param_shapes) only from ZeRO-2 on
+    (engine._save_checkpoint: save_frozen_param = zero_optimization_partition_gradients()), and zero_to_fp32 then
+    leaves them out of a ZeRO-1 checkpoint without a word. The model states file holds them whole there (under
+    ZeRO-3 it holds empty placeholders, and zero_to_fp32 has them). tests/test_lora_strategies.py::
+    test_deepspeed_drops_zero1_frozen_parameters notices a fix upstream."""
+    model_file = tag_dir / reshard.ZERO12_MODEL_FILE
+    if not model_file.is_file():  # ZeRO-3: one model states file per rank, and zero_to_fp32 has the frozen ones
+        return state
+    module = reshard.read_pt(model_file)["module"]
+    return state | {name: t.float() for name, t in module.items() if name not in state and t.numel() > 0}
 
 
 # --- a model to evaluate or sample from: a run's checkpoint or a Hugging Face folder ---
@@ -238,5 +254,10 @@ def load_model_source(path: str | os.PathLike, tag: str | None = None):
         return config, {k: v.float() for k, v in state.items()}, None
     if RunDir.find(path):
         recipe, tag_dir = load_run(path, tag)
-        return recipe.model, consolidated_state_dict(tag_dir, recipe.model), recipe
+        state = consolidated_state_dict(tag_dir, recipe.model)
+        if recipe.lora is not None:  # a lora: run as one model: each adapter folded into its weight
+            from dstrain.adapters.lora import merged_state_dict
+
+            state = merged_state_dict(state, recipe.model, recipe.lora)
+        return recipe.model, state, recipe
     raise DstrainError(f"{path}: neither a run directory (recipe.yaml) nor a Hugging Face model folder (config.json)")

@@ -28,6 +28,9 @@ class Identity:
     data: str | list  # the prepared data's fingerprint (a checkpoint), or the recipe's data.sources (a recipe.yaml)
     seed: int
     optimizer: str  # optim.kind: Muon's state is not AdamW's
+    # the lora: section's shape of the adapters (rank, alpha, targets, modules_to_save, use_rslora); None: no adapters,
+    # every parameter trains (and a record written before adapters existed)
+    adapters: dict | None = None
 
     def differences(self, other: Identity) -> list[str]:
         """The fields in which ``other`` differs, in declaration order."""
@@ -50,7 +53,16 @@ def identity_of_recipe_dict(recipe: dict, data: str | list) -> Identity:
         data=data,
         seed=recipe["seed"],
         optimizer=recipe["optim"]["kind"],
+        adapters=adapter_identity(recipe.get("lora")),
     )
+
+
+ADAPTER_IDENTITY = ("rank", "alpha", "target_modules", "modules_to_save", "use_rslora")  # lora: fields a resume keeps
+
+
+def adapter_identity(lora: dict | None) -> dict | None:
+    """What of a recipe's lora: section its checkpoints are meaningless without (dropout and init_from may change)."""
+    return None if lora is None else {key: lora[key] for key in ADAPTER_IDENTITY}
 
 
 @dataclass(frozen=True)

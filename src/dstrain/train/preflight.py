@@ -83,6 +83,12 @@ def check_run_dir(
             identity_of_recipe_dict(old, old["data"]["sources"]),
             identity(recipe, to_dict(recipe)["data"]["sources"]),
         )
+    if (saved.adapters is None) != (new.adapters is None):
+        trained, section = ("without", "sets a") if saved.adapters is None else ("with", "has no")
+        raise DstrainError(
+            f"{where} was trained {trained} LoRA adapters and {recipe_file} {section} lora: section; resume it as it "
+            f"was trained, or set run_dir=<new folder> and init_from: {files.root} (adapters merged) to start from it"
+        )
     changed = saved.differences(new)
     if changed:
         raise DstrainError(

@@ -1,6 +1,8 @@
-"""Model converters: what is applied to the built model from outside model/gpt.py before deepspeed.initialize
-(LoRA's adapters today; later FP8), each declaring which parameters train. A converter is one entry of
-``converters_for``'s list; build_engine applies them in order (after init_from's weights are in the model)."""
+"""Model converters: what is applied to the built model from outside model/gpt.py before deepspeed.initialize, each
+declaring which parameters train (LoRA's adapters today, later FP8).
+
+A converter is one entry of ``converters_for``'s list; build_engine applies them in order, after init_from's weights
+are in the model (LoRA keeps every base parameter's name, so init_from loads as without it)."""
 
 from __future__ import annotations
 
