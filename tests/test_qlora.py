@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 import yaml
 
 from dstrain.adapters.qlora import NF4Linear, packed_bytes, quantize_base
@@ -202,3 +203,61 @@ def test_nf4_base_trains_alike_under_zero_0_to_3_and_zero3_partitions_its_bytes(
     # training, and the losses within bf16's rounding of the fp32 run's
     assert bf16[0]["unchanged"] and bf16[1]["unchanged"]
     torch.testing.assert_close(bf16[0]["losses"], reference["losses"], rtol=0, atol=2e-2)
+
+
+# --- a QLoRA run from a published model: trained, resumed, exported ---------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_qlora_run_on_a_published_model_exports_its_adapter(tmp_path, corpus):
+    """3 steps under ZeRO-3 on 2 ranks from a published Llama with an NF4 base; the exported PEFT adapter holds every
+    adapter whole, equal to the checkpoint's."""
+    from safetensors.torch import load_file
+    from test_lora_export import LORA, published_llama
+
+    from dstrain.checkpoint.consolidate import consolidated_state_dict, load_run
+    from dstrain.commands.cli import main as cli
+
+    from ranks import run_ranks
+    from train_helpers import small_recipe, train_argv, train_each
+
+    published_llama(tmp_path / "base", corpus)
+    lora = {**LORA, "modules_to_save": [], "quantize_base": "nf4"}
+    recipe = small_recipe(tmp_path, corpus, init_from=str(tmp_path / "base"), lora=lora, train={"steps": 3})
+    assert run_ranks(2, train_each, [train_argv(recipe, "zero3", tmp_path / "run")]) == [[0], [0]]
+    assert cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "adapter")]) == 0
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert len(saved) == 2 * 7 * 2  # A and B of 7 projections in 2 blocks
+    loaded, tag = load_run(tmp_path / "run", None)
+    state = consolidated_state_dict(tag, loaded.model)
+    b = state["blocks.1.mlp.lora.down_proj.lora_B.weight"]
+    torch.testing.assert_close(saved["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"], b)
+    assert b.abs().max() > 0  # it trained
+    # the NF4 base is the published base's NF4, bit for bit, after training
+    from dstrain.adapters.qlora import pack
+    from dstrain.model.hf.convert import from_hf
+
+    _, published = from_hf(tmp_path / "base")
+    packed = {k: v.to(torch.uint8) for k, v in state.items() if k.endswith("_proj.weight") and v.dim() == 1}
+    assert len(packed) == 2 * 7
+    assert [k for k, v in packed.items() if not torch.equal(v, pack(published[k]))] == []
+    # --merge: the adapters folded into the dequantized NF4 weights: the model the run computed, in transformers
+    assert cli(["export", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / "merged")]) == 0
+
+    ours = our_model_nf4(loaded, state)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.randint(0, loaded.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, ours(ids), rtol=0, atol=1e-5)
+
+
+def our_model_nf4(recipe, state):
+    """The run's model: our GPT with its adapters and its NF4 layers, holding the checkpoint's tensors."""
+    from dstrain.adapters.lora import inject
+    from dstrain.model.gpt import GPT
+
+    model = GPT(recipe.model)
+    inject(model, recipe.model, recipe.lora, seed=0)
+    quantize_base(model)
+    model.load_state_dict(state, strict=True)
+    return model.eval()

@@ -51,6 +51,42 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def nf4_view(packed: torch.Tensor, out_features: int, in_features: int, dtype: torch.dtype):
+    """torchao's NF4Tensor over packed bytes (pack's; views, no copy), dequantizing to ``dtype``."""
+    nf4_tensor = _nf4()
+    numel = out_features * in_features
+    lut, mean, factor, data, scalers = torch.split(packed, part_sizes(numel))
+    shape = torch.Size((out_features, in_features))
+    meta = nf4_tensor.SubclassTensorArgs(shape, (in_features, 1), 0, dtype, packed.device, False)
+    return nf4_tensor.NF4Tensor(
+        meta,
+        BLOCK,
+        numel // BLOCK,
+        scaler_block(numel),
+        scalers.view(torch.int8),
+        factor.view(torch.float32),
+        mean.view(torch.float32).reshape(()),
+        data,
+        lut.view(torch.float32),
+    )
+
+
+def dequantized_state_dict(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """A consolidated QLoRA checkpoint's state dict with each NF4 projection (its packed bytes) dequantized to the dtype of
+    the rest (the weights the run computed with), for the merged export; other tensors as they are."""
+    from dstrain.adapters.config import layer_shapes
+
+    shapes = layer_shapes(config)
+    dtype = state["embed.tok.weight"].dtype
+    out = dict(state)
+    for name, tensor in state.items():
+        if tensor.dim() == 1 and name.startswith("blocks.") and name.endswith("_proj.weight"):
+            fan_in, fan_out = shapes[name.rsplit(".", 2)[-2]]
+            packed = tensor.to(torch.uint8)  # consolidation (zero_to_fp32) hands the bytes back as exact floats
+            out[name] = nf4_view(packed, fan_out, fan_in, torch.float32).get_original_weight().to(dtype)
+    return out
+
+
 class NF4Linear(nn.Module):
     """A frozen linear layer whose weight is torchao's NF4, packed in one uint8 parameter; the bias (if any) as was."""
 
@@ -70,21 +106,7 @@ class NF4Linear(nn.Module):
 
     def nf4_weight(self, dtype: torch.dtype):
         """torchao's NF4Tensor over this layer's bytes (views), dequantizing to ``dtype``."""
-        nf4_tensor = _nf4()
-        lut, mean, factor, data, scalers = torch.split(self.weight, self.sizes)
-        shape = torch.Size((self.out_features, self.in_features))
-        meta = nf4_tensor.SubclassTensorArgs(shape, (self.in_features, 1), 0, dtype, self.weight.device, False)
-        return nf4_tensor.NF4Tensor(
-            meta,
-            BLOCK,
-            shape.numel() // BLOCK,
-            self.scaler_block,
-            scalers.view(torch.int8),
-            factor.view(torch.float32),
-            mean.view(torch.float32).reshape(()),
-            data,
-            lut.view(torch.float32),
-        )
+        return nf4_view(self.weight, self.out_features, self.in_features, dtype)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.nf4_weight(torch.float32).get_original_weight().to(dtype)
