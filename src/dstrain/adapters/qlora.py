@@ -72,8 +72,8 @@ def nf4_view(packed: torch.Tensor, out_features: int, in_features: int, dtype: t
 
 
 def dequantized_state_dict(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """A consolidated QLoRA checkpoint's state dict with each NF4 projection (its packed bytes) dequantized to the dtype of
-    the rest (the weights the run computed with), for the merged export; other tensors as they are."""
+    """A consolidated QLoRA checkpoint's state dict with each NF4 projection (its packed bytes) dequantized to the
+    dtype of the rest (the weights the run computed with), for the merged export; other tensors as they are."""
     from dstrain.adapters.config import layer_shapes
 
     shapes = layer_shapes(config)
