@@ -43,3 +43,19 @@ def lora(check: Check, steps: int, dry: bool) -> list[dict]:
             )
         )
     return rows
+
+
+QLORA = [*LORA, "lora.quantize_base=nf4"]
+
+
+def qlora(check: Check, steps: int) -> list[dict]:
+    """QLoRA (issue 56 §5): torchao's NF4 base with adapters under ZeRO-3 against ZeRO-0 on the device (tiny, fp32,
+    1e-5: the NF4 bytes partitioned and gathered by NCCL as uint8), and bf16 ZeRO-3 training (torchao's dequantization
+    to bf16 on the device) to its end."""
+    reference = check.train("qlora-zero0", "tiny", CONFIGS / "zero0.json", QLORA, steps)
+    run = check.train("qlora-zero3", "tiny", CONFIGS / "zero3.json", QLORA, steps)
+    rows = [compare(check, "QLoRA under zero3 vs zero0 (tiny, fp32)", run, reference, 1e-5, steps)]
+    bf16 = check.train("qlora-zero3-bf16", "tiny", CONFIGS / "zero3_bf16.json", QLORA, steps)
+    finished = bf16["rc"] == 0 and len(bf16["records"]) > 0
+    rows.append(check.verdict("QLoRA under zero3_bf16 (tiny) trains", finished, f"exit {bf16['rc']}"))
+    return rows

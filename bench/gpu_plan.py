@@ -200,6 +200,13 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
             "LoRA (issue 56): ZeRO-2/3 against ZeRO-0 with adapters (tiny, fp32); LoRA ÷ full step and peak memory",
         ),
         Part(
+            "qlora",
+            lambda c: adapters.qlora(c, steps),
+            3 * tiny,
+            VERDICT,
+            "QLoRA (issue 56): the NF4 base with adapters, ZeRO-3 against ZeRO-0 (tiny, fp32); bf16 ZeRO-3 trains",
+        ),
+        Part(
             "long_context",
             lambda c: features.long_context(c, steps, dry),
             tiny if dry else run_s(dry, "llama-1b-32k", 131072, 1, features.LONG_CONTEXT_STEPS) * 2,  # x2: recompute

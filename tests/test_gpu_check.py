@@ -42,6 +42,7 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
         "doctor",
         "preference_step",
         "lora",
+        "qlora",
         "long_context",
         "pytest_gpu",
         "doc_masking",
@@ -60,6 +61,7 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
     assert [row["ok"] for row in parts["windowed_attention"]["rows"]] == [True]  # on a GPU: against the CPU, 1e-4
     assert [row["ok"] for row in parts["sft_loss"]["rows"]] == [True]  # on a GPU: against the CPU, 1e-4
     assert all(row["ok"] for row in parts["lora"]["rows"]) and len(parts["lora"]["rows"]) == 5  # ZeRO-2/3 vs 0, speed
+    assert [row["ok"] for row in parts["qlora"]["rows"]] == [True, True]  # NF4 ZeRO-3 vs ZeRO-0 (1e-5), bf16 trains
     assert [row["ok"] for row in parts["latent_attention"]["rows"]] == [True]  # on a GPU: against the CPU, 1e-4
     assert [row["ok"] for row in parts["chunked_attention"]["rows"]] == [True]  # on a GPU: against the CPU, 1e-4
     assert all(row["ok"] for row in parts["doctor"]["rows"]) and len(parts["doctor"]["rows"]) >= 4  # + zero2, twin

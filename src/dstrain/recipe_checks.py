@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dstrain.adapters.config import check_lora
+from dstrain.adapters.qlora_checks import check_quantized_model
 from dstrain.errors import DstrainError
 from dstrain.objectives.registry import check_one_objective
 
@@ -54,6 +55,7 @@ def validate(recipe: Recipe, file: Path) -> None:
         )
     if recipe.lora is not None:
         check_lora(recipe.lora, recipe.model, file)
+    check_quantized_model(recipe, file)
     if recipe.schedule.warmup_steps > recipe.total_steps:
         raise DstrainError(
             f"{file}: schedule.warmup_steps={recipe.schedule.warmup_steps} exceeds the run's {recipe.total_steps} steps"

@@ -41,6 +41,10 @@ class LoraConfig:
     # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) trained on the recipe's init_from, to
     # continue training it; its rank, alpha and targets must be these. None: fresh adapters (B = 0)
     init_from: str | None = None
+    # QLoRA: the frozen base's block linear layers stored in 4-bit NormalFloat with double-quantized block scales
+    # (torchao's NF4: 0.52 byte a weight; the embeddings, norms and head stay in the training precision) and computed
+    # in the training precision; None keeps the base in the training precision (docs/adapters.md#qlora)
+    quantize_base: Literal["nf4"] | None = None
 
     @property
     def scale(self) -> float:

@@ -241,7 +241,12 @@ def canonical_names(model: nn.Module, config: GPTConfig) -> dict[str, str]:
 
 def merged_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
     """The plain GPT's state dict with each adapter folded into its projection, W + scale x B A, in fp32 (what PEFT's
-    merge_and_unload computes); the adapter tensors left out. Done on a consolidated checkpoint, never in an engine."""
+    merge_and_unload computes); the adapter tensors left out. Done on a consolidated checkpoint, never in an engine.
+    A QLoRA run's NF4 projections are dequantized first: the merged model is the one the run computed."""
+    if lora.quantize_base is not None:
+        from dstrain.adapters.qlora import dequantized_state_dict
+
+        state = dequantized_state_dict(state, config)
     merged = {name: tensor for name, tensor in state.items() if not is_adapter(name)}
     for name, a in state.items():
         if not name.endswith(".lora_A.weight"):

@@ -60,7 +60,7 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
         logits_grad = tokens * 8 * m.vocab_size
     else:  # the fused chunked loss keeps gradients, not its input: the final norm's saved tensors only
         head = tokens * norm
-        logits_grad = fused_loss_bytes(m, tokens, strategy.loss_tiles, a)
+        logits_grad = fused_loss_bytes(m, tokens, strategy.loss_tiles, a, head_trains(recipe))
     head += offset
     ids = tokens * 8
     if strategy.pp_stages == 1:
@@ -73,12 +73,21 @@ def activation_bytes(recipe: Recipe, strategy: Strategy, fused_norms: bool = Tru
     return int(max(in_flight * stage + ids, stage + head)), logits_grad  # first stage vs. last stage (the head)
 
 
-def fused_loss_bytes(m, tokens: int, chunks: int, a: int) -> int:
+def fused_loss_bytes(m, tokens: int, chunks: int, a: int, head_grad: bool = True) -> int:
     """The fused chunked loss's peak, at its last chunk (dstrain.model.chunked_loss): the chunk's logits, fp32 scores
     and gradient (12·(T/n)·V bounds them, soft cap included), the hidden states' gradient (a·T·d) and the head
-    weight's, summed in fp32 and cast to the model's dtype (4 + a)·V·d (4·V·d in fp32, where the cast is the sum)."""
-    head_grad = (4 + (a if a != 4 else 0)) * m.vocab_size * m.d_model
-    return tokens // chunks * 12 * m.vocab_size + tokens * a * m.d_model + head_grad
+    weight's, summed in fp32 and cast to the model's dtype (4 + a)·V·d (4·V·d in fp32, where the cast is the sum;
+    none for a frozen head: recipe.lora without lm_head in modules_to_save)."""
+    head = (4 + (a if a != 4 else 0)) * m.vocab_size * m.d_model if head_grad else 0
+    return tokens // chunks * 12 * m.vocab_size + tokens * a * m.d_model + head
+
+
+def head_trains(recipe: Recipe) -> bool:
+    """Whether the output head has a gradient: always, but with adapters that leave it frozen (recipe.lora)."""
+    lora, m = recipe.lora, recipe.model
+    if lora is None:
+        return True
+    return "lm_head" in lora.modules_to_save or (m.tied and "embed_tokens" in lora.modules_to_save)
 
 
 def sp_exchange_bytes(recipe: Recipe, strategy: Strategy) -> int:

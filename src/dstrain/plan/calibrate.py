@@ -107,5 +107,6 @@ def calibrated_device(recipe: Recipe, ranks: int) -> Device:
         cpu_adam_params_per_s=rate / 20,  # Adam: ~20 FLOPs per parameter, at the model's rate (an upper bound)
         micro_batch_overhead_s=overhead,
         overlaps_communication=False,
+        module_fetch_s=0.0,  # in the measured ZeRO-3 engine costs (dstrain compare --plan)
         host_memory_gib=memory_gib * ranks,  # the same memory the ranks' share is of
     )

@@ -24,7 +24,7 @@ from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.plan.memory import estimate
 from dstrain.plan.memory_parts import GIB, Estimate
-from dstrain.plan.time_model import Cluster, Prediction, layout_counts, predict
+from dstrain.plan.time_model import Cluster, Prediction, layout_counts, predict, train_flops_per_token
 from dstrain.precision import Precision
 from dstrain.strategy.ds_schema import validate_ds_config
 from dstrain.strategy.resolve import AUTO, Strategy, resolve_config
@@ -279,11 +279,10 @@ def _timed(
     cluster: Cluster,
     precision: Precision,
 ) -> Planned:
-    from dstrain.model.counts import flops_per_token
-
     pred = predict(recipe, strategy, layout_counts(recipe, strategy), cluster)
     tokens_per_s = recipe.train.global_batch * recipe.data.seq_len / pred.step_s
     world = cluster.nodes * cluster.gpus_per_node
     peak = cluster.device.peak_tflops.get(precision)
-    mfu = flops_per_token(recipe.model, recipe.data.seq_len) * tokens_per_s / (world * peak * 1e12) if peak else None
+    # the FLOPs the step runs: with adapters the frozen matrices' weight gradients are not among them
+    mfu = train_flops_per_token(recipe)[0] * tokens_per_s / (world * peak * 1e12) if peak else None
     return Planned(layout, config, strategy, est, pred, tokens_per_s, mfu)

@@ -37,6 +37,7 @@ dstrain.plan.reference_memory.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,7 @@ from dstrain.plan.activations import (
     activation_bytes,
     host_checkpoint_bytes,
 )
+from dstrain.plan.adapter_costs import adapter_counts, adapter_parts, frozen_base_parts
 from dstrain.plan.averaging_memory import averaging_parts
 from dstrain.plan.memory_parts import GIB, Estimate, Part
 from dstrain.plan.param_counts import MOE_FORMULA, ParamCounts, count_params, meta_shapes, moe_activation_bytes
@@ -89,7 +91,15 @@ def estimate(
     # Expert parallelism: E/ep experts held, partitioned over N/ep expert-data-parallel ranks: the share is total/N.
     part = math.ceil(counts.total / n) if strategy.ep_size > 1 else None
     muon = muon_params(recipe.model) if recipe.optim.kind == "muon" else 0  # accepted on plain data parallelism only
-    est.parts = model_state_parts(strategy, counts.per_rank, persistent, part, muon)
+    if recipe.lora is not None:  # the adapters are the Ψ that trains; the base is frozen (plan/adapter_costs.py)
+        adapter = adapter_counts(recipe, counts, strategy.pp_stages, threshold)
+        est.trainable_params = adapter.trainable
+        persistent = min(adapter.persistent, zero.model_persistence_threshold // n) if stage == 3 else 0
+        est.parts = model_state_parts(strategy, adapter.trainable, persistent) + frozen_base_parts(strategy, adapter)
+        est.parts += adapter_parts(recipe, strategy, adapter)
+        counts = replace(counts, per_rank=adapter.trainable, largest_param=min(counts.largest_param, adapter.trainable))
+    else:
+        est.parts = model_state_parts(strategy, counts.per_rank, persistent, part, muon)
     est.parts += averaging_parts(recipe.train.averaging, strategy, counts.per_rank)
     est.parts += activation_parts(recipe, strategy, fused_norms)
     if recipe.model.moe is not None:
@@ -104,7 +114,7 @@ def estimate(
         est.reference_pass = True
         at_rest(est.parts, stage)
         est.parts += reference_parts(before_training, recipe, strategy)
-    est.deepspeed_reference = deepspeed_reference(counts, est)
+    est.deepspeed_reference = deepspeed_reference(counts, est) if recipe.lora is None else None
     return est
 
 

@@ -47,6 +47,7 @@ class Estimate:
     ep_size: int = 1  # expert-parallel size: each rank holds 1/ep_size of every MoE layer's experts
     params_active: int | None = None  # MoE: parameters a token runs through (router and top_k experts per layer)
     sp_size: int = 1  # sequence-parallel degree
+    trainable_params: int | None = None  # recipe.lora: the adapters (and modules_to_save) on one rank; the rest frozen
     reference_pass: bool = False  # the objective's pass before step 1 is a phase (Part.reference; reference_memory)
 
     @property

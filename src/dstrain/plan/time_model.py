@@ -66,6 +66,10 @@ class Device:
     # stage's engine and the bytes of its collectives: per-call latency, AutoTP's and Ulysses' copies; measured by
     # dstrain compare --plan (commands/calibrate_engine.py), none for a datasheet device
     parallel_costs: tuple[tuple[str, float, float], ...] = ()
+    # seconds one ZeRO-3 module fetch adds on the critical path whatever its bytes (the pre-forward hook, the
+    # all-gather's launch and its wait: prefetching hides bytes, not calls); 30 µs is the order of NCCL's small
+    # all-gather latency within a node (nccl-tests) beside DeepSpeed's hook; 0 where engine_costs were measured
+    module_fetch_s: float = 30e-6
 
     def engine_seconds(self, kind: str, micro_batches: int) -> float:
         for name, per_step, per_micro in self.engine_costs:
@@ -154,13 +158,14 @@ class Cluster:
 
 def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cluster) -> Prediction:
     """Seconds of one optimizer step of ``strategy`` on ``cluster`` (module docstring)."""
-    m, world = recipe.model, cluster.nodes * cluster.gpus_per_node
+    world = cluster.nodes * cluster.gpus_per_node
     tokens_step = recipe.train.global_batch * recipe.data.seq_len
-    flops = layout_costs.with_flops(recipe, strategy, flops_per_token(m, recipe.data.seq_len) * tokens_step / world)
+    per_token, backward_share = train_flops_per_token(recipe)
+    flops = layout_costs.with_flops(recipe, strategy, per_token * tokens_step / world)
     matmul_tokens = strategy.micro_batch * recipe.data.seq_len // strategy.sp_size
     overhead = strategy.grad_accum * cluster.device.micro_batch_overhead_s
     pred = Prediction(compute_s=flops / cluster.device.rate(strategy.precision, matmul_tokens) + overhead)
-    backward_s = pred.compute_s * 2 / 3
+    backward_s = pred.compute_s * backward_share
     hidden = 0.0  # overlapped communication, hidden behind the backward
     for t in step_traffic(recipe, strategy, counts, expert_share(recipe, strategy, counts)):
         seconds = t.wire_bytes / cluster.bandwidth(t.group, strategy)
@@ -171,10 +176,40 @@ def predict(recipe: Recipe, strategy: Strategy, counts: ParamCounts, cluster: Cl
         pred.comm_s[name] = pred.comm_s.get(name, 0.0) + seconds
     if hidden > backward_s:
         pred.comm_s["overlapped collectives (exposed)"] = hidden - backward_s
+    # Charged with a frozen base only (recipe.lora), where ZeRO-3's gathers are all it adds over ZeRO-2 and ties are
+    # the rule; full-model plans leave it out until their shipped ds_configs/planned are planned again with it.
+    if strategy.zero_stage == 3 and cluster.device.module_fetch_s and recipe.lora is not None:
+        pred.comm_s["ZeRO-3 module fetches"] = zero3_fetches(recipe, strategy) * cluster.device.module_fetch_s
     pred.layout_s = layout_costs.seconds(recipe, strategy, counts, cluster.device, pred.compute_s)
     engine_s = cluster.device.engine_seconds(engine_kind(strategy), strategy.grad_accum)
     pred.engine_s = engine_s + cluster.device.parallel_seconds(strategy)
     return pred
+
+
+def train_flops_per_token(recipe: Recipe) -> tuple[float, float]:
+    """Training FLOPs per token and the backward's share of them: the dense model's (6N + attention, two thirds in
+    the backward), or with recipe.lora the frozen base's 4N and the adapters' 6 (dstrain.plan.adapter_costs)."""
+    if recipe.lora is not None:
+        from dstrain.plan.adapter_costs import lora_flops_per_token
+
+        return lora_flops_per_token(recipe)
+    return flops_per_token(recipe.model, recipe.data.seq_len), 2 / 3
+
+
+def zero3_fetches(recipe: Recipe, strategy: Strategy) -> int:
+    """ZeRO-3 module fetches per step on one rank: each block's projections (and its experts'), the embedding and
+    the head, once a micro-batch when the model stays gathered between forward and backward, else twice."""
+    from dstrain.adapters.config import LoraConfig, target_names
+    from dstrain.plan.traffic import keeps_gathered
+
+    m = recipe.model
+    projections = len(target_names(LoraConfig(), m)) if m.mla is None else 7
+    experts = m.moe.num_experts // strategy.ep_size * 3 if m.moe is not None else 0
+    modules = (m.n_layer - m.n_moe_layers) * projections + m.n_moe_layers * (4 + experts) + 2
+    modules = -(-modules // strategy.pp_stages)
+    zero = strategy.deepspeed_config.get("zero_optimization", {})
+    per_micro = 1 if keeps_gathered(zero, layout_counts(recipe, strategy).per_rank) else 2
+    return strategy.grad_accum * per_micro * modules
 
 
 def engine_kind(strategy: Strategy) -> str:

@@ -35,7 +35,7 @@ over their expert-data-parallel group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dstrain.config import Recipe
 from dstrain.plan.param_counts import ParamCounts
@@ -86,11 +86,29 @@ def step_traffic(
     """Every bulk collective of one optimizer step on one rank (the busiest pipeline stage: counts.per_rank).
     ``imbalance``: the busiest expert's tokens over the mean (dstrain's MoE is dropless: DeepSpeed's all-to-all
     buffers hold num_experts x the busiest expert's count); 1.0 = balanced routing, the planner's assumption."""
-    return [
-        t
-        for t in zero_traffic(strategy, counts, expert_params) + model_parallel_traffic(recipe, strategy, imbalance)
-        if t.logged_bytes > 0
-    ]
+    if recipe.lora is None:
+        zero = zero_traffic(strategy, counts, expert_params)
+    else:
+        zero = adapter_traffic(recipe, strategy, counts)
+    return [t for t in zero + model_parallel_traffic(recipe, strategy, imbalance) if t.logged_bytes > 0]
+
+
+def adapter_traffic(recipe: Recipe, strategy: Strategy, counts: ParamCounts) -> list[Traffic]:
+    """With recipe.lora only the adapters' gradients are reduced and their partitions gathered; ZeRO-3 also gathers
+    the frozen base (its NF4 bytes under QLoRA) as for a full model: once a micro-batch or twice."""
+    from dstrain.plan.adapter_costs import adapter_counts
+
+    s, n, g = strategy.zero_stage, strategy.zero_partitions, strategy.grad_accum
+    zero = strategy.deepspeed_config.get("zero_optimization", {})
+    threshold = zero.get("stage3_param_persistence_threshold", 100_000) if s == 3 else 0
+    adapter = adapter_counts(recipe, counts, strategy.pp_stages, threshold)
+    trained = zero_traffic(strategy, replace(counts, per_rank=adapter.trainable, persistent=adapter.persistent))
+    if s < 3:
+        return trained
+    base = dtype_bytes(strategy.precision) * adapter.frozen + adapter.quantized_bytes
+    gathers = g * (1 if keeps_gathered(zero, counts.per_rank) else 2)
+    what = "frozen base" + (" (NF4)" if adapter.quantized else "")
+    return trained + [Traffic("all_gather_into_tensor", "dp", n, gathers * _ceil_div(base, n), what, True)]
 
 
 def zero_traffic(strategy: Strategy, counts: ParamCounts, expert_params: int = 0) -> list[Traffic]:
@@ -100,7 +118,7 @@ def zero_traffic(strategy: Strategy, counts: ParamCounts, expert_params: int = 0
     overlap = bool(zero.get("overlap_comm", s == 3))
     if s == 3:
         persistent = counts.persistent
-        gathers = g * (1 if _keeps_gathered(zero, psi) else 2)
+        gathers = g * (1 if keeps_gathered(zero, psi) else 2)
         gathered = gathers * _ceil_div(psi - persistent, n) + _ceil_div(persistent, n)
         return [
             Traffic("reduce_scatter_tensor", "dp", n, g * psi * c, "gradients into their partitions", overlap),
@@ -127,7 +145,7 @@ def zero_traffic(strategy: Strategy, counts: ParamCounts, expert_params: int = 0
     return parts
 
 
-def _keeps_gathered(zero: dict, psi: int) -> bool:
+def keeps_gathered(zero: dict, psi: int) -> bool:
     """ZeRO-3 keeps a gathered parameter for its reuse in the backward when the model fits the live budget."""
     live = float(zero.get("stage3_max_live_parameters", 1e9))
     reuse = float(zero.get("stage3_max_reuse_distance", 1e9))

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dstrain.adapters.qlora_checks import check_quantized_layout
 from dstrain.config import Recipe, run_folder
 from dstrain.data.sampler import valid_micro_batches
 from dstrain.errors import InputError, naming_files
@@ -97,6 +98,7 @@ def resolve_config(
     micro, grad_accum = _batch(config, recipe, world_size, shape.dp_size, pp_stages > 1 or sp_size > 1)
     check_layout(config, recipe, dataclasses.replace(shape, micro_batch=micro, grad_accum=grad_accum))
     loss_tiles, mlp_tiles = check_tiling(config, recipe, micro, sp_size, pp_stages)
+    check_quantized_layout(recipe, tp_size, pp_stages, offload_of(config, "offload_param") is not None)
     _fill_recipe_values(config, recipe)
     leftover = _find_auto(config)
     if leftover:

@@ -62,5 +62,25 @@ def keep_block_inputs_differentiable(model: torch.nn.Module) -> None:
             module.register_forward_hook(require_grad)
 
 
+class QuantizeBaseConverter:
+    """QLoRA: the frozen base's block linear layers to torchao's NF4 (dstrain.adapters.qlora), after LoRA froze them
+    (its adapters hook whatever module holds a target's name, so they add to the NF4 layer's output)."""
+
+    name = "lora.quantize_base"
+
+    def convert(self, model: torch.nn.Module, strategy: Strategy) -> torch.nn.Module:
+        from dstrain.adapters.qlora import quantize_built_model
+
+        quantize_built_model(model, strategy.deepspeed_config, strategy.zero_stage == 3)
+        return model
+
+    def trainable(self, name: str) -> bool:
+        return False  # the NF4 bytes never train
+
+
 def lora_converter(recipe: Recipe) -> LoraConverter | None:
     return LoraConverter(recipe) if recipe.lora is not None else None
+
+
+def quantize_base_converter(recipe: Recipe) -> QuantizeBaseConverter | None:
+    return QuantizeBaseConverter() if recipe.lora is not None and recipe.lora.quantize_base is not None else None

@@ -28,6 +28,7 @@ class ModelConverter(Protocol):
 # One line per converter, in the order they are applied: the recipe asks for it when the builder returns one.
 REGISTRY: list[Callable[[Recipe], ModelConverter | None]] = [
     adapters.lora_converter,  # lora: (dstrain.adapters)
+    adapters.quantize_base_converter,  # lora.quantize_base: QLoRA's NF4 base, after LoRA's adapters hooked it
 ]
 
 
