@@ -34,7 +34,7 @@ def test_llama_8b_lora_counts_peft_trainable_parameters_and_no_state_for_the_bas
     16 x ((4096 + 4096) + (4096 + 1024) x 2 + (4096 + 4096) + (4096 + 14336) x 2 + (14336 + 4096))."""
     path = ROOT / "recipes" / "sft-lora-llama3.1-8b.yaml"
     recipe = load_recipe(path)
-    est = estimate_file(recipe, path, ROOT / "ds_configs" / "zero2_bf16.json", 1, 1)
+    est = estimate_file(recipe, ROOT / "ds_configs" / "zero2_bf16.json", 1, 1)
     assert est.trainable_params == 41_943_040
     total = num_params(recipe.model)
     parts = parts_by_name(est)
@@ -45,7 +45,7 @@ def test_llama_8b_lora_counts_peft_trainable_parameters_and_no_state_for_the_bas
     gradients = sum(max(p.backward, p.step) for p in est.parts if p.group == "gradients")
     assert gradients == 4 * est.trainable_params  # ZeRO-2 bf16: the fp32 gradient partition, of the adapters only
     # the chunked loss forms no gradient for the frozen head: (4 + 2)·V·d bytes fewer than the full model's
-    full = estimate_file(replace(recipe, lora=None), path, ROOT / "ds_configs" / "zero2_bf16.json", 1, 1)
+    full = estimate_file(replace(recipe, lora=None), ROOT / "ds_configs" / "zero2_bf16.json", 1, 1)
     chunked = [name for name in parts if name.startswith("chunked loss")]
     assert len(chunked) == 1
     freed = parts_by_name(full)[chunked[0]].backward - parts[chunked[0]].backward
@@ -67,7 +67,7 @@ def test_qlora_70b_counts_the_nf4_bytes_and_shards_them_under_zero3():
     # 4 bits, an int8 scale per 64 weights, an fp32 factor per 256 scales (and 68 bytes of constants a matrix)
     assert nf4 == m.n_layer * (sum(projections) * (0.5 + 1 / 64 + 4 / (64 * 256)) + 7 * 68)
     for config, share in (("zero2_bf16.json", 1), ("zero3_bf16.json", 2)):
-        est = estimate_file(recipe, path, ROOT / "ds_configs" / config, 1, 2)
+        est = estimate_file(recipe, ROOT / "ds_configs" / config, 1, 2)
         held = [p for p in est.parts if p.name.startswith("frozen base, NF4")]
         assert len(held) == 1 and held[0].backward == math.ceil(nf4 / share)
         bf16 = [p for p in est.parts if p.name.startswith("frozen base (bf16)")][0]
@@ -111,7 +111,7 @@ def test_planner_replicates_a_base_that_fits_and_shards_one_that_does_not(tmp_pa
     cluster = Cluster(DEVICES["h100-sxm"], 1, 8)
     small = write_recipe(tmp_path, "small", n_layer=16, n_head=32, d_model=2048, d_ff=8192)
     recipe = load_recipe(small)
-    found, _ = plan(recipe, small, cluster, "bf16", top=40)
+    found, _ = plan(recipe, cluster, "bf16", top=40)
     assert found[0].layout.zero in (1, 2), found[0].layout.describe()
     sharded = [p for p in found if p.layout.zero == 3]
     assert sharded and sharded[0].prediction.step_s > found[0].prediction.step_s  # it fits, and is slower
@@ -123,7 +123,7 @@ def test_planner_replicates_a_base_that_fits_and_shards_one_that_does_not(tmp_pa
     assert traffic["frozen base"].logged_bytes >= 2 * math.ceil(frozen / 8) * strategy.grad_accum
     assert traffic["gradients into their partitions"].logged_bytes == strategy.grad_accum * trainable * 4
     big = write_recipe(tmp_path, "big", n_layer=80, n_head=64, d_model=8192, d_ff=28672)
-    found, _ = plan(load_recipe(big), big, cluster, "bf16", top=1)
+    found, _ = plan(load_recipe(big), cluster, "bf16", top=1)
     assert found[0].layout.zero == 3, found[0].layout.describe()
 
 
@@ -139,7 +139,7 @@ def test_adapter_recipes_ship_the_layout_the_planner_picks(name):
     shipped = json.loads(shipped_path.read_text())
     device = DEVICES["h100-sxm"]
     cluster = Cluster(type(device)(**{**device.__dict__, "memory_gib": memory}), nodes, gpus)
-    found, fitting = plan(load_recipe(path), path, cluster, "bf16", top=1)
+    found, fitting = plan(load_recipe(path), cluster, "bf16", top=1)
     assert fitting > 0 and found[0].ds_config == shipped, found[0].layout.describe()
     peak = found[0].estimate.peak() + found[0].estimate.reserve
     if name == "sft-qlora-llama3.1-70b":
@@ -189,7 +189,7 @@ def test_adapter_model_states_match_what_two_ranks_hold(tmp_path, quantize):
     recipe = load_recipe(recipe_file)
     print(f"\n{'config':12} {'group':17} {'estimate KB':>12} {'held KB':>10} {'gap':>8}")
     for name, rank0, rank1 in zip(configs, *measured):
-        est = estimate_file(recipe, recipe_file, ROOT / "ds_configs" / f"{name}.json", 1, 2, fused_norms=False)
+        est = estimate_file(recipe, ROOT / "ds_configs" / f"{name}.json", 1, 2, fused_norms=False)
         groups = {
             g: max(sum(getattr(p, ph) for p in est.parts if p.group == g) for ph in ("backward", "step"))
             for g in ("parameters", "gradients", "optimizer states")
