@@ -146,7 +146,7 @@ def run_with_defects(runs: list[dict], probes: dict[str, type]) -> dict:
 def doctor_report(tmp_path_factory, corpus):
     with pytest.MonkeyPatch.context() as env:  # the ranks inherit the environment
         env.setenv("DSTRAIN_DOCTOR_PORT", str(free_port()))  # the meeting between runs, as the command sets it
-        env.setenv("DSTRAIN_COLLECTIVE_TIMEOUT_S", "20")  # rank 0's wait after rank 1 raised alone
+        env.setenv("DSTRAIN_COLLECTIVE_TIMEOUT_S", "30")  # rank 0's wait after rank 1 raised alone
         yield launch_with_defects(tmp_path_factory, corpus)
 
 

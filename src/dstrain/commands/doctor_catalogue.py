@@ -70,7 +70,7 @@ CATALOGUE: tuple[KnownBug, ...] = (
         "",  # fixed by #7839 (February 2026); the first fixed release was not established
         frozenset({"zero0", "bf16"}),
         "ZeRO-0 + bf16: gradients divided by 65,536 (a loss scale never applied) and accumulated across steps",
-        "bf16 strategies against ZeRO-0 bf16 (every one mismatches); reported norm",
+        "none needed: strategy.resolve refuses ZeRO-0 + bf16 (the bf16 baseline is ZeRO-1)",
     ),
 )
 
