@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from dstrain.errors import DstrainError
 from dstrain.model.kv_cache import KVCache, left_padded, positions
+
+if TYPE_CHECKING:
+    from dstrain.model.gpt import GPT
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 @torch.no_grad()
 def decode(
-    model: torch.nn.Module,
+    model: GPT,
     prompts: list[list[int]],
     sampling: Sampling,
     stop_ids: list[int],
