@@ -34,7 +34,7 @@ from dstrain.data.dataset import collate
 from dstrain.data.pair_packing import pair_sample
 from dstrain.model.config import GPTConfig
 from dstrain.model.gpt import GPT, token_loss_sum
-from dstrain.preference_config import PreferenceConfig
+from dstrain.objectives.preference_config import PreferenceConfig
 from dstrain.train.objectives.preference.losses import PairCounts, PairLogps, completion_logps, loss_share
 
 

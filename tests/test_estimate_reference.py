@@ -78,7 +78,7 @@ def test_reference_forward_term_bounds_the_live_tensors_of_a_no_grad_forward(d_m
     large, one block's MLP where it is wide."""
     from dstrain.model.config import GPTConfig
     from dstrain.model.gpt import GPT
-    from dstrain.plan.reference_memory import forward_bytes
+    from dstrain.objectives.preference import forward_bytes
     from dstrain.train.objectives.preference.losses import completion_logps
 
     config = GPTConfig(flavour="llama", vocab_size=vocab, max_seq_len=256, n_layer=2, n_head=4, n_kv_head=2,
@@ -96,8 +96,8 @@ def test_reference_forward_term_bounds_the_live_tensors_of_a_no_grad_forward(d_m
 def test_the_estimate_shows_the_reference_phase_beside_training():
     """dpo-qwen3-0.6b under its planned ds_config: the reference phase holds the built engine's state at rest and
     one no-grad forward in bf16 (no second model); training's peak is the backward's, as before; simpo has no pass."""
+    from dstrain.objectives.preference import forward_bytes
     from dstrain.plan.memory import estimate_file
-    from dstrain.plan.reference_memory import forward_bytes
 
     recipe = load_recipe(DPO_QWEN)
     ds_config = ROOT / "ds_configs" / "planned" / "dpo-qwen3-0.6b-1x8-h100.json"

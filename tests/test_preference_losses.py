@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dstrain.preference_config import PreferenceConfig
+from dstrain.objectives.preference_config import PreferenceConfig
 from dstrain.train.objectives.preference.losses import (
     METRICS,
     PairCounts,

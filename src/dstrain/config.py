@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from dstrain.model.config import GPTConfig
-from dstrain.preference_config import PreferenceConfig
+from dstrain.objectives.preference_config import PreferenceConfig
 from dstrain.ranges import Range
 
 Positive = Annotated[int, Range(ge=1)]
@@ -212,7 +212,8 @@ class Recipe:
     run_dir: str | None = None  # None = runs/<name>
     init_from: str | None = None  # a Hugging Face model folder or a dstrain run (its newest checkpoint) to start from
     # the preference objective (DPO and its variants, docs/preference-tuning.md): set for a pair folder (prepared
-    # with chosen/rejected), absent for every other source; init_from is the reference (simpo needs none)
+    # with chosen/rejected), absent for every other source; init_from is the reference (simpo needs none). Each
+    # objective's section is a field here; which one is set chooses it (dstrain.objectives.registry)
     preference: PreferenceConfig | None = None
 
     @property

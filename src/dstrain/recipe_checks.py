@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dstrain.errors import DstrainError
+from dstrain.objectives.registry import check_one_objective
 
 if TYPE_CHECKING:
     from dstrain.config import Recipe
@@ -23,6 +24,7 @@ def validate(recipe: Recipe, file: Path) -> None:
     if not recipe.data.sources:
         raise DstrainError(f"{file}: data.sources is empty; name at least one folder written by dstrain prepare")
     validate_stages(recipe, file)
+    check_one_objective(recipe, file)
     max_len = recipe.model.max_seq_len
     if max_len is not None and recipe.data.seq_len > max_len:
         raise DstrainError(

@@ -5,7 +5,7 @@
     dstrain eval runs/tiny --samples 32                 # the first 32 samples only (a run's train.eval_samples)
     dstrain eval hf/tiny --data data/pydocs --seq-len 256 --micro-batch 8
     torchrun --nproc_per_node 8 -m dstrain eval runs/gpt2-125m      # or: deepspeed --module dstrain eval ...
-    dstrain eval hf/policy --data data/pairs --reference hf/sft     # pairs: the DPO loss and rewards (evaluate_pairs)
+    dstrain eval hf/policy --data data/pairs --reference hf/sft     # pairs: the DPO loss and rewards (its objective's)
 
 Samples, their split among ranks and the averaging are the trainer's: the one evaluator
 (dstrain.train.step.evaluator.Evaluator) over the same forward (each rank takes every world-th sample;
@@ -27,7 +27,7 @@ from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.metrics_records import evaluation_summary, perplexity
 from dstrain.model.config import GPTConfig
-from dstrain.preference_config import LOSSES
+from dstrain.objectives.preference_config import LOSSES
 from dstrain.run_dir import RunDir
 
 DEFAULT_MICRO_BATCH = 4
@@ -96,10 +96,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch), ("--samples", args.samples)):
         if value is not None and value <= 0:  # before anything is read; the run's own values are validated
             raise DstrainError(f"{flag} {value}: must be positive")
-    if args.data and _holds_pairs(args.data):  # the preference loss and reward metrics (docs/preference-tuning.md)
-        from dstrain.commands.evaluate_pairs import evaluate_pairs
-
-        return evaluate_pairs(args)
+    if args.data and (own := _objectives_evaluation(args.data)):  # e.g. pairs: the preference loss and rewards
+        return own(args)
     run = RunDir.find(args.model)
     sources = [(args.data, 1.0)] if args.data else None
     if run:  # before the checkpoint is read
@@ -157,11 +155,12 @@ def _result(args: argparse.Namespace, evals: list) -> dict:
     return result
 
 
-def _holds_pairs(folder: str) -> bool:
+def _objectives_evaluation(folder: str):
+    """The evaluation of its own of the objective that trains on ``folder``'s kind of data, None for the LM loss."""
     from dstrain.data.manifest import read_manifest
-    from dstrain.data.pairs import is_pair_folder
+    from dstrain.train.objectives.training import evaluation_of
 
-    return is_pair_folder(read_manifest(folder))
+    return evaluation_of(read_manifest(folder).kind)
 
 
 def _masked_where_packed_whole(config: GPTConfig, sources: list[tuple[str, float]]) -> GPTConfig:

@@ -18,7 +18,7 @@ from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.plan.layouts import Planned, longest_fitting_sequence, plan, smallest_fitting_nodes
 from dstrain.plan.memory_parts import GIB
-from dstrain.plan.reference_memory import has_reference_pass, reference_seconds_per_token
+from dstrain.plan.reference_memory import reference_seconds_per_token
 from dstrain.plan.time_model import DEVICES, Cluster, Device
 from dstrain.precision import Precision
 from dstrain.recipe_file import load_recipe_to_size
@@ -117,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps([summary(p) for p in found], indent=2))
     else:
         print_plan(found, cluster, fitting, args.out)
-        if has_reference_pass(recipe):
+        if found[0].estimate.reference_pass:  # the objective's pass before step 1 (its memory term)
             print(reference_line(recipe, found[0], cluster))
     return 0
 

@@ -140,6 +140,12 @@ class Manifest:
         """Each shard has a loss mask (prepared with --chat)."""
         return self.chat is not None
 
+    @property
+    def kind(self) -> str:
+        """What the folder holds: "pairs" (preference pairs), "chat" (conversations with a loss mask) or "text" (the
+        kinds of data an objective trains on: dstrain.objectives.objective.DATA_KINDS)."""
+        return "pairs" if self.pairs is not None else "chat" if self.chat is not None else "text"
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON the writer writes (None records left out, as the writer leaves them out)."""
         raw = dataclasses.asdict(self)

@@ -16,16 +16,11 @@ text, no common prefix at all).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dstrain.data.chat import ChatEncoder, ExampleError, check_messages, encode_prompt_completion
-from dstrain.data.manifest import Manifest
 from dstrain.errors import DstrainError
-
-if TYPE_CHECKING:
-    from dstrain.config import Recipe
 
 
 def implicit_prompt(chosen, rejected) -> tuple:
@@ -115,34 +110,3 @@ def pair_counts(out: Path, prefixes: list[str]) -> dict:
         "longest": int(pairs.max()) if pairs.size else 0,
         "longer_than": {str(n): int((pairs > n + 1).sum()) for n in LENGTH_BOUNDS},
     }
-
-
-def is_pair_folder(manifest: Manifest) -> bool:
-    """A folder of preference pairs (documents 2k and 2k + 1 are pair k's chosen and rejected answers)."""
-    return manifest.pairs is not None
-
-
-def check_pair_sources(recipe: Recipe, manifests: list[Manifest], where: str) -> None:
-    """Pairs train only under the preference objective, and it only on pairs: a pair folder under a recipe without
-    ``preference:`` (it would learn the rejected answers as SFT does), a ``preference:`` recipe whose sources are not
-    one pair folder, and one with no reference (init_from) for a loss that needs one are refused in one line."""
-    folders = [s.path for s in recipe.data.sources]
-    pairs = [folder for folder, manifest in zip(folders, manifests) if is_pair_folder(manifest)]
-    if pairs and recipe.preference is None:
-        raise DstrainError(
-            f"{where}data.sources {pairs[0]} holds preference pairs (chosen/rejected), which train only under a "
-            f"preference objective: add a `preference:` section (docs/preference-tuning.md); an SFT recipe would "
-            f"learn the rejected answers too"
-        )
-    if recipe.preference is None:
-        return
-    if len(folders) != 1 or not pairs:
-        raise DstrainError(
-            f"{where}preference: is set but data.sources is not one pair folder ({', '.join(folders)}); prepare "
-            f"chosen/rejected pairs with `dstrain prepare --chat` and name that folder alone, or remove preference:"
-        )
-    if recipe.init_from is None and recipe.preference.loss != "simpo":
-        raise DstrainError(
-            f"{where}preference.loss {recipe.preference.loss} needs a reference model: set init_from (the model "
-            f"the pairs' rewards are measured against), or use preference.loss: simpo (reference-free)"
-        )

@@ -30,7 +30,8 @@ Activations per rank: what autograd saves for the backward (tests/test_estimate.
 hooks), term by term in dstrain.plan.activations. Sequence parallelism (sp) divides them by sp (each rank holds
 L/sp tokens; attention holds L tokens of heads/sp heads) and partitions the model states over N = dp x sp ranks.
 train.averaging's fp32 copies of the weights: dstrain.plan.averaging_memory (4·(E + L)·Ψ or Ψ/N).
-A preference recipe's reference pass, before step 1, is a phase of its own: dstrain.plan.reference_memory.
+An objective's pass before step 1 (its memory term: the preference objective's reference pass) is a phase of its own:
+dstrain.plan.reference_memory.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.model.counts import num_params
+from dstrain.objectives.registry import objective_of
 from dstrain.plan.activations import (
     activation_bytes,
     host_checkpoint_bytes,
@@ -51,7 +53,7 @@ from dstrain.plan.activations import (
 from dstrain.plan.averaging_memory import averaging_parts
 from dstrain.plan.memory_parts import GIB, Estimate, Part
 from dstrain.plan.param_counts import MOE_FORMULA, ParamCounts, count_params, meta_shapes, moe_activation_bytes
-from dstrain.plan.reference_memory import at_rest, has_reference_pass, reference_parts
+from dstrain.plan.reference_memory import at_rest, reference_parts
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 
 if TYPE_CHECKING:
@@ -105,10 +107,10 @@ def estimate(
         size = sp_exchange_bytes(recipe, strategy)
         est.parts.append(Part("buffers", "Ulysses all-to-all (q, k, v)", "device", size, 0, "2a·(T/sp)·(d + 2·kv)"))
     est.sp_size = strategy.sp_size
-    if has_reference_pass(recipe):  # init_from scored by the built engine before step 1
+    if (before_training := objective_of(recipe).memory(recipe)) is not None:  # the objective's memory term
         est.reference_pass = True
         at_rest(est.parts, stage)
-        est.parts += reference_parts(recipe, strategy)
+        est.parts += reference_parts(before_training, recipe, strategy)
     est.deepspeed_reference = deepspeed_reference(counts, est)
     return est
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from dstrain.precision import Precision
 
 GIB = 2**30
-PHASES = ("backward", "step")  # of a training step; a preference recipe's estimate adds "reference" (before step 1)
+PHASES = ("backward", "step")  # of a training step; an objective's pass before step 1 adds "reference"
 
 
 @dataclass
@@ -20,7 +20,7 @@ class Part:
     backward: int  # bytes per rank during the last backward of a step
     step: int  # bytes per rank during the optimizer step
     formula: str
-    reference: int = 0  # bytes per rank during a preference recipe's reference pass, before step 1 (reference_memory)
+    reference: int = 0  # bytes per rank during the objective's pass before step 1 (preference's reference pass)
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Estimate:
     ep_size: int = 1  # expert-parallel size: each rank holds 1/ep_size of every MoE layer's experts
     params_active: int | None = None  # MoE: parameters a token runs through (router and top_k experts per layer)
     sp_size: int = 1  # sequence-parallel degree
-    reference_pass: bool = False  # a preference recipe's reference pass before step 1 is a phase (Part.reference)
+    reference_pass: bool = False  # the objective's pass before step 1 is a phase (Part.reference; reference_memory)
 
     @property
     def phases(self) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ from typing import Any
 from dstrain.config import Recipe, run_folder
 from dstrain.data.sampler import valid_micro_batches
 from dstrain.errors import DstrainError
+from dstrain.objectives.registry import objective_of
 from dstrain.precision import Precision
 from dstrain.strategy import parallel
 from dstrain.strategy.ds_schema import validate_ds_config
@@ -238,11 +239,8 @@ def _parallel_sizes(
             f"{ds_file}: pipeline parallelism works with ZeRO stage 0 or 1, not {stage}; "
             f"set zero_optimization.stage to 1"
         )
-    if pp_stages > 1 and recipe.preference is not None:  # the last stage would need the pairs' reference scores
-        raise DstrainError(
-            f"{ds_file}: pipeline parallelism does not run a recipe's preference: section (docs/preference-tuning.md);"
-            f" use a ZeRO, AutoTP or sequence-parallel ds_config"
-        )
+    if pp_stages > 1 and (why := objective_of(recipe).refuses.get("pipeline")):
+        raise DstrainError(f"{ds_file}: pipeline parallelism {why}")
     if pp_stages > 1:
         parallel.check_pipeline(config["pipeline"], ds_file, recipe.model.n_layer, recipe_file)
     if tp_size > 1:

@@ -20,6 +20,7 @@ import math
 
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
+from dstrain.objectives.registry import objective_of
 
 AUTO_CHUNK_ABOVE = 8 * 2**30  # "auto" chunks the loss when its whole fp32 logits working set (12·T·V) exceeds this
 LOSS_TILE_BYTES = 2**30  # "auto": the most one tile's working set may then take
@@ -53,13 +54,11 @@ def check_tiling(
         raise DstrainError(f'{ds_file}: unknown key "tiling.{unknown[0]}"; the tiling section takes "loss" and "mlp"')
     seq = recipe.data.seq_len // sp_size  # each sequence-parallel rank tiles its own slice
     loss = section.get("loss", "auto")
-    if recipe.preference is not None and loss not in ("auto", 1):  # the completions' log-probs take whole logits
-        raise DstrainError(  # (train/objectives/preference/forward.py); the estimate and the planner count them whole
-            f"{ds_file}: tiling.loss={loss!r} with the recipe's preference: section is not supported (the completions' "
-            f"log-probs are taken from whole logits); remove tiling.loss or set it to 1"
-        )
+    whole_logits = objective_of(recipe).refuses.get("loss_tiling")  # why the objective takes whole logits
+    if whole_logits and loss not in ("auto", 1):
+        raise DstrainError(f"{ds_file}: tiling.loss={loss!r} {whole_logits}")
     if loss == "auto":
-        loss = 1 if recipe.preference is not None else auto_loss_tiles(micro_batch, seq, recipe.model.vocab_size)
+        loss = 1 if whole_logits else auto_loss_tiles(micro_batch, seq, recipe.model.vocab_size)
         if "tiling" in config:
             config["tiling"]["loss"] = loss
     tiles = [loss, section.get("mlp", 1)]

@@ -33,7 +33,7 @@ from dstrain.model.counts import describe_params, flops_per_token
 from dstrain.run_dir import RunDir
 from dstrain.train.engine.build import apply_recipe_to_optimizer, data_parallel_rank
 from dstrain.train.features import builders as features
-from dstrain.train.objectives.select import forward_and_step
+from dstrain.train.objectives.training import training_of
 from dstrain.train.process.stop import StopSignal
 from dstrain.train.step.components import Components, Progress, StepOutcome, StepSums, Verdict
 from dstrain.train.step.evaluator import Evaluator
@@ -73,13 +73,13 @@ class Trainer:
         self.saves = BackgroundSaves(engine, self.files.checkpoints, recipe.train.keep_last, self.identity)
         self.hooks = hooks or StepHooks()
         self.components = Components([])  # the steps' view of them, filled below
-        forward, step = forward_and_step(recipe)
-        self.forward = forward.of_engine(recipe, strategy, engine, self.progress, self.hooks)
-        self.steps = step(recipe, strategy, engine, self.forward, self.components)
+        objective = training_of(recipe)  # its forward, its step, its components (dstrain.objectives.registry)
+        self.forward = objective.forward.of_engine(recipe, strategy, engine, self.progress, self.hooks)
+        self.steps = objective.step(recipe, strategy, engine, self.forward, self.components)
         self.evaluator = Evaluator(
             self.forward, self.dp_rank, strategy.dp_size, strategy.micro_batch, recipe.model.max_seq_len
         )
-        self.components.members = features.assemble(self)
+        self.components.members = features.assemble(self, objective.components)
 
     # --- data -------------------------------------------------------------------------
     def _batches(self):

@@ -211,11 +211,12 @@ def check_data_tokenizer(recipe: Recipe, recipe_file: str, manifests: list[Manif
 
 
 def check_chat_sources(recipe: Recipe, manifests: list[Manifest], recipe_file: str) -> None:
-    """An SFT recipe (data.sft) has a --chat source; a pretraining one none (it would learn every prompt token); a
-    --chat source, packed whole, is read with document masking."""
-    from dstrain.data.pairs import check_pair_sources
+    """The recipe's objective trains on each source's kind of data (dstrain.objectives.registry); an SFT recipe
+    (data.sft) has a --chat source; a pretraining one none (it would learn every prompt token); a --chat source,
+    packed whole, is read with document masking."""
+    from dstrain.objectives.registry import check_data
 
-    check_pair_sources(recipe, manifests, f"{recipe_file}: ")
+    check_data(recipe, manifests, recipe_file)  # the objective's own checks, and the kinds of data it trains on
     chat = [s.path for s, m in zip(recipe.data.sources, manifests) if m.chat is not None]
     if recipe.data.sft and not chat:
         raise DstrainError(

@@ -24,7 +24,6 @@ from dstrain.train.features import (
     task_eval,
     watchdog,
 )
-from dstrain.train.objectives.preference import steps as preference_steps
 from dstrain.train.step.components import Component
 from dstrain.train.step.handle import RunHandle
 
@@ -41,10 +40,10 @@ BUILDERS: tuple[Callable[[RunHandle], Component | None], ...] = (
     early_stop.build,  # early stopping on the valid loss (train.early_stop)
     hf_export.build,  # each published checkpoint as a Hugging Face folder (train.export_every)
     restart_event.build,  # slurm/train.sbatch's relaunch after a failed step, as an event
-    preference_steps.build,  # a preference: recipe's reference scores (before step 1) and reward metrics
 )
 
 
-def assemble(run: RunHandle) -> list[Component]:
-    """The components of ``run`` (dstrain.train.loop.Trainer, not yet running) whose features are on."""
-    return [component for build in BUILDERS if (component := build(run)) is not None]
+def assemble(run: RunHandle, objectives: tuple[Callable[[RunHandle], Component | None], ...] = ()) -> list[Component]:
+    """The components of ``run`` (dstrain.train.loop.Trainer, not yet running) whose features are on, then those of
+    its objective (``objectives``: dstrain.train.objectives.training.ObjectiveTraining.components)."""
+    return [component for build in (*BUILDERS, *objectives) if (component := build(run)) is not None]

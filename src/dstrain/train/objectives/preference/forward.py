@@ -40,7 +40,7 @@ from dstrain.train.objectives.preference.losses import (
 from dstrain.train.step.forward import ModelForward
 
 if TYPE_CHECKING:
-    from dstrain.preference_config import PreferenceConfig
+    from dstrain.objectives.preference_config import PreferenceConfig
     from dstrain.train.step.components import Progress
     from dstrain.train.step.step_hooks import StepHooks
 

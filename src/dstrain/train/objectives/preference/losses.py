@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dstrain.preference_config import PreferenceConfig
+from dstrain.objectives.preference_config import PreferenceConfig
 
 
 @dataclass(frozen=True)

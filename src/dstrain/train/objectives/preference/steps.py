@@ -102,13 +102,10 @@ class PreferenceMetrics(Component):
 
 
 def build(run: RunHandle) -> PreferenceMetrics | None:
-    """None without ``preference:``; else the metrics, with the key of the reference's scores (None for simpo)."""
-    if run.recipe.preference is None:
-        return None
+    """The metrics, with the key of the reference's scores (None for simpo); a component of the preference objective
+    only (dstrain.train.objectives.preference.TRAINING)."""
     forward = run.forward
-    assert isinstance(
-        forward, PreferenceForward
-    )  # the trainer builds it for preference: (dstrain.train.objectives.select)
+    assert isinstance(forward, PreferenceForward)  # the objective's own forward
     return PreferenceMetrics(run, forward, None if forward.preference.loss == "simpo" else reference_key(run))
 
 
@@ -119,7 +116,7 @@ def reference_key(run: RunHandle) -> tuple[str, dict]:
     from dstrain.data.manifest import read_manifest
     from dstrain.train.objectives.preference.reference_scores import scores_key, weights_hash
 
-    assert run.recipe.init_from is not None  # preflight's check_pair_sources refused a reference loss without it
+    assert run.recipe.init_from is not None  # dstrain.objectives.preference.check refused a reference loss without it
     d = run.recipe.data
     key: list = [None]
     if run.is_rank0:

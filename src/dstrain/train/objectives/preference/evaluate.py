@@ -1,10 +1,11 @@
 """`dstrain eval MODEL --data PAIRS --reference REF`: the preference loss and reward metrics of a model (a run or a
 Hugging Face folder) over a pair folder's split (docs/preference-tuning.md).
 
-The reference's scores of every pair come from dstrain.train.objectives.preference.reference_scores (computed once,
-kept beside the
-shards, reused); the model's from the same packed, document-masked forwards; the loss is ``--loss`` with ``--beta``
-(PreferenceConfig's defaults otherwise), the mean over the split's pairs. Rank 0 prints one JSON object.
+The preference objective's evaluation (dstrain.train.objectives.training.ObjectiveTraining.evaluate), which
+dstrain.commands.evaluate runs for a pair folder. The reference's scores of every pair come from
+dstrain.train.objectives.preference.reference_scores (computed once, kept beside the shards, reused); the model's
+from the same packed, document-masked forwards; the loss is ``--loss`` with ``--beta`` (PreferenceConfig's defaults
+otherwise), the mean over the split's pairs. Rank 0 prints one JSON object.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def evaluate_pairs(args: argparse.Namespace) -> dict:
     from dstrain.checkpoint.consolidate import load_model_source
     from dstrain.data.dataset import build_dataset
     from dstrain.data.manifest import read_manifest
-    from dstrain.preference_config import PreferenceConfig
+    from dstrain.objectives.preference_config import PreferenceConfig
     from dstrain.train.objectives.preference.losses import PairLogps, metric_sums, metrics_of, pair_losses
     from dstrain.train.objectives.preference.reference_scores import (
         reference_scores,

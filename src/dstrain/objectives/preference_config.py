@@ -1,6 +1,6 @@
 """The preference objective's settings, a recipe's ``preference:`` section (the losses are
-dstrain.train.objectives.preference.losses's,
-each formula in docs/preference-tuning.md). No torch."""
+dstrain.train.objectives.preference.losses's, each formula in docs/preference-tuning.md). No torch; it imports no
+other dstrain module but ranges, so that dstrain.config can declare the section."""
 
 from __future__ import annotations
 
