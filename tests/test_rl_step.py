@@ -10,7 +10,7 @@ import torch
 
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
-from dstrain.rl_config import RewardConfig, RLConfig
+from dstrain.objectives.rl_config import RewardConfig, RLConfig
 from dstrain.train.objectives.rl.rewards import Reward, load_rewards, score
 from dstrain.train.objectives.rl.rollout import Prompt
 

@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 
 from dstrain.model.config import GPTConfig
 from dstrain.objectives.preference_config import PreferenceConfig
+from dstrain.objectives.rl_config import RLConfig
 from dstrain.ranges import Range
 
 Positive = Annotated[int, Range(ge=1)]
@@ -215,6 +216,9 @@ class Recipe:
     # with chosen/rejected), absent for every other source; init_from is the reference (simpo needs none). Each
     # objective's section is a field here; which one is set chooses it (dstrain.objectives.registry)
     preference: PreferenceConfig | None = None
+    # online RL with verifiable rewards (GRPO, Dr. GRPO, DAPO; docs/rl.md): the prompts, the reward functions, the
+    # sampling and the loss; data.sources then give the tokenizer and the valid split
+    rl: RLConfig | None = None
 
     @property
     def total_steps(self) -> int:
