@@ -128,7 +128,7 @@ def decode(
     stops = torch.tensor(stop_ids, dtype=torch.long, device=weight.device)
     position = positions(real)
     cache.begin(real)
-    logits = model(ids, position, cache=cache)[:, -1]
+    logits = model.lm_head(model(ids, position, head=False, cache=cache)[:, -1])  # the last column's logits only
     position = position[:, -1:]
     used = 0
     for t in range(steps):
@@ -142,5 +142,5 @@ def decode(
             break
         position = position + 1
         cache.begin(torch.ones(batch, 1, dtype=torch.bool, device=weight.device))
-        logits = model(tokens[:, t : t + 1], position, cache=cache)[:, -1]
+        logits = model.lm_head(model(tokens[:, t : t + 1], position, head=False, cache=cache)[:, -1])
     return Decoded(tokens[:, :used], mask[:, :used], logprobs[:, :used], done)

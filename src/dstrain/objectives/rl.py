@@ -7,9 +7,10 @@ Its data.sources are a prepared text or chat folder: the tokenizer that encodes 
 completions for the rewards), and the valid split the language-model loss is evaluated on. Each step's samples are
 train.global_batch = rl.prompts_per_step x rl.group_size completions.
 
-Layouts: ZeRO 0-3 (under ZeRO-3 the weights are gathered once per rollout); pipeline stages and a tiled loss are
-refused (the decode runs the whole model on each rank, the completions' log-probs take whole logits); tensor,
-sequence and expert parallelism are refused by the torch side before the first step (dstrain.train.objectives.rl).
+Layouts: ZeRO 0-3 (under ZeRO-3 the weights are gathered once per rollout); pipeline stages, tensor and sequence
+parallelism and a tiled loss are refused before any work (the decode runs the whole model on each rank, the
+completions' log-probs take whole logits), and so is a model the KV cache does not decode (experts, latent or local
+attention, sinks, soft caps: dstrain.model.kv_cache.refusal).
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def check(recipe: Recipe, manifests: list[Manifest], recipe_file: str) -> None:
             f"{recipe_file}: rl.max_new_tokens {rl.max_new_tokens} leaves no room for a prompt in data.seq_len "
             f"{recipe.data.seq_len}; lower it or raise data.seq_len"
         )
+    from dstrain.model.kv_cache import refusal
+
+    if (why := refusal(recipe.model)) is not None:
+        raise DstrainError(
+            f"{recipe_file}: rl: the samples are drawn with the model's KV cache, and {why}; RL needs a dense model"
+        )
     try:
         load_rewards(rl.rewards)
     except DstrainError as e:
@@ -57,6 +64,8 @@ OBJECTIVE = Objective(
     check=check,
     refuses={
         "pipeline": "does not run a recipe's rl: section (its decode runs the whole model on each rank); use ZeRO",
+        "tensor": "does not run a recipe's rl: section (its decode runs the whole model on each rank); use ZeRO",
+        "sequence": "does not run a recipe's rl: section (its decode runs the whole model on each rank); use ZeRO",
         "loss_tiling": (
             "with the recipe's rl: section is not supported (the completions' log-probs are taken from whole "
             "logits); remove tiling.loss or set it to 1"

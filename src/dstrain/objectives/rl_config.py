@@ -26,6 +26,9 @@ class RLConfig:
     rewards: list[RewardConfig]  # one or more; each completion's reward is their weighted sum
     prompt_column: str = "prompt"  # text, or a list of {role, content} messages (rendered by the chat template)
     split: str = "train"  # the dataset split the prompts come from
+    subset: str | None = None  # the dataset's configuration, where it has several (GSM8K: "main")
+    prompt_suffix: str = ""  # appended to a text prompt (e.g. how to write the final answer)
+    as_user_message: bool = False  # a text prompt becomes one user message, rendered by the chat template
     group_size: Annotated[int, Range(ge=2)] = 8  # completions sampled per prompt (TRL's num_generations)
     prompts_per_step: Annotated[int, Range(ge=1)] = 8  # prompts per optimizer step; x group_size = train.global_batch
     max_new_tokens: Annotated[int, Range(ge=1)] = 256  # a completion longer is truncated (counted in the metrics)

@@ -239,8 +239,9 @@ def _parallel_sizes(
             f"{ds_file}: pipeline parallelism works with ZeRO stage 0 or 1, not {stage}; "
             f"set zero_optimization.stage to 1"
         )
-    if pp_stages > 1 and (why := objective_of(recipe).refuses.get("pipeline")):
-        raise DstrainError(f"{ds_file}: pipeline parallelism {why}")
+    for layout, size in (("pipeline", pp_stages), ("tensor", tp_size), ("sequence", sp_size)):
+        if size > 1 and (why := objective_of(recipe).refuses.get(layout)):
+            raise DstrainError(f"{ds_file}: {layout} parallelism {why}")
     if pp_stages > 1:
         parallel.check_pipeline(config["pipeline"], ds_file, recipe.model.n_layer, recipe_file)
     if tp_size > 1:

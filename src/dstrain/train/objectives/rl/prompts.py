@@ -18,7 +18,7 @@ from dstrain.train.objectives.rl.rollout import Prompt
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def load_rows(source: str, split: str):
+def load_rows(source: str, split: str, subset: str | None = None):
     """The dataset ``rl.prompts`` names."""
     import datasets
 
@@ -30,7 +30,7 @@ def load_rows(source: str, split: str):
             return datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=str(path), split="train")
         if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "state.json").is_file()):
             return datasets.load_from_disk(str(path))
-        return datasets.load_dataset(source, split=split)
+        return datasets.load_dataset(source, subset, split=split)
     except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
         raise DstrainError(f"rl.prompts {source}: cannot load it ({str(e).splitlines()[0]}); fix the path") from None
 
@@ -38,7 +38,7 @@ def load_rows(source: str, split: str):
 def load_prompts(cfg, tokenizer, max_prompt_tokens: int) -> list[Prompt]:
     """Every row as a Prompt, tokenized; a row whose prompt is empty or longer than ``max_prompt_tokens`` (seq_len -
     max_new_tokens) is refused naming its index."""
-    rows = load_rows(cfg.prompts, cfg.split)
+    rows = load_rows(cfg.prompts, cfg.split, cfg.subset)
     if cfg.prompt_column not in rows.column_names:
         raise DstrainError(
             f"rl.prompts {cfg.prompts} has no column {cfg.prompt_column!r} (it has {', '.join(rows.column_names)}); "
@@ -48,6 +48,10 @@ def load_prompts(cfg, tokenizer, max_prompt_tokens: int) -> list[Prompt]:
     prompts = []
     for index, row in enumerate(rows):
         prompt = row[cfg.prompt_column]
+        if isinstance(prompt, str):
+            prompt += cfg.prompt_suffix
+            if cfg.as_user_message:
+                prompt = [{"role": "user", "content": prompt}]
         ids = encode(tokenizer, prompt)
         if not ids or len(ids) > max_prompt_tokens:
             raise DstrainError(
