@@ -192,6 +192,13 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
             "Preference tuning (DPO): ZeRO-2 against ZeRO-0 on the device; the DPO step over the SFT step",
         ),
         Part(
+            "rl_decode",
+            lambda c: features.rl_decode(c, dry),
+            60.0 if dry else 90.0,
+            VERDICT + ["cached_tokens_per_s", "kv_cache_speedup", "generation_share"],
+            "RL sampling: the KV-cache decode's greedy tokens against the CPU's, tokens/s, generation share of a step",
+        ),
+        Part(
             "long_context",
             lambda c: features.long_context(c, steps, dry),
             tiny if dry else run_s(dry, "llama-1b-32k", 131072, 1, features.LONG_CONTEXT_STEPS) * 2,  # x2: recompute
