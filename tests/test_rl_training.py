@@ -40,7 +40,9 @@ def rl_runs(tmp_path_factory, corpus):
     assert run_ranks(2, train_each, [train_argv(recipe, configs[n], runs[n]) for n in configs]) == [[0, 0]] * 2
     stopped = tmp / "stopped"
     argv = train_argv(recipe, configs["zero2"], stopped, "train.checkpoint_interval=1")
-    run_ranks(2, train_and_signal_at, argv, 2)
+    assert run_ranks(2, train_and_signal_at, argv, 2) == [0, 0]
+    summary = json.loads((stopped / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["step"] == 2
     assert run_ranks(2, train_each, [argv]) == [[0]] * 2
     return runs, stopped
 
