@@ -83,3 +83,22 @@ def test_a_reward_path_that_does_not_resolve_is_refused_before_any_work(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "rl.rewards[0].function: cannot import nowhere" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_stopped_inside_a_rollout_resumes_on_the_same_samples(tmp_path, corpus):
+    """rl.iterations 2: stopped after step 1 (the rollout's first iteration), the resumed run trains step 2 on the
+    checkpoint's rollout against its first iteration's log-probs, as the uninterrupted run does."""
+    recipe = rl_recipe(tmp_path, corpus, iterations=2, epsilon=0.01)
+    config = ds_config(tmp_path, "zero2")
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    argv = train_argv(recipe, config, stopped, "train.checkpoint_interval=1")
+    assert run_ranks(2, train_each, [train_argv(recipe, config, whole)]) == [[0]] * 2
+    assert run_ranks(2, train_and_signal_at, argv, 1) == [0, 0]
+    assert (stopped / "checkpoints" / "global_step1" / "rl_rollout.rank1.pt").is_file()
+    assert run_ranks(2, train_each, [argv]) == [[0]] * 2
+    resumed = {r["step"]: r for r in train_records(stopped)}
+    for record in train_records(whole):
+        assert resumed[record["step"]]["loss"] == pytest.approx(record["loss"], abs=1e-6)
+        assert resumed[record["step"]]["grad_norm"] == pytest.approx(record["grad_norm"], abs=1e-6)
+        assert resumed[record["step"]]["rl/reward"] == record["rl/reward"]
+    assert any(r["rl/clip_ratio_low"] + r["rl/clip_ratio_high"] > 0 for r in train_records(whole))  # clipped

@@ -124,3 +124,27 @@ def _all_gather(local: torch.Tensor, dp_size: int) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(dp_size)]
     torch.distributed.all_gather(parts, local.contiguous())
     return torch.cat(parts)
+
+
+def to_state(index: int, out: Rollout, old: list[torch.Tensor], world: int) -> dict:
+    """A rollout and its first iteration's log-probs as plain tensors and numbers, for a checkpoint's rank file (a
+    resume inside a rollout trains on the same samples against the same old log-probs)."""
+    d = out.decoded
+    tensors = {"tokens": d.tokens, "mask": d.mask, "logprobs": d.logprobs, "row_stopped": d.stopped,
+               "advantages": out.advantages, "rewards": out.rewards, "weighted": out.weighted,
+               "zero_spread": out.zero_spread, "lengths": out.lengths, "stopped": out.stopped}  # fmt: skip
+    counts = [out.counts.completions, out.counts.tokens, out.counts.max_new_tokens]
+    return {"index": index, "world": world, "prompt_ids": out.prompt_ids, "counts": counts, "seconds": out.seconds,
+            "old": [o.cpu() for o in old], **{k: v.cpu() for k, v in tensors.items()}}  # fmt: skip
+
+
+def from_state(state: dict, device: torch.device) -> tuple[int, Rollout, list[torch.Tensor]]:
+    """(rollout index, rollout, old log-probs) of ``to_state``'s dict, on ``device``."""
+    on = {k: v.to(device) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    decoded = Decoded(on["tokens"], on["mask"], on["logprobs"], on["row_stopped"])
+    out = Rollout(
+        prompt_ids=state["prompt_ids"], decoded=decoded, advantages=on["advantages"],
+        counts=StepCounts(*state["counts"]), rewards=on["rewards"], weighted=on["weighted"],
+        zero_spread=on["zero_spread"], lengths=on["lengths"], stopped=on["stopped"], seconds=state["seconds"],
+    )  # fmt: skip
+    return state["index"], out, [o.to(device) for o in state["old"]]

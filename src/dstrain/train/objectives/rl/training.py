@@ -4,22 +4,23 @@ packed stream's), ``RLForward`` the forward that evaluation shares and that carr
 
 Step s (counted from 0) trains on rollout s // rl.iterations: a fresh rollout whenever s is a multiple of
 rl.iterations, decoded by the weights of that moment from the prompts and seeds of the rollout's index
-(dstrain.train.objectives.rl.prompts, .rollout). A resumed run so draws the samples the uninterrupted one drew, at
-every step when rl.iterations is 1; with more iterations a resume inside a rollout decodes it again from the resumed
-weights (docs/rl.md says so).
+(dstrain.train.objectives.rl.prompts, .rollout). A resumed run so draws the samples the uninterrupted one drew; with
+more than one iteration, a checkpoint inside a rollout keeps it (each rank's share, ``RLMetrics.rank_files``), and the
+resumed run trains on it, on as many ranks (on another rank count it is decoded again from the resumed weights).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from dstrain.errors import DstrainError
 from dstrain.train.objectives.rl.prompts import load_prompts, step_prompts
 from dstrain.train.objectives.rl.rewards import load_rewards
-from dstrain.train.objectives.rl.rollout import Rollout, rollout
+from dstrain.train.objectives.rl.rollout import Rollout, from_state, rollout, to_state
 from dstrain.train.objectives.rl.step import RLStep, StepResult
 from dstrain.train.step.components import Component, Progress
 from dstrain.train.step.forward import ModelForward
@@ -33,6 +34,8 @@ class RLForward(ModelForward):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.step_records: list[dict] = []
+        self.rollout_state: dict | None = None  # the rollout in training, for a checkpoint (rollout.to_state)
+        self.restored_state: dict | None = None  # the one a resumed checkpoint kept
 
 
 class RLTrainStep(TrainStep):
@@ -67,6 +70,9 @@ class RLTrainStep(TrainStep):
         start = time.perf_counter()
         step = self.rl_forward.progress.step
         index = step // self.cfg.iterations
+        restored, self.rl_forward.restored_state = self.rl_forward.restored_state, None
+        if restored is not None and restored["index"] == index and restored["world"] == self.strategy.dp_size:
+            self.rollout_index, self.rollout, self.runner.old = from_state(restored, self.device)
         if index != self.rollout_index:
             self.components.on_mark("rollout")
             prompts = step_prompts(self.prompts, index, self.cfg.prompts_per_step, self.seed)
@@ -78,6 +84,8 @@ class RLTrainStep(TrainStep):
         self.components.on_mark("the RL step's forwards and backwards")
         result = self.runner.step(self.rollout, step % self.cfg.iterations)
         self.learned_tokens = self.rollout.counts.tokens
+        if self.cfg.iterations > 1:
+            self.rl_forward.rollout_state = to_state(index, self.rollout, self.runner.old, self.strategy.dp_size)
         fresh = step % self.cfg.iterations == 0
         self.rl_forward.step_records.append(self._record(result, time.perf_counter() - start, fresh))
         return torch.tensor(result.loss, device=self.device)
@@ -124,10 +132,20 @@ def _reference(recipe, device) -> torch.nn.Module:
 
 
 class RLMetrics(Component):
-    """Each train record's RL metrics: the mean over the interval's steps (docs/rl.md names each)."""
+    """Each train record's RL metrics: the mean over the interval's steps (docs/rl.md names each); with
+    rl.iterations > 1, the rollout in training in each checkpoint, one file per rank."""
 
-    def __init__(self, forward: RLForward) -> None:
-        self.forward = forward
+    def __init__(self, forward: RLForward, rank: int) -> None:
+        self.forward, self.file = forward, f"rl_rollout.rank{rank}.pt"
+
+    def rank_files(self) -> dict:
+        return {} if self.forward.rollout_state is None else {self.file: self.forward.rollout_state}
+
+    def load_files(self, tag_dir: Path) -> None:
+        from dstrain.checkpoint import safe_load
+
+        path = tag_dir / self.file
+        self.forward.restored_state = safe_load.load(path) if path.is_file() else None
 
     def train_record_fields(self, progress: Progress, steps: int) -> dict:
         records, self.forward.step_records = self.forward.step_records, []
@@ -138,4 +156,4 @@ class RLMetrics(Component):
 
 
 def build(run: RunHandle) -> RLMetrics | None:
-    return RLMetrics(run.forward) if isinstance(run.forward, RLForward) else None
+    return RLMetrics(run.forward, run.rank) if isinstance(run.forward, RLForward) else None
