@@ -1,7 +1,8 @@
 """The RL step (dstrain.train.objectives.rl) on DeepSpeed engines of 2 gloo ranks: ZeRO-0, 1, 2 and 3 (parameters
 partitioned, gathered once for the rollout) and accumulation 1 vs 2 sample the same completions and give the same
 losses and pre-clip gradient norms (fp32, 1e-5) over two iterations on one rollout (the second clipped against the
-first); all-equal rewards give exactly zero update; a failing reward is named with its prompt."""
+first, with the KL term to the initial weights); all-equal rewards give exactly zero update; a failing reward is
+named with its prompt."""
 
 from __future__ import annotations
 
@@ -60,7 +61,11 @@ def train_layouts(layouts: list[tuple[int, int]], cfg: RLConfig, function) -> li
         rank = torch.distributed.get_rank()
         rewards = [Reward("test", 1.0, function)]
         out = rollout(engine.module, PROMPTS, cfg, 5, 1, rewards, str, [1], 0, stage, rank, 2)
-        steps = RLStep(engine, cfg, micro, accum, 2).steps(out)
+        reference = None
+        if cfg.beta:  # the KL term's reference: the initial weights, whole on each rank
+            torch.manual_seed(0)
+            reference = GPT(CONFIG).requires_grad_(False)
+        steps = RLStep(engine, cfg, micro, accum, 2, reference).steps(out)
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())) if stage == 3 else _nothing():
             moved = max((p.detach() - s).abs().max().item() for p, s in zip(engine.module.parameters(), start))
         completions = [out.decoded.completion(r) for r in range(out.decoded.tokens.shape[0])]
@@ -79,7 +84,7 @@ class _nothing:
 
 def test_zero_stages_and_accumulation_give_the_same_rl_steps():
     layouts = [(0, 1), (1, 2), (2, 1), (3, 2)]
-    by_rank = run_ranks(2, train_layouts, layouts, rl_config(), even_share)
+    by_rank = run_ranks(2, train_layouts, layouts, rl_config(beta=0.04), even_share)  # with the KL term
     base_losses, base_norms, base_rewards, _, _ = by_rank[0][0]
     assert len(set(base_rewards)) > 1  # rewards vary: the step has a gradient
     for rank_results in by_rank:
