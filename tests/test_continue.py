@@ -40,9 +40,9 @@ def published_qwen3(folder, corpus) -> transformers.PreTrainedModel:
 def test_a_recipe_without_model_continues_a_published_qwen3_and_exports_it(tmp_path, corpus):
     import yaml
 
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.commands.cli import main as cli
     from dstrain.commands.generate import generate
-    from dstrain.recipe_file import load_recipe
     from dstrain.train.preflight import check_init_from
 
     from ranks import run_ranks
@@ -54,10 +54,13 @@ def test_a_recipe_without_model_continues_a_published_qwen3_and_exports_it(tmp_p
     recipe = yaml.safe_load(path.read_text())
     del recipe["model"]
     path.write_text(yaml.safe_dump(recipe))
-    assert load_recipe(path).model == from_hf(published)[0]  # the architecture is the folder's config.json
-    assert load_recipe(path, ["model.doc_masking=true"]).model.doc_masking  # training choices stay the recipe's
+    loaded, source = load_recipe_and_source(path)
+    assert loaded.model == from_hf(published)[0] and source is not None  # the architecture is the folder's config.json
+    assert load_recipe_and_source(path, ["model.doc_masking=true"])[
+        0
+    ].model.doc_masking  # training choices: the recipe's
     with pytest.raises(DstrainError, match=r"model.n_layer=3 vs 2"):
-        check_init_from(load_recipe(path, ["model.n_layer=3"]), str(path), [])  # refused before the data
+        check_init_from(load_recipe_and_source(path, ["model.n_layer=3"])[0], str(path), [], source)  # before the data
 
     run = tmp_path / "run"
     argv = ["--recipe", str(path), "--deepspeed_config", str(ROOT / "ds_configs/zero1.json"), f"run_dir={run}"]
@@ -175,8 +178,8 @@ def test_shipped_continue_recipe_fits_one_node_under_its_ds_config(recipe_file):
 def test_estimate_answers_from_config_json_alone(tmp_path, capsys):
     """init_from a folder holding only config.json (no weights) and a recipe without model: estimate reads the
     architecture from it; training would refuse the folder (no weights) before any work."""
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.commands.cli import main as cli
-    from dstrain.recipe_file import load_recipe
     from dstrain.train.preflight import check_init_from
 
     root = Path(__file__).resolve().parents[1]
@@ -184,7 +187,8 @@ def test_estimate_answers_from_config_json_alone(tmp_path, capsys):
     features = dict(head_dim=16, max_position_embeddings=4096, architectures=["Qwen3ForCausalLM"])
     transformers.Qwen3Config(**(SMALL | features)).save_pretrained(folder)
     recipe = yaml_without_model(root / "recipes" / "continue-qwen3-0.6b.yaml", tmp_path, init_from=str(folder))
-    loaded = load_recipe(recipe)
+    loaded, source = load_recipe_and_source(recipe)
+    assert source is not None
     assert (loaded.model.d_model, loaded.model.d_head, loaded.model.qk_norm) == (32, 16, "head")
     capsys.readouterr()
     assert (
@@ -192,7 +196,7 @@ def test_estimate_answers_from_config_json_alone(tmp_path, capsys):
     )
     assert "fits" in capsys.readouterr().out
     with pytest.raises(DstrainError, match="no weights"):
-        check_init_from(loaded, str(recipe), [])  # refused before the data is looked at
+        check_init_from(loaded, str(recipe), [], source)  # refused before the data is looked at
 
 
 def yaml_without_model(source: Path, folder: Path, **changes) -> Path:

@@ -100,6 +100,24 @@ def test_interrupted_prepare_rewrites_only_the_missing_shard(tmp_path, tiny_corp
     assert drop(read_manifest(out)) == drop(original_manifest)
 
 
+def test_a_prepare_hashes_its_tokenizer_once(tmp_path, tiny_corpus, monkeypatch):
+    """A resumed --train-tokenizer prepare hashes the tokenizer it saved once and reuses it; a fresh --tokenizer one
+    hashes the given tokenizer once (dstrain.data.prepare.HashedTokenizer)."""
+    import dstrain.data.prepare as prepare_code
+
+    hashed: list[str] = []
+    monkeypatch.setattr(prepare_code, "tokenizer_hash", lambda t: hashed.append(tokenizer_hash(t)) or hashed[-1])
+    out = copy_prepared(tiny_corpus, tmp_path / "out")
+    (out / "manifest.json").unlink()
+    (out / "shard_00001.bin").unlink()
+    options = dict(shard_tokens=TINY_SHARD_TOKENS, num_proc=1, progress=False)
+    prepare(source_of(tiny_corpus), out, train_tokenizer=TINY_VOCAB, **options)
+    assert hashed == [read_manifest(tiny_corpus).tokenizer.hash]
+    hashed.clear()
+    prepare(source_of(tiny_corpus), tmp_path / "given", tokenizer=str(tiny_corpus / "tokenizer"), **options)
+    assert hashed == [read_manifest(tmp_path / "given").tokenizer.hash]
+
+
 def test_rerun_of_a_complete_folder_changes_nothing(tmp_path, tiny_corpus):
     out = copy_prepared(tiny_corpus, tmp_path / "out")
     before = snapshot(out)

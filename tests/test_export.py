@@ -211,15 +211,16 @@ def test_import_then_export_is_identical(round_trip, flavour):
 
 
 def test_init_from_another_architecture_is_one_line(runs, tmp_path, corpus):
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.errors import DstrainError
     from dstrain.model.gpt import GPT
-    from dstrain.recipe_file import load_recipe
     from dstrain.train.engine.build import load_init_from
 
     path = recipe_for(tmp_path, corpus, "llama", init_from=str(runs["llama", "zero0"][1]), model={"n_layer": 3})
-    recipe = load_recipe(path)
+    recipe, source = load_recipe_and_source(path)
+    assert source is not None
     with pytest.raises(DstrainError) as error:
-        load_init_from(GPT(recipe.model), recipe, path, zero3=False)
+        load_init_from(GPT(recipe.model), recipe, path, source, zero3=False)
     message = str(error.value)
     assert "\n" not in message and str(path) in message and "model.n_layer=3 vs 2" in message
 

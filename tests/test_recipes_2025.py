@@ -217,6 +217,7 @@ def test_longrope_factors_come_from_init_from_and_are_required(tmp_path):
     import torch
     import yaml
 
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.errors import DstrainError
     from dstrain.model.gpt import GPT
     from dstrain.strategy.resolve import load_ds_config, resolve
@@ -230,7 +231,7 @@ def test_longrope_factors_come_from_init_from_and_are_required(tmp_path):
     recipe["model"] = {"rope_scaling": recipe["model"]["rope_scaling"], "doc_masking": True}
     recipe["init_from"] = str(tmp_path / "phi4-mini")
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    loaded = load_recipe(tmp_path / "recipe.yaml")
+    loaded = load_recipe_and_source(tmp_path / "recipe.yaml")[0]
     assert loaded.model.rope_scaling.long_factor == small["rope_parameters"]["long_factor"]
     without = dataclasses.replace(loaded.model.rope_scaling, long_factor=None)
     model = GPT(dataclasses.replace(loaded.model, rope_scaling=without))

@@ -1,10 +1,10 @@
 """A recipe file read into a typed ``Recipe``: the YAML, the command line's ``key=value`` overrides, the model fields
-filled from ``init_from`` and from the prepared data, each field's type and range (dstrain.typed_yaml), then the checks
-that span several fields (dstrain.recipe_checks)."""
+filled from ``init_from``'s architecture (read by the caller: dstrain.checkpoint.model_source; no model file is read
+here) and from the prepared data, each field's type and range (dstrain.typed_yaml), then the checks that span several
+fields (dstrain.recipe_checks)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,7 +16,14 @@ from dstrain.typed_yaml import apply_override, parse, read_yaml_file
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
-    """Read a recipe file, apply ``key=value`` overrides, and validate everything."""
+    """Read a recipe file, apply ``key=value`` overrides, and validate everything. Its model section is taken as
+    written (a run's recipe.yaml, resolved); a recipe whose init_from fills model fields it leaves out is read with
+    dstrain.checkpoint.model_source.load_recipe_and_source."""
+    return recipe_of(read_recipe(path, overrides), Path(path), None)
+
+
+def read_recipe(path: str | Path, overrides: Sequence[str] = ()) -> dict:
+    """A recipe file's YAML mapping with the ``key=value`` overrides applied, not yet typed."""
     path = Path(path)
     try:
         raw = read_yaml_file(path, "pass a recipe YAML file, e.g. recipes/tiny.yaml")
@@ -32,21 +39,18 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     for item in overrides:
         apply_override(raw, item, path)
     refuse_moved_keys(raw, path)
-    fill_model_from_init_from(raw, path)
+    return raw
+
+
+def recipe_of(raw: dict, path: Path, init_model: dict | None) -> Recipe:
+    """The typed, validated recipe of ``read_recipe``'s mapping; ``init_model``: init_from's architecture as model
+    fields (None: none, or the model section is taken as written)."""
+    if init_model is not None:
+        fill_model_from_init_from(raw, init_model)
     fill_model_defaults(raw, path)
     recipe = parse(Recipe, raw, path, "")
     validate(recipe, path)
     return recipe
-
-
-def load_recipe_to_size(path: str | Path, overrides: Sequence[str], purpose: str) -> Recipe:
-    """``load_recipe`` for what sizes a run without reading its data (dstrain estimate, plan): a refusal for want of
-    the prepared data's manifest also names the override that does without it; ``purpose``: "estimate", "plan"."""
-    try:
-        return load_recipe(path, overrides)
-    except DstrainError as e:
-        hint = f"; to {purpose} without the data, pass model.vocab_size=<size>" if "manifest" in str(e) else ""
-        raise DstrainError(f"{e}{hint}") from None
 
 
 def refuse_moved_keys(raw: dict, path: Path) -> None:
@@ -59,31 +63,12 @@ def refuse_moved_keys(raw: dict, path: Path) -> None:
         )
 
 
-def fill_model_from_init_from(raw: dict, path: Path) -> None:
-    """With init_from, the model fields the recipe leaves out are the folder's (config.json only; no weights read).
-    Training choices (doc_masking) stay the recipe's; the fields it gives are checked against the folder before any
-    work (train/preflight.py), so a differing one is refused by name."""
-    source, model = raw.get("init_from"), raw.get("model")
-    if not isinstance(source, str) or not (model is None or isinstance(model, dict)):
-        return  # no init_from, or parse() reports the malformed section
-    from dstrain.run_dir import RunDir
-
-    run = RunDir.find(source)
-    if run:  # a dstrain run (an SFT after a continued run): the model its recipe resolved
-        folder = dataclasses.asdict(load_recipe(run.recipe).model)
-    elif model and not (Path(source) / "config.json").is_file():
-        return  # written out (a shipped recipe on a machine without the weights): preflight checks the folder
-    else:
-        from dstrain.model.hf.convert import (
-            architecture_from_hf,  # torch and transformers: only for a recipe with init_from
-        )
-
-        try:
-            folder = dataclasses.asdict(architecture_from_hf(source))
-        except DstrainError as e:
-            raise DstrainError(f"{path}: init_from: {e}") from None
-    del folder["doc_masking"]
-    given = model or {}
+def fill_model_from_init_from(raw: dict, init_model: dict) -> None:
+    """With init_from, the model fields the recipe leaves out are its architecture's (``init_model``). Training choices
+    (doc_masking) stay the recipe's; the fields it gives are checked against the source before any work
+    (train/preflight.py), so a differing one is refused by name."""
+    folder = {k: v for k, v in init_model.items() if k != "doc_masking"}
+    given = raw.get("model") or {}
     for key in ("moe", "rope_scaling"):  # one level deeper: moe.aux_loss_coef alone keeps the folder's experts
         if isinstance(given.get(key), dict) and isinstance(folder.get(key), dict):
             given[key] = {**folder[key], **given[key]}

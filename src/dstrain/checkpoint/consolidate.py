@@ -153,14 +153,15 @@ def read_checkpoint(path: str | Path) -> tuple[GPTConfig, StateDict]:
 # --- reading: a tag of any strategy as one plain state dict --------------------------------------------------------
 
 
-def load_run(run_dir: str | os.PathLike, tag: str | None):
-    """(recipe, tag folder) of a run directory; tag None = the newest complete checkpoint."""
+def load_run(run_dir: str | os.PathLike | RunDir, tag: str | None):
+    """(recipe, tag folder) of a run directory (or its RunDir, found already); tag None = the newest complete
+    checkpoint."""
     from dstrain.recipe_file import load_recipe
 
-    files = RunDir.find(run_dir)
+    files = run_dir if isinstance(run_dir, RunDir) else RunDir.find(run_dir)
     if files is None:
         raise DstrainError(
-            f"{RunDir(Path(run_dir)).recipe}: no such file; pass a run directory written by dstrain.train"
+            f"{RunDir(Path(str(run_dir))).recipe}: no such file; pass a run directory written by dstrain.train"
         )
     recipe = load_recipe(files.recipe)
     checkpoints = files.checkpoints

@@ -170,11 +170,12 @@ def check_counts(nproc: int | None, steps: int | None) -> None:
 
 def check_configs(recipe_file: str, entries: list, overrides: list[str], nproc: int) -> None:
     """Resolve every config against its recipe for nproc ranks now, so that none is launched only to be refused."""
-    from dstrain.recipe_file import load_recipe
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     for _, config, extra in entries:
-        resolve(load_recipe(recipe_file, [*overrides, *extra]), recipe_file, load_ds_config(config), config, nproc)
+        recipe = load_recipe_and_source(recipe_file, [*overrides, *extra])[0]
+        resolve(recipe, recipe_file, load_ds_config(config), config, nproc)
 
 
 # --- the report -----------------------------------------------------------------------------------------
@@ -189,6 +190,7 @@ def add_estimates(
     sources: dict[str, str],
 ) -> None:
     """The estimated device peak of each config, from the run's resolved files, else the inputs."""
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.plan.memory import estimate_file
     from dstrain.recipe_file import load_recipe
 
@@ -201,7 +203,7 @@ def add_estimates(
                 recipe = load_recipe(recipe_path)
             elif recipe_file and row.config in sources and nproc:
                 recipe_path, ds_path, world = Path(recipe_file), Path(sources[row.config]), nproc
-                recipe = load_recipe(recipe_file, [*overrides, *row.config.split("+")[1:]])
+                recipe = load_recipe_and_source(recipe_file, [*overrides, *row.config.split("+")[1:]])[0]
             else:
                 continue
             from deepspeed.accelerator import get_accelerator
@@ -284,11 +286,13 @@ def main(args: argparse.Namespace) -> int:
             raise DstrainError("dstrain compare needs --recipe, --deepspeed_configs and --out (or --collect DIR)")
         from deepspeed.accelerator import get_accelerator
 
-        from dstrain.recipe_file import load_recipe
+        from dstrain.checkpoint.model_source import load_recipe_and_source
 
         check_counts(args.nproc, args.steps)
         overrides = run_overrides(overrides, args.steps)
-        recipe = load_recipe(args.recipe, overrides)  # a bad recipe or override stops here, before any launch
+        recipe = load_recipe_and_source(args.recipe, overrides)[
+            0
+        ]  # a bad recipe or override stops here, before any launch
         nproc = args.nproc or get_accelerator().device_count()
         out = args.out
         if args.plan:

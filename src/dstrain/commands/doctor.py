@@ -86,7 +86,7 @@ def refusal(recipe_file: str, config: Path, overrides: list[str], nproc: int) ->
     or this machine lacks what it needs (fp16, an NVMe folder, DeepSpeed's async_io op)."""
     from deepspeed.accelerator import get_accelerator
 
-    from dstrain.recipe_file import load_recipe
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.strategy.resolve import load_ds_config, offload_of, precision_of, resolve
 
     try:
@@ -100,7 +100,7 @@ def refusal(recipe_file: str, config: Path, overrides: list[str], nproc: int) ->
             folder = zero.get("offload_param", zero.get("offload_optimizer", {})).get("nvme_path", "")
             if not (Path(folder).is_dir() and os.access(folder, os.W_OK)):
                 return f"zero_optimization's nvme_path {folder!r} is no writable folder here"
-        resolve(load_recipe(recipe_file, overrides), recipe_file, ds, str(config), nproc)
+        resolve(load_recipe_and_source(recipe_file, overrides)[0], recipe_file, ds, str(config), nproc)
     except DstrainError as e:
         return str(e)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:  # a config DeepSpeed's parser rejects
@@ -197,7 +197,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[dict], dict, int, list
     """Check the inputs and write the plan of runs: (plan file, runs, refusals, ranks, overrides)."""
     from deepspeed.accelerator import get_accelerator
 
-    from dstrain.recipe_file import load_recipe
+    from dstrain.checkpoint.model_source import load_recipe_and_source
 
     if args.steps < 2:
         raise DstrainError(f"--steps {args.steps}: doctor needs at least 2 steps (the resume check stops at half)")
@@ -208,9 +208,9 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[dict], dict, int, list
     user_overrides = [*args.overrides, *(c for c in args.deepspeed_configs if "=" in c)]
     listed = [Path(c) for c in args.deepspeed_configs if "=" not in c]
     nproc = args.nproc or (2 if get_accelerator().device_name() == "cpu" else get_accelerator().device_count())
-    recipe = load_recipe(args.recipe, user_overrides)
+    recipe = load_recipe_and_source(args.recipe, user_overrides)[0]
     overrides = [*small_model(recipe, args.steps), *user_overrides]
-    load_recipe(args.recipe, overrides)  # the small model must be a valid recipe too
+    load_recipe_and_source(args.recipe, overrides)  # the small model must be a valid recipe too
     out: Path = args.out
     if (out / "runs").exists():
         raise DstrainError(f"--out {out} already holds doctor's runs; choose another folder or remove it")

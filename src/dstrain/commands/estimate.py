@@ -12,12 +12,12 @@ import json
 import sys
 from pathlib import Path
 
+from dstrain.checkpoint.model_source import load_recipe_to_size
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.plan.memory import estimate_file
 from dstrain.plan.memory_parts import Estimate
 from dstrain.precision import Precision
-from dstrain.recipe_file import load_recipe_to_size
 
 
 def cost(est: Estimate) -> tuple:

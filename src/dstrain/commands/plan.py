@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from dstrain.checkpoint.model_source import load_recipe_to_size
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.plan.layouts import Planned, longest_fitting_sequence, plan, smallest_fitting_nodes
@@ -21,7 +22,6 @@ from dstrain.plan.memory_parts import GIB
 from dstrain.plan.reference_memory import reference_seconds_per_token
 from dstrain.plan.time_model import DEVICES, Cluster, Device
 from dstrain.precision import Precision
-from dstrain.recipe_file import load_recipe_to_size
 from dstrain.strategy.optimizer import MUON_MOE_IN_BF16
 
 

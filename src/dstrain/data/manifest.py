@@ -197,11 +197,13 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
     return parse_manifest(raw, path)
 
 
-def write_manifest(folder: Path, raw: dict[str, Any]) -> Manifest:
-    """Write a prepare's manifest (last: its presence means every shard is whole), checked as a reader reads it."""
-    manifest = parse_manifest(raw, folder / MANIFEST_NAME)
+def write_manifest(folder: Path, manifest: Manifest) -> Manifest:
+    """Write a prepare's manifest (last: its presence means every shard is whole), checked as a reader reads it;
+    returns it as read back (its ``hash`` set)."""
+    raw = manifest.to_dict()
+    written = parse_manifest(raw, folder / MANIFEST_NAME)  # every value of the type a reader takes
     write_json_atomic(folder / MANIFEST_NAME, raw)
-    return manifest
+    return written
 
 
 def manifest_hash(manifest: dict[str, Any]) -> str:

@@ -35,7 +35,13 @@ from dstrain.data.manifest import (
     FORMAT_VERSION,
     INPUTS_NAME,
     MANIFEST_NAME,
+    ChatRecord,
     Manifest,
+    PairsRecord,
+    ShardRecord,
+    SourceRecord,
+    TaskRecord,
+    TokenizerRecord,
     read_manifest,
     shard_files,
     write_manifest,
@@ -196,19 +202,38 @@ def _check_options(opts: PrepareOptions) -> None:
     _check_out(Path(opts.out))
 
 
-def _trained_tokenizer(opts: PrepareOptions, source, saved, earlier_hash: str | None):
+@dataclass(frozen=True)
+class HashedTokenizer:
+    """A tokenizer with its hash (dstrain.data.tokenizer.tokenizer_hash), taken once: a prepare hashes the tokenizer
+    it uses once, and the copy an interrupted run saved at most once."""
+
+    tokenizer: Any
+    hash: str
+
+    @classmethod
+    def of(cls, tokenizer) -> HashedTokenizer:
+        return cls(tokenizer, tokenizer_hash(tokenizer))
+
+    @classmethod
+    def loaded(cls, name_or_dir: str) -> HashedTokenizer:
+        return cls.of(load_tokenizer(name_or_dir))
+
+
+def _trained_tokenizer(
+    opts: PrepareOptions, source, saved: HashedTokenizer | None, earlier_hash: str | None
+) -> HashedTokenizer:
     """--train-tokenizer: the one an interrupted run trained and saved if it is there, else train one."""
-    if earlier_hash and saved is not None and tokenizer_hash(saved) == earlier_hash:
+    if earlier_hash and saved is not None and saved.hash == earlier_hash:
         return saved
     assert opts.train_tokenizer is not None  # _check_options: --tokenizer or --train-tokenizer
-    tokenizer = train_bpe_tokenizer(
-        text_batches(source, 0, BATCH_DOCS), opts.train_tokenizer, source.num_docs, opts.progress
+    trained = HashedTokenizer.of(
+        train_bpe_tokenizer(text_batches(source, 0, BATCH_DOCS), opts.train_tokenizer, source.num_docs, opts.progress)
     )
-    if earlier_hash and tokenizer_hash(tokenizer) != earlier_hash:
+    if earlier_hash and trained.hash != earlier_hash:
         raise _refuse(
             Path(opts.out), f"a tokenizer trained earlier (hash {earlier_hash}) that retraining did not reproduce"
         )
-    return tokenizer
+    return trained
 
 
 def run(opts: PrepareOptions) -> Manifest:
@@ -226,30 +251,34 @@ def run(opts: PrepareOptions) -> Manifest:
 
         datasets.disable_progress_bars()
     spec = SourceSpec(opts.dataset, opts.dataset_config, opts.split, opts.text_field, opts.streaming)
+    given = HashedTokenizer.loaded(opts.tokenizer) if opts.tokenizer is not None else None  # hashed once
     if slot is None:
-        return _prepare_folder(Path(opts.out), opts, open_chat_source(spec)[0] if opts.chat else open_source(spec), {})
+        source = open_chat_source(spec)[0] if opts.chat else open_source(spec)
+        return _prepare_folder(Path(opts.out), opts, given, source, {})
     out = Path(opts.out)
     if (merged := _complete_manifest(out)) is not None:
-        if (conflict := _conflict_ignoring_fingerprint(merged, spec, opts)) is not None:
+        if (conflict := _conflict_ignoring_fingerprint(merged, spec, opts, given)) is not None:
             raise _refuse(out, conflict)
         return (
             prepare_parts.merge(out) if (out / prepare_parts.TASKS_DIR).exists() else merged
         )  # a merge cut short: finish it
     prepare_parts.check_layout(out, slot)
     source, record = prepare_parts.open_part(spec, slot, opts.chat)
-    part = _prepare_folder(prepare_parts.task_folder(out, slot), opts, source, {"task": record})
+    part = _prepare_folder(prepare_parts.task_folder(out, slot), opts, given, source, {"task": record})
     prepare_parts.merge_if_last(out, slot.count)
     return part
 
 
-def _conflict_ignoring_fingerprint(manifest: Manifest, spec: SourceSpec, opts: PrepareOptions) -> str | None:
+def _conflict_ignoring_fingerprint(
+    manifest: Manifest, spec: SourceSpec, opts: PrepareOptions, given: HashedTokenizer | None
+) -> str | None:
     """How a merged folder's inputs differ from a task's options (its content fingerprint is not recomputed)."""
     recorded = manifest.to_dict()  # its inputs, as prepare_inputs.json records them
     inputs = {
         "source": {**describe(spec), "fingerprint": manifest.source.fingerprint},
         "tokenizer": {
             **dataclasses.asdict(manifest.tokenizer),
-            "hash": tokenizer_hash(load_tokenizer(opts.tokenizer)) if opts.tokenizer else None,
+            "hash": given.hash if given is not None else None,
             "trained_vocab_size": opts.train_tokenizer,
         },
         "shard_tokens": opts.shard_tokens,
@@ -261,23 +290,25 @@ def _conflict_ignoring_fingerprint(manifest: Manifest, spec: SourceSpec, opts: P
     return _conflict(recorded, inputs)
 
 
-def _prepare_folder(out: Path, opts: PrepareOptions, source: Source, extra_inputs: dict) -> Manifest:
-    """Prepare ``source`` into ``out`` (a whole prepare, or one task's folder); resumes what is there."""
-    tokenizer = load_tokenizer(opts.tokenizer) if opts.tokenizer is not None else None
+def _prepare_folder(
+    out: Path, opts: PrepareOptions, given: HashedTokenizer | None, source: Source, extra_inputs: dict
+) -> Manifest:
+    """Prepare ``source`` into ``out`` (a whole prepare, or one task's folder) with the ``given`` tokenizer (None:
+    --train-tokenizer); resumes what is there."""
     spec = source.spec
     inputs: dict[str, Any] = {
         "source": {**describe(spec), "fingerprint": source.fingerprint},
         "tokenizer": {
-            "name": opts.tokenizer if tokenizer is not None else f"byte-level BPE trained on {spec.dataset}",
+            "name": opts.tokenizer if given is not None else f"byte-level BPE trained on {spec.dataset}",
             "path": TOKENIZER_DIR,
-            "hash": tokenizer_hash(tokenizer) if tokenizer is not None else None,
+            "hash": given.hash if given is not None else None,
             "trained_vocab_size": opts.train_tokenizer,
         },
         "shard_tokens": opts.shard_tokens,
         **extra_inputs,
     }
     if opts.chat:  # only then: the manifests of text (and their hashes, which key caches and checkpoints) unchanged
-        inputs["chat"] = _chat_inputs(opts, tokenizer, source)
+        inputs["chat"] = _chat_inputs(opts, given.tokenizer if given is not None else None, source)
     existing = _existing_inputs(out)
     if existing is not None and (conflict := _conflict(existing, inputs)):
         raise _refuse(out, conflict)
@@ -285,37 +316,47 @@ def _prepare_folder(out: Path, opts: PrepareOptions, source: Source, extra_input
         return done
 
     tokenizer_dir = out / TOKENIZER_DIR
-    saved = load_tokenizer(str(tokenizer_dir)) if tokenizer_dir.is_dir() else None
-    if tokenizer is None:
-        tokenizer = _trained_tokenizer(opts, source, saved, existing["tokenizer"]["hash"] if existing else None)
-        inputs["tokenizer"]["hash"] = tokenizer_hash(tokenizer)
+    saved = HashedTokenizer.loaded(str(tokenizer_dir)) if tokenizer_dir.is_dir() else None
+    if given is None:
+        given = _trained_tokenizer(opts, source, saved, existing["tokenizer"]["hash"] if existing else None)
+        inputs["tokenizer"]["hash"] = given.hash
+    tokenizer = given.tokenizer
     out.mkdir(parents=True, exist_ok=True)
     if opts.chat:  # the template the data was rendered with travels with the tokenizer
         tokenizer.chat_template = load_chat_template(tokenizer, opts.chat_template, str(opts.tokenizer))
-    stale = saved is None or tokenizer_hash(saved) != inputs["tokenizer"]["hash"]
-    if stale or getattr(saved, "chat_template", None) != getattr(tokenizer, "chat_template", None):
+    stale = saved is None or saved.hash != given.hash
+    if stale or getattr(saved and saved.tokenizer, "chat_template", None) != getattr(tokenizer, "chat_template", None):
         save_tokenizer(tokenizer, tokenizer_dir)
     write_json_atomic(out / INPUTS_NAME, inputs)
     shards, dtype = _tokenize(out, source, tokenizer, opts)
-    shards = [{**shard, **shard_files(out / shard["prefix"])} for shard in shards]
-    if opts.chat:
-        inputs["chat"] = {**inputs["chat"], **chat_counts(out, [s["prefix"] for s in shards])}
-    if source.chat_format == PAIR_FORMAT:  # only then: the manifests of conversations (and their hashes) unchanged
-        inputs["pairs"] = pair_counts(out, [s["prefix"] for s in shards])
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        **inputs,
-        "vocab_size": len(tokenizer),
-        "eos_id": int(tokenizer.eos_token_id),
-        "framing": dataclasses.asdict(document_framing(tokenizer)),
-        "dtype": dtype.name,
-        "shards": shards,
-        "documents": sum(s["documents"] for s in shards),
-        "tokens": sum(s["tokens"] for s in shards),
-        "command": opts.command(),
-    }
-    return write_manifest(out, manifest)
+    return write_manifest(out, _manifest(out, opts, inputs, tokenizer, shards, dtype, source.chat_format))
+
+
+def _manifest(
+    out: Path, opts: PrepareOptions, inputs: dict, tokenizer, shards: list[dict], dtype: np.dtype, chat_format
+) -> Manifest:
+    """The typed manifest of the shards written into ``out`` from ``inputs`` (prepare_inputs.json's record)."""
+    records = [ShardRecord(**shard, **shard_files(out / shard["prefix"])) for shard in shards]
+    prefixes = [s.prefix for s in records]
+    pairs = chat_format == PAIR_FORMAT  # only then a pairs record: the conversations' manifests (hashes) unchanged
+    return Manifest(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        tokenizer=TokenizerRecord(**inputs["tokenizer"]),
+        vocab_size=len(tokenizer),
+        eos_id=int(tokenizer.eos_token_id),
+        framing=document_framing(tokenizer),
+        dtype=dtype.name,
+        shards=records,
+        documents=sum(s.documents for s in records),
+        tokens=sum(s.tokens for s in records),
+        shard_tokens=opts.shard_tokens,
+        source=SourceRecord(**inputs["source"]),
+        command=opts.command(),
+        chat=ChatRecord(**inputs["chat"], **chat_counts(out, prefixes)) if opts.chat else None,
+        pairs=PairsRecord(**pair_counts(out, prefixes)) if pairs else None,
+        task=TaskRecord(**inputs["task"]) if "task" in inputs else None,
+    )
 
 
 def _tokenize(out: Path, source, tokenizer, opts: PrepareOptions) -> tuple[list[dict], np.dtype]:

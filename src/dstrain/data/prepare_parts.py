@@ -312,6 +312,6 @@ def merge(out: str | os.PathLike) -> Manifest:
         pairs=pairs_record,
         task=None,
     )
-    manifest = write_manifest(out, merged.to_dict())
+    manifest = write_manifest(out, merged)
     shutil.rmtree(out / TASKS_DIR, ignore_errors=True)
     return manifest

@@ -22,6 +22,7 @@ import torch
 
 from dstrain.checkpoint import store
 from dstrain.checkpoint.background import BackgroundSaves
+from dstrain.checkpoint.model_source import ModelSource
 from dstrain.checkpoint.record import ClientState, Identity
 from dstrain.config import recipe_changes, to_dict
 from dstrain.data.sampler import micro_batches
@@ -52,14 +53,16 @@ class Trainer:
         data_fingerprint,
         identity: Identity | None = None,
         hooks: StepHooks | None = None,
+        model_source: ModelSource | None = None,
     ):
         """``valid_sets``: (name, weight, dataset) per data source (``dstrain.data.dataset.build_valid_sets``);
-        ``hooks``: a test's faults (dstrain.train.step.step_hooks.StepHooks)."""
+        ``hooks``: a test's faults (dstrain.train.step.step_hooks.StepHooks); ``model_source``: init_from resolved
+        at launch (dstrain.train.preflight.CheckedInputs), for an objective that scores against it."""
         self.recipe, self.strategy, self.engine = recipe, strategy, engine
         self.train_data, self.valid_sets = train_data, valid_sets
         # Only DeepSpeed's groups know the pipeline/TP layout, so the data-parallel rank comes from them.
         self.files, self.dp_rank = files, data_parallel_rank(engine, strategy)
-        self.data_fingerprint, self.identity = data_fingerprint, identity
+        self.data_fingerprint, self.identity, self.model_source = data_fingerprint, identity, model_source
         self.device = engine.device
         self.rank = torch.distributed.get_rank()
         self.is_rank0 = self.rank == 0

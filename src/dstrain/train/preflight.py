@@ -14,12 +14,12 @@ from pathlib import Path
 
 import yaml
 
+from dstrain.checkpoint.model_source import ModelSource, load_recipe_and_source
 from dstrain.checkpoint.record import identity, identity_of_recipe_dict
 from dstrain.config import Recipe, run_folder, to_dict
 from dstrain.data.manifest import Manifest, read_manifest, same_tokenizer
 from dstrain.errors import DstrainError, quiet_warnings
 from dstrain.monitors.settings import check_monitors
-from dstrain.recipe_file import load_recipe
 from dstrain.run_dir import RunDir
 from dstrain.strategy.resolve import Strategy, load_ds_config, resolve
 from dstrain.train.process.launcher_env import env_rank, env_world_size
@@ -33,17 +33,18 @@ class CheckedInputs:
     manifests: list[Manifest]  # of data.sources, in order, each read once
     fingerprint: str  # the prepared data's
     tag: str | None  # the checkpoint to resume
+    model_source: ModelSource | None  # init_from resolved once (a run, a Hugging Face folder), None without one
 
 
 def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
     """Every input checked, nothing written."""
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe, model_source = load_recipe_and_source(args.recipe, args.overrides)
     strategy = resolve(
         recipe, args.recipe, load_ds_config(args.deepspeed_config), args.deepspeed_config, env_world_size()
     )
-    manifests = [read_manifest(source.path) for source in recipe.data.sources]  # once each, handed on
+    manifests = [read_manifest(data.path) for data in recipe.data.sources]  # once each, handed on
     files = RunDir(run_folder(recipe))
-    check(recipe, args.recipe, files, manifests)
+    check(recipe, args.recipe, files, manifests, model_source)
     check_monitors(strategy.ds_config, args.deepspeed_config, files.root)
     fingerprint = fingerprint_of_checked_data(recipe, args.recipe, manifests)
     tag = resume_tag(files.checkpoints, args.resume)
@@ -59,7 +60,7 @@ def checked_inputs(args: argparse.Namespace) -> CheckedInputs:
     from dstrain.tasks.loading import load_tasks
 
     load_tasks(recipe.train.tasks, args.recipe)  # every item readable; the tasks' component loads them again
-    return CheckedInputs(recipe, strategy, files, manifests, fingerprint, tag)
+    return CheckedInputs(recipe, strategy, files, manifests, fingerprint, tag, model_source)
 
 
 def check_run_dir(
@@ -134,10 +135,12 @@ def resume_tag(checkpoint_dir: Path, resume: str) -> str | None:
 LOG_SUFFIXES = (".log", ".out", ".err")
 
 
-def check(recipe: Recipe, recipe_file: str, files: RunDir, manifests: list[Manifest]) -> None:
+def check(
+    recipe: Recipe, recipe_file: str, files: RunDir, manifests: list[Manifest], source: ModelSource | None
+) -> None:
     check_run_dir_path(files)
-    if recipe.init_from:
-        check_init_from(recipe, recipe_file, manifests)
+    if source is not None:
+        check_init_from(recipe, recipe_file, manifests, source)
 
 
 def check_run_dir_path(files: RunDir) -> None:
@@ -170,19 +173,13 @@ def check_run_dir_path(files: RunDir) -> None:
         raise DstrainError(f"run_dir {run_dir} holds files that no run wrote ({shown}); {fix}")
 
 
-def check_init_from(recipe: Recipe, recipe_file: str, manifests: list[Manifest]) -> None:
+def check_init_from(recipe: Recipe, recipe_file: str, manifests: list[Manifest], source: ModelSource) -> None:
     """init_from is a Hugging Face model folder (read from config.json only) or a dstrain run with an intact
     checkpoint, of the recipe's architecture."""
-    from dstrain.model.hf.convert import architecture_diff, config_from_hf
+    from dstrain.model.hf.convert import architecture_diff
 
-    assert recipe.init_from is not None
     try:
-        if RunDir.find(recipe.init_from):  # a run: its newest intact checkpoint, its model
-            from dstrain.checkpoint.consolidate import load_run
-
-            config = load_run(recipe.init_from, None)[0].model
-        else:
-            config = config_from_hf(recipe.init_from)
+        config = source.checked_architecture()  # a run: its newest intact checkpoint's model
     except DstrainError as e:
         raise DstrainError(f"{recipe_file}: init_from: {e}") from None
     differ = [f"model.{k}={ours!r} vs {theirs!r}" for k, ours, theirs in architecture_diff(recipe.model, config)]
@@ -191,23 +188,21 @@ def check_init_from(recipe: Recipe, recipe_file: str, manifests: list[Manifest])
             f"{recipe_file}: init_from {recipe.init_from} has another architecture ({'; '.join(differ)}); "
             f"set those model fields to the Hugging Face values"
         )
-    check_data_tokenizer(recipe, recipe_file, manifests)
+    check_data_tokenizer(recipe, recipe_file, manifests, source)
 
 
-def check_data_tokenizer(recipe: Recipe, recipe_file: str, manifests: list[Manifest]) -> None:
+def check_data_tokenizer(recipe: Recipe, recipe_file: str, manifests: list[Manifest], source: ModelSource) -> None:
     """Data for a published model is tokenised and framed with that model's tokenizer (when its folder has one)."""
     from dstrain.data.tokenizer import verify_tokenizer
 
-    assert recipe.init_from is not None
-    run = RunDir.find(recipe.init_from)
-    folder = run.tokenizer if run else Path(recipe.init_from)  # a run's tokenizer, copied at its start
+    folder = source.tokenizer_folder  # a run's tokenizer, copied at its start
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return  # weights only: the data's own tokenizer stays the run's
-    for source, manifest in zip(recipe.data.sources, manifests):
+    for data, manifest in zip(recipe.data.sources, manifests):
         try:
-            verify_tokenizer(manifest, source.path, folder, flag="init_from's tokenizer")
+            verify_tokenizer(manifest, data.path, folder, flag="init_from's tokenizer")
         except DstrainError as e:
-            raise DstrainError(f"{recipe_file}: data.sources {source.path}: {e}") from None
+            raise DstrainError(f"{recipe_file}: data.sources {data.path}: {e}") from None
 
 
 def check_chat_sources(recipe: Recipe, manifests: list[Manifest], recipe_file: str) -> None:

@@ -125,12 +125,15 @@ def train(args: argparse.Namespace, hooks: StepHooks | None = None) -> int:
             files.checkpoints, tag, strategy, recipe.model, recipe.optim.weight_decay, on_rank0=distributed.on_rank0
         )
     model = build_model(recipe, strategy)
-    if recipe.init_from and not tag:  # continued pretraining starts from a Hugging Face model, once
+    if inputs.model_source is not None and not tag:  # continued pretraining starts from init_from's weights, once
         ep_rank = strategy.ep_rank(torch.distributed.get_rank())
-        load_init_from(model, recipe, args.recipe, strategy.zero_stage == 3, strategy.ep_size, ep_rank)
+        zero3 = strategy.zero_stage == 3
+        load_init_from(model, recipe, args.recipe, inputs.model_source, zero3, strategy.ep_size, ep_rank)
     engine = build_engine(recipe, strategy, model)
     fingerprint, run_identity = inputs.fingerprint, identity(recipe, inputs.fingerprint)
-    trainer = Trainer(recipe, strategy, engine, train_data, valid_sets, files, fingerprint, run_identity, hooks)
+    trainer = Trainer(
+        recipe, strategy, engine, train_data, valid_sets, files, fingerprint, run_identity, hooks, inputs.model_source
+    )
     if tag:
         trainer.resume(tag)
     try:

@@ -8,6 +8,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import deepspeed
 import torch
@@ -19,6 +20,9 @@ from dstrain.monitors.settings import MONITOR_BLOCKS
 from dstrain.strategy.resolve import Strategy
 from dstrain.train.engine import grad_norm, muon_zero
 from dstrain.train.engine.schedule import build_scheduler
+
+if TYPE_CHECKING:
+    from dstrain.checkpoint.model_source import ModelSource
 
 
 def build_model(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
@@ -312,18 +316,23 @@ def data_parallel_rank(engine, strategy: Strategy) -> int:
 
 
 def load_init_from(
-    model: torch.nn.Module, recipe, recipe_file: str | os.PathLike, zero3: bool, ep_size: int = 1, ep_rank: int = 0
+    model: torch.nn.Module,
+    recipe,
+    recipe_file: str | os.PathLike,
+    source: ModelSource,
+    zero3: bool,
+    ep_size: int = 1,
+    ep_rank: int = 0,
 ) -> None:
-    """Copy the weights of ``recipe.init_from`` (a Hugging Face folder, or a dstrain run's newest checkpoint) into the
-    freshly built ``model``.
+    """Copy the weights of ``source`` (the recipe's init_from resolved: a Hugging Face folder, or a dstrain run's
+    newest checkpoint) into the freshly built ``model``.
 
     Under ZeRO-3 the model was built inside deepspeed.zero.Init, so each parameter is gathered, filled on
     rank 0 and re-partitioned from there (one parameter at a time: no rank ever holds the whole model)."""
-    from dstrain.checkpoint.consolidate import load_model_source
     from dstrain.errors import DstrainError
     from dstrain.model.hf.convert import architecture_diff
 
-    config, state, _ = load_model_source(recipe.init_from)  # a HF folder, or a run's newest checkpoint consolidated
+    config, state = source.weights()  # a HF folder's, or a run's newest checkpoint consolidated
     differ = [f"model.{k}={ours!r} vs {theirs!r}" for k, ours, theirs in architecture_diff(recipe.model, config)]
     if differ:
         raise DstrainError(

@@ -1,1 +1,2 @@
-"""The training objectives: the language-model loss (pretraining, SFT) and preference tuning."""
+"""The training objectives' torch side, one folder each (language_model/, preference/), each folder's ``TRAINING``
+an ObjectiveTraining (training.py); which one a recipe trains is dstrain.objectives.registry's to say."""

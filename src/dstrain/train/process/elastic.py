@@ -210,10 +210,10 @@ def fold_into_summary(run_dir: str | Path) -> None:
 def accumulation_of(recipe_file: str, ds_file: str, overrides: list[str]):
     """world -> the gradient accumulation the recipe's global batch needs under the ds_config (resolve's refusal
     when it cannot)."""
-    from dstrain.recipe_file import load_recipe
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.strategy.resolve import load_ds_config, resolve
 
-    recipe, ds_config = load_recipe(recipe_file, overrides), load_ds_config(ds_file)
+    recipe, ds_config = load_recipe_and_source(recipe_file, overrides)[0], load_ds_config(ds_file)
     return lambda world: resolve(recipe, recipe_file, ds_config, ds_file, world, False, validate=False).grad_accum
 
 

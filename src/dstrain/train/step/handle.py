@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from dstrain.checkpoint.model_source import ModelSource
     from dstrain.checkpoint.record import ClientState
     from dstrain.config import Recipe
     from dstrain.metrics import MetricsLog
@@ -35,6 +36,7 @@ class RunHandle(Protocol):
     evaluator: Evaluator  # valid losses and task scores, through the engine of any strategy
     forward: ModelForward  # the model's forward that training and evaluation share (its loss, its sums)
     components: Components  # every component, for a hook one of them starts (a rollback's on_phase)
+    model_source: ModelSource | None  # init_from, resolved once at launch (None without one)
 
     def restore(self, tag: str) -> ClientState:
         """Load checkpoint ``tag`` into the engine, the data position and every component."""

@@ -112,15 +112,14 @@ def build(run: RunHandle) -> PreferenceMetrics | None:
 def reference_key(run: RunHandle) -> tuple[str, dict]:
     """The key of the reference's (init_from's) scores of the run's pairs and its parts: rank 0 hashes the weights,
     once."""
-    from dstrain.checkpoint.consolidate import load_model_source
     from dstrain.data.manifest import read_manifest
     from dstrain.train.objectives.preference.reference_scores import scores_key, weights_hash
 
-    assert run.recipe.init_from is not None  # dstrain.objectives.preference.check refused a reference loss without it
+    assert run.model_source is not None  # dstrain.objectives.preference.check refused a reference loss without it
     d = run.recipe.data
     key: list = [None]
     if run.is_rank0:
-        weights = weights_hash(load_model_source(run.recipe.init_from)[1])
+        weights = weights_hash(run.model_source.weights()[1])
         key[0] = scores_key(weights, read_manifest(d.sources[0].path).hash, d.seq_len, d.overlong)
     torch.distributed.broadcast_object_list(key, src=0)
     return key[0]
