@@ -1,5 +1,5 @@
-"""dstrain.train.objectives.rl.losses against TRL's GRPOTrainer._compute_loss (trl 1.16) on the same log-probs and
-advantages (loss, its gradient, KL and clip-ratio metrics, 1e-6), and TRL's advantages on the same rewards."""
+"""dstrain.train.objectives.online_rl.losses against TRL's GRPOTrainer._compute_loss (trl 1.16) on the same log-probs
+and advantages (loss, its gradient, KL and clip-ratio metrics, 1e-6), and TRL's advantages on the same rewards."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dstrain.train.objectives.rl.losses import StepCounts, group_advantages, token_loss, token_weights
+from dstrain.train.objectives.online_rl.losses import StepCounts, group_advantages, token_loss, token_weights
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 N, T, MAX_NEW = 6, 9, 12

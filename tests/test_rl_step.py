@@ -1,4 +1,4 @@
-"""The RL step (dstrain.train.objectives.rl) on DeepSpeed engines of 2 gloo ranks: ZeRO-0, 1, 2 and 3 (parameters
+"""The RL step (dstrain.train.objectives.online_rl) on DeepSpeed engines of 2 gloo ranks: ZeRO-0, 1, 2 and 3 (parameters
 partitioned, gathered once for the rollout) and accumulation 1 vs 2 sample the same completions and give the same
 losses and pre-clip gradient norms (fp32, 1e-5) over two iterations on one rollout (the second clipped against the
 first, with the KL term to the initial weights); all-equal rewards give exactly zero update; a failing reward is
@@ -12,8 +12,8 @@ import torch
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
 from dstrain.objectives.rl_config import RewardConfig, RLConfig
-from dstrain.train.objectives.rl.rewards import Reward, load_rewards, score
-from dstrain.train.objectives.rl.rollout import Prompt
+from dstrain.train.objectives.online_rl.rewards import Reward, load_rewards, score
+from dstrain.train.objectives.online_rl.rollout import Prompt
 
 from ranks import run_ranks
 
@@ -43,8 +43,8 @@ def train_layouts(layouts: list[tuple[int, int]], cfg: RLConfig, function) -> li
 
     from dstrain.model.gpt import GPT
     from dstrain.train.engine import grad_norm
-    from dstrain.train.objectives.rl.rollout import rollout
-    from dstrain.train.objectives.rl.step import RLStep
+    from dstrain.train.objectives.online_rl.rollout import rollout
+    from dstrain.train.objectives.online_rl.step import RLStep
 
     results = []
     for stage, accum in layouts:

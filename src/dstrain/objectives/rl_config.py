@@ -1,5 +1,5 @@
 """The RL objective's settings, a recipe's ``rl:`` section: online RL with verifiable rewards (GRPO, Dr. GRPO, DAPO),
-sampled by the policy itself (docs/rl.md). The losses are dstrain.train.objectives.rl.losses's. No torch."""
+sampled by the policy itself (docs/rl.md). The losses are dstrain.train.objectives.online_rl.losses's. No torch."""
 
 from __future__ import annotations
 

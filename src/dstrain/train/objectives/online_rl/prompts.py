@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from dstrain.errors import DstrainError
-from dstrain.train.objectives.rl.rollout import Prompt
+from dstrain.train.objectives.online_rl.rollout import Prompt
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 

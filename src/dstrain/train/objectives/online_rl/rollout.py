@@ -8,7 +8,7 @@ other rows, changes nothing (invariant 14).
 
 Layouts: under ZeRO-3 each rank gathers the whole model once per rollout (deepspeed.zero.GatheredParameters over
 every parameter), never per token; ZeRO-0/1/2 hold it whole already. Pipeline stages, tensor, sequence and expert
-parallelism are refused for an ``rl:`` recipe (dstrain.train.objectives.rl.checks): a decode there would need the
+parallelism are refused for an ``rl:`` recipe (dstrain.train.objectives.online_rl.checks): a decode there would need the
 stages' or shards' collectives at every token.
 """
 
@@ -23,8 +23,8 @@ import torch
 
 from dstrain.model.generate import Decoded, Sampling, decode, sample_seed
 from dstrain.model.gpt import GPT
-from dstrain.train.objectives.rl.losses import StepCounts, group_advantages
-from dstrain.train.objectives.rl.rewards import Reward, score
+from dstrain.train.objectives.online_rl.losses import StepCounts, group_advantages
+from dstrain.train.objectives.online_rl.rewards import Reward, score
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,10 @@ packed stream's), ``RLForward`` the forward that evaluation shares and that carr
 
 Step s (counted from 0) trains on rollout s // rl.iterations: a fresh rollout whenever s is a multiple of
 rl.iterations, decoded by the weights of that moment from the prompts and seeds of the rollout's index
-(dstrain.train.objectives.rl.prompts, .rollout). A resumed run so draws the samples the uninterrupted one drew; with
-more than one iteration, a checkpoint inside a rollout keeps it (each rank's share, ``RLMetrics.rank_files``), and the
-resumed run trains on it, on as many ranks (on another rank count it is decoded again from the resumed weights).
+(dstrain.train.objectives.online_rl.prompts, .rollout). A resumed run so draws the samples the uninterrupted one
+drew; with more than one iteration, a checkpoint inside a rollout keeps it (each rank's share,
+``RLMetrics.rank_files``), and the resumed run trains on it, on as many ranks (on another rank count it is decoded
+again from the resumed weights).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from pathlib import Path
 import torch
 
 from dstrain.errors import DstrainError
-from dstrain.train.objectives.rl.prompts import load_prompts, step_prompts
-from dstrain.train.objectives.rl.rewards import load_rewards
-from dstrain.train.objectives.rl.rollout import Rollout, from_state, rollout, to_state
-from dstrain.train.objectives.rl.step import RLStep, StepResult
+from dstrain.train.objectives.online_rl.prompts import load_prompts, step_prompts
+from dstrain.train.objectives.online_rl.rewards import load_rewards
+from dstrain.train.objectives.online_rl.rollout import Rollout, from_state, rollout, to_state
+from dstrain.train.objectives.online_rl.step import RLStep, StepResult
 from dstrain.train.step.components import Component, Progress
 from dstrain.train.step.forward import ModelForward
 from dstrain.train.step.handle import RunHandle

@@ -2,9 +2,10 @@
 policy's own log-probs as the old ones, ratio 1; the later ones against the first's, clipped), each over this rank's
 share of the completions micro-batch by micro-batch through the DeepSpeed engine.
 
-Each micro-batch's loss is its share of the step's loss (dstrain.train.objectives.rl.losses: token weights from the
-whole step's counts) times dp x accumulation, since DeepSpeed's backward divides by the accumulation steps and its
-all-reduce averages over the data-parallel ranks: the gradient formed is the step's loss's, whatever the split.
+Each micro-batch's loss is its share of the step's loss (dstrain.train.objectives.online_rl.losses: token weights
+from the whole step's counts) times dp x accumulation, since DeepSpeed's backward divides by the accumulation steps
+and its all-reduce averages over the data-parallel ranks: the gradient formed is the step's loss's, whatever the
+split.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dstrain.train.objectives.rl.losses import token_loss, token_weights
-from dstrain.train.objectives.rl.rollout import Rollout
+from dstrain.train.objectives.online_rl.losses import token_loss, token_weights
+from dstrain.train.objectives.online_rl.rollout import Rollout
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Online RL with verifiable rewards (GRPO, Dr. GRPO, DAPO; docs/rl.md), torch-free: chosen by a recipe's ``rl:``
 section (dstrain.objectives.rl_config). The policy samples its own completions of the prompts dataset with a KV cache
 (dstrain.model.generate), reward functions named by import path score them, and the loss is GRPO's. Its torch side:
-dstrain.train.objectives.rl.
+dstrain.train.objectives.online_rl.
 
 Its data.sources are a prepared text or chat folder: the tokenizer that encodes the prompts (and decodes the
 completions for the rewards), and the valid split the language-model loss is evaluated on. Each step's samples are
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 def check(recipe: Recipe, manifests: list[Manifest], recipe_file: str) -> None:
     """The step's completions are the global batch; the reward functions import; a completion fits seq_len."""
-    from dstrain.train.objectives.rl.rewards import load_rewards
+    from dstrain.train.objectives.online_rl.rewards import load_rewards
 
     rl = recipe.rl
     assert rl is not None
@@ -56,8 +56,8 @@ def check(recipe: Recipe, manifests: list[Manifest], recipe_file: str) -> None:
 
 
 OBJECTIVE = Objective(
-    name="rl",
-    training="dstrain.train.objectives.rl",
+    name="online_rl",
+    training="dstrain.train.objectives.online_rl",
     section="rl",
     data_kinds=frozenset({"text", "chat"}),
     chosen_by="an rl: section (docs/rl.md)",
