@@ -20,6 +20,8 @@ own tolerance) and, on a GPU, the speed and peak memory it costs or saves.
   against ZeRO-0 on the device (fp32, 1e-5: losses and pre-clip grad norms), then bench/bench_dpo.py's trainer part
   on it: the DPO step over the SFT step through the Trainer on the same pairs (target <= 1.05), and the reference
   pass over one epoch of training.
+- rl_decode: bench/bench_rl.py on the device: the KV-cache decode's greedy tokens against the CPU's (fp32, token for
+  token), tokens generated per second with and without the cache, the generation share of an RL step.
 - long_context: a 131,072-token step of a 1B llama (llama-1b-32k's model) with the long-context levers (activation
   checkpoints held on the host, the chunked loss, the tiled MLP; sequence parallelism over the loan's devices, none
   on a world of one), its peak device memory against `dstrain estimate`'s.
@@ -306,3 +308,23 @@ def preference_step(check: Check, steps: int, dry: bool) -> list[dict]:
     )
     ratios = {key: round(wall[key], 3) for key in ("dpo_over_sft", "reference_over_epoch")}
     return rows + [check.verdict("DPO step / SFT step, reference pass / epoch (Trainer)", True, detail, **ratios)]
+
+
+def rl_decode(check: Check, dry: bool) -> list[dict]:
+    """bench/bench_rl.py on the device: the KV-cache decode's greedy tokens against the CPU's (fp32, token for token),
+    tokens generated per second with and without the cache, and the generation share of an RL step."""
+    figures = check.work / "bench-rl.json"
+    command = [sys.executable, str(ROOT / "bench" / "bench_rl.py"), "--check-cpu", "--json", str(figures)]
+    command += ["--batch", "8", "--new-tokens", "16"] if dry else ["--batch", "64", "--new-tokens", "256"]
+    done = subprocess.run(command, env=check.env, capture_output=True, text=True)
+    (check.work / "logs" / "bench-rl.log").write_text(" ".join(command) + "\n\n" + done.stdout + done.stderr)
+    if done.returncode != 0:
+        return [check.verdict("RL decode (KV cache)", False, f"exit {done.returncode}")]
+    f = json.loads(figures.read_text())
+    same = f["greedy_same_as_cpu"] == 1.0
+    detail = (
+        f"greedy tokens equal to the CPU's: {f['greedy_same_as_cpu']:.3f}; {f['cached_tokens_per_s']:.0f} tokens/s "
+        f"with the cache, {f['kv_cache_speedup']:.1f}x without; generation share of a step {f['generation_share']:.2f}"
+    )
+    keys = ("cached_tokens_per_s", "kv_cache_speedup", "generation_share")
+    return [check.verdict("RL decode: device greedy = CPU greedy", same, detail, **{k: round(f[k], 3) for k in keys})]

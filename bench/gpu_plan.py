@@ -205,6 +205,11 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
             3 * tiny,
             VERDICT,
             "QLoRA (issue 56): the NF4 base with adapters, ZeRO-3 against ZeRO-0 (tiny, fp32); bf16 ZeRO-3 trains",
+            "rl_decode",
+            lambda c: features.rl_decode(c, dry),
+            60.0 if dry else 90.0,
+            VERDICT + ["cached_tokens_per_s", "kv_cache_speedup", "generation_share"],
+            "RL sampling: the KV-cache decode's greedy tokens against the CPU's, tokens/s, generation share of a step",
         ),
         Part(
             "long_context",

@@ -43,6 +43,7 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
         "preference_step",
         "lora",
         "qlora",
+        "rl_decode",
         "long_context",
         "pytest_gpu",
         "doc_masking",
@@ -67,6 +68,8 @@ def test_the_gpu_check_dry_run_writes_its_report(tmp_path, corpus):
     assert all(row["ok"] for row in parts["doctor"]["rows"]) and len(parts["doctor"]["rows"]) >= 4  # + zero2, twin
     equivalence, speed_ratio = parts["preference_step"]["rows"]  # ZeRO-2 against ZeRO-0, 1e-5; the bench's ratios
     assert equivalence["ok"] and speed_ratio["dpo_over_sft"] > 0 and speed_ratio["reference_over_epoch"] > 0
+    (rl,) = parts["rl_decode"]["rows"]  # on a CPU the device is the CPU: greedy tokens equal by construction
+    assert rl["ok"] and rl["cached_tokens_per_s"] > 0 and 0 < rl["generation_share"] < 1
     (long,) = parts["long_context"]["rows"]  # host-held checkpoints, chunked loss, tiled MLP: memory vs estimate
     assert long["ok"] and long["estimated_gib"] > 0 and "host_gib" in long  # tiny's host share rounds to 0.00 GiB
     (memory,) = parts["memory_gpt2_125m"]["rows"]

@@ -325,6 +325,7 @@ FLOORS = {
     "dstrain.objectives": 1,
     "dstrain.adapters": 2,
     "dstrain.adapters.config": 1,
+    "dstrain.adapters.qlora_checks": 1,
     "dstrain.metrics": 2,
     **dict.fromkeys(
         ["dstrain.config", "dstrain.recipe_file", "dstrain.recipe_checks", "dstrain.objectives.preference_config"], 1
@@ -339,7 +340,7 @@ FLOORS = {
 KNOWN_CLIMBS = {
     *(
         (f"dstrain.objectives.{name}", "dstrain.data.manifest")
-        for name in ("objective", "preference", "registry", "rl")
+        for name in ("objective", "preference", "registry", "online_rl")
     ),
     ("dstrain.recipe_file", "dstrain.data.manifest"),
     ("dstrain.recipe_file", "dstrain.model.hf.convert"),

@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 from dstrain.adapters.config import LoraConfig
 from dstrain.model.config import GPTConfig
 from dstrain.objectives.preference_config import PreferenceConfig
+from dstrain.objectives.rl_config import RLConfig
 from dstrain.ranges import Range
 
 Positive = Annotated[int, Range(ge=1)]
@@ -219,6 +220,9 @@ class Recipe:
     # low-rank adapters (LoRA, docs/adapters.md): set, only the adapters (and lora.modules_to_save) train and the
     # rest of the model (usually init_from's) stays frozen; absent, every parameter trains
     lora: LoraConfig | None = None
+    # online RL with verifiable rewards (GRPO, Dr. GRPO, DAPO; docs/rl.md): the prompts, the reward functions, the
+    # sampling and the loss; data.sources then give the tokenizer and the valid split
+    rl: RLConfig | None = None
 
     @property
     def total_steps(self) -> int:

@@ -353,3 +353,22 @@ class GPTConfig:
     def tied(self) -> bool:
         """tie_embeddings with None resolved to the flavour's default."""
         return self.flavour == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
+
+def kv_cache_refusal(config: GPTConfig) -> str | None:
+    """Why this model cannot decode with the cache (None: it can). The cached attention is plain causal attention with
+    GQA; the per-block masks and score transforms of some families are not in it."""
+    parts = {
+        "model.moe (experts)": config.moe is not None,
+        "model.mla (latent attention)": config.mla is not None,
+        "layer_types/sliding_window (local attention)": any(
+            config.window(i) is not None or config.chunk(i) is not None for i in range(config.n_layer)
+        ),
+        "attention_sinks": config.attention_sinks,
+        "attn_softcap": config.attn_softcap is not None,
+        "attn_temperature_floor": config.attn_temperature_floor is not None,
+    }
+    named = [name for name, present in parts.items() if present]
+    if not named:
+        return None
+    return f"decoding with the KV cache supports dense causal attention; this model has {', '.join(named)}"

@@ -41,6 +41,7 @@ from torch import nn
 from dstrain.model.chunked_loss import chunked_loss_sum, soft_cap
 from dstrain.model.config import GPTConfig
 from dstrain.model.doc_attention import doc_attention, temperature_tuned
+from dstrain.model.kv_cache import KVCache
 from dstrain.model.layers import Linear, apply_rope, normal_init
 from dstrain.model.mla import LatentAttention, softmax_scale
 from dstrain.model.moe import MoEMLP, checkpointed_moe_block
@@ -144,7 +145,7 @@ class Attention(nn.Module):
     def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.config = config
-        self.rope, self.local = config.uses_rope(index), config.window(index) is not None
+        self.index, self.rope, self.local = index, config.uses_rope(index), config.window(index) is not None
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         bias = config.flavour == "gpt2"
         qkv_bias = bias or config.qkv_bias
@@ -165,7 +166,8 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(torch.empty(self.n_head))
             normal_init(self.sinks, config.init_std)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
+        """cache: decoding (model/kv_cache.py): this forward's keys and values join the cached ones."""
         batch, length, _ = x.shape
         # Head counts come from the shapes (-1): under tensor parallelism each rank holds a slice of the heads.
         q, k = self.q_proj(x), self.k_proj(x)
@@ -182,6 +184,9 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if self.config.qk_norm == "l2":  # Llama 4: per head, no weight, after RoPE
                 q, k = unit_rms(q, self.config.norm_eps), unit_rms(k, self.config.norm_eps)
+        if cache is not None:
+            y = cache.attend(self.index, q, k, v, self.core.scale).transpose(1, 2)
+            return self.o_proj(y.reshape(batch, length, -1))
         # (B, L, heads, head_dim) in and out of the core: the layout sequence parallelism exchanges.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # Sinks only where the model has them: Ulysses' wrapper passes the core no more than position_ids.
@@ -244,15 +249,21 @@ class Block(nn.Module):
         if self.placement == "sandwich":  # the norms after attention and MLP, beside the ones before (Gemma 3)
             self.attn_post_norm, self.mlp_post_norm = make_norm(config), make_norm(config)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         if self.placement == "sandwich":
-            x = x + self.attn_post_norm(self.self_attn(self.attn_norm(x), position_ids))
+            x = x + self.attn_post_norm(self.attend(self.attn_norm(x), position_ids, cache))
             return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
         if self.placement == "post":
-            x = x + self.attn_norm(self.self_attn(x, position_ids))
+            x = x + self.attn_norm(self.attend(x, position_ids, cache))
             return x + self.mlp_norm(self.mlp(x))
-        x = x + self.self_attn(self.attn_norm(x), position_ids)
+        x = x + self.attend(self.attn_norm(x), position_ids, cache)
         return x + self.mlp(self.mlp_norm(x))
+
+    def attend(self, x: torch.Tensor, position_ids: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        # the cache only where given: latent attention (model/mla.py) takes none (model/config.kv_cache_refusal)
+        return self.self_attn(x, position_ids) if cache is None else self.self_attn(x, position_ids, cache)
 
 
 class Embedding(nn.Module):
@@ -296,16 +307,21 @@ class GPT(nn.Module):
         self.checkpoint_fn = None
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, head: bool = True
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        head: bool = True,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """input_ids, position_ids: (B, L) int64 -> logits (B, L, vocab_size); head=False: the final norm's output
         (B, L, d_model), for a loss that applies lm_head itself (chunk by chunk: model/chunked_loss.py).
 
-        position_ids restart at 0 at each document start; None means 0..L-1 (one document).
+        position_ids restart at 0 at each document start; None means 0..L-1 (one document). cache: decoding
+        (model/generate.py): the tokens after the cached ones, each row at its own positions.
         """
         x = self.embed(input_ids, position_ids)
         for block in self.blocks:
-            x = self.run_block(block, x, position_ids)
+            x = self.run_block(block, x, position_ids) if cache is None else block(x, position_ids, cache)
         return self.lm_head(self.norm(x)) if head else self.norm(x)
 
     def run_block(self, block: nn.Module, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from dstrain.data.manifest import Manifest
 
 # The layouts an objective may refuse (``Objective.refuses``'s keys), as dstrain.strategy names them.
-LAYOUTS = ("pipeline", "loss_tiling")
+LAYOUTS = ("pipeline", "tensor", "sequence", "loss_tiling")
 # The kinds of prepared data (dstrain.data.manifest.Manifest.kind) an objective may train on, and how a refusal of
 # a folder of that kind names what it holds.
 DATA_KINDS = {

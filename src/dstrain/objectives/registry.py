@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dstrain.errors import DstrainError
-from dstrain.objectives import language_model, preference
+from dstrain.objectives import language_model, online_rl, preference
 from dstrain.objectives.objective import DATA_KINDS, Objective
 
 if TYPE_CHECKING:
@@ -20,6 +20,7 @@ OBJECTIVES: dict[str, Objective] = {
     for objective in (
         language_model.OBJECTIVE,  # pretraining and SFT: the default
         preference.OBJECTIVE,  # preference:, DPO and its variants
+        online_rl.OBJECTIVE,  # rl:, GRPO and its variants
     )
 }
 
