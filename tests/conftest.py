@@ -74,7 +74,7 @@ def pytest_collection_modifyitems(items):
     items.sort(key=place)  # stable: a module's tests keep their order
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # xdist's hook
 def pytest_xdist_make_scheduler(config, log):
     """Under `--dist loadgroup` (pyproject.toml): a module is one unit of work (its module-scoped fixtures, e.g. the
     launcher stops, are made once, on one worker), an xdist group is one, and the units go out in the collection's
