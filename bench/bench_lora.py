@@ -7,7 +7,7 @@ touches both. Reported: the median step time of each and the ratio LoRA ÷ full;
 process added over its baseline (after the imports, before the model), and the training state it holds (parameters,
 gradients and optimizer moments, counted from the tensors), each as LoRA ÷ full.
 
-    OMP_NUM_THREADS=2 python bench/bench_lora.py [--d-model 512] [--layers 8] [--seq 256] [--micro 4] [--steps 8]
+    OMP_NUM_THREADS=2 python bench/bench_lora.py [--d-model 256] [--layers 4] [--seq 128] [--micro 4] [--steps 6]
         [--blocks 2] [--rank 16] [--json OUT]
 """
 
@@ -97,11 +97,11 @@ def measure(recipe: Path, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8, help="steps a block (the first 2 warm up)")
+    parser.add_argument("--steps", type=int, default=6, help="steps a block (the first 2 warm up)")
     parser.add_argument("--blocks", type=int, default=2, help="blocks of each variant")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from dstrain.adapters.config import LoraConfig  # noqa: E402
+from dstrain.adapters.config import LoraConfig, adapter_params  # noqa: E402
 from dstrain.errors import DstrainError  # noqa: E402
 
 from family_fixtures import build_hf  # noqa: E402
@@ -160,6 +160,8 @@ def test_adapters_of_other_families_load_in_peft_with_our_logits(tmp_path, famil
     inject(ours, config, lora, seed=1)
     missing = ours.load_state_dict(state, strict=False).missing_keys
     assert missing and all(".lora." in k for k in missing)
+    trained = sum(p.numel() for p in ours.parameters() if p.requires_grad)
+    assert trained == adapter_params(lora, config) == sum(p.numel() for n, p in ours.named_parameters() if n in missing)
     with torch.no_grad():
         for name, p in ours.named_parameters():
             if name.endswith("lora_B.weight"):

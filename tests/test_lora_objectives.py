@@ -58,9 +58,10 @@ def test_dpo_with_adapters_starts_at_ln2_and_zero3_equals_zero0(dpo_lora_runs):
     records = {n: [r for r in read_metrics(run) if "split" not in r and "loss" in r] for n, run in runs.items()}
     assert len(records["zero0"]) == len(records["zero3"]) == 3
     assert records["zero0"][0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # B = 0: the policy is the reference
-    for key in ("loss", "grad_norm", "rewards/margins"):
+    # the margins are differences of log-prob sums of hundreds (fp32 ulp ~3e-5 there): 1e-5 absolute (1e-6 seen)
+    for key, atol in (("loss", 0.0), ("grad_norm", 0.0), ("rewards/margins", 1e-5)):
         want, got = ([r[key] for r in records[n]] for n in ("zero0", "zero3"))
-        np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-7, err_msg=key)
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=atol, err_msg=key)
     assert abs(records["zero0"][-1]["rewards/margins"]) > 1e-4  # the adapters moved the policy off its reference
 
 

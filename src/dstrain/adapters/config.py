@@ -107,3 +107,13 @@ def check_lora(lora: LoraConfig, model: GPTConfig, file: Path | str) -> None:
             )
     if len(set(lora.modules_to_save)) != len(lora.modules_to_save):
         raise DstrainError(f"{file}: lora.modules_to_save names a module twice; name each once")
+
+
+def adapter_params(lora: LoraConfig, model: GPTConfig) -> int:
+    """The parameters that train under ``lora``: rank x (in + out) per adapted projection, and modules_to_save."""
+    shapes = layer_shapes(model)
+    per_block = sum(lora.rank * sum(shapes[target]) for target in target_names(lora, model))
+    saved = len(lora.modules_to_save) * model.vocab_size * model.d_model
+    if model.tied and len(lora.modules_to_save) == 2:
+        saved //= 2  # embed_tokens and lm_head are one matrix
+    return model.n_layer * per_block + saved

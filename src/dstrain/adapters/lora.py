@@ -39,8 +39,8 @@ ADAPTER_KEY = ".lora."  # in the name of every adapter parameter (and of nothing
 
 class AdapterLinear(nn.Linear):
     """A bias-free nn.Linear that draws its own weight, inside its constructor (ZeRO-3 partitions on return), from a
-    CPU generator of its own: the same numbers under every layout. kaiming: PEFT's lora_A (kaiming-uniform, a =
-    sqrt(5)); else zero (PEFT's lora_B)."""
+    CPU generator of its own: the same numbers under every layout. seed given: uniform in +-1/sqrt(in), the bound of
+    PEFT's lora_A (kaiming-uniform, a = sqrt(5)); None: zero (PEFT's lora_B)."""
 
     def __init__(self, fan_in: int, fan_out: int, seed: int | None) -> None:
         self.seed = seed
@@ -50,11 +50,16 @@ class AdapterLinear(nn.Linear):
         if self.weight.is_meta:
             return
         with torch.no_grad():
-            value = torch.zeros(self.weight.shape, dtype=torch.float32, device="cpu")
-            if self.seed is not None:
-                generator = torch.Generator(device="cpu").manual_seed(self.seed)
-                nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
-            self.weight.copy_(value)
+            if self.seed is None:
+                self.weight.zero_()
+                return
+            generator = torch.Generator(device="cpu").manual_seed(self.seed)
+            # torch.rand, not uniform_ on a torch.empty: under a bf16 zero.Init DeepSpeed 0.19.8 recasts what
+            # torch.empty/zeros/ones/full/tensor make to bf16 even when given dtype=float32, and bf16's uniform_
+            # hands back values at the bound with the wrong sign (seen: 0.1249 drawn as -0.125). It leaves torch.rand
+            # alone. tests/test_lora_strategies.py::test_deepspeed_recasts_explicit_fp32_under_zero_init notices a fix.
+            unit = torch.rand(self.weight.shape, generator=generator, dtype=torch.float32, device="cpu")
+            self.weight.copy_((2 * unit - 1) / math.sqrt(self.in_features))
 
 
 class LoraAdapter(nn.Module):

@@ -38,7 +38,7 @@ from dstrain.checkpoint.ds_files import (
 from dstrain.checkpoint.store import check_loadable, damage, newest_intact_other_than, published_tags
 from dstrain.errors import DstrainError
 from dstrain.model.config import GPTConfig
-from dstrain.model.gpt import StateDict
+from dstrain.model.gpt import GPT, StateDict
 from dstrain.model.pipe import TIED_KEY, layer_prefixes
 from dstrain.run_dir import LATEST, RunDir
 from dstrain.typed_yaml import parse
@@ -195,7 +195,14 @@ def consolidated_state_dict(tag_dir: Path, model_config: GPTConfig) -> dict[str,
     if nvme.is_nvme_checkpoint(tag_dir):  # ZeRO-3 with its masters partly in swap files: fp32 masters either way
         return {name: tensor.float().contiguous() for name, tensor in module_state_dict(tag_dir).items()}
     if weights_kind(tag_dir) == "fp32 master":
-        return reshard.fp32_masters(tag_dir, model_config)
+        state = reshard.fp32_masters(tag_dir, model_config)
+        with torch.device("meta"):
+            missing = GPT(model_config).state_dict().keys() - state.keys()
+        if missing:  # frozen parameters (a lora: run's base) have no master: the module's own weights, never moved
+            # (under ZeRO-3 in the model states' partitions, which zero_to_fp32 joins)
+            module = zero_to_fp32(tag_dir) if any(tag_dir.glob(ZERO_MODEL_FILES)) else module_state_dict(tag_dir)
+            state |= {name: module[name].float().contiguous() for name in missing}
+        return state
     return {name: tensor.float().contiguous() for name, tensor in module_state_dict(tag_dir).items()}
 
 
@@ -211,17 +218,20 @@ def module_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
         # Pipeline layer files / AutoTP shards: read_checkpoint consolidates them into the plain model.
         return read_checkpoint(tag_dir)[1]
     if any(tag_dir.glob(ZERO_OPTIM_FILES)):  # ZeRO-1/2/3 partitions
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        # DeepSpeed's own consolidation (its torch.load calls go through safe_load); its progress
-        # prints would land in `dstrain generate`'s output. It reads only the optim_states files, which under NVMe
-        # offload lack the swapped masters: it reads a copy with them put back.
-        quiet = contextlib.redirect_stdout(io.StringIO())
-        with quiet, tempfile.TemporaryDirectory(prefix="dstrain-nvme-") as tmp, safe_load.only_weights():
-            folder = nvme.spliced_copy(tag_dir, Path(tmp)) if nvme.is_nvme_checkpoint(tag_dir) else tag_dir
-            state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
-        return with_zero1_frozen_parameters(state, tag_dir)
+        return with_zero1_frozen_parameters(zero_to_fp32(tag_dir), tag_dir)
     return reshard.read_pt(tag_dir / reshard.ZERO12_MODEL_FILE)["module"]  # ZeRO-0 and BF16_Optimizer: the whole model
+
+
+def zero_to_fp32(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own consolidation of ZeRO partitions (its torch.load calls go through safe_load); its progress
+    prints would land in `dstrain generate`'s output. It reads only the optim_states files, which under NVMe offload
+    lack the swapped masters: it reads a copy with them put back."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    quiet = contextlib.redirect_stdout(io.StringIO())
+    with quiet, tempfile.TemporaryDirectory(prefix="dstrain-nvme-") as tmp, safe_load.only_weights():
+        folder = nvme.spliced_copy(tag_dir, Path(tmp)) if nvme.is_nvme_checkpoint(tag_dir) else tag_dir
+        return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
 
 
 def with_zero1_frozen_parameters(state: dict[str, torch.Tensor], tag_dir: Path) -> dict[str, torch.Tensor]:

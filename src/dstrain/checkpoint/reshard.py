@@ -360,6 +360,23 @@ def fp32_masters(tag_dir: Path, model_config: GPTConfig) -> dict[str, torch.Tens
             if folder.is_dir():
                 tensor = read_pt(folder / "fp32.pt")  # a {"param": ...} dict, or a bare flat tensor from ZeRO-3
                 state[name] = (tensor["param"] if isinstance(tensor, dict) else tensor).float().reshape(shape)
-    if "lm_head.weight" not in state:  # tied: the embedding is the head
+        extra = [folder for folder in zero.iterdir() if folder.name not in shapes]
+        if extra and not piped:  # parameters beside the GPT's own (a lora: run's adapters), as the engine shaped them
+            trained = trained_shapes(tag_dir)
+            for folder in extra:
+                if folder.name in trained:
+                    tensor = read_pt(folder / "fp32.pt")
+                    param = tensor["param"] if isinstance(tensor, dict) else tensor
+                    state[folder.name] = param.float().reshape(trained[folder.name])
+    if "lm_head.weight" not in state and "embed.tok.weight" in state:  # tied: the embedding is the head
         state["lm_head.weight"] = state["embed.tok.weight"]
     return state
+
+
+def trained_shapes(tag_dir: Path) -> dict[str, torch.Size]:
+    """{name: shape} of the parameters the optimizer held, as the engine recorded them (param_shapes)."""
+    model_file = next(iter(sorted(tag_dir.glob("*model_states.pt"))), None)
+    if model_file is None:
+        return {}
+    groups = read_pt(model_file).get("param_shapes") or []
+    return {name: torch.Size(shape) for group in groups for name, shape in group.items()}

@@ -23,7 +23,7 @@ import torch
 from dstrain.checkpoint import store
 from dstrain.checkpoint.background import BackgroundSaves
 from dstrain.checkpoint.record import ClientState, Identity
-from dstrain.config import recipe_changes, to_dict
+from dstrain.config import Recipe, recipe_changes, to_dict
 from dstrain.data.sampler import micro_batches
 from dstrain.devices import device_peak
 from dstrain.errors import DstrainError
@@ -187,7 +187,7 @@ class Trainer:
         start_step = self.progress.step
         interval_loss, interval_steps, interval_learned = 0.0, 0, 0
         if self.is_rank0:
-            print(describe_params(self.recipe.model), self.peak_line, sep="\n", flush=True)
+            print(describe_params(self.recipe.model) + trained_line(self.recipe), self.peak_line, sep="\n", flush=True)
         self.components.on_train_start()
         self.clock = IntervalClock()
         status = "completed"
@@ -308,3 +308,13 @@ class Trainer:
             **seconds,
             **self.components.train_record_fields(self.progress, steps),
         }
+
+
+def trained_line(recipe: Recipe) -> str:
+    """With a lora: section, how many of the parameters train (the adapters and modules_to_save)."""
+    if recipe.lora is None:
+        return ""
+    from dstrain.adapters.config import adapter_params
+
+    trained = adapter_params(recipe.lora, recipe.model)
+    return f"; training {trained / 1e6:,.3f}M of them (LoRA rank {recipe.lora.rank}, the rest frozen)"
