@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import yaml
 
+from dstrain.adapters.config import adapter_params
 from dstrain.adapters.qlora_checks import packed_bytes
 from dstrain.model.counts import flops_per_token, num_params
 from dstrain.plan.memory import estimate_file
@@ -35,7 +36,7 @@ def test_llama_8b_lora_counts_peft_trainable_parameters_and_no_state_for_the_bas
     path = ROOT / "recipes" / "sft-lora-llama3.1-8b.yaml"
     recipe = load_recipe(path)
     est = estimate_file(recipe, ROOT / "ds_configs" / "zero2_bf16.json", 1, 1)
-    assert est.trainable_params == 41_943_040
+    assert est.trainable_params == 41_943_040 == adapter_params(recipe.lora, recipe.model)
     total = num_params(recipe.model)
     parts = parts_by_name(est)
     base = parts["frozen base (bf16): no gradient, no optimizer state"]

@@ -23,9 +23,9 @@ stage's share of the model (the planner's approximation; QLoRA is refused with b
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from dstrain.adapters.config import LoraConfig, layer_shapes, target_names
+from dstrain.adapters.config import LoraConfig, adapter_params, layer_shapes, target_names
 from dstrain.adapters.qlora_checks import packed_bytes
 from dstrain.config import Recipe
 from dstrain.model.counts import flops_per_token, num_params
@@ -52,7 +52,7 @@ def adapter_counts(recipe: Recipe, counts: ParamCounts, pp_stages: int = 1, thre
     assert lora is not None
     shapes = layer_shapes(m)
     matrices = [(lora.rank * i, o * lora.rank) for i, o in map(shapes.__getitem__, target_names(lora, m))]
-    adapters = m.n_layer * sum(a + b for a, b in matrices)
+    adapters = adapter_params(replace(lora, modules_to_save=[]), m)
     persistent = m.n_layer * sum(x for pair in matrices for x in pair if x <= threshold)
     share = counts.per_rank / counts.total if pp_stages > 1 else 1.0  # a pipeline stage's share of the model
     saved = math.ceil(saved_params(recipe) * share)
@@ -73,10 +73,11 @@ def adapter_counts(recipe: Recipe, counts: ParamCounts, pp_stages: int = 1, thre
 
 
 def saved_params(recipe: Recipe) -> int:
-    """Parameters of lora.modules_to_save: a vocabulary table each (one when tied: the shared matrix)."""
+    """Parameters of lora.modules_to_save (one matrix for both when the embeddings are tied)."""
     assert recipe.lora is not None
-    table = recipe.model.vocab_size * recipe.model.d_model
-    return table * (1 if recipe.model.tied else len(recipe.lora.modules_to_save)) * bool(recipe.lora.modules_to_save)
+    return adapter_params(recipe.lora, recipe.model) - adapter_params(
+        replace(recipe.lora, modules_to_save=[]), recipe.model
+    )
 
 
 def frozen_base_parts(strategy: Strategy, adapter: AdapterCounts) -> list[Part]:
@@ -144,8 +145,7 @@ def lora_flops_per_token(recipe: Recipe) -> tuple[float, float]:
     table = m.vocab_size * m.d_model
     matmul = num_params(m, exclude_embeddings=True, active=True) + (table if m.tied else 0)
     frozen = matmul - (table if head_trains(recipe) else 0)
-    shapes = layer_shapes(m)
-    adapters = m.n_layer * sum(lora.rank * (i + o) for i, o in map(shapes.__getitem__, target_names(lora, m)))
+    adapters = adapter_params(replace(lora, modules_to_save=[]), m)
     flops = full - 2 * frozen + 6 * adapters
     forward = full / 3 + 2 * adapters
     return flops, 1 - forward / flops
