@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from dstrain.commands.compare_runs import LOG_NAME, find_log, read_run
+from dstrain.commands.options import given
 from dstrain.commands.report import (
     GIB,
     Row,
@@ -289,7 +290,7 @@ def main(args: argparse.Namespace) -> int:
         check_counts(args.nproc, args.steps)
         overrides = run_overrides(overrides, args.steps)
         recipe = load_recipe(args.recipe, overrides)  # a bad recipe or override stops here, before any launch
-        nproc = args.nproc or get_accelerator().device_count()
+        nproc = given(args.nproc, get_accelerator().device_count())
         out = args.out
         if args.plan:
             from dstrain.commands.compare_plan import write_planned

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from dstrain.commands.options import given
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
 from dstrain.plan.memory import estimate_file
@@ -107,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
         suggestion = cheapest_fitting(
             recipe,
             args.recipe,
-            args.configs_dir or default_configs_dir(),
+            given(args.configs_dir, default_configs_dir()),
             est.precision,
             args.nodes,
             args.gpus_per_node,

@@ -30,6 +30,7 @@ from dstrain.strategy.tiling import check_tiling
 from dstrain.strategy.topology import Topology
 
 AUTO = "auto"
+INTERVAL = "activation_checkpoint_interval"  # a pipeline's: every N layers recompute in the backward; 0 = none
 
 
 def precision_of(ds_config: dict) -> Precision:
@@ -109,11 +110,18 @@ class Strategy:
         return self.topology.pipe_schedule
 
     @property
+    def pipe_checkpoint_interval(self) -> int:
+        """A pipeline's activation_checkpoint_interval as given (0: none), else 1 where the ds_config has an
+        activation_checkpointing section (every block, as for the plain model); the two together are refused."""
+        return self.ds_config.get("pipeline", {}).get(INTERVAL, int("activation_checkpointing" in self.ds_config))
+
+    @property
     def activation_checkpointing(self) -> bool:
         """Blocks recompute their activations in the backward: the ds_config's activation_checkpointing section,
         or a pipeline's activation_checkpoint_interval."""
-        interval = self.ds_config.get("pipeline", {}).get("activation_checkpoint_interval", 0)
-        return "activation_checkpointing" in self.ds_config or (self.pp_stages > 1 and interval > 0)
+        return "activation_checkpointing" in self.ds_config or (
+            self.pp_stages > 1 and self.pipe_checkpoint_interval > 0
+        )
 
     @property
     def host_checkpoints(self) -> bool:
@@ -204,6 +212,11 @@ def _check_host_checkpoints(config: dict, ds_file: str, pp_stages: int) -> None:
             f"{ds_file}: activation_checkpointing.cpu_checkpointing holds activation checkpoints on the host, but "
             f"pipeline.activation_checkpoint_interval=0 turns activation checkpointing off; set the interval to 1 or "
             f"cpu_checkpointing to false"
+        )
+    if pp_stages > 1 and "activation_checkpointing" in config and config["pipeline"].get(INTERVAL) == 0:
+        raise DstrainError(  # an explicit 0 is a value: neither it nor the section is overruled in silence
+            f"{ds_file}: the activation_checkpointing section recomputes the blocks, but pipeline.{INTERVAL}=0 turns "
+            f"activation checkpointing off; remove the interval (every block is checkpointed) or the section"
         )
 
 
