@@ -5,7 +5,8 @@ the final fp32 masters equal an uninterrupted run's that never saved at the stop
 The stop is after step 5 with accumulation 2: DeepSpeedCPUAdam's bias corrections after a resume there differ from
 the uninterrupted run's (float32(0.95**6) is not 0.95f multiplied out six times; dstrain.checkpoint.cpu_adam_steps,
 tests/test_cpu_adam_resume.py), which moved every swapped master by an ulp from step 6 and the grad norm of step 9
-by 1.8e-7 on recipes/tiny.yaml before the workaround. Each run_ranks call is a fresh pair of processes.
+by 1.8e-7 on recipes/tiny.yaml before the workaround. ds_configs/zero3_offload.json (CPU offload: the same CPU Adam)
+resumes the same way. Each run_ranks call is a fresh pair of processes.
 """
 
 import pytest
@@ -20,14 +21,15 @@ pytestmark = pytest.mark.distributed
 STOP = 5
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, corpus, async_io):
-    if async_io:
-        pytest.skip(async_io)
-    tmp = tmp_path_factory.mktemp("nvme_resume")
+@pytest.fixture(scope="module", params=["nvme", "zero3_offload"])
+def runs(request, tmp_path_factory, corpus):
+    """The NVMe config, and ds_configs/zero3_offload.json (the same CPU Adam, with its state in host memory)."""
+    if request.param == "nvme" and request.getfixturevalue("async_io"):
+        pytest.skip(request.getfixturevalue("async_io"))
+    tmp = tmp_path_factory.mktemp(f"{request.param}_resume")
     # global batch 16 of micro-batches of 4 on 2 ranks: accumulation 2, as recipes/tiny.yaml
     recipe = small_recipe(tmp, corpus, model=MODEL, train={"global_batch": 16, "checkpoint_interval": 0})
-    config = nvme_config(tmp)
+    config = nvme_config(tmp) if request.param == "nvme" else request.param
     whole, stopped = tmp / "whole", tmp / "stopped"
     assert run_ranks(2, train, train_argv(recipe, config, whole)) == [0, 0]
     assert run_ranks(2, train_and_signal_at, train_argv(recipe, config, stopped), STOP) == [0, 0]
@@ -35,7 +37,7 @@ def runs(tmp_path_factory, corpus, async_io):
     return whole, stopped
 
 
-def test_nvme_resume_in_new_processes_continues_bit_for_bit(runs):
+def test_offloaded_optimizer_resume_in_new_processes_continues_bit_for_bit(runs):
     from dstrain.checkpoint.consolidate import consolidated_state_dict, load_run
 
     whole, stopped = runs
