@@ -7,10 +7,10 @@ products: when the step it is handed is one more than its own count it multiplie
 recomputes ``std::pow(beta, step)``. A resumed run's optimizer is new (its count is 0), so its first step takes the
 pow, which differs from the product of the uninterrupted run for most steps (beta2 = 0.95: after steps 5, 6, 7, 9,
 10, ...; float32(0.95**6) = 0.73509187 against 0.7350918 multiplied out), and every later step multiplies on from
-it. The optimizer's state dict holds Adam's step but not these powers, so no checkpoint can carry them. Reported
-upstream as deepspeedai/DeepSpeed "DeepSpeedCPUAdam: bias correction after load_state_dict differs from an
-uninterrupted run (IncrementStep's pow vs running product)" (not yet filed when this was written; the canary
-names the behaviour so that an upgrade that fixes it fails the canary).
+it. The optimizer's state dict holds Adam's step but not these powers, so no checkpoint can carry them. Upstream:
+the running product for every step of an uninterrupted run is deepspeedai/DeepSpeed#7982 (the fix of #7819, ZeRO-3
+sub-groups drifting within a step), which left the pow of a step that jumps, as after a load, as it was; no upstream
+issue names the resume yet (searched December 2026). The canary fails once DeepSpeed restores the powers itself.
 
 The workaround replays the steps already taken on a one-element scratch tensor before the first step after a
 resume: the C++ optimizer then holds exactly the powers the uninterrupted run multiplied out (2 microseconds a
