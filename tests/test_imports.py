@@ -332,7 +332,9 @@ FLOORS = {
     ),
     **dict.fromkeys(["dstrain.typed_yaml", "dstrain.ranges", "dstrain.model.config", "dstrain.model.counts"], 1),
     **dict.fromkeys(["dstrain.run_dir", "dstrain.metrics_records"], 1),
-    **dict.fromkeys(["dstrain.errors", "dstrain.precision", "dstrain.devices", "dstrain.files", "dstrain"], 0),
+    **dict.fromkeys(
+        ["dstrain.errors", "dstrain.precision", "dstrain.devices", "dstrain.files", "dstrain.options", "dstrain"], 0
+    ),
 }
 # The one exception the page names (test_the_config_layer_knows_no_torch_deepspeed_or_run_files holds it, xfail).
 # The objectives' records name the data manifest's type for their data checks (a TYPE_CHECKING import, no run-time

@@ -20,7 +20,7 @@ from dstrain.adapters.config import LoraConfig
 from dstrain.model.config import GPTConfig
 from dstrain.objectives.preference_config import PreferenceConfig
 from dstrain.objectives.rl_config import RLConfig
-from dstrain.ranges import Range
+from dstrain.ranges import NonEmpty, Range
 
 Positive = Annotated[int, Range(ge=1)]
 NonNegative = Annotated[int, Range(ge=0)]
@@ -51,7 +51,9 @@ class DataStage:
 class DataConfig:
     sources: list[DataSource]  # prepared folders and their blending weights (those of the first stage)
     seq_len: Positive  # tokens per training sample (the model sees seq_len inputs, predicts seq_len labels)
-    tokenizer: str | None = None  # tokenizer folder; None = the first source's `tokenizer/`; must match every manifest
+    tokenizer: Annotated[str, NonEmpty("name a tokenizer folder, or remove the key")] | None = (
+        None  # tokenizer folder; None = the first source's `tokenizer/`; must match every manifest
+    )
     valid_fraction: Annotated[float, Range(gt=0, lt=1)] = (
         0.01  # fraction of documents held out for the valid split (document-level, seeded)
     )
@@ -202,7 +204,7 @@ class TrainConfig:
 
 @dataclass
 class Recipe:
-    name: str  # names the run directory and reports
+    name: Annotated[str, NonEmpty("name the run (its folder is runs/<name>)")]  # names the run directory and reports
     # architecture; model.vocab_size None = the data's vocabulary rounded up to a multiple of 64. With init_from, the
     # fields left out (or the whole section) come from the folder's config.json; the fields given must agree with it.
     model: GPTConfig
@@ -211,8 +213,12 @@ class Recipe:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     seed: NonNegative = 1234  # model init and data order
-    run_dir: str | None = None  # None = runs/<name>
-    init_from: str | None = None  # a Hugging Face model folder or a dstrain run (its newest checkpoint) to start from
+    run_dir: Annotated[str, NonEmpty("name a folder, or remove the key for runs/<name>")] | None = (
+        None  # None = runs/<name>
+    )
+    init_from: Annotated[str, NonEmpty("name a model folder or run, or remove the key")] | None = (
+        None  # a Hugging Face model folder or a dstrain run (its newest checkpoint) to start from
+    )
     # the preference objective (DPO and its variants, docs/preference-tuning.md): set for a pair folder (prepared
     # with chosen/rejected), absent for every other source; init_from is the reference (simpo needs none). Each
     # objective's section is a field here; which one is set chooses it (dstrain.objectives.registry)
@@ -267,14 +273,14 @@ def recipe_changes(old: dict, new: dict, prefix: str = "") -> dict:
 
 def run_folder(recipe: Recipe) -> Path:
     """Where a recipe's run lives: its run_dir, by default runs/<name>."""
-    return Path(recipe.run_dir or f"runs/{recipe.name}")
+    return Path(f"runs/{recipe.name}" if recipe.run_dir is None else recipe.run_dir)
 
 
 def recipe_paths(recipe: Recipe) -> dict[str, str]:
     """{dotted key: path as written} of every file or folder a recipe names."""
     paths = {f"data.sources[{i}].path": s.path for i, s in enumerate(recipe.data.sources)}
-    if recipe.data.tokenizer:
+    if recipe.data.tokenizer is not None:
         paths["data.tokenizer"] = recipe.data.tokenizer
-    if recipe.init_from:
+    if recipe.init_from is not None:
         paths["init_from"] = recipe.init_from
     return paths

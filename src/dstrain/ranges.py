@@ -1,4 +1,5 @@
-"""Numeric ranges declared with the field they constrain: ``log_interval: Annotated[int, Range(ge=1)] = 10``.
+"""Numeric ranges declared with the field they constrain: ``log_interval: Annotated[int, Range(ge=1)] = 10``; and
+``NonEmpty``, a string that "" cannot stand for (a path, a name): refused, never read as absent.
 
 ``config.parse`` checks every annotated value as it reads a recipe, so a value outside its range is one
 line naming the file and the key, before any work (a 0 that would divide, a negative learning rate).
@@ -33,9 +34,17 @@ class Range:
         return " and ".join(bounds)
 
 
+@dataclass(frozen=True)
+class NonEmpty:
+    fix: str  # what to write instead, for the one line that refuses ""
+
+
 def check(value, ranges, key: str) -> str | None:
-    """The problem with ``value`` under the ``Range`` entries of ``ranges`` (Annotated metadata), or None."""
+    """The problem with ``value`` under the ``Range`` and ``NonEmpty`` entries of ``ranges`` (Annotated metadata),
+    or None."""
     for r in ranges:
+        if isinstance(r, NonEmpty) and value == "":
+            return f"{key} is empty; {r.fix}"
         if isinstance(r, Range) and not r.contains(value):
             return f"{key}={value!r} is out of range; it must be {r}"
     return None

@@ -41,7 +41,7 @@ def write_hf_folder(recipe: Recipe, tag_dir: Path, tokenizer, out: Path, dtype: 
     tokenizer.save_pretrained(tmp)
     # An SFT run's tokenizer carries the chat template its data was rendered with: the published files would not.
     sft = recipe.data.sft
-    carried = carry_published_files(recipe.init_from, tokenizer, tmp, not sft) if recipe.init_from else []
+    carried = carry_published_files(recipe.init_from, tokenizer, tmp, not sft) if recipe.init_from is not None else []
     if sft:
         carried.append(f"the chat template's end of turn as eos_token_id {stop_at_end_of_turn(tmp, tokenizer)}")
     out.parent.mkdir(parents=True, exist_ok=True)

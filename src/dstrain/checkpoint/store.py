@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dstrain.checkpoint import integrity, nvme, reshard, safe_load
+from dstrain.checkpoint import cpu_adam_steps, integrity, nvme, reshard, safe_load
 from dstrain.checkpoint.record import PARTIAL, RECORD, CheckpointRecord, ClientState, Identity, read_record
 from dstrain.errors import DiskFull, DstrainError, warn
 from dstrain.files import write_text_atomic
@@ -252,6 +252,7 @@ def load(engine, checkpoint_dir: Path, tag: str) -> ClientState:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint_dir / tag}")
     if engine.zero_nvme_offload_optimizer():
         nvme.restore_what_deepspeed_skips(engine, load_dir, load_tag)
+    cpu_adam_steps.replay_bias_corrections(engine)  # a DeepSpeed defect: the module says which
     reshard.repair_after_load(engine, checkpoint_dir / tag)
     try:
         return ClientState.from_saved(client_state)

@@ -37,6 +37,7 @@ from dstrain.commands.report import (
     write_markdown,
 )
 from dstrain.errors import DstrainError, naming_files
+from dstrain.options import given
 from dstrain.run_dir import RunDir
 
 THROUGHPUT_NOTE = (
@@ -290,10 +291,8 @@ def main(args: argparse.Namespace) -> int:
 
         check_counts(args.nproc, args.steps)
         overrides = run_overrides(overrides, args.steps)
-        recipe = load_recipe_and_source(args.recipe, overrides)[
-            0
-        ]  # a bad recipe or override stops here, before any launch
-        nproc = args.nproc or get_accelerator().device_count()
+        recipe = load_recipe_and_source(args.recipe, overrides)[0]  # a bad recipe or override stops here
+        nproc = given(args.nproc, get_accelerator().device_count())
         out = args.out
         if args.plan:
             from dstrain.commands.compare_plan import write_planned

@@ -15,6 +15,7 @@ from pathlib import Path
 from dstrain.checkpoint.model_source import load_recipe_to_size
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError, naming_files
+from dstrain.options import given
 from dstrain.plan.memory import estimate_file
 from dstrain.plan.memory_parts import Estimate
 from dstrain.precision import Precision
@@ -105,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
         )
         suggestion = cheapest_fitting(
             recipe,
-            args.configs_dir or default_configs_dir(),
+            given(args.configs_dir, default_configs_dir()),
             est.precision,
             args.nodes,
             args.gpus_per_node,

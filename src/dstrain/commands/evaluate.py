@@ -28,6 +28,7 @@ from dstrain.errors import DstrainError
 from dstrain.metrics_records import evaluation_summary, perplexity
 from dstrain.model.config import GPTConfig
 from dstrain.objectives.preference_config import LOSSES
+from dstrain.options import declared_default, given
 from dstrain.run_dir import RunDir
 
 DEFAULT_MICRO_BATCH = 4
@@ -75,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch), ("--samples", args.samples)):
+        if value is not None and value <= 0:  # before anything is read; the run's own values are validated
+            raise DstrainError(f"{flag} {value}: must be positive")
     if args.tasks is not None:
         result = evaluate_tasks(args)
     elif args.harness:
@@ -111,18 +115,18 @@ def evaluate(args: argparse.Namespace) -> dict:
     config, state, recipe = load_model_source(args.model, args.tag)
     if recipe is None and not args.data:
         raise DstrainError(f"{args.model} is a Hugging Face model folder; name the prepared data with --data DIR")
-    seed = _first(args.seed, recipe and recipe.seed, _default(Recipe, "seed"))
-    valid_fraction = _first(
-        args.valid_fraction, recipe and recipe.data.valid_fraction, _default(DataConfig, "valid_fraction")
+    seed = given(args.seed, recipe and recipe.seed, declared_default(Recipe, "seed"))
+    valid_fraction = given(
+        args.valid_fraction, recipe and recipe.data.valid_fraction, declared_default(DataConfig, "valid_fraction")
     )
-    seq_len = _first(args.seq_len, recipe and recipe.data.seq_len, config.max_seq_len)
-    micro = _first(args.micro_batch, recipe and _run_micro_batch(Path(args.model)), DEFAULT_MICRO_BATCH)
+    seq_len = given(args.seq_len, recipe and recipe.data.seq_len, config.max_seq_len)
+    micro = given(args.micro_batch, recipe and _run_micro_batch(Path(args.model)), DEFAULT_MICRO_BATCH)
     assert sources is not None  # a run names its data, a Hugging Face folder needs --data (refused above)
     _check_data(sources[0][0], args.model, config, recipe)
     config = _masked_where_packed_whole(config, sources)
     if config.position_limit and seq_len > config.position_limit:
         raise DstrainError(f"--seq-len {seq_len} exceeds the model's {config.position_limit} positions; lower it")
-    overlong = recipe.data.overlong if recipe is not None else _default(DataConfig, "overlong")
+    overlong = recipe.data.overlong if recipe is not None else declared_default(DataConfig, "overlong")
     sets = build_valid_sets(sources, seq_len, seed, valid_fraction, split=args.split, overlong=overlong)
 
     distributed.init()
@@ -206,7 +210,7 @@ def evaluate_tasks(args: argparse.Namespace) -> dict:
 
     config, state, recipe = load_model_source(args.model, args.tag)
     tokenizer = load_run_tokenizer(args.model) if recipe else load_tokenizer(args.model, flag="the model folder")
-    micro = _first(args.micro_batch, recipe and _run_micro_batch(Path(args.model)), DEFAULT_MICRO_BATCH)
+    micro = given(args.micro_batch, recipe and _run_micro_batch(Path(args.model)), DEFAULT_MICRO_BATCH)
     if micro <= 0:
         raise DstrainError(f"--micro-batch {micro}: must be positive")
     distributed.init()
@@ -252,7 +256,7 @@ def _harness(args: argparse.Namespace, tasks: list) -> dict:
         )
     from deepspeed.accelerator import get_accelerator
 
-    micro = args.micro_batch or DEFAULT_MICRO_BATCH
+    micro = given(args.micro_batch, DEFAULT_MICRO_BATCH)
     result = run_harness(str(args.model), tasks, micro, get_accelerator().current_device_name())
     result.pop("items")  # each request's log-likelihood: for tests/test_tasks.py, not for the console
     return {"model": str(args.model), "harness": f"lm-evaluation-harness {version('lm_eval')}", **result}
@@ -309,13 +313,3 @@ def _run_micro_batch(run_dir: Path) -> int | None:
         return json.loads(RunDir(run_dir).ds_config.read_text())["train_micro_batch_size_per_gpu"]
     except (OSError, ValueError, KeyError):
         return None
-
-
-def _first(*values):
-    return next(v for v in values if v is not None and v is not False)
-
-
-def _default(cls, name: str):
-    import dataclasses
-
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)

@@ -17,6 +17,7 @@ from pathlib import Path
 from dstrain.checkpoint.model_source import load_recipe_to_size
 from dstrain.config import Recipe
 from dstrain.errors import DstrainError
+from dstrain.options import given
 from dstrain.plan.layouts import Planned, longest_fitting_sequence, plan, smallest_fitting_nodes
 from dstrain.plan.memory_parts import GIB
 from dstrain.plan.reference_memory import reference_seconds_per_token
@@ -84,7 +85,7 @@ def device_of(args: argparse.Namespace, recipe: Recipe) -> tuple[Device, Precisi
         from dstrain.plan.calibrate import calibrated_device
 
         return calibrated_device(recipe, args.nodes * args.gpus_per_node), "fp32"
-    device = DEVICES[args.device or "h100-sxm"]
+    device = DEVICES[given(args.device, "h100-sxm")]
     changes: dict = {}
     if args.device_memory is not None:
         changes["memory_gib"] = args.device_memory
@@ -98,7 +99,7 @@ def device_of(args: argparse.Namespace, recipe: Recipe) -> tuple[Device, Precisi
         changes["inter_node_gbps"] = args.inter_node_gbps
     if set(changes) - {"host_memory_gib"} and args.device is None:
         changes["name"] = "custom"
-    return dataclasses.replace(device, **changes), args.precision or "bf16"
+    return dataclasses.replace(device, **changes), given(args.precision, "bf16")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -154,7 +154,7 @@ def verify_tokenizer(
 
 def run_tokenizer_dir(data) -> Path:
     """The tokenizer a run's data section names: data.tokenizer, else the first source's prepared tokenizer/."""
-    return Path(data.tokenizer or Path(data.sources[0].path) / TOKENIZER_DIR)
+    return Path(data.sources[0].path) / TOKENIZER_DIR if data.tokenizer is None else Path(data.tokenizer)
 
 
 def copy_run_tokenizer(data, dest: Path) -> None:

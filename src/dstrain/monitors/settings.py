@@ -64,7 +64,8 @@ def _folder(config: Mapping, block: str, run_dir: Path) -> Path | None:
     if not _enabled(config, block):
         return None
     section = config[block]
-    return Path(section.get("output_path") or run_dir) / section.get("job_name", "")
+    output = section.get("output_path")  # "" is DeepSpeed's own default: the working directory
+    return Path(run_dir if output is None else output) / section.get("job_name", "")
 
 
 def wandb_enabled(config: Mapping, env: Mapping[str, str]) -> bool:
@@ -75,15 +76,26 @@ def wandb_enabled(config: Mapping, env: Mapping[str, str]) -> bool:
     return _enabled(config, "wandb") if "wandb" in config else bool(env.get("WANDB_PROJECT"))
 
 
+# The W&B variable each name of the wandb block falls back to.
+WANDB_VARIABLES = {"project": "WANDB_PROJECT", "team": "WANDB_ENTITY", "group": "WANDB_RUN_GROUP"}
+
+
+def _named(block: Mapping, key: str, env: Mapping[str, str]) -> str | None:
+    """The wandb block's name where it gives one (check_monitors refuses an empty one), else W&B's variable (an
+    empty variable is unset, as W&B reads it)."""
+    value = block.get(key)
+    return value if value is not None else env.get(WANDB_VARIABLES[key]) or None
+
+
 def monitor_settings(config: Mapping, run_dir: Path, env: Mapping[str, str] = os.environ) -> MonitorSettings:
     """The monitors a resolved ds_config enables (strategy.resolve filled the folders' "auto")."""
     wandb = None
     if wandb_enabled(config, env):
         block = config.get("wandb") or {}
         wandb = WandbSettings(
-            project=block.get("project") or env.get("WANDB_PROJECT") or DEFAULT_PROJECT,
-            entity=block.get("team") or env.get("WANDB_ENTITY") or None,
-            group=block.get("group") or env.get("WANDB_RUN_GROUP") or None,
+            project=_named(block, "project", env) or DEFAULT_PROJECT,
+            entity=_named(block, "team", env),
+            group=_named(block, "group", env),
             mode=WANDB_MODES.get(env.get("WANDB_MODE", "online").lower(), "online"),
             dir=Path(env["WANDB_DIR"]) if env.get("WANDB_DIR") else run_dir,
         )
@@ -96,6 +108,9 @@ def check_monitors(config: Mapping, run_dir: Path, env: Mapping[str, str] = os.e
     mode = env.get("WANDB_MODE")
     if mode is not None and mode.lower() not in WANDB_MODES:
         raise DstrainError(f"WANDB_MODE={mode} is not a W&B mode; use one of online, offline, disabled")
+    for key, variable in WANDB_VARIABLES.items():
+        if (config.get("wandb") or {}).get(key) == "":
+            raise InputError(f'wandb.{key} is ""; name one, or remove the key to use {variable}')
     settings = monitor_settings(config, run_dir, env)
     needed = [block for block in INSTALLS if getattr(settings, block) is not None]
     for package in needed:

@@ -43,6 +43,16 @@ def check_offload(config: dict, recipe: Recipe, shape: Shape) -> None:
         )
 
 
+def check_activation_checkpoints(config: dict, recipe: Recipe, shape: Shape) -> None:
+    """A pipeline's activation_checkpoint_interval and the activation_checkpointing section must agree."""
+    interval = config.get("pipeline", {}).get("activation_checkpoint_interval") if shape.pp_stages > 1 else None
+    if interval == 0 and "activation_checkpointing" in config:
+        raise InputError(  # an explicit 0 is a value: neither it nor the section is overruled in silence
+            "the activation_checkpointing section recomputes the blocks, but pipeline.activation_checkpoint_interval=0"
+            " turns activation checkpointing off; remove the interval (every block is checkpointed) or the section"
+        )
+
+
 def check_host_checkpoints(config: dict, recipe: Recipe, shape: Shape) -> None:
     """activation_checkpointing.cpu_checkpointing holds checkpoints on the host: there must be checkpoints."""
     host = config.get("activation_checkpointing", {}).get("cpu_checkpointing", False)
@@ -105,6 +115,7 @@ LAYOUT_PARTS: tuple[LayoutPart, ...] = (
         "activation_checkpoints",
         "activation_checkpointing, pipeline.activation_checkpoint_interval",
         lambda s: s.activation_checkpointing,
+        checks=(check_activation_checkpoints,),
     ),
     LayoutPart(
         "host_checkpoints",

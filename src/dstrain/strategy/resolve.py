@@ -37,6 +37,7 @@ from dstrain.strategy.topology import Topology
 __all__ = ["AUTO", "Strategy", "load_ds_config", "offload_of", "precision_of", "resolve", "resolve_config"]
 
 AUTO = "auto"
+INTERVAL = "activation_checkpoint_interval"  # a pipeline's: every N layers recompute in the backward; 0 = none
 
 
 def load_ds_config(path: str | Path) -> dict:

@@ -106,11 +106,19 @@ class Strategy:
         return self.topology.pipe_schedule
 
     @property
+    def pipe_checkpoint_interval(self) -> int:
+        """A pipeline's activation_checkpoint_interval as given (0: none), else 1 where the ds_config has an
+        activation_checkpointing section (every block, as for the plain model); the two together are refused."""
+        pipeline = self.deepspeed_config.get("pipeline", {})
+        return pipeline.get("activation_checkpoint_interval", int("activation_checkpointing" in self.deepspeed_config))
+
+    @property
     def activation_checkpointing(self) -> bool:
         """Blocks recompute their activations in the backward: the ds_config's activation_checkpointing section,
         or a pipeline's activation_checkpoint_interval."""
-        interval = self.deepspeed_config.get("pipeline", {}).get("activation_checkpoint_interval", 0)
-        return "activation_checkpointing" in self.deepspeed_config or (self.pp_stages > 1 and interval > 0)
+        return "activation_checkpointing" in self.deepspeed_config or (
+            self.pp_stages > 1 and self.pipe_checkpoint_interval > 0
+        )
 
     @property
     def host_checkpoints(self) -> bool:

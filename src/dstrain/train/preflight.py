@@ -113,7 +113,7 @@ def fingerprint_of_checked_data(recipe: Recipe, recipe_file: str, manifests: lis
         what = f"{recipe_file}: data.sources {source.path}"
         same_tokenizer(manifests[0], sources[0].path, manifest.tokenizer.hash, what, fix)
     check_chat_sources(recipe, manifests, recipe_file)
-    if recipe.data.tokenizer:
+    if recipe.data.tokenizer is not None:
         verify_tokenizer(manifests[0], sources[0].path, recipe.data.tokenizer)
     vocab = manifests[0].vocab_size
     if recipe.model.vocab_size < vocab:

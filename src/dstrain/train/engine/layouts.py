@@ -46,13 +46,12 @@ def build_pipeline(recipe: Recipe, strategy: Strategy) -> torch.nn.Module:
 
         head_loss = tiling.pipeline_loss(strategy.loss_tiles, recipe.model.logit_softcap)
     # The ds_config's activation_checkpointing section alone means every block, as for the plain model.
-    interval = pipeline.get("activation_checkpoint_interval", 0) or int(strategy.activation_checkpointing)
     return stages(
         recipe.model,
         recipe.seed,
         strategy.pp_stages,
         partition_method=pipeline.get("partition_method", "parameters"),
-        activation_checkpoint_interval=interval,
+        activation_checkpoint_interval=strategy.pipe_checkpoint_interval,
         schedule=pipeline.get("schedule", "1f1b"),
         head_loss=head_loss,
     )

@@ -17,12 +17,14 @@ import numpy as np
 import torch
 
 from dstrain.errors import DstrainError
+from dstrain.options import declared_default, given
 
 DEFAULT_MICRO_BATCH = 4
 
 
 def evaluate_pairs(args: argparse.Namespace) -> dict:
     from dstrain.checkpoint.consolidate import load_model_source
+    from dstrain.config import DataConfig, Recipe
     from dstrain.data.dataset import build_dataset
     from dstrain.data.manifest import read_manifest
     from dstrain.objectives.preference_config import PreferenceConfig
@@ -35,7 +37,10 @@ def evaluate_pairs(args: argparse.Namespace) -> dict:
     )
     from dstrain.train.process import distributed
 
-    preference = PreferenceConfig(loss=args.loss or "sigmoid", beta=args.beta if args.beta is not None else 0.1)
+    preference = PreferenceConfig(
+        loss=given(args.loss, declared_default(PreferenceConfig, "loss")),
+        beta=given(args.beta, declared_default(PreferenceConfig, "beta")),
+    )
     if args.reference is None and preference.loss != "simpo":
         raise DstrainError(
             f"--data {args.data} holds preference pairs: name the reference model with --reference DIR (the policy's "
@@ -48,20 +53,25 @@ def evaluate_pairs(args: argparse.Namespace) -> dict:
             f"--data {args.data} has {manifest.vocab_size} token ids, the model {args.model} only "
             f"{config.vocab_size}; pass data prepared with the model's tokenizer"
         )
-    seq_len = args.seq_len or (recipe.data.seq_len if recipe else config.max_seq_len)
-    seed = args.seed if args.seed is not None else (recipe.seed if recipe else 1234)
-    valid_fraction = args.valid_fraction or (recipe.data.valid_fraction if recipe else 0.01)
-    overlong = recipe.data.overlong if recipe else "truncate"
+    seq_len = given(args.seq_len, recipe and recipe.data.seq_len, config.max_seq_len)
+    seed = given(args.seed, recipe and recipe.seed, declared_default(Recipe, "seed"))
+    valid_fraction = given(
+        args.valid_fraction, recipe and recipe.data.valid_fraction, declared_default(DataConfig, "valid_fraction")
+    )
+    overlong = recipe.data.overlong if recipe else declared_default(DataConfig, "overlong")
+    # The reference scores every pair: at valid_fraction 0 the train split holds them all (an empty valid split is
+    # refused by build_dataset, in one line, only where --split asks for it).
+    splits = ("train", "valid") if valid_fraction > 0 or args.split == "valid" else ("train",)
     sets = {
         split: build_dataset([(args.data, 1.0)], split, seq_len, seed, None, valid_fraction, overlong=overlong)
-        for split in ("train", "valid")
+        for split in splits
     }
     distributed.init()
     from deepspeed.accelerator import get_accelerator
 
     device = torch.device(get_accelerator().current_device_name())
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    micro, pairs = args.micro_batch or DEFAULT_MICRO_BATCH, manifest.documents // 2
+    micro, pairs = given(args.micro_batch, DEFAULT_MICRO_BATCH), manifest.documents // 2
 
     def scores_of(model_config, model_state, datasets, partial=None) -> np.ndarray:
         forward = _forward(dataclasses.replace(model_config, doc_masking=True), model_state, device)
