@@ -31,6 +31,7 @@ from pathlib import Path
 
 from dstrain.commands.doctor_plan import plan_runs, shipped_configs
 from dstrain.errors import DstrainError
+from dstrain.options import given
 
 TIMEOUT_S = 1800
 # A run that fails on one rank leaves the others in a collective: this bounds their wait (the trainer's
@@ -170,7 +171,9 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[dict], dict, int, list
     # nargs="*" swallows the overrides that follow --deepspeed_configs: a ds_config path has no "="
     user_overrides = [*args.overrides, *(c for c in args.deepspeed_configs if "=" in c)]
     listed = [Path(c) for c in args.deepspeed_configs if "=" not in c]
-    nproc = args.nproc or (2 if get_accelerator().device_name() == "cpu" else get_accelerator().device_count())
+    nproc = given(args.nproc, 2 if get_accelerator().device_name() == "cpu" else get_accelerator().device_count())
+    if nproc < 1:
+        raise DstrainError(f"--nproc {nproc}: doctor needs at least 1 rank")
     recipe = load_recipe_and_source(args.recipe, user_overrides)[0]
     size = at_recipe_size(recipe, args.steps) if args.at_recipe_size else small_model(recipe, args.steps)
     overrides = [*size, *user_overrides]
