@@ -28,11 +28,11 @@ SHORTEN = {"tiny": ["model.vocab_size=4096", "data.seq_len=128"], "gpt2-125m": [
 
 
 def build(name: str):
-    from dstrain.recipe_file import load_recipe
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.strategy.resolve import load_ds_config, resolve
     from dstrain.train.engine.build import build_engine, build_model
 
-    recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", [*SHORTEN[name], "train.global_batch=1"])
+    recipe = load_recipe_and_source(ROOT / "recipes" / f"{name}.yaml", [*SHORTEN[name], "train.global_batch=1"])[0]
     config = ROOT / "ds_configs" / "zero1.json"
     raw = load_ds_config(config)
     raw["train_micro_batch_size_per_gpu"] = 1

@@ -58,7 +58,7 @@ def reference_folder(tmp: Path, pairs: Path, n_layer: int = 4, d_model: int = 12
 def dpo_recipe(pairs: Path, reference: Path, run_dir: Path, steps: int, ds_file: Path, micro: int, seq: int = 128):
     """(recipe, strategy): recipes/dpo-tiny.yaml on ``pairs`` from ``reference``, ``steps`` steps of ``seq``-token
     samples, no checkpoint or evaluation inside them; a world of one."""
-    from dstrain.recipe_file import load_recipe
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     overrides = [
@@ -66,7 +66,7 @@ def dpo_recipe(pairs: Path, reference: Path, run_dir: Path, steps: int, ds_file:
         "train.log_interval=1", f"train.eval_interval={steps + 1}", f"train.checkpoint_interval={steps + 1}",
         "schedule.warmup_steps=1", f"data.seq_len={seq}",
     ]  # fmt: skip
-    recipe = load_recipe(ROOT / "recipes" / "dpo-tiny.yaml", overrides)
+    recipe = load_recipe_and_source(ROOT / "recipes" / "dpo-tiny.yaml", overrides)[0]
     raw = load_ds_config(ds_file)
     raw["train_micro_batch_size_per_gpu"] = micro
     return recipe, resolve(recipe, "recipe", raw, ds_file, 1)
@@ -81,6 +81,7 @@ def as_sft(recipe):
 def trainer(recipe, strategy, run_dir: Path):
     """A Trainer as dstrain.train.run builds one (the reference pass, if any, runs here), with a list its train
     steps' (wall, CPU) seconds are appended to: on a shared machine the process's CPU time is what load moves least."""
+    from dstrain.checkpoint.model_source import model_source
     from dstrain.run_dir import RunDir
     from dstrain.train.engine.build import build_engine, build_model
     from dstrain.train.loop import Trainer
@@ -89,7 +90,10 @@ def trainer(recipe, strategy, run_dir: Path):
     run_dir.mkdir(parents=True, exist_ok=True)
     train, valid = training_data(recipe)
     engine = build_engine(recipe, strategy, build_model(recipe, strategy))
-    built = Trainer(recipe, strategy, engine, train, valid, RunDir(run_dir), data_fingerprint="bench")
+    source = model_source(recipe.init_from) if recipe.init_from else None
+    built = Trainer(
+        recipe, strategy, engine, train, valid, RunDir(run_dir), data_fingerprint="bench", model_source=source
+    )
     built.step_seconds = []
     train_step = built.train_step
 

@@ -60,17 +60,17 @@ def child(recipe_file: str, ds_file: str) -> dict:
     """Two steps through the trainer's engine; the peak RSS above the baseline, and the estimate's figures."""
     import torch
 
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.model.gpt import lm_loss
     from dstrain.plan.memory import estimate
     from dstrain.plan.memory_parts import PHASES
-    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
     from dstrain.train.engine.build import build_engine, build_model
     from dstrain.train.process import distributed
 
     distributed.init()
     baseline = rss_bytes()
-    recipe = load_recipe(recipe_file)
+    recipe = load_recipe_and_source(recipe_file)[0]
     strategy = resolve(recipe, recipe_file, load_ds_config(ds_file), ds_file, 1)
     engine = build_engine(recipe, strategy, build_model(recipe, strategy))
     for _ in range(2):  # the first step allocates Adam's moments; the second is a step of a running job

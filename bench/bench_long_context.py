@@ -26,15 +26,15 @@ HOST_GIB = 1.9e12 / 2**30  # ALST's nodes: 1.9 TB of host memory each
 
 def longest(recipe_file: Path, nodes: int, gpus: int) -> tuple[int, str, float, float]:
     """(tokens, layout, device GiB, host GiB per node) of the longest fitting sample over the offload choices."""
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.errors import DstrainError
     from dstrain.plan.layouts import Layout, fits
     from dstrain.plan.memory import estimate
     from dstrain.plan.memory_parts import GIB
     from dstrain.plan.time_model import DEVICES, Cluster
-    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import resolve
 
-    world, base = nodes * gpus, load_recipe(recipe_file)
+    world, base = nodes * gpus, load_recipe_and_source(recipe_file)[0]
     cluster = Cluster(dataclasses.replace(DEVICES["h100-sxm"], host_memory_gib=HOST_GIB), nodes, gpus)
     best = (0, "", 0.0, 0.0)
     for offload in ("none", "optimizer", "optimizer+params"):

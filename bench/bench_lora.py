@@ -68,8 +68,8 @@ def measure(recipe: Path, steps: int) -> dict:
     """One variant in this process: its step times, peak memory over the baseline and training state."""
     import torch
 
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.model.gpt import lm_loss
-    from dstrain.recipe_file import load_recipe
     from dstrain.strategy.resolve import load_ds_config, resolve
     from dstrain.train.engine.build import build_engine, build_model
 
@@ -77,7 +77,7 @@ def measure(recipe: Path, steps: int) -> dict:
                       WORLD_SIZE="1", LOCAL_RANK="0")  # fmt: skip
     torch.distributed.init_process_group("gloo")
     config = ROOT / "ds_configs" / "zero0.json"
-    loaded = load_recipe(recipe)
+    loaded = load_recipe_and_source(recipe)[0]
     strategy = resolve(loaded, recipe, load_ds_config(config), config, 1)
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     engine = build_engine(loaded, strategy, build_model(loaded, strategy))

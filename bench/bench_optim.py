@@ -65,10 +65,12 @@ def optimizer_step_ms(repeats: int) -> dict[str, float]:
     import torch
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.model.gpt import GPT
-    from dstrain.recipe_file import load_recipe
 
-    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", ["model.vocab_size=4096", "data.sources=[{path: none}]"])
+    recipe = load_recipe_and_source(
+        ROOT / "recipes" / "tiny.yaml", ["model.vocab_size=4096", "data.sources=[{path: none}]"]
+    )[0]
     model = GPT(recipe.model)
     for param in model.parameters():
         param.grad = torch.randn_like(param) * 1e-2

@@ -44,16 +44,16 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.commands.calibrate_engine import with_engine_costs
     from dstrain.commands.compare import check_configs, check_fresh, run_interleaved, run_overrides
     from dstrain.commands.compare_plan import prediction_lines, write_configs
     from dstrain.plan.calibrate import calibrated_device
     from dstrain.plan.layouts import plan
     from dstrain.plan.time_model import Cluster
-    from dstrain.recipe_file import load_recipe
 
     overrides = run_overrides(["schedule.warmup_steps=2", "train.eval_samples=16", *args.overrides], args.steps)
-    recipe = load_recipe(args.recipe, overrides)
+    recipe = load_recipe_and_source(args.recipe, overrides)[0]
     start = time.perf_counter()
     cluster = Cluster(with_engine_costs(recipe, calibrated_device(recipe, args.nproc), args.nproc), 1, args.nproc)
     print(f"calibrated in {time.perf_counter() - start:.0f} s: {cluster.device}", flush=True)

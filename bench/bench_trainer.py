@@ -33,7 +33,7 @@ STEPS, LOG_INTERVAL, MEASURED = 41, 1, slice(10, 41)
 
 
 def load(recipe_name: str, data: str, run_dir: str):
-    from dstrain.recipe_file import load_recipe
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.strategy.resolve import load_ds_config, resolve
 
     overrides = [
@@ -46,7 +46,7 @@ def load(recipe_name: str, data: str, run_dir: str):
         "train.tokens=null",
         "schedule.warmup_steps=1",
     ]
-    recipe = load_recipe(ROOT / "recipes" / f"{recipe_name}.yaml", overrides)
+    recipe = load_recipe_and_source(ROOT / "recipes" / f"{recipe_name}.yaml", overrides)[0]
     config = ROOT / "ds_configs" / "zero1.json"
     raw = load_ds_config(config)
     raw["train_micro_batch_size_per_gpu"] = recipe.train.global_batch

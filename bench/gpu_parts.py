@@ -234,8 +234,8 @@ def precision(check: Check, steps: int) -> list[dict]:
 
 def memory(check: Check, recipe_name: str, micro: int, seq: int, configs: list[str], steps: int) -> list[dict]:
     """Measured peak device memory over a few steps beside `dstrain estimate`'s device peak, world of one."""
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.plan.memory import estimate_file
-    from dstrain.recipe_file import load_recipe
 
     rows = []
     recipe_file = ROOT / "recipes" / f"{recipe_name}.yaml"
@@ -244,7 +244,7 @@ def memory(check: Check, recipe_name: str, micro: int, seq: int, configs: list[s
         config = json.loads((CONFIGS / config_name).read_text()) | {"train_micro_batch_size_per_gpu": micro}
         name = f"mem-{recipe_name}-{Path(config_name).stem}"
         path = check.config_file(name, config)
-        recipe = load_recipe(recipe_file, overrides + [f"data.sources=[{{path: {check.data}}}]"])
+        recipe = load_recipe_and_source(recipe_file, overrides + [f"data.sources=[{{path: {check.data}}}]"])[0]
         est = estimate_file(recipe, path, 1, 1)
         run = check.train(name, recipe_name, path, overrides, steps)
         measured = max((r.get("mem_peak_bytes") or 0 for r in run["records"]), default=0)
@@ -333,18 +333,18 @@ def attention(check: Check, recipes: list[str]) -> list[dict]:
     import torch
     from deepspeed.accelerator import get_accelerator
 
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.model.gpt import GPT
-    from dstrain.recipe_file import load_recipe
 
     device = get_accelerator().current_device_name()
     kinds = {"flash": "flash", "efficient": "memory-efficient", "cudnn": "cudnn", "math": "math"}
     rows = []
     for name in recipes:
         for masking in (False, True):
-            recipe = load_recipe(
+            recipe = load_recipe_and_source(
                 ROOT / "recipes" / f"{name}.yaml",
                 [f"data.sources=[{{path: {check.data}}}]", f"model.doc_masking={str(masking).lower()}"],
-            )
+            )[0]
             model = GPT(recipe.model).to(device=device, dtype=torch.bfloat16)
             length = min(recipe.data.seq_len, 256 if check.dry_run else recipe.data.seq_len)
             tokens = torch.randint(0, recipe.model.vocab_size, (1, length), device=device)
@@ -366,13 +366,15 @@ def flop_count(check: Check, recipes: list[str]) -> list[dict]:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.profiling.flops_profiler import get_model_profile
 
+    from dstrain.checkpoint.model_source import load_recipe_and_source
     from dstrain.model.counts import flops_per_token
     from dstrain.model.gpt import GPT
-    from dstrain.recipe_file import load_recipe
 
     rows = []
     for name in recipes:
-        recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", [f"data.sources=[{{path: {check.data}}}]"])
+        recipe = load_recipe_and_source(ROOT / "recipes" / f"{name}.yaml", [f"data.sources=[{{path: {check.data}}}]"])[
+            0
+        ]
         length = recipe.data.seq_len
         model = GPT(recipe.model).to(get_accelerator().current_device_name())
         tokens = torch.zeros(1, length, dtype=torch.long, device=get_accelerator().current_device_name())

@@ -205,6 +205,8 @@ def feature_parts(dry: bool, tiny: float, steps: int) -> list[Part]:
             3 * tiny,
             VERDICT,
             "QLoRA (issue 56): the NF4 base with adapters, ZeRO-3 against ZeRO-0 (tiny, fp32); bf16 ZeRO-3 trains",
+        ),
+        Part(
             "rl_decode",
             lambda c: features.rl_decode(c, dry),
             60.0 if dry else 90.0,

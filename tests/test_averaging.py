@@ -80,7 +80,9 @@ def averaged_runs(tmp_path_factory, corpus):
     assert run_ranks(2, train_each, argvs) == [[0] * len(argvs)] * 2
     exports = {(strategy, kind): tmp / strategy / kind for strategy in STRATEGIES for kind in KINDS}
     for (strategy, kind), out in exports.items():
-        args = argparse.Namespace(run_dir=str(runs[strategy][0]), tag=None, out=str(out), dtype="fp32", averaged=kind)
+        args = argparse.Namespace(
+            run_dir=str(runs[strategy][0]), tag=None, out=str(out), dtype="fp32", averaged=kind, merge=False
+        )
         assert export.main(args) == 0
     (evals,) = run_ranks(1, eval_each, [[out, *EVAL_FLAGS, corpus] for out in exports.values()])
     return recipe, runs, dict(zip(exports, evals))

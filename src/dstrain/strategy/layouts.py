@@ -43,18 +43,9 @@ def check_offload(config: dict, recipe: Recipe, shape: Shape) -> None:
         )
 
 
-def check_activation_checkpoints(config: dict, recipe: Recipe, shape: Shape) -> None:
-    """A pipeline's activation_checkpoint_interval and the activation_checkpointing section must agree."""
-    interval = config.get("pipeline", {}).get("activation_checkpoint_interval") if shape.pp_stages > 1 else None
-    if interval == 0 and "activation_checkpointing" in config:
-        raise InputError(  # an explicit 0 is a value: neither it nor the section is overruled in silence
-            "the activation_checkpointing section recomputes the blocks, but pipeline.activation_checkpoint_interval=0"
-            " turns activation checkpointing off; remove the interval (every block is checkpointed) or the section"
-        )
-
-
 def check_host_checkpoints(config: dict, recipe: Recipe, shape: Shape) -> None:
-    """activation_checkpointing.cpu_checkpointing holds checkpoints on the host: there must be checkpoints."""
+    """activation_checkpointing.cpu_checkpointing holds checkpoints on the host: there must be checkpoints; and a
+    pipeline's activation_checkpoint_interval must agree with the activation_checkpointing section."""
     host = config.get("activation_checkpointing", {}).get("cpu_checkpointing", False)
     if not isinstance(host, bool):
         raise InputError(f"activation_checkpointing.cpu_checkpointing={host!r}; use true or false")
@@ -63,6 +54,12 @@ def check_host_checkpoints(config: dict, recipe: Recipe, shape: Shape) -> None:
             "activation_checkpointing.cpu_checkpointing holds activation checkpoints on the host, but "
             "pipeline.activation_checkpoint_interval=0 turns activation checkpointing off; set the interval to 1 or "
             "cpu_checkpointing to false"
+        )
+    interval = config.get("pipeline", {}).get("activation_checkpoint_interval") if shape.pp_stages > 1 else None
+    if interval == 0 and "activation_checkpointing" in config:
+        raise InputError(  # an explicit 0 is a value: neither it nor the section is overruled in silence
+            "the activation_checkpointing section recomputes the blocks, but pipeline.activation_checkpoint_interval=0"
+            " turns activation checkpointing off; remove the interval (every block is checkpointed) or the section"
         )
 
 
@@ -115,7 +112,6 @@ LAYOUT_PARTS: tuple[LayoutPart, ...] = (
         "activation_checkpoints",
         "activation_checkpointing, pipeline.activation_checkpoint_interval",
         lambda s: s.activation_checkpointing,
-        checks=(check_activation_checkpoints,),
     ),
     LayoutPart(
         "host_checkpoints",
