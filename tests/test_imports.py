@@ -210,8 +210,8 @@ CONFIG_LAYER = [
             "dstrain.recipe_file",
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="recipe_file.py reads init_from's config through model/hf (torch) and the run folder's files "
-                "(run_dir); the typed model source resolved at launch (issue 54 §4, helper objective) ends it",
+                reason="recipe_file.py takes run_dir's LAUNCH_KEY to drop the launch record a run folder's recipe.yaml "
+                "holds (it no longer reads init_from: the model source is resolved at launch)",
             ),
         ),
     ],
@@ -322,30 +322,26 @@ FLOORS = {
     "dstrain.model": 2,
     "dstrain.monitors": 2,
     "dstrain.tasks": 2,
-    "dstrain.objectives": 1,
-    "dstrain.adapters": 2,
-    "dstrain.adapters.config": 1,
-    "dstrain.adapters.qlora_checks": 1,
+    "dstrain.adapters": 2,  # LoRA on the model, the PEFT format
     "dstrain.metrics": 2,
-    **dict.fromkeys(
-        ["dstrain.config", "dstrain.recipe_file", "dstrain.recipe_checks", "dstrain.objectives.preference_config"], 1
-    ),
+    "dstrain.objectives": 1,  # the objectives' torch-free records
+    **dict.fromkeys(["dstrain.adapters.config", "dstrain.adapters.qlora_checks"], 1),  # the lora: section's checks
+    **dict.fromkeys(["dstrain.config", "dstrain.recipe_file", "dstrain.recipe_checks"], 1),
     **dict.fromkeys(["dstrain.typed_yaml", "dstrain.ranges", "dstrain.model.config", "dstrain.model.counts"], 1),
     **dict.fromkeys(["dstrain.run_dir", "dstrain.metrics_records"], 1),
     **dict.fromkeys(
         ["dstrain.errors", "dstrain.precision", "dstrain.devices", "dstrain.files", "dstrain.options", "dstrain"], 0
     ),
 }
-# The one exception the page names (test_the_config_layer_knows_no_torch_deepspeed_or_run_files holds it, xfail).
-# The objectives' records name the data manifest's type for their data checks (a TYPE_CHECKING import, no run-time
-# dependency), the second.
+# The two exceptions the page names: the objectives' records name the data manifest's type for their data checks (a
+# TYPE_CHECKING import, no run-time dependency); recipe_file.py reads a manifest's vocabulary for model.vocab_size's
+# default (test_the_config_layer_knows_no_torch_deepspeed_or_run_files holds it, xfail).
 KNOWN_CLIMBS = {
     *(
         (f"dstrain.objectives.{name}", "dstrain.data.manifest")
         for name in ("objective", "preference", "registry", "online_rl")
     ),
     ("dstrain.recipe_file", "dstrain.data.manifest"),
-    ("dstrain.recipe_file", "dstrain.model.hf.convert"),
 }
 
 
