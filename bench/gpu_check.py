@@ -36,6 +36,9 @@ from gpu_report import write_report
 ROOT = Path(__file__).resolve().parents[1]
 
 
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+
+
 def setup_environment(work: Path, wheels: Path | None) -> dict:
     """PYTHONPATH for every run: the repository's src, then the unpacked wheels (never over the machine's torch)."""
     paths = [str(ROOT / "src")]
@@ -44,8 +47,11 @@ def setup_environment(work: Path, wheels: Path | None) -> dict:
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade"]
         subprocess.run([*pip, "--target", str(site), *map(str, sorted(wheels.glob("*.whl")))], check=True)
         paths.append(str(site))
+    # A rendezvous the caller had (a test process that started a process group, say) may still hold its port: each
+    # of the check's runs is a world of one that takes a free port of its own.
+    inherited = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
     env = dict(
-        os.environ,
+        inherited,
         PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         HF_HUB_OFFLINE="1",
         NVIDIA_TF32_OVERRIDE="0",
